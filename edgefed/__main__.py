@@ -1,0 +1,3 @@
+from edgefed.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,1 @@
+"""Client updates and server aggregation, pure: no transport, no files."""

@@ -1,0 +1,81 @@
+"""The `edgefed` command: verbs, argparse, and the only place that prints errors and exits."""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from pathlib import Path
+
+from edgefed import __version__
+from edgefed.errors import EdgefedError
+
+EXIT_BAD_INPUT = 2
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, exit 2, like every other bad input
+        print(f"edgefed: error: {message} (see {self.prog} --help)", file=sys.stderr)
+        raise SystemExit(EXIT_BAD_INPUT)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="edgefed", description="Federated learning on the edge.")
+    parser.add_argument("--version", action="version", version=f"edgefed {__version__}")
+    verbs = parser.add_subparsers(dest="verb", required=True, parser_class=_Parser)
+
+    run = verbs.add_parser("run", help="run an experiment (the built-in default without CONFIG)")
+    run.add_argument("config", nargs="?", help="experiment TOML file; omit for the built-in default")
+    run.add_argument("--out", help="run log to write (default: [log] path, else runs/NAME-TIME.h5)")
+    run.add_argument("--resume", metavar="RUN.h5", help="continue a killed run in its log")
+    run.add_argument("--set", dest="overrides", action="append", default=[], metavar="TABLE.KEY=VALUE",
+                     help="override a config key, e.g. --set train.local_steps=10 (repeatable)")
+    run.add_argument("--force", action="store_true", help="replace an existing log at --out")
+    run.add_argument("--quiet", action="store_true", help="no per-round progress lines")
+    run.set_defaults(func=cmd_run)
+    return parser
+
+
+def _fmt(value: float, spec: str) -> str:
+    return "     -" if math.isnan(value) else format(value, spec)
+
+
+def progress_line(s) -> str:
+    width = len(str(s.rounds))
+    dropped = f"  dropped {s.n_dropped}" if s.n_dropped else ""
+    return (f"round {s.round_idx:>{width}}/{s.rounds}  train_loss {_fmt(s.train_loss, '8.4f')}  "
+            f"test_acc {_fmt(s.test_accuracy, '6.4f')}  participants {s.participants:>3}/{s.n_active}"
+            f"{dropped}  {s.elapsed_s * 1e3:7.1f} ms")
+
+
+def cmd_run(args) -> int:
+    from edgefed import experiment
+
+    if args.resume and args.out and Path(args.out) != Path(args.resume):
+        raise EdgefedError("--resume continues the log in place; drop --out (or make it the same file)")
+    cfg, point = experiment.resolve_config(args.config, args.overrides, args.resume)
+    if args.resume:
+        path = Path(args.resume)
+    else:
+        path = Path(args.out or cfg.log.path or experiment.default_log_path(args.config))
+    on_round = None if args.quiet else (lambda s: print(progress_line(s), flush=True))
+    result = experiment.run(cfg, path, resume_point=point, force=args.force, on_round=on_round)
+    if result.already_complete:
+        print(f"{path}: the run is already complete; nothing to resume")
+        return 0
+    print(f"done: {result.rounds_run} rounds in {result.wall_s:.1f} s; final train loss "
+          f"{result.final_train_loss:.4f}, test accuracy {_fmt(result.final_test_accuracy, '.4f')} "
+          f"(best {_fmt(result.best_test_accuracy, '.4f')} at round {result.best_round}); log {path}")
+    return 0
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except EdgefedError as exc:
+        print(f"edgefed: error: {exc}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except KeyboardInterrupt:
+        print("edgefed: interrupted; continue with --resume LOG", file=sys.stderr)
+        return 130

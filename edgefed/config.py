@@ -1,0 +1,419 @@
+"""TOML config -> frozen dataclasses, validated once, with messages that name the key and how to fix it.
+
+The keys are the contract of DESIGN 3.2. `load_config` reads a file (or the built-in default), applies
+`--set table.key=value` overrides, and returns a `Config` whose every field is checked and resolved (for
+example `model.kind` filled in from `data.kind`). `to_toml` writes the effective config back out; the run log
+stores that text, and `--resume` compares it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+import tomllib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from edgefed.errors import ConfigError
+
+DATA_KINDS = ("synthetic", "quadratic")
+MODEL_KINDS = ("logreg", "quadratic")
+MODELS_FOR_DATA = {"synthetic": ("logreg",), "quadratic": ("quadratic",)}
+DTYPES = ("float32", "float64")
+ALGORITHMS = ("fedavg",)
+WEIGHTINGS = ("uniform", "count_global", "count_selected")
+LR_SCHEDULES = ("constant", "staircase")
+SAMPLE_LAWS = ("lognormal", "pareto")
+PARTICIPATION_MODES = ("full",)
+SCHEMES = ("A", "B", "C")
+
+DEFAULT_CLIENTS = 30
+DEFAULT_LOCAL_STEPS = 20
+PARETO_DEFAULT_MAX = 5000
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    kind: str = "synthetic"
+    clients: int | None = None  # N; None: 30 for synthetic, the file's N for a quadratic file
+    path: str | None = None
+    alpha: float = 1.0
+    beta: float = 1.0
+    iid: bool = False
+    samples: str | int = "lognormal"  # "lognormal" (FedProx), "pareto" (Type I, index 0.5) or a fixed count
+    samples_min: int = 50  # Pareto scale (floor)
+    samples_max: int | None = None  # cap; None: uncapped for lognormal (as FedProx), 5000 for pareto
+    test_fraction: float = 0.1
+    noise_std: float = 0.0  # quadratic oracle noise
+    dim: int = 10  # generated quadratic (no path) only
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    kind: str | None = None  # None: the data's natural model
+    dtype: str = "float32"
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    algorithm: str = "fedavg"
+    weighting: str = "count_selected"
+    clients_per_round: int | float | str = 10
+    local_steps: int | None = None  # K; None: 20 unless local_epochs is given
+    local_epochs: int | float | None = None  # E; K_k = ceil(E * n_k / B) per device
+    batch_size: int | str = 20
+    lr_local: float = 0.05
+    lr_global: float = 1.0
+    lr_schedule: str = "constant"
+
+
+@dataclass(frozen=True)
+class ParticipationConfig:
+    mode: str = "full"
+    scheme: str = "B"
+
+
+@dataclass(frozen=True)
+class LogConfig:
+    path: str | None = None
+    every: int = 1
+    eval_every: int = 1
+
+
+@dataclass(frozen=True)
+class Config:
+    seed: int = 0
+    rounds: int = 100
+    data: DataConfig = field(default_factory=DataConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    participation: ParticipationConfig = field(default_factory=ParticipationConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+
+    @property
+    def n_clients(self) -> int:
+        return self.data.clients
+
+    def clients_per_round_count(self, n_clients: int) -> int:
+        """S for a federation of n_clients: a count, McMahan's max(ceil(C*N), 1), or all."""
+        s = self.train.clients_per_round
+        if s == "all":
+            return n_clients
+        if isinstance(s, float):
+            return max(math.ceil(s * n_clients), 1)
+        return s
+
+
+TABLES = {f.name: f.default_factory for f in dataclasses.fields(Config) if f.default_factory is not dataclasses.MISSING}
+TOP_KEYS = tuple(f.name for f in dataclasses.fields(Config) if f.name not in TABLES)
+
+
+# --------------------------------------------------------------------------- reading
+
+
+def load_config(path: str | Path | None = None, overrides: typing.Sequence[str] = ()) -> Config:
+    """Read CONFIG.toml (None: the built-in default), apply `table.key=value` overrides, validate."""
+    raw = {} if path is None else read_toml(path)
+    for item in overrides:
+        apply_override(raw, item)
+    return config_from_dict(raw)
+
+
+def read_toml(path: str | Path) -> dict:
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ConfigError(f"config file {path} not found; give an existing TOML file or none for the default") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"config file {path} cannot be read ({exc}); give a UTF-8 TOML file") from None
+    return parse_toml(text, str(path))
+
+
+def parse_toml(text: str, source: str = "config") -> dict:
+    try:
+        return tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{source} is not valid TOML: {exc}") from None
+
+
+def apply_override(raw: dict, item: str) -> None:
+    """`train.local_steps=10`: the value is read as TOML, or taken as a bare string if it is not TOML."""
+    key, sep, text = item.partition("=")
+    key = key.strip()
+    if not sep or not key:
+        raise ConfigError(f"--set {item!r} is not KEY=VALUE; write it like --set train.local_steps=10")
+    try:
+        value = tomllib.loads(f"v = {text.strip()}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = text.strip()
+    parts = key.split(".")
+    if len(parts) == 1:
+        raw[key] = value
+    elif len(parts) == 2:
+        table = raw.setdefault(parts[0], {})
+        if not isinstance(table, dict):
+            raise ConfigError(f"--set {key}: {parts[0]} is not a table in this config")
+        table[parts[1]] = value
+    else:
+        raise ConfigError(f"--set {key}: keys have the form table.key (e.g. train.local_steps)")
+
+
+def config_from_dict(raw: dict) -> Config:
+    _check_keys(raw, TOP_KEYS + tuple(TABLES), "")
+    tables = {}
+    for name, cls in TABLES.items():
+        sub = raw.get(name, {})
+        if not isinstance(sub, dict):
+            raise ConfigError(f"config: {name} must be a table ([{name}]), found {_describe(sub)}")
+        tables[name] = _build(cls, sub, name)
+    top = _build_fields(Config, {k: raw[k] for k in TOP_KEYS if k in raw}, "")
+    return validate(Config(**top, **tables))
+
+
+def _check_keys(raw: dict, known: typing.Sequence[str], table: str) -> None:
+    for key in raw:
+        if key not in known:
+            where = f"[{table}] " if table else ""
+            hint = difflib.get_close_matches(key, known, n=1)
+            fix = f"did you mean {hint[0]!r}?" if hint else f"known keys: {', '.join(known)}"
+            raise ConfigError(f"config: unknown key {where}{key!r}; {fix}")
+
+
+def _build(cls, raw: dict, table: str):
+    names = tuple(f.name for f in dataclasses.fields(cls))
+    _check_keys(raw, names, table)
+    return cls(**_build_fields(cls, raw, table))
+
+
+def _build_fields(cls, raw: dict, table: str) -> dict:
+    hints = typing.get_type_hints(cls)
+    out = {}
+    for key, value in raw.items():
+        out[key] = _coerce(value, hints[key], f"{table}.{key}" if table else key)
+    return out
+
+
+def _coerce(value, hint, key: str):
+    """Check value against a field's type hint; ints are accepted where floats are expected."""
+    allowed = typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
+    if isinstance(value, bool):
+        if bool in allowed:
+            return value
+    elif isinstance(value, int) and int in allowed:
+        return value
+    elif isinstance(value, (int, float)) and float in allowed:
+        return float(value)
+    elif isinstance(value, str) and str in allowed:
+        return value
+    expected = " or ".join(_TYPE_NAMES[t] for t in allowed if t is not type(None))
+    raise ConfigError(f"config: {key} = {value!r} is {_describe(value)}; expected {expected}")
+
+
+_TYPE_NAMES = {int: "an integer", float: "a number", str: "a string", bool: "true or false"}
+
+
+def _describe(value) -> str:
+    for t in (bool, int, float, str):
+        if isinstance(value, t):
+            return _TYPE_NAMES[t]
+    if isinstance(value, dict):
+        return "a table"
+    if isinstance(value, list):
+        return "a list"
+    return type(value).__name__
+
+
+# --------------------------------------------------------------------------- validation
+
+
+def _choice(value, choices, key: str) -> None:
+    if value not in choices:
+        hint = difflib.get_close_matches(str(value), [str(c) for c in choices], n=1)
+        fix = f"did you mean {hint[0]!r}?" if hint else f"choose one of {', '.join(map(repr, choices))}"
+        raise ConfigError(f"config: {key} = {value!r} is not known; {fix}")
+
+
+def _positive(value, key: str, example: str) -> None:
+    if not value > 0 or (isinstance(value, float) and not math.isfinite(value)):
+        raise ConfigError(f"config: {key} = {value!r} must be positive (e.g. {example})")
+
+
+def validate(cfg: Config) -> Config:
+    """Check every field and resolve the defaults that depend on other fields."""
+    if cfg.seed < 0:
+        raise ConfigError(f"config: seed = {cfg.seed} must be a non-negative integer")
+    _positive(cfg.rounds, "rounds", "rounds = 100")
+    data = _validate_data(cfg.data)
+    model = _validate_model(cfg.model, data)
+    train = _validate_train(cfg.train, data)
+    _choice(cfg.participation.mode, PARTICIPATION_MODES, "participation.mode")
+    _choice(cfg.participation.scheme, SCHEMES, "participation.scheme")
+    _positive(cfg.log.every, "log.every", "every = 10")
+    _positive(cfg.log.eval_every, "log.eval_every", "eval_every = 5")
+    return dataclasses.replace(cfg, data=data, model=model, train=train)
+
+
+def _validate_data(d: DataConfig) -> DataConfig:
+    _choice(d.kind, DATA_KINDS, "data.kind")
+    if d.clients is not None:
+        _positive(d.clients, "data.clients", "clients = 30")
+    if d.kind == "synthetic":
+        if d.path is not None:
+            raise ConfigError("config: data.path does not apply to kind = \"synthetic\" (it is generated); remove it")
+        for key in ("alpha", "beta"):
+            value = getattr(d, key)
+            if not (value >= 0 and math.isfinite(value)):
+                raise ConfigError(f"config: data.{key} = {value} must be a finite number >= 0")
+        if isinstance(d.samples, str):
+            _choice(d.samples, SAMPLE_LAWS, "data.samples")
+        else:
+            _positive(d.samples, "data.samples", "samples = 200, or \"lognormal\" / \"pareto\"")
+        _positive(d.samples_min, "data.samples_min", "samples_min = 50")
+        if d.samples_max is not None and d.samples_max < d.samples_min:
+            raise ConfigError(f"config: data.samples_max = {d.samples_max} is below samples_min = {d.samples_min}")
+        if not 0 < d.test_fraction < 1:
+            raise ConfigError(f"config: data.test_fraction = {d.test_fraction} must lie in (0, 1), e.g. 0.1")
+        if d.clients is None:
+            d = dataclasses.replace(d, clients=DEFAULT_CLIENTS)
+    if d.kind == "quadratic":
+        if not (d.noise_std >= 0 and math.isfinite(d.noise_std)):
+            raise ConfigError(f"config: data.noise_std = {d.noise_std} must be a finite number >= 0")
+        _positive(d.dim, "data.dim", "dim = 10")
+        if d.path is None and d.clients is None:
+            d = dataclasses.replace(d, clients=DEFAULT_CLIENTS)
+    return d
+
+
+def _validate_model(m: ModelConfig, data: DataConfig) -> ModelConfig:
+    fits = MODELS_FOR_DATA[data.kind]
+    if m.kind is None:
+        m = dataclasses.replace(m, kind=fits[0])
+    _choice(m.kind, MODEL_KINDS, "model.kind")
+    if m.kind not in fits:
+        raise ConfigError(
+            f"config: model.kind = {m.kind!r} does not fit data.kind = {data.kind!r}; use {' or '.join(map(repr, fits))}"
+        )
+    _choice(m.dtype, DTYPES, "model.dtype")
+    return m
+
+
+def _validate_train(t: TrainConfig, data: DataConfig) -> TrainConfig:
+    _choice(t.algorithm, ALGORITHMS, "train.algorithm")
+    _choice(t.weighting, WEIGHTINGS, "train.weighting")
+    _choice(t.lr_schedule, LR_SCHEDULES, "train.lr_schedule")
+    _positive(t.lr_local, "train.lr_local", "lr_local = 0.05")
+    _positive(t.lr_global, "train.lr_global", "lr_global = 1.0")
+    s = t.clients_per_round
+    if isinstance(s, str):
+        if s != "all":
+            raise ConfigError(
+                f"config: train.clients_per_round = {s!r}; give a count (10), a fraction in (0, 1] (0.1) or \"all\""
+            )
+    elif isinstance(s, float):
+        if not 0 < s <= 1:
+            raise ConfigError(
+                f"config: train.clients_per_round = {s} is a fraction and must lie in (0, 1]; "
+                "write an integer for a count"
+            )
+    elif s < 1:
+        raise ConfigError(f"config: train.clients_per_round = {s} must be at least 1")
+    if data.clients is not None:
+        check_clients_per_round(t, data.clients)
+    if isinstance(t.batch_size, str):
+        if t.batch_size != "full":
+            raise ConfigError(f"config: train.batch_size = {t.batch_size!r}; give a positive integer or \"full\"")
+    else:
+        _positive(t.batch_size, "train.batch_size", "batch_size = 20, or \"full\"")
+    if t.local_steps is not None and t.local_epochs is not None:
+        raise ConfigError("config: give train.local_steps or train.local_epochs, not both")
+    if t.local_epochs is not None:
+        _positive(t.local_epochs, "train.local_epochs", "local_epochs = 1")
+    elif t.local_steps is None:
+        t = dataclasses.replace(t, local_steps=DEFAULT_LOCAL_STEPS)
+    elif t.local_steps < 1:
+        raise ConfigError(f"config: train.local_steps = {t.local_steps}; K must be at least 1 (e.g. local_steps = 20)")
+    return t
+
+
+def check_clients_per_round(t: TrainConfig, n_clients: int) -> None:
+    s = t.clients_per_round
+    if isinstance(s, int) and s > n_clients:
+        raise ConfigError(
+            f"config: train.clients_per_round = {s} exceeds the {n_clients} devices (data.clients); "
+            f"use at most {n_clients} or \"all\""
+        )
+
+
+def with_clients(cfg: Config, n_clients: int) -> Config:
+    """The config once the problem has fixed N (a quadratic file decides it)."""
+    if cfg.data.clients is not None and cfg.data.clients != n_clients:
+        raise ConfigError(
+            f"config: data.clients = {cfg.data.clients} but the problem file {cfg.data.path} has {n_clients} devices; "
+            "remove data.clients or make them agree"
+        )
+    check_clients_per_round(cfg.train, n_clients)
+    return dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, clients=n_clients))
+
+
+# --------------------------------------------------------------------------- writing
+
+
+def to_dict(cfg: Config) -> dict:
+    """The config as plain TOML-able data; None fields are left out (they mean "default")."""
+    out = {}
+    for f in dataclasses.fields(cfg):
+        value = getattr(cfg, f.name)
+        if dataclasses.is_dataclass(value):
+            out[f.name] = {k: v for k, v in dataclasses.asdict(value).items() if v is not None}
+        elif value is not None:
+            out[f.name] = value
+    return out
+
+
+def to_toml(cfg: Config) -> str:
+    data = to_dict(cfg)
+    lines = [f"{k} = {_toml_value(v)}" for k, v in data.items() if not isinstance(v, dict)]
+    for name, table in data.items():
+        if isinstance(table, dict):
+            lines.append(f"\n[{name}]")
+            lines.extend(f"{k} = {_toml_value(v)}" for k, v in table.items())
+    return "\n".join(lines) + "\n"
+
+
+def _toml_value(v) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, int):
+        return str(v)
+    if isinstance(v, float):
+        if math.isnan(v):
+            return "nan"
+        if math.isinf(v):
+            return "inf" if v > 0 else "-inf"
+        text = repr(v)
+        return text if any(ch in text for ch in ".en") else text + ".0"
+    if isinstance(v, str):
+        return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if isinstance(v, (list, tuple)):
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    raise TypeError(f"cannot write {v!r} as TOML")
+
+
+def same_experiment(a: Config, b: Config) -> list[str]:
+    """Keys (table.key) where two configs differ, ignoring where the log is written."""
+    da, db = to_dict(a), to_dict(b)
+    for d in (da, db):
+        d.get("log", {}).pop("path", None)
+    diffs = []
+    for key in sorted(set(da) | set(db)):
+        va, vb = da.get(key), db.get(key)
+        if isinstance(va, dict) or isinstance(vb, dict):
+            va, vb = va or {}, vb or {}
+            diffs += [f"{key}.{k}" for k in sorted(set(va) | set(vb)) if va.get(k) != vb.get(k)]
+        elif va != vb:
+            diffs.append(key)
+    return diffs

@@ -1,0 +1,114 @@
+"""One run from a validated config: build the problem, model and transport, open the log, drive the engine."""
+
+from __future__ import annotations
+
+import datetime
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from edgefed import config as config_mod
+from edgefed.config import Config
+from edgefed.errors import RunLogError
+from edgefed.models import build_model
+from edgefed.problems import build_problem
+from edgefed.runlog import Header, RunLogWriter, read_resume_point, read_run
+from edgefed.runtime.engine import RoundEngine
+from edgefed.runtime.local import LocalTransport
+
+
+@dataclass(frozen=True)
+class RunResult:
+    path: Path
+    rounds_run: int
+    wall_s: float
+    final_train_loss: float
+    final_test_accuracy: float
+    best_test_accuracy: float
+    best_round: int
+    already_complete: bool = False
+
+
+def default_log_path(config_path: str | None) -> Path:
+    stem = Path(config_path).stem if config_path else "default"
+    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    path = Path("runs") / f"{stem}-{stamp}.h5"
+    i = 1
+    while path.exists():
+        path = Path("runs") / f"{stem}-{stamp}-{i}.h5"
+        i += 1
+    return path
+
+
+def resolve_config(config_path: str | None, overrides, resume: str | None):
+    """The config to run and, when resuming, the resume point (whose config must match)."""
+    if resume is None:
+        return config_mod.load_config(config_path, overrides), None
+    point = read_resume_point(resume)
+    stored = config_mod.parse_toml(point.config_toml, f"the config stored in {resume}")
+    if config_path is None:
+        for item in overrides:
+            config_mod.apply_override(stored, item)
+        cfg = config_mod.config_from_dict(stored)
+    else:
+        cfg = config_mod.load_config(config_path, overrides)
+    logged = config_mod.config_from_dict(config_mod.parse_toml(point.config_toml))
+    diffs = config_mod.same_experiment(cfg, logged)
+    if diffs:
+        raise RunLogError(
+            f"--resume {resume}: the log belongs to a different config (differs in {', '.join(diffs)}); "
+            "resume with the config it was started with, or start a new run"
+        )
+    return logged, point
+
+
+def run(cfg: Config, log_path: Path, *, resume_point=None, force: bool = False, on_round=None) -> RunResult:
+    problem = build_problem(cfg)
+    cfg = config_mod.with_clients(cfg, problem.n_devices)
+    if resume_point is None and log_path.exists() and not force:
+        raise RunLogError(f"run log {log_path} already exists; use --resume {log_path} to continue it, "
+                          "--force to replace it, or another --out")
+    model = build_model(cfg.model.kind, problem, cfg.model.dtype)
+    batch = None if cfg.train.batch_size == "full" else cfg.train.batch_size
+    transport = LocalTransport(problem, model, cfg.seed, batch)
+    header = Header(
+        config_toml=resume_point.config_toml if resume_point else config_mod.to_toml(cfg),
+        seed=cfg.seed, rounds=cfg.rounds, n_devices=problem.n_devices, dim=model.dim, dtype=model.dtype,
+        n_train=problem.n_train, attrs={"problem": problem.describe(), "model": model.kind},
+    )
+    if resume_point is not None and resume_point.complete:
+        return _summary(log_path, resume_point.prefix, 0, 0.0, already_complete=True)
+
+    wall0 = time.perf_counter()
+    log = RunLogWriter.create(log_path, header, resume_point.prefix if resume_point else None)
+    try:
+        engine = RoundEngine(cfg, problem.n_train, transport, log, on_round)
+        if resume_point is None:
+            x = model.initial_params()
+            engine.start(x)
+            done = 0
+        else:
+            x = resume_point.state["x"].astype(model.dtype)
+            done = resume_point.rounds_done
+        engine.run(x, done)
+    except BaseException:
+        log.close()  # the log stays valid up to the last completed round, ready for --resume
+        raise
+    finally:
+        transport.close()
+    wall = time.perf_counter() - wall0
+    log.close({"status": "complete",
+               "finished": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")})
+    return _summary(log_path, read_run(log_path), cfg.rounds - done, wall)
+
+
+def _summary(path, data: dict, rounds_run: int, wall: float, already_complete=False) -> RunResult:
+    acc = data["metrics/test_accuracy"]
+    loss = data["metrics/train_loss"]
+    finite = np.where(np.isfinite(acc))[0]
+    best = int(finite[np.argmax(acc[finite])]) if finite.size else 0
+    return RunResult(Path(path), rounds_run, wall, float(loss[-1]), float(acc[-1]),
+                     float(acc[best]) if finite.size else math.nan, best, already_complete)

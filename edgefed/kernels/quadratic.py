@@ -1,0 +1,35 @@
+"""The quadratic oracle of DESIGN 3.3: f_k(x) = 1/2 sum_j a_j (x_j - b_j)^2, g_k(x) = a * (x - b) (+ noise)."""
+
+import numpy as np
+from numba import njit
+
+from edgefed.kernels import JIT
+from edgefed.kernels.random import normal
+
+
+@njit(**JIT)
+def _sgd_steps(x, a, b, n_steps, lr, noise_std, rng, correction):
+    """n_steps of x <- x - lr * (g(x) + correction); the gradient is separable, so coordinates update in place."""
+    d = x.shape[0]
+    corrected = correction.shape[0] == d
+    noisy = noise_std > 0
+    for _ in range(n_steps):
+        for j in range(d):
+            g = a[j] * (x[j] - b[j])
+            if noisy:
+                g += noise_std * normal(rng)
+            if corrected:
+                g += correction[j]
+            x[j] -= lr * g
+    return n_steps
+
+
+@njit(**JIT)
+def _loss_grad(x, a, b, grad):
+    """f(x) in float64; grad <- a * (x - b) exactly."""
+    loss = 0.0
+    for j in range(x.shape[0]):
+        r = x[j] - b[j]
+        grad[j] = a[j] * r
+        loss += 0.5 * np.float64(a[j]) * np.float64(r) * np.float64(r)
+    return loss

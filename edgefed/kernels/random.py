@@ -1,0 +1,71 @@
+"""xoshiro256** inside kernels: the generator state is a uint64[4] array owned by the caller.
+
+Passing the state in (as pynndescent does) keeps kernels free of Numba's global RNG, and lets a device's
+local work be split into chunks (deadline mode) without changing a single draw.
+"""
+
+import numpy as np
+from numba import njit
+
+from edgefed.kernels import JIT
+
+_MASK32 = np.uint64(0xFFFFFFFF)
+_TWO32 = np.uint64(1 << 32)
+
+
+@njit(**JIT)
+def _rotl(x, k):
+    return (x << np.uint64(k)) | (x >> np.uint64(64 - k))
+
+
+@njit(**JIT)
+def next_u64(state):
+    s0, s1, s2, s3 = state[0], state[1], state[2], state[3]
+    result = _rotl(s1 * np.uint64(5), 7) * np.uint64(9)
+    t = s1 << np.uint64(17)
+    s2 ^= s0
+    s3 ^= s1
+    s1 ^= s2
+    s0 ^= s3
+    s2 ^= t
+    s3 = _rotl(s3, 45)
+    state[0], state[1], state[2], state[3] = s0, s1, s2, s3
+    return result
+
+
+@njit(**JIT)
+def bounded(state, m):
+    """Uniform integer in [0, m) for 0 < m < 2**32, unbiased (Lemire's multiply-and-reject)."""
+    mm = np.uint64(m)
+    prod = (next_u64(state) >> np.uint64(32)) * mm
+    low = prod & _MASK32
+    if low < mm:
+        threshold = (_TWO32 - mm) % mm
+        while low < threshold:
+            prod = (next_u64(state) >> np.uint64(32)) * mm
+            low = prod & _MASK32
+    return np.int64(prod >> np.uint64(32))
+
+
+@njit(**JIT)
+def uniform(state):
+    """Uniform float64 in [0, 1) with 53 random bits."""
+    return np.float64(next_u64(state) >> np.uint64(11)) * (1.0 / 9007199254740992.0)
+
+
+@njit(**JIT)
+def normal(state):
+    """Standard normal by Box-Muller (one draw per call, so the stream has no hidden cached value)."""
+    u1 = 1.0 - uniform(state)
+    u2 = uniform(state)
+    return np.sqrt(-2.0 * np.log(u1)) * np.cos(2.0 * np.pi * u2)
+
+
+@njit(**JIT)
+def draw_batch(state, perm, n, b):
+    """Make perm[:b] a uniform random b-subset of perm[:n] by a partial Fisher-Yates shuffle, in place."""
+    for i in range(b):
+        j = i + bounded(state, n - i)
+        tmp = perm[i]
+        perm[i] = perm[j]
+        perm[j] = tmp

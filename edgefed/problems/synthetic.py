@@ -1,0 +1,97 @@
+"""SYNTHETIC(alpha, beta) exactly as the FedProx generator (Li et al.), one device at a time.
+
+For device k: u_k ~ N(0, alpha^2), B_k ~ N(0, beta^2); v_k in R^60 with entries ~ N(B_k, 1); W_k (60 x 10)
+and b_k (10) with entries ~ N(u_k, 1); x ~ N(v_k, Sigma) with Sigma_jj = j^(-1.2) (j = 1..60);
+y = argmax softmax(x W_k + b_k). The IID variant shares one W, b ~ N(0, 1) and uses v_k = 0.
+Samples per device: FedProx's int(exp N(4, 2)) + 50, a Type-I Pareto (index 0.5, scale samples_min,
+capped at samples_max, default 5000, because the index-0.5 law has an infinite mean), or a fixed count.
+The first int(0.9 n) samples train (FedProx's split; `test_fraction` changes it), the rest test.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from edgefed.config import PARETO_DEFAULT_MAX, DataConfig
+from edgefed.problems import ClassificationData
+from edgefed.rng import Purpose, generator
+
+N_FEATURES = 60
+N_CLASSES = 10
+PARETO_INDEX = 0.5
+_SIGMA_SQRT = np.arange(1, N_FEATURES + 1, dtype=np.float64) ** (-1.2 / 2)
+
+
+def total_samples(cfg: DataConfig, seed: int, device_id: int) -> int:
+    """Samples (train + test) of one device, from its own stream."""
+    if not isinstance(cfg.samples, str):
+        return int(cfg.samples)
+    g = generator(seed, Purpose.DATA_COUNT, device_id=device_id)
+    if cfg.samples == "lognormal":
+        n = int(g.lognormal(4.0, 2.0)) + 50
+        cap = cfg.samples_max
+    else:
+        n = int(cfg.samples_min * (1.0 + g.pareto(PARETO_INDEX)))  # numpy's pareto is Lomax: shift for Type I
+        cap = cfg.samples_max or PARETO_DEFAULT_MAX
+    return min(n, cap) if cap is not None else n
+
+
+def split_train(n_total: int, test_fraction: float) -> int:
+    """Training samples out of n_total; at least one of each part."""
+    n_train = int((1.0 - test_fraction) * n_total + 1e-9)
+    return min(max(n_train, 1), n_total - 1)
+
+
+class SyntheticProblem:
+    n_features = N_FEATURES
+    n_classes = N_CLASSES
+    has_test = True
+
+    def __init__(self, cfg: DataConfig, seed: int, dtype: np.dtype):
+        self.cfg = cfg
+        self.seed = seed
+        self.dtype = dtype
+        self.n_devices = cfg.clients
+        totals = [total_samples(cfg, seed, k) for k in range(self.n_devices)]
+        self.n_train = np.array([split_train(n, cfg.test_fraction) for n in totals], dtype=np.int64)
+        self.n_total = np.array(totals, dtype=np.int64)
+
+    def _global_model(self):
+        g = generator(self.seed, Purpose.DATA_GLOBAL)
+        return g.normal(0.0, 1.0, (N_FEATURES, N_CLASSES)), g.normal(0.0, 1.0, N_CLASSES)
+
+    def generate(self, device_id: int):
+        """(X, y) of all the device's samples in float64, before the split."""
+        cfg = self.cfg
+        g = generator(self.seed, Purpose.DATA_DEVICE, device_id=device_id)
+        u = g.normal(0.0, cfg.alpha)
+        big_b = g.normal(0.0, cfg.beta)
+        if cfg.iid:
+            W, b = self._global_model()
+            v = np.zeros(N_FEATURES)
+        else:
+            v = g.normal(big_b, 1.0, N_FEATURES)
+            W = g.normal(u, 1.0, (N_FEATURES, N_CLASSES))
+            b = g.normal(u, 1.0, N_CLASSES)
+        n = int(self.n_total[device_id])
+        X = v + g.standard_normal((n, N_FEATURES)) * _SIGMA_SQRT
+        y = np.argmax(X @ W + b, axis=1)  # softmax is monotone: argmax of the logits is the argmax
+        return X, y.astype(np.int64)
+
+    def device(self, device_id: int) -> ClassificationData:
+        X, y = self.generate(device_id)
+        X = X.astype(self.dtype)
+        k = int(self.n_train[device_id])
+        return ClassificationData(
+            np.ascontiguousarray(X[:k]), y[:k].copy(), np.ascontiguousarray(X[k:]), y[k:].copy()
+        )
+
+    def describe(self) -> str:
+        kind = "IID " if self.cfg.iid else ""
+        return (
+            f"{kind}SYNTHETIC({self.cfg.alpha:g},{self.cfg.beta:g}): {self.n_devices} devices, "
+            f"{int(self.n_train.sum())} training samples (per device {int(self.n_train.min())}.."
+            f"{int(self.n_train.max())})"
+        )

@@ -1,0 +1,40 @@
+"""Random streams keyed by (seed, purpose, round, device).
+
+Every random draw in edgefed comes from one of these streams, so a draw never depends on which rank made it,
+in which order devices were processed, or whether the run was resumed. No code touches a global RNG.
+"""
+
+from enum import IntEnum
+
+import numpy as np
+
+
+class Purpose(IntEnum):
+    """What a stream is for; the value is part of the key, so never renumber."""
+
+    DATA_COUNT = 1    # samples per device
+    DATA_GLOBAL = 2   # parameters shared by all devices (IID SYNTHETIC's W, b)
+    DATA_DEVICE = 3   # one device's samples
+    SELECT = 4        # which devices take part in a round
+    LOCAL = 5         # minibatches and oracle noise of one device's local work in one round
+    INIT = 6          # initial model parameters
+    CONTROL = 7       # SCAFFOLD option I / gradient init oracle calls
+
+
+def seed_sequence(seed: int, purpose: Purpose, round_idx: int = 0, device_id: int | None = None):
+    """Rounds are 1-based (0 = before training); device ids are 0-based, shifted so `None` stays distinct."""
+    device_key = 0 if device_id is None else int(device_id) + 1
+    return np.random.SeedSequence(entropy=int(seed), spawn_key=(int(purpose), int(round_idx), device_key))
+
+
+def generator(seed: int, purpose: Purpose, round_idx: int = 0, device_id: int | None = None) -> np.random.Generator:
+    """A numpy Generator (PCG64) for one (seed, purpose, round, device) stream."""
+    return np.random.Generator(np.random.PCG64(seed_sequence(seed, purpose, round_idx, device_id)))
+
+
+def kernel_state(seed: int, purpose: Purpose, round_idx: int, device_id: int) -> np.ndarray:
+    """A fresh xoshiro256** state (4 x uint64) for the in-kernel generator of one stream."""
+    state = seed_sequence(seed, purpose, round_idx, device_id).generate_state(4, np.uint64)
+    if not state.any():  # xoshiro's one forbidden state; SeedSequence makes it astronomically unlikely
+        state[0] = 1
+    return state

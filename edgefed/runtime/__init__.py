@@ -1,0 +1,1 @@
+"""The round loop and the transports that carry a round's local work."""

@@ -1,0 +1,149 @@
+"""The round loop: plan -> local work (behind a transport) -> aggregate -> log.
+
+The engine owns the server state and the order of operations; the transport only carries the local work
+(in this process or across MPI ranks) and never does math on models; the math lives in `algorithms/` and
+`participation/`. Rounds are 1-based; round 0 is the initial model.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from edgefed.algorithms import fedavg
+from edgefed.config import Config
+from edgefed.participation import schemes
+from edgefed.participation.sampling import select_devices
+from edgefed.runtime.messages import Evaluation, RoundPlan
+
+
+@dataclass(frozen=True)
+class RoundSummary:
+    """What a progress line shows after a round."""
+
+    round_idx: int
+    rounds: int
+    train_loss: float
+    test_loss: float
+    test_accuracy: float
+    participants: int
+    n_active: int
+    n_dropped: int
+    elapsed_s: float
+
+
+class RoundEngine:
+    def __init__(self, cfg: Config, n_train: np.ndarray, transport, log, on_round=None):
+        self.cfg = cfg
+        self.n_train = np.asarray(n_train, dtype=np.int64)
+        self.n_devices = self.n_train.size
+        self.transport = transport
+        self.log = log
+        self.on_round = on_round or (lambda summary: None)
+        self.active = np.ones(self.n_devices, dtype=bool)
+        self._budgets = self._local_budgets()
+
+    # -- planning ----------------------------------------------------------------------------------------
+    def _local_budgets(self) -> np.ndarray:
+        """K_k for every device: K, or ceil(E * n_k / B) local steps for E epochs of batch B."""
+        t = self.cfg.train
+        if t.local_epochs is None:
+            return np.full(self.n_devices, t.local_steps, dtype=np.int32)
+        batch = self.n_train if t.batch_size == "full" else np.minimum(t.batch_size, self.n_train)
+        return np.array([math.ceil(t.local_epochs * n / b - 1e-9) for n, b in zip(self.n_train, batch)], np.int32)
+
+    def learning_rate(self, round_idx: int, shift_round: int = 0) -> float:
+        t = self.cfg.train
+        if t.lr_schedule == "staircase":
+            return t.lr_local / (round_idx - shift_round)
+        return t.lr_local
+
+    def plan(self, round_idx: int) -> RoundPlan:
+        active_ids = np.flatnonzero(self.active)
+        count = self.cfg.clients_per_round_count(active_ids.size)
+        selected = select_devices(self.cfg.seed, round_idx, active_ids, count)
+        return RoundPlan(round_idx, selected, self._budgets[selected], self.learning_rate(round_idx))
+
+    # -- evaluation --------------------------------------------------------------------------------------
+    def metrics(self, ev: Evaluation) -> tuple[float, float, float]:
+        """(train objective, test loss, test accuracy), reduced in ascending device id."""
+        active_ids = np.flatnonzero(self.active)
+        weights = schemes.objective_weights(self.cfg.train.weighting, active_ids, self.n_train)
+        train = float(np.dot(weights, ev.train_loss[active_ids]))
+        n_test = int(ev.n_test.sum())
+        if n_test == 0:
+            return train, math.nan, math.nan
+        return train, float(ev.test_loss_sum.sum() / n_test), float(ev.test_correct.sum() / n_test)
+
+    def _due(self, round_idx: int) -> tuple[bool, bool]:
+        """(evaluate now, store the model now)."""
+        last = round_idx == self.cfg.rounds
+        return (last or round_idx % self.cfg.log.eval_every == 0, last or round_idx % self.cfg.log.every == 0)
+
+    # -- the loop ----------------------------------------------------------------------------------------
+    def start(self, x0: np.ndarray) -> None:
+        """Log round 0: the initial model and its metrics."""
+        train, test_loss, test_acc = self.metrics(self.transport.evaluate(x0))
+        self.log.append({
+            "trajectory/round": 0, "trajectory/x": x0,
+            "metrics/train_loss": train, "metrics/test_loss": test_loss, "metrics/test_accuracy": test_acc,
+        })
+        self.log.checkpoint(0, {"x": x0})
+        self.on_round(RoundSummary(0, self.cfg.rounds, train, test_loss, test_acc, 0, int(self.active.sum()), 0, 0.0))
+
+    def run(self, x: np.ndarray, done: int = 0) -> np.ndarray:
+        """Rounds done+1 .. R from server model x (the model after round `done`)."""
+        for round_idx in range(done + 1, self.cfg.rounds + 1):
+            x = self.round(round_idx, x)
+        return x
+
+    def round(self, round_idx: int, x: np.ndarray) -> np.ndarray:
+        wall0 = time.perf_counter()
+        t = self.cfg.train
+        plan = self.plan(round_idx)
+        res = self.transport.local_work(plan, x)
+
+        # A non-finite update is dropped (counted, logged), never averaged in: it weighs as a device that did nothing.
+        nonfinite = ~np.isfinite(res.deltas).all(axis=1)
+        counted_steps = np.where(nonfinite, 0, res.steps)
+        coeffs = schemes.coefficients(t.weighting, self.cfg.participation.scheme, plan.device_ids,
+                                      np.flatnonzero(self.active), self.n_train, counted_steps, plan.budgets)
+        x = fedavg.server_update(x, res.deltas, coeffs, t.lr_global)
+
+        evaluate, store = self._due(round_idx)
+        metrics = self.metrics(self.transport.evaluate(x)) if evaluate else (math.nan,) * 3
+        elapsed = time.perf_counter() - wall0
+        self.log.append(self._round_row(plan, res, coeffs, nonfinite, metrics, elapsed))
+        if store:
+            self.log.append({"trajectory/round": round_idx, "trajectory/x": x})
+        self.log.checkpoint(round_idx, {"x": x})
+        self.on_round(RoundSummary(round_idx, self.cfg.rounds, *metrics, int(np.count_nonzero(res.steps)),
+                                   int(self.active.sum()), int(nonfinite.sum()), elapsed))
+        return x
+
+    def _round_row(self, plan, res, coeffs, nonfinite, metrics, elapsed) -> dict:
+        n, ids = self.n_devices, plan.device_ids
+
+        def scatter(values, dtype, fill=0):
+            row = np.full(n, fill, dtype=dtype)
+            row[ids] = values
+            return row
+
+        return {
+            "participation/selected": scatter(True, np.bool_, False),
+            "participation/active": self.active.copy(),
+            "participation/budget": scatter(plan.budgets, np.int32),
+            "participation/steps": scatter(res.steps, np.int32),
+            "participation/coeff": scatter(coeffs, np.float64),
+            "participation/nonfinite": scatter(nonfinite, np.bool_, False),
+            "participation/elapsed_s": scatter(res.elapsed_s, np.float32),
+            "participation/cpu_percent": scatter(res.cpu_percent, np.float32, np.nan),
+            "metrics/lr": plan.lr,
+            "metrics/round_elapsed_s": elapsed,
+            "metrics/train_loss": metrics[0],
+            "metrics/test_loss": metrics[1],
+            "metrics/test_accuracy": metrics[2],
+        }
