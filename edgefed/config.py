@@ -103,7 +103,7 @@ class Config:
         if s == "all":
             return n_clients
         if isinstance(s, float):
-            return max(math.ceil(s * n_clients), 1)
+            return max(math.ceil(s * n_clients - 1e-9), 1)  # 0.07 * 100 is 7.000000000000001 in floats
         return s
 
 

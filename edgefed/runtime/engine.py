@@ -111,6 +111,7 @@ class RoundEngine:
         counted_steps = np.where(nonfinite, 0, res.steps)
         coeffs = schemes.coefficients(t.weighting, self.cfg.participation.scheme, plan.device_ids,
                                       np.flatnonzero(self.active), self.n_train, counted_steps, plan.budgets)
+        coeffs[nonfinite] = 0.0
         x = fedavg.server_update(x, res.deltas, coeffs, t.lr_global)
 
         evaluate, store = self._due(round_idx)

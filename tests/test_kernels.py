@@ -1,0 +1,156 @@
+"""Kernels against slow NumPy references (tests/naive.py) and finite differences."""
+
+import numpy as np
+import pytest
+
+from edgefed.kernels import random as krandom
+from edgefed.models import LogReg, Quadratic
+from edgefed.problems import ClassificationData, QuadraticData
+from edgefed.rng import Purpose, kernel_state
+from naive import Xoshiro, logreg_sgd, softmax_ce
+
+
+def test_xoshiro_matches_reference_and_published_values():
+    state = np.array([1, 2, 3, 4], dtype=np.uint64)
+    ref = Xoshiro([1, 2, 3, 4])
+    got = [int(krandom.next_u64(state)) for _ in range(100)]
+    assert got[:4] == [11520, 0, 1509978240, 1215971899390074240]  # xoshiro256** reference output
+    assert got == [ref.next() for _ in range(100)]
+
+
+def test_bounded_in_range_and_uniform():
+    state = kernel_state(3, Purpose.LOCAL, 1, 0)
+    draws = np.array([krandom.bounded(state, 7) for _ in range(70000)])
+    assert draws.min() == 0 and draws.max() == 6
+    counts = np.bincount(draws, minlength=7)
+    chi2 = ((counts - 10000) ** 2 / 10000).sum()
+    assert chi2 < 22.5  # chi-square, 6 dof, p = 0.001
+
+
+def test_draw_batch_is_a_distinct_subset_matching_reference():
+    state = kernel_state(1, Purpose.LOCAL, 2, 3)
+    ref = Xoshiro(state.copy())
+    perm = np.arange(50, dtype=np.int64)
+    ref_perm = list(range(50))
+    for _ in range(20):
+        krandom.draw_batch(state, perm, 50, 10)
+        expect = ref.batch(ref_perm, 10)
+        assert list(perm[:10]) == list(expect)
+        assert len(set(perm[:10])) == 10
+    assert sorted(perm) == list(range(50))
+
+
+def _problem(n=37, f=6, c=4, seed=0, dtype=np.float64):
+    g = np.random.default_rng(seed)
+    X = g.normal(size=(n, f)).astype(dtype)
+    y = g.integers(0, c, n).astype(np.int64)
+    return ClassificationData(X, y, X[:5].copy(), y[:5].copy())
+
+
+@pytest.mark.parametrize("dtype,tol", [(np.float64, 1e-12), (np.float32, 2e-5)])
+@pytest.mark.parametrize("batch", [1, 8, 37, 100])
+def test_logreg_sgd_matches_numpy_reference(dtype, tol, batch):
+    data = _problem(dtype=dtype)
+    model = LogReg(6, 4, dtype)
+    g = np.random.default_rng(1)
+    x0 = (0.1 * g.normal(size=model.dim)).astype(dtype)
+    state = kernel_state(7, Purpose.LOCAL, 1, 2)
+    expect = logreg_sgd(x0, data.X_train.astype(np.float64), data.y_train, 4, 13, batch, 0.3, state.copy())
+    x = x0.copy()
+    steps = model.local_steps(x, data, model.begin(data, state), 13, batch, 0.3)
+    assert steps == 13
+    np.testing.assert_allclose(x, expect, rtol=tol, atol=tol)
+
+
+def test_logreg_loss_grad_matches_numpy_and_finite_differences():
+    data = _problem()
+    model = LogReg(6, 4, np.float64)
+    x = np.random.default_rng(2).normal(size=model.dim)
+    grad = np.zeros(model.dim)
+    loss = model.loss_grad(x, data, grad)
+    ref_loss, gW, gb = softmax_ce(x[:24].reshape(6, 4), x[24:], data.X_train, data.y_train)
+    assert loss == pytest.approx(ref_loss, rel=1e-13)
+    np.testing.assert_allclose(grad, np.concatenate([gW.ravel(), gb]), rtol=1e-12, atol=1e-14)
+    eps = 1e-6
+    for j in range(model.dim):
+        e = np.zeros(model.dim)
+        e[j] = eps
+        fd = (model.train_loss(x + e, data) - model.train_loss(x - e, data)) / (2 * eps)
+        assert fd == pytest.approx(grad[j], abs=1e-8)
+
+
+def test_logreg_loss_correct_counts_and_survives_huge_logits():
+    data = _problem()
+    model = LogReg(6, 4, np.float64)
+    x = np.random.default_rng(3).normal(size=model.dim)
+    loss, correct = model.loss_correct(x, data.X_train, data.y_train)
+    z = data.X_train @ x[:24].reshape(6, 4) + x[24:]
+    assert correct == int((z.argmax(axis=1) == data.y_train).sum())
+    assert loss / 37 == pytest.approx(softmax_ce(x[:24].reshape(6, 4), x[24:], data.X_train, data.y_train)[0])
+    big = 1e4 * x  # probabilities underflow to 0; the loss must stay finite and large
+    loss_big, _ = model.loss_correct(big, data.X_train, data.y_train)
+    assert np.isfinite(loss_big) and loss_big > 1e3
+
+
+def test_logreg_edge_cases():
+    data = _problem(n=1)
+    model = LogReg(6, 4, np.float64)
+    x = np.zeros(model.dim)
+    run = model.begin(data, kernel_state(0, Purpose.LOCAL, 1, 0))
+    model.local_steps(x, data, run, 5, 0 + 20, 0.0)  # zero learning rate: nothing moves
+    assert not x.any()
+    grad = np.zeros(model.dim)
+    model.loss_grad(x, data, grad)
+    model.local_steps(x, data, run, 1, 20, 0.5)  # batch larger than the data: one full-gradient step
+    np.testing.assert_allclose(x, -0.5 * grad, rtol=1e-15)
+
+
+def test_full_batch_step_is_gradient_descent():
+    data = _problem()
+    model = LogReg(6, 4, np.float64)
+    x = np.random.default_rng(4).normal(size=model.dim)
+    grad = np.zeros(model.dim)
+    model.loss_grad(x, data, grad)
+    y = x.copy()
+    model.local_steps(y, data, model.begin(data, kernel_state(0, Purpose.LOCAL, 1, 0)), 1, None, 0.1)
+    np.testing.assert_allclose(y, x - 0.1 * grad, rtol=1e-13, atol=1e-15)
+
+
+@pytest.mark.parametrize("model_kind", ["logreg", "quadratic"])
+def test_local_work_split_in_chunks_draws_the_same(model_kind):
+    if model_kind == "logreg":
+        data, model = _problem(dtype=np.float32), LogReg(6, 4, np.float32)
+    else:
+        g = np.random.default_rng(5)
+        data, model = QuadraticData(g.uniform(1, 2, 9), g.normal(size=9), 0.3), Quadratic(9, np.zeros(9), np.float64)
+    state = kernel_state(11, Purpose.LOCAL, 4, 1)
+    whole = model.initial_params() + 0.1
+    model.local_steps(whole, data, model.begin(data, state.copy()), 10, 5, 0.05)
+    chunked = model.initial_params() + 0.1
+    run = model.begin(data, state.copy())
+    for n in (3, 1, 6):
+        model.local_steps(chunked, data, run, n, 5, 0.05)
+    assert whole.tobytes() == chunked.tobytes()
+
+
+def test_quadratic_steps_and_loss_are_exact():
+    a, b = np.array([1.0, 2.0, 0.5]), np.array([1.0, -1.0, 3.0])
+    data = QuadraticData(a, b, 0.0)
+    model = Quadratic(3, np.zeros(3), np.float64)
+    x = np.array([0.5, 0.5, 0.5])
+    ref = x.copy()
+    for _ in range(4):
+        ref = ref - 0.1 * (a * (ref - b))
+    model.local_steps(x, data, model.begin(data, kernel_state(0, Purpose.LOCAL, 1, 0)), 4, None, 0.1)
+    assert x.tobytes() == ref.tobytes()
+    grad = np.zeros(3)
+    assert model.loss_grad(np.zeros(3), data, grad) == pytest.approx(0.5 * (1 + 2 + 0.5 * 9))
+    np.testing.assert_array_equal(grad, -a * b)
+
+
+def test_quadratic_noise_has_the_configured_spread():
+    data = QuadraticData(np.zeros(2000), np.zeros(2000), 0.5)  # a = 0: each step adds -lr * noise
+    model = Quadratic(2000, np.zeros(2000), np.float64)
+    x = np.zeros(2000)
+    model.local_steps(x, data, model.begin(data, kernel_state(0, Purpose.LOCAL, 1, 0)), 1, None, 1.0)
+    assert abs(x.mean()) < 0.05 and x.std() == pytest.approx(0.5, rel=0.05)
