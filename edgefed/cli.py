@@ -63,9 +63,11 @@ def cmd_run(args) -> int:
     if result.already_complete:
         print(f"{path}: the run is already complete; nothing to resume")
         return 0
+    test = "" if math.isnan(result.best_test_accuracy) else (
+        f", test accuracy {result.final_test_accuracy:.4f} (best {result.best_test_accuracy:.4f} "
+        f"at round {result.best_round})")
     print(f"done: {result.rounds_run} rounds in {result.wall_s:.1f} s; final train loss "
-          f"{result.final_train_loss:.4f}, test accuracy {_fmt(result.final_test_accuracy, '.4f')} "
-          f"(best {_fmt(result.best_test_accuracy, '.4f')} at round {result.best_round}); log {path}")
+          f"{result.final_train_loss:.6g}{test}; log {path}")
     return 0
 
 

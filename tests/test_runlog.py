@@ -1,0 +1,129 @@
+"""The run log: schema of DESIGN 3.4, determinism, readers during a run, resume after a kill."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from edgefed import config as config_mod
+from edgefed import experiment
+from edgefed.runlog import MEASURED, open_run, read_run
+
+SMALL = {"rounds": 12, "data.clients": 8, "train.clients_per_round": 3, "train.local_steps": 4,
+         "data.samples": "pareto", "log.every": 5, "log.eval_every": 4}
+
+
+def test_schema_shapes_types_and_attributes(run_experiment):
+    log = run_experiment(SMALL)
+    R, N, d = 12, 8, 610
+    attrs = log["attrs"]
+    assert attrs["format"] == "edgefed-run" and attrs["format_version"] == 1 and attrs["status"] == "complete"
+    assert attrs["seed"] == 0 and attrs["edgefed_version"]
+    cfg = config_mod.config_from_dict(config_mod.parse_toml(attrs["config"]))
+    assert cfg.rounds == R and cfg.train.local_steps == 4
+    shapes = {
+        "trajectory/round": ((4,), np.int64), "trajectory/x": ((4, d), np.float32),
+        "participation/selected": ((R, N), np.bool_), "participation/active": ((R, N), np.bool_),
+        "participation/budget": ((R, N), np.int32), "participation/steps": ((R, N), np.int32),
+        "participation/coeff": ((R, N), np.float64), "participation/elapsed_s": ((R, N), np.float32),
+        "participation/cpu_percent": ((R, N), np.float32), "metrics/lr": ((R,), np.float64),
+        "metrics/train_loss": ((R + 1,), np.float64), "metrics/test_loss": ((R + 1,), np.float64),
+        "metrics/test_accuracy": ((R + 1,), np.float64),
+    }
+    for name, (shape, dtype) in shapes.items():
+        assert log[name].shape == shape and log[name].dtype == dtype, name
+    assert log["trajectory/round"].tolist() == [0, 5, 10, 12]  # round 0, every 5th, and the last
+    assert log["trajectory/x"][0].tolist() == [0.0] * d
+    evaluated = np.isfinite(log["metrics/train_loss"])
+    assert np.flatnonzero(evaluated).tolist() == [0, 4, 8, 12]
+    assert np.all(log["participation/selected"].sum(axis=1) == 3)
+    assert np.array_equal(log["participation/budget"] > 0, log["participation/selected"])
+    assert np.all(log["participation/coeff"][~log["participation/selected"]] == 0)
+    np.testing.assert_allclose(log["participation/coeff"].sum(axis=1), 1.0)  # count_selected sums to one
+    assert np.all(log["participation/elapsed_s"][log["participation/selected"]] > 0)
+    assert np.all(np.isnan(log["participation/cpu_percent"][~log["participation/selected"]]))
+    assert np.array_equal(log["state/x"], log["trajectory/x"][-1]) and log["state/round"][0] == R
+
+
+def _datasets(log):
+    return {k: v for k, v in log.items() if k != "attrs" and k not in MEASURED}
+
+
+def test_same_seed_same_bytes_other_seed_differs(run_experiment):
+    a, b = run_experiment(SMALL), run_experiment(SMALL)
+    c = run_experiment({**SMALL, "seed": 1})
+    assert _datasets(a).keys() == _datasets(b).keys()
+    for name, value in _datasets(a).items():
+        assert value.tobytes() == b[name].tobytes(), name
+    assert a["trajectory/x"].tobytes() != c["trajectory/x"].tobytes()
+    assert a["participation/selected"].tobytes() != c["participation/selected"].tobytes()
+
+
+def test_test_accuracy_rises_on_the_default_problem(run_experiment):
+    log = run_experiment({"rounds": 30})
+    acc = log["metrics/test_accuracy"]
+    assert acc[0] < 0.2 and acc[-1] > 0.6 and acc[-1] > acc[0] + 0.4
+    assert log["metrics/train_loss"][-1] < log["metrics/train_loss"][0] - 0.8
+
+
+def test_interrupted_run_resumes_to_the_same_log(tmp_path):
+    overrides = [f"{k}={v!r}" if not isinstance(v, str) else f'{k}="{v}"' for k, v in SMALL.items()]
+    cfg = config_mod.load_config(None, overrides)
+    whole, part = tmp_path / "whole.h5", tmp_path / "part.h5"
+    experiment.run(cfg, whole)
+
+    def stop_at_7(summary):
+        if summary.round_idx == 7:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        experiment.run(cfg, part, on_round=stop_at_7)
+    assert read_run(part)["participation/steps"].shape[0] == 7
+    _, point = experiment.resolve_config(None, [], str(part))
+    assert point.rounds_done == 7
+    experiment.run(cfg, part, resume_point=point)
+    a, b = read_run(whole), read_run(part)
+    for name, value in _datasets(a).items():
+        assert value.tobytes() == b[name].tobytes(), name
+
+
+def test_killed_run_resumes_byte_identical(tmp_path):
+    """SIGKILL a real `edgefed run` mid-run while reading its log, then --resume it."""
+    cfg_path = tmp_path / "exp.toml"
+    cfg_path.write_text("rounds = 150\n[log]\nevery = 7\n")
+    killed, whole = tmp_path / "killed.h5", tmp_path / "whole.h5"
+    cmd = [sys.executable, "-m", "edgefed", "run", str(cfg_path), "--quiet"]
+    proc = subprocess.Popen(cmd + ["--out", str(killed)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 120
+        seen = -1
+        while seen < 20:
+            assert proc.poll() is None, proc.stderr.read().decode()
+            assert time.monotonic() < deadline, "the run never reached round 20"
+            time.sleep(0.05)
+            if killed.exists():
+                try:
+                    with open_run(killed) as f:  # readable while the run goes on
+                        seen = int(f["state/round"][0])
+                except Exception:
+                    continue
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    done = read_run(killed)["state/round"][0]
+    assert 20 <= done < 150, "the kill did not land mid-run"
+    resumed = subprocess.run(cmd + ["--resume", str(killed)], capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr
+    subprocess.run(cmd + ["--out", str(whole)], check=True, capture_output=True, timeout=300)
+    a, b = read_run(whole), read_run(killed)
+    assert b["attrs"]["status"] == "complete"
+    for name, value in _datasets(a).items():
+        assert value.tobytes() == b[name].tobytes(), name
+    again = subprocess.run(cmd + ["--resume", str(killed)], capture_output=True, text=True, timeout=120)
+    assert again.returncode == 0 and "already complete" in again.stdout
