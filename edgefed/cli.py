@@ -59,7 +59,11 @@ def cmd_run(args) -> int:
     else:
         path = Path(args.out or cfg.log.path or experiment.default_log_path(args.config))
     on_round = None if args.quiet else (lambda s: print(progress_line(s), flush=True))
-    result = experiment.run(cfg, path, resume_point=point, force=args.force, on_round=on_round)
+    try:
+        result = experiment.run(cfg, path, resume_point=point, force=args.force, on_round=on_round)
+    except KeyboardInterrupt:
+        print(f"edgefed: interrupted; continue with: edgefed run --resume {path}", file=sys.stderr)
+        return 130
     if result.already_complete:
         print(f"{path}: the run is already complete; nothing to resume")
         return 0
@@ -78,6 +82,3 @@ def main(argv=None) -> int:
     except EdgefedError as exc:
         print(f"edgefed: error: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
-    except KeyboardInterrupt:
-        print("edgefed: interrupted; continue with --resume LOG", file=sys.stderr)
-        return 130
