@@ -60,7 +60,8 @@ def cmd_run(args) -> int:
         path = Path(args.out or cfg.log.path or experiment.default_log_path(args.config))
     on_round = None if args.quiet else (lambda s: print(progress_line(s), flush=True))
     try:
-        result = experiment.run(cfg, path, resume_point=point, force=args.force, on_round=on_round)
+        result = experiment.run(cfg, path, resume_point=point, force=args.force, on_round=on_round,
+                                on_info=lambda line: print(line, flush=True))
     except KeyboardInterrupt:
         print(f"edgefed: interrupted; continue with: edgefed run --resume {path}", file=sys.stderr)
         return 130

@@ -23,7 +23,11 @@ DATA_KINDS = ("synthetic", "quadratic")
 MODEL_KINDS = ("logreg", "quadratic")
 MODELS_FOR_DATA = {"synthetic": ("logreg",), "quadratic": ("quadratic",)}
 DTYPES = ("float32", "float64")
-ALGORITHMS = ("fedavg",)
+ALGORITHMS = ("fedavg", "scaffold")
+DEFAULT_WEIGHTING = {"fedavg": "count_selected", "scaffold": "uniform"}  # scaffold: seed 002's 1/S
+SCAFFOLD_OPTIONS = ("I", "II")
+SCAFFOLD_INITS = ("zero", "gradient")
+CONTROL_GRADIENTS = ("oracle", "full")
 WEIGHTINGS = ("uniform", "count_global", "count_selected")
 LR_SCHEDULES = ("constant", "staircase")
 SAMPLE_LAWS = ("lognormal", "pareto")
@@ -60,7 +64,7 @@ class ModelConfig:
 @dataclass(frozen=True)
 class TrainConfig:
     algorithm: str = "fedavg"
-    weighting: str = "count_selected"
+    weighting: str | None = None  # None: count_selected for fedavg, uniform for scaffold
     clients_per_round: int | float | str = 10
     local_steps: int | None = None  # K; None: 20 unless local_epochs is given
     local_epochs: int | float | None = None  # E; K_k = ceil(E * n_k / B) per device
@@ -68,6 +72,13 @@ class TrainConfig:
     lr_local: float = 0.05
     lr_global: float = 1.0
     lr_schedule: str = "constant"
+
+
+@dataclass(frozen=True)
+class ScaffoldConfig:
+    option: str = "II"  # control update: "I" c_k+ = g_k(x), "II" c_k - c + (x - y_k) / (s_k lr)
+    init: str = "zero"  # "zero", or "gradient": c_k^0 = full local gradient at x_0 (the seed's rates)
+    control_gradient: str = "oracle"  # option I's g_k(x): "oracle" (one minibatch, as the seed) or "full"
 
 
 @dataclass(frozen=True)
@@ -81,6 +92,7 @@ class LogConfig:
     path: str | None = None
     every: int = 1
     eval_every: int = 1
+    client_controls: bool = False  # also log every device's SCAFFOLD control at the stored rounds
 
 
 @dataclass(frozen=True)
@@ -90,6 +102,7 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    scaffold: ScaffoldConfig = field(default_factory=ScaffoldConfig)
     participation: ParticipationConfig = field(default_factory=ParticipationConfig)
     log: LogConfig = field(default_factory=LogConfig)
 
@@ -250,6 +263,9 @@ def validate(cfg: Config) -> Config:
     data = _validate_data(cfg.data)
     model = _validate_model(cfg.model, data)
     train = _validate_train(cfg.train, data)
+    _choice(cfg.scaffold.option, SCAFFOLD_OPTIONS, "scaffold.option")
+    _choice(cfg.scaffold.init, SCAFFOLD_INITS, "scaffold.init")
+    _choice(cfg.scaffold.control_gradient, CONTROL_GRADIENTS, "scaffold.control_gradient")
     _choice(cfg.participation.mode, PARTICIPATION_MODES, "participation.mode")
     _choice(cfg.participation.scheme, SCHEMES, "participation.scheme")
     _positive(cfg.log.every, "log.every", "every = 10")
@@ -303,6 +319,8 @@ def _validate_model(m: ModelConfig, data: DataConfig) -> ModelConfig:
 
 def _validate_train(t: TrainConfig, data: DataConfig) -> TrainConfig:
     _choice(t.algorithm, ALGORITHMS, "train.algorithm")
+    if t.weighting is None:
+        t = dataclasses.replace(t, weighting=DEFAULT_WEIGHTING[t.algorithm])
     _choice(t.weighting, WEIGHTINGS, "train.weighting")
     _choice(t.lr_schedule, LR_SCHEDULES, "train.lr_schedule")
     _positive(t.lr_local, "train.lr_local", "lr_local = 0.05")

@@ -4,18 +4,22 @@ from __future__ import annotations
 
 import datetime
 import math
+import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import psutil
 
 from edgefed import config as config_mod
 from edgefed.config import Config
-from edgefed.errors import RunLogError
+from edgefed.algorithms.fedavg import FedAvgClient
+from edgefed.algorithms.scaffold import ScaffoldClient
+from edgefed.errors import ResourceError, RunLogError
 from edgefed.models import build_model
 from edgefed.problems import build_problem
-from edgefed.runlog import Header, RunLogWriter, read_resume_point, read_run
+from edgefed.runlog import Column, Header, RunLogWriter, read_resume_point, read_run
 from edgefed.runtime.engine import RoundEngine
 from edgefed.runtime.local import LocalTransport
 
@@ -65,7 +69,55 @@ def resolve_config(config_path: str | None, overrides, resume: str | None):
     return logged, point
 
 
-def run(cfg: Config, log_path: Path, *, resume_point=None, force: bool = False, on_round=None) -> RunResult:
+def client_algorithm(cfg: Config, batch: int | None):
+    if cfg.train.algorithm == "scaffold":
+        return ScaffoldClient(cfg.scaffold.option, None if cfg.scaffold.control_gradient == "full" else batch)
+    return FedAvgClient()
+
+
+def scaffold_log_layout(cfg: Config, n: int, d: int, dtype) -> dict:
+    """The run-log columns and resume state SCAFFOLD adds to FedAvg's."""
+    columns = [Column("scaffold/c", (d,), dtype, "stored", "server control c after those rounds")]
+    if cfg.log.client_controls:
+        columns.append(Column("scaffold/c_clients", (n, d), dtype, "stored", "device controls c_k (row k)"))
+    return {"extra_columns": tuple(columns), "slots": (("c", (d,), dtype),),
+            "row_states": (("c_clients", (n, d), dtype),)}
+
+
+def stored_rounds(cfg: Config) -> int:
+    return len({0, cfg.rounds} | set(range(cfg.log.every, cfg.rounds + 1, cfg.log.every)))
+
+
+def check_control_memory(cfg: Config, n: int, d: int, dtype, log_path: Path, on_info) -> None:
+    """Report what SCAFFOLD's N x d controls take, and refuse when memory or disk cannot hold them."""
+    item = np.dtype(dtype).itemsize
+    in_memory = n * d * item
+    on_disk = 2 * in_memory + (stored_rounds(cfg) * in_memory if cfg.log.client_controls else 0)
+    on_info(f"SCAFFOLD controls: {n} x {d} {np.dtype(dtype).name} = {_size(in_memory)} in memory, "
+            f"{_size(on_disk)} in the run log")
+    available = psutil.virtual_memory().available
+    if in_memory > 0.8 * available:
+        hint = "" if np.dtype(dtype) == np.float32 else 'model.dtype = "float32" halves it, or '
+        raise ResourceError(f"SCAFFOLD's controls need {_size(in_memory)} but only {_size(available)} of memory "
+                            f"is available; {hint}use fewer devices (data.clients)")
+    free = shutil.disk_usage(log_path.parent if log_path.parent.exists() else Path.cwd()).free
+    if on_disk > free:
+        raise ResourceError(f"the run log would need {_size(on_disk)} for SCAFFOLD's controls but the disk has "
+                            f"{_size(free)} free; log fewer rounds (log.every), set log.client_controls = false, "
+                            'or use model.dtype = "float32"')
+
+
+def _size(n_bytes: float) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if n_bytes < 1024 or unit == "GB":
+            return f"{n_bytes:.0f} {unit}" if unit == "B" else f"{n_bytes:.1f} {unit}"
+        n_bytes /= 1024
+    return ""
+
+
+def run(cfg: Config, log_path: Path, *, resume_point=None, force: bool = False, on_round=None,
+        on_info=None) -> RunResult:
+    on_info = on_info or (lambda line: None)
     problem = build_problem(cfg)
     cfg = config_mod.with_clients(cfg, problem.n_devices)
     if resume_point is None and log_path.exists() and not force:
@@ -73,11 +125,17 @@ def run(cfg: Config, log_path: Path, *, resume_point=None, force: bool = False, 
                           "--force to replace it, or another --out")
     model = build_model(cfg.model.kind, problem, cfg.model.dtype)
     batch = None if cfg.train.batch_size == "full" else cfg.train.batch_size
-    transport = LocalTransport(problem, model, cfg.seed, batch)
+    transport = LocalTransport(problem, model, client_algorithm(cfg, batch), cfg.seed, batch)
+    on_info(f"{problem.describe()}; model {model.kind}, d = {model.dim} {model.dtype.name}; "
+            f"{cfg.train.algorithm}, {cfg.rounds} rounds")
+    layout = {}
+    if cfg.train.algorithm == "scaffold":
+        layout = scaffold_log_layout(cfg, problem.n_devices, model.dim, model.dtype)
+        check_control_memory(cfg, problem.n_devices, model.dim, model.dtype, log_path, on_info)
     header = Header(
         config_toml=resume_point.config_toml if resume_point else config_mod.to_toml(cfg),
         seed=cfg.seed, rounds=cfg.rounds, n_devices=problem.n_devices, dim=model.dim, dtype=model.dtype,
-        n_train=problem.n_train, attrs={"problem": problem.describe(), "model": model.kind},
+        n_train=problem.n_train, attrs={"problem": problem.describe(), "model": model.kind}, **layout,
     )
     if resume_point is not None and resume_point.complete:
         return _summary(log_path, resume_point.prefix, 0, 0.0, already_complete=True)
@@ -91,8 +149,9 @@ def run(cfg: Config, log_path: Path, *, resume_point=None, force: bool = False, 
             engine.start(x)
             done = 0
         else:
-            x = resume_point.state["x"].astype(model.dtype)
             done = resume_point.rounds_done
+            x = engine.resume(resume_point.state)
+            log.restore(done, resume_point.state)
         engine.run(x, done)
     except BaseException:
         log.close()  # the log stays valid up to the last completed round, ready for --resume

@@ -61,6 +61,16 @@ class LogReg:
         return _logreg._sgd_steps(params, X, y, self.n_classes, int(n_steps), b, t(lr), t(1.0) / t(b),
                                   run.rng, run.perm, corr, self._grad, self._prob)
 
+    def oracle_grad(self, params, data: ClassificationData, run: LocalRun, batch_size, grad_out) -> None:
+        """grad_out <- one stochastic gradient g_k(params): a minibatch drawn from run (None: the full batch)."""
+        X, y = data.X_train, data.y_train
+        self._check(params, X, y)
+        n = X.shape[0]
+        b = n if batch_size is None else min(int(batch_size), n)
+        t = self.dtype.type
+        _logreg._minibatch_grad(params, X, y, self.n_classes, b, t(1.0) / t(b), run.rng, run.perm, grad_out,
+                                self._prob)
+
     def loss_grad(self, params, data: ClassificationData, grad_out: np.ndarray) -> float:
         """Mean training loss F_k(params); grad_out <- its full gradient."""
         self._check(params, data.X_train, data.y_train)
@@ -99,7 +109,12 @@ class Quadratic:
         return _quad._sgd_steps(params, data.a, data.b, int(n_steps), self.dtype.type(lr), float(data.noise_std),
                                 run.rng, corr)
 
+    def oracle_grad(self, params, data: QuadraticData, run: LocalRun, batch_size, grad_out) -> None:
+        """grad_out <- g_k(params), with the oracle's noise if the problem has any."""
+        _quad._oracle_grad(params, data.a, data.b, float(data.noise_std), run.rng, grad_out)
+
     def loss_grad(self, params, data: QuadraticData, grad_out: np.ndarray) -> float:
+        """f_k(params) and its exact gradient (no noise)."""
         return float(_quad._loss_grad(params, data.a, data.b, grad_out))
 
     def train_loss(self, params, data: QuadraticData) -> float:

@@ -51,7 +51,7 @@ def softmax_ce(W, b, X, y):
     return loss, X.T @ p / len(y), p.mean(axis=0)
 
 
-def logreg_sgd(params, X, y, n_classes, n_steps, batch, lr, rng_state):
+def logreg_sgd(params, X, y, n_classes, n_steps, batch, lr, rng_state, correction=None):
     """Minibatch SGD on flat params (W row-major, then b) with the same minibatch draws as the kernel."""
     f = X.shape[1]
     params = params.astype(np.float64).copy()
@@ -62,7 +62,8 @@ def logreg_sgd(params, X, y, n_classes, n_steps, batch, lr, rng_state):
         idx = rng.batch(perm, b) if b < X.shape[0] else perm
         W = params[: f * n_classes].reshape(f, n_classes)
         _, gW, gb = softmax_ce(W, params[f * n_classes:], X[idx], y[idx])
-        params -= lr * np.concatenate([gW.ravel(), gb])
+        g = np.concatenate([gW.ravel(), gb])
+        params -= lr * (g if correction is None else g + correction)
     return params
 
 
@@ -93,3 +94,35 @@ def fedavg_quadratic(A, b, x0, rounds, K, S, lr_l, lr_g, weighting, n, selection
         x = new
         traj.append(x.copy())
     return np.array(traj)
+
+
+def scaffold_quadratic(A, b, x0, rounds, K, lr_l, lr_g, option, selections, c_clients0):
+    """Seed 002 verbatim on f_k = 1/2 sum A_k (x - b_k)^2 with exact gradients, in float64.
+
+    Returns the trajectories of x, c and the client controls. `selections[r]` is round r+1's sample.
+    """
+    N = A.shape[0]
+    grad = lambda k, v: A[k] * (v - b[k])
+    x = x0.astype(np.float64).copy()
+    ck = np.array(c_clients0, dtype=np.float64)
+    c = ck.mean(axis=0)
+    xs, cs, cks = [x.copy()], [c.copy()], [ck.copy()]
+    for r in range(rounds):
+        sel = sorted(selections[r])
+        S = len(sel)
+        dxs, dcs, new_ck = [], [], ck.copy()
+        for i in sel:
+            y = x.copy()
+            for _ in range(K):
+                y = y - lr_l * (grad(i, y) - ck[i] + c)
+            cplus = grad(i, x) if option == "I" else ck[i] - c + (x - y) / (K * lr_l)
+            dxs.append(y - x)
+            dcs.append(cplus - ck[i])
+            new_ck[i] = cplus
+        x = x + lr_g * (sum(dxs) / S)
+        c = c + (S / N) * (sum(dcs) / S)
+        ck = new_ck
+        xs.append(x.copy())
+        cs.append(c.copy())
+        cks.append(ck.copy())
+    return np.array(xs), np.array(cs), np.array(cks)

@@ -134,6 +134,8 @@ def test_progress_lines_and_summary(tmp_path, capsys):
     code, out, err = run_cli(["run", "--set", "rounds=3", "--out", str(tmp_path / "r.h5")], capsys)
     lines = out.strip().splitlines()
     assert code == 0 and err == ""
+    assert lines[0].startswith("SYNTHETIC(1,1): 30 devices") and "model logreg, d = 610 float32" in lines[0]
+    lines = lines[1:]
     assert len(lines) == 5 and lines[0].startswith("round 0/3") and lines[3].startswith("round 3/3")
     assert "participants  10/30" in lines[1] and "test_acc" in lines[1] and " ms" in lines[1]
     assert lines[-1].startswith("done: 3 rounds in") and str(tmp_path / "r.h5") in lines[-1]

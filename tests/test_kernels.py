@@ -154,3 +154,34 @@ def test_quadratic_noise_has_the_configured_spread():
     x = np.zeros(2000)
     model.local_steps(x, data, model.begin(data, kernel_state(0, Purpose.LOCAL, 1, 0)), 1, None, 1.0)
     assert abs(x.mean()) < 0.05 and x.std() == pytest.approx(0.5, rel=0.05)
+
+
+@pytest.mark.parametrize("dtype,tol", [(np.float64, 1e-12), (np.float32, 2e-5)])
+def test_logreg_scaffold_correction_matches_reference(dtype, tol):
+    data = _problem(dtype=dtype)
+    model = LogReg(6, 4, dtype)
+    g = np.random.default_rng(6)
+    x0 = (0.1 * g.normal(size=model.dim)).astype(dtype)
+    corr = (0.05 * g.normal(size=model.dim)).astype(dtype)
+    state = kernel_state(2, Purpose.LOCAL, 3, 1)
+    expect = logreg_sgd(x0, data.X_train.astype(np.float64), data.y_train, 4, 9, 8, 0.2, state.copy(),
+                        correction=corr.astype(np.float64))
+    x = x0.copy()
+    model.local_steps(x, data, model.begin(data, state), 9, 8, 0.2, correction=corr)
+    np.testing.assert_allclose(x, expect, rtol=tol, atol=tol)
+
+
+def test_logreg_oracle_gradient_is_one_minibatch():
+    data = _problem()
+    model = LogReg(6, 4, np.float64)
+    x = np.random.default_rng(7).normal(size=model.dim)
+    state = kernel_state(4, Purpose.CONTROL, 1, 0)
+    idx = Xoshiro(state.copy()).batch(list(range(37)), 8)
+    _, gW, gb = softmax_ce(x[:24].reshape(6, 4), x[24:], data.X_train[idx], data.y_train[idx])
+    out = np.zeros(model.dim)
+    model.oracle_grad(x, data, model.begin(data, state), 8, out)
+    np.testing.assert_allclose(out, np.concatenate([gW.ravel(), gb]), rtol=1e-12, atol=1e-15)
+    full = np.zeros(model.dim)
+    model.oracle_grad(x, data, model.begin(data, state), None, out)
+    model.loss_grad(x, data, full)
+    np.testing.assert_allclose(out, full, rtol=1e-12, atol=1e-15)

@@ -77,7 +77,7 @@ def test_averaging_identical_updates_returns_that_update(n_dev, d, lr_g, seed):
     x, delta = g.normal(size=d), g.normal(size=d)
     w = g.uniform(0.1, 1.0, n_dev)
     w /= w.sum()
-    out = server_update(x, np.tile(delta, (n_dev, 1)), w, lr_g)
+    out = server_update(x, np.arange(n_dev), np.tile(delta, (n_dev, 1)), w, lr_g)
     np.testing.assert_allclose(out, x + lr_g * delta, rtol=1e-12, atol=1e-12)
 
 

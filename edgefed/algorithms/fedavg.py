@@ -1,20 +1,36 @@
 """FedAvg (seed 000, DESIGN 2.2-2.4): K local steps from the server model, then x + eta_g * sum p_k Delta_k."""
 
+from __future__ import annotations
+
+from dataclasses import dataclass
+
 import numpy as np
 
 
-def client_update(model, x: np.ndarray, data, run, n_steps: int, batch_size, lr: float, out: np.ndarray):
-    """Local SGD from x; out <- Delta_k = y_{k,s} - x. Returns the steps taken."""
-    y = x.copy()
-    steps = model.local_steps(y, data, run, n_steps, batch_size, lr)
-    np.subtract(y, x, out=out)
-    return steps
+@dataclass(frozen=True)
+class FedAvgClient:
+    """The device side of FedAvg: plain local SGD, no state kept between rounds."""
+
+    name = "fedavg"
+    needs_control_stream = False
+
+    def local_update(self, model, data, run, control_run, n_steps, batch_size, lr, x, c, c_k, out_dx, out_dc):
+        """Local SGD from x; out_dx <- Delta_k = y_{k,s} - x. Returns the steps taken."""
+        y = x.copy()
+        steps = model.local_steps(y, data, run, n_steps, batch_size, lr)
+        np.subtract(y, x, out=out_dx)
+        return steps
 
 
-def server_update(x: np.ndarray, deltas: np.ndarray, coeffs: np.ndarray, lr_global: float) -> np.ndarray:
-    """x + eta_g * sum_k p_k Delta_k, summed over rows in the given (ascending device id) order in float64."""
+def ascending(device_ids: np.ndarray) -> np.ndarray:
+    """The order that visits rows by ascending device id: sums never depend on who answered first."""
+    return np.argsort(np.asarray(device_ids), kind="stable")
+
+
+def server_update(x: np.ndarray, device_ids, deltas: np.ndarray, coeffs: np.ndarray, lr_global: float) -> np.ndarray:
+    """x + eta_g * sum_k p_k Delta_k, accumulated in float64 in ascending device id."""
     acc = np.zeros(x.shape[0], dtype=np.float64)
-    for delta, p in zip(deltas, coeffs):
-        if p != 0.0:
-            acc += p * delta.astype(np.float64)
+    for i in ascending(device_ids):
+        if coeffs[i] != 0.0:
+            acc += coeffs[i] * deltas[i].astype(np.float64)
     return (x.astype(np.float64) + lr_global * acc).astype(x.dtype)

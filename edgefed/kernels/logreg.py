@@ -86,6 +86,22 @@ def _sgd_steps(params, X, y, n_classes, n_steps, b, lr, inv_b, rng, perm, correc
 
 
 @njit(**JIT)
+def _minibatch_grad(params, X, y, n_classes, b, inv_b, rng, perm, grad, prob):
+    """grad <- mean gradient over one minibatch of b samples drawn as in _sgd_steps (one oracle call)."""
+    n = X.shape[0]
+    if b < n:
+        draw_batch(rng, perm, n, b)
+    grad[:] = 0
+    for ii in range(b):
+        i = perm[ii]
+        _logits_softmax(params, X, i, n_classes, prob, y[i])
+        prob[y[i]] -= 1
+        _accumulate_grad(X, i, n_classes, prob, grad)
+    for k in range(grad.shape[0]):
+        grad[k] *= inv_b
+
+
+@njit(**JIT)
 def _loss_grad(params, X, y, n_classes, grad, prob):
     """Mean loss over all n samples; grad <- full mean gradient (float64 sums for the loss)."""
     n = X.shape[0]

@@ -33,3 +33,12 @@ def _loss_grad(x, a, b, grad):
         grad[j] = a[j] * r
         loss += 0.5 * np.float64(a[j]) * np.float64(r) * np.float64(r)
     return loss
+
+
+@njit(**JIT)
+def _oracle_grad(x, a, b, noise_std, rng, grad):
+    """grad <- g(x): the exact gradient plus, with noise_std > 0, fresh Gaussian noise (one oracle call)."""
+    for j in range(x.shape[0]):
+        grad[j] = a[j] * (x[j] - b[j])
+        if noise_std > 0:
+            grad[j] += noise_std * normal(rng)

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from edgefed.algorithms import fedavg
+from edgefed.algorithms import fedavg, scaffold
 from edgefed.config import Config
 from edgefed.participation import schemes
 from edgefed.participation.sampling import select_devices
@@ -45,6 +45,8 @@ class RoundEngine:
         self.on_round = on_round or (lambda summary: None)
         self.active = np.ones(self.n_devices, dtype=bool)
         self._budgets = self._local_budgets()
+        self.scaffold = cfg.train.algorithm == "scaffold"
+        self.c = None  # SCAFFOLD's server control
 
     # -- planning ----------------------------------------------------------------------------------------
     def _local_budgets(self) -> np.ndarray:
@@ -85,14 +87,23 @@ class RoundEngine:
 
     # -- the loop ----------------------------------------------------------------------------------------
     def start(self, x0: np.ndarray) -> None:
-        """Log round 0: the initial model and its metrics."""
+        """Log round 0: the initial model (and controls) and its metrics."""
+        if self.scaffold:
+            controls = self.transport.init_controls(x0, self.cfg.scaffold.init)
+            self.c = scaffold.mean_control(controls[np.flatnonzero(self.active)], x0.dtype)
+            self.log.set_rows("c_clients", controls)
         train, test_loss, test_acc = self.metrics(self.transport.evaluate(x0))
-        self.log.append({
-            "trajectory/round": 0, "trajectory/x": x0,
-            "metrics/train_loss": train, "metrics/test_loss": test_loss, "metrics/test_accuracy": test_acc,
-        })
-        self.log.checkpoint(0, {"x": x0})
+        self.log.append({"metrics/train_loss": train, "metrics/test_loss": test_loss,
+                         "metrics/test_accuracy": test_acc})
+        self._stage_and_commit(0, x0, np.zeros(0, np.int64), None, store=True)
         self.on_round(RoundSummary(0, self.cfg.rounds, train, test_loss, test_acc, 0, int(self.active.sum()), 0, 0.0))
+
+    def resume(self, state: dict) -> np.ndarray:
+        """Restore the server state (and the devices' controls) of a resume point; returns x."""
+        if self.scaffold:
+            self.c = state["c"]
+            self.transport.load_controls(state["c_clients"])
+        return state["x"]
 
     def run(self, x: np.ndarray, done: int = 0) -> np.ndarray:
         """Rounds done+1 .. R from server model x (the model after round `done`)."""
@@ -104,26 +115,47 @@ class RoundEngine:
         wall0 = time.perf_counter()
         t = self.cfg.train
         plan = self.plan(round_idx)
-        res = self.transport.local_work(plan, x)
+        res = self.transport.local_work(plan, x, self.c)
 
         # A non-finite update is dropped (counted, logged), never averaged in: it weighs as a device that did nothing.
         nonfinite = ~np.isfinite(res.deltas).all(axis=1)
+        if res.delta_c is not None:
+            nonfinite |= ~np.isfinite(res.delta_c).all(axis=1)
         counted_steps = np.where(nonfinite, 0, res.steps)
+        active_ids = np.flatnonzero(self.active)
         coeffs = schemes.coefficients(t.weighting, self.cfg.participation.scheme, plan.device_ids,
-                                      np.flatnonzero(self.active), self.n_train, counted_steps, plan.budgets)
+                                      active_ids, self.n_train, counted_steps, plan.budgets)
         coeffs[nonfinite] = 0.0
-        x = fedavg.server_update(x, res.deltas, coeffs, t.lr_global)
+        x = fedavg.server_update(x, plan.device_ids, res.deltas, coeffs, t.lr_global)
+        reported = counted_steps > 0
+        if self.scaffold:
+            self.c = scaffold.server_control_update(self.c, plan.device_ids[reported], res.delta_c[reported],
+                                                    active_ids.size)
 
         evaluate, store = self._due(round_idx)
         metrics = self.metrics(self.transport.evaluate(x)) if evaluate else (math.nan,) * 3
         elapsed = time.perf_counter() - wall0
         self.log.append(self._round_row(plan, res, coeffs, nonfinite, metrics, elapsed))
-        if store:
-            self.log.append({"trajectory/round": round_idx, "trajectory/x": x})
-        self.log.checkpoint(round_idx, {"x": x})
+        self._stage_and_commit(round_idx, x, plan.device_ids[reported],
+                               None if res.delta_c is None else res.delta_c[reported], store)
         self.on_round(RoundSummary(round_idx, self.cfg.rounds, *metrics, int(np.count_nonzero(res.steps)),
                                    int(self.active.sum()), int(nonfinite.sum()), elapsed))
         return x
+
+    def _stage_and_commit(self, round_idx, x, reported_ids, delta_c, store: bool) -> None:
+        """Resume state, the stored trajectory rows, then the round marker (last)."""
+        slots, rows, stored = {"x": x}, None, {"trajectory/round": round_idx, "trajectory/x": x}
+        if self.scaffold:
+            slots["c"] = self.c
+            if delta_c is not None:
+                rows = {"c_clients": (reported_ids, delta_c)}
+            stored["scaffold/c"] = self.c
+        self.log.stage(round_idx, slots, rows)
+        if store:
+            if self.scaffold and self.cfg.log.client_controls:
+                stored["scaffold/c_clients"] = self.log.rows("c_clients")
+            self.log.append(stored)
+        self.log.commit(round_idx)
 
     def _round_row(self, plan, res, coeffs, nonfinite, metrics, elapsed) -> dict:
         n, ids = self.n_devices, plan.device_ids

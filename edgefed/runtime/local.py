@@ -6,15 +6,19 @@ import time
 
 import numpy as np
 
-from edgefed.algorithms import fedavg
+from edgefed.algorithms import scaffold
 from edgefed.rng import Purpose, kernel_state
 from edgefed.runtime.messages import Evaluation, LocalResults, RoundPlan
 
 
 class LocalTransport:
-    def __init__(self, problem, model, seed: int, batch_size: int | None):
-        self.problem, self.model, self.seed, self.batch_size = problem, model, seed, batch_size
+    """Runs the client algorithm for each selected device; holds the devices' data and SCAFFOLD controls."""
+
+    def __init__(self, problem, model, client, seed: int, batch_size: int | None):
+        self.problem, self.model, self.client = problem, model, client
+        self.seed, self.batch_size = seed, batch_size
         self._devices = {}
+        self.controls = None  # (N, d) device controls c_k, SCAFFOLD only
 
     def data(self, device_id: int):
         data = self._devices.get(device_id)
@@ -22,23 +26,39 @@ class LocalTransport:
             data = self._devices[device_id] = self.problem.device(device_id)
         return data
 
-    def local_work(self, plan: RoundPlan, x: np.ndarray) -> LocalResults:
-        n_sel = plan.device_ids.size
-        deltas = np.empty((n_sel, x.shape[0]), dtype=x.dtype)
+    def init_controls(self, x0: np.ndarray, init: str) -> np.ndarray:
+        """Every device's c_k^0; each device keeps its own, the coordinator gets a copy for the log."""
+        self.controls = np.stack([scaffold.initial_controls(self.model, self.data(k), x0, init)
+                                  for k in range(self.problem.n_devices)])
+        return self.controls.copy()
+
+    def load_controls(self, controls: np.ndarray) -> None:
+        self.controls = np.array(controls, dtype=self.model.dtype)
+
+    def local_work(self, plan: RoundPlan, x: np.ndarray, c: np.ndarray | None = None) -> LocalResults:
+        n_sel, d = plan.device_ids.size, x.shape[0]
+        deltas = np.empty((n_sel, d), dtype=x.dtype)
+        delta_c = np.zeros((n_sel, d), dtype=x.dtype) if self.controls is not None else None
         steps = np.zeros(n_sel, np.int32)
         elapsed = np.zeros(n_sel, np.float32)
         cpu = np.full(n_sel, np.nan, np.float32)
         for i, k in enumerate(plan.device_ids):
-            data = self.data(int(k))
-            run = self.model.begin(data, kernel_state(self.seed, Purpose.LOCAL, plan.round_idx, int(k)))
+            k = int(k)
+            data = self.data(k)
+            run = self.model.begin(data, kernel_state(self.seed, Purpose.LOCAL, plan.round_idx, k))
+            control_run = None
+            if self.client.needs_control_stream:
+                control_run = self.model.begin(data, kernel_state(self.seed, Purpose.CONTROL, plan.round_idx, k))
+            c_k = None if self.controls is None else self.controls[k]
+            dc = None if delta_c is None else delta_c[i]
             wall0, cpu0 = time.perf_counter(), time.process_time()
-            steps[i] = fedavg.client_update(self.model, x, data, run, int(plan.budgets[i]), self.batch_size,
-                                            plan.lr, deltas[i])
+            steps[i] = self.client.local_update(self.model, data, run, control_run, int(plan.budgets[i]),
+                                                self.batch_size, plan.lr, x, c, c_k, deltas[i], dc)
             wall = time.perf_counter() - wall0
             elapsed[i] = wall
             if wall > 0:
                 cpu[i] = 100.0 * (time.process_time() - cpu0) / wall
-        return LocalResults(deltas, steps, elapsed, cpu)
+        return LocalResults(deltas, steps, elapsed, cpu, delta_c)
 
     def evaluate(self, x: np.ndarray) -> Evaluation:
         n = self.problem.n_devices

@@ -25,6 +25,7 @@ class LocalResults:
     steps: np.ndarray  # (S,) int32
     elapsed_s: np.ndarray  # (S,) float32
     cpu_percent: np.ndarray  # (S,) float32, NaN where unmeasured
+    delta_c: np.ndarray | None = None  # (S, d) SCAFFOLD's Delta c_k; None for FedAvg
 
 
 @dataclass(frozen=True)
