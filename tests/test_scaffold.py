@@ -152,7 +152,7 @@ def test_option_ii_uses_the_steps_actually_taken_and_zero_steps_keep_the_control
     steps, x, dx, dc, before = _client_round("II", 3, c_k, c)
     assert steps == 3
     np.testing.assert_allclose(before + dc, before - c + (-dx) / (3 * 0.1), rtol=1e-14)
-    np.testing.assert_array_equal(c_k, before + dc)  # the device applied its own Delta c_k
+    np.testing.assert_array_equal(c_k, before)  # applied only once the coordinator accepts the report
     steps, x, dx, dc, before = _client_round("II", 0, c_k, c)
     assert steps == 0 and not dx.any() and not dc.any() and np.array_equal(c_k, before)
 
@@ -282,3 +282,36 @@ def test_controls_that_cannot_fit_are_refused(tmp_path, monkeypatch):
     monkeypatch.undo()
     experiment.run(cfg, tmp_path / "ok.h5", on_info=lines.append)
     assert "SCAFFOLD controls: 30 x 610 float32 = 71.5 KB in memory" in lines[1]
+
+
+def test_devices_hold_exactly_the_controls_the_log_tracks(tmp_path, quad_file):
+    """Device-side c_k (in the transport) and the log's copy agree bit for bit, also when a report is dropped."""
+    from edgefed.experiment import client_algorithm, scaffold_log_layout
+    from edgefed.models import build_model
+    from edgefed.problems import build_problem
+    from edgefed.runlog import Header, RunLogWriter
+    from edgefed.runtime.engine import RoundEngine
+    from edgefed.runtime.local import LocalTransport
+
+    A = np.array([[1.0, 2.0], [0.5, 1.0], [1e10, 1.0], [1.5, 0.7]])  # device 2 overflows: dropped every round
+    path = quad_file(A, np.ones((4, 2)), x0=np.zeros(2))
+    cfg = config_mod.load_config(None, ['data.kind="quadratic"', f'data.path="{path}"', "train.local_steps=40",
+                                        'train.algorithm="scaffold"', 'train.clients_per_round="all"',
+                                        "train.lr_local=0.5", "rounds=4", 'scaffold.init="gradient"'])
+    cfg = config_mod.with_clients(cfg, 4)
+    problem = build_problem(cfg)
+    model = build_model("quadratic", problem, "float32")
+    transport = LocalTransport(problem, model, client_algorithm(cfg, None), cfg.seed, None)
+    header = Header(config_mod.to_toml(cfg), 0, 4, 4, 2, model.dtype, problem.n_train,
+                    **scaffold_log_layout(cfg, 4, 2, model.dtype))
+    log = RunLogWriter.create(tmp_path / "run.h5", header)
+    engine = RoundEngine(cfg, problem.n_train, transport, log)
+    engine.start(model.initial_params())
+    x = model.initial_params()
+    for r in range(1, 5):
+        x = engine.round(r, x)
+    tracked = log.rows("c_clients")
+    log.close()
+    assert transport.controls.tobytes() == tracked.tobytes()
+    assert read_run(tmp_path / "run.h5")["participation/nonfinite"][:, 2].all()
+    np.testing.assert_array_equal(tracked[2], A[2].astype(np.float32) * -1)  # kept its initial control

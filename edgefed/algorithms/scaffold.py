@@ -3,10 +3,11 @@
 Local step: y <- y - lr * (g_k(y) - c_k + c), done inside the model's kernel with correction = c - c_k.
 Control update after s_k > 0 steps: option I c_k+ = g_k(x) (one more oracle call at the round-start model,
 from the device's CONTROL stream; `control_gradient = "full"` uses the full local gradient instead);
-option II c_k+ = c_k - c + (x - y_k) / (s_k lr), with the steps actually taken. A device that took no
-step, or whose update is not finite, keeps its control. Devices report Delta c_k = c_k+ - c_k and apply
-c_k <- c_k + Delta c_k themselves, so the coordinator (and the run log) can track every c_k exactly from
-the Deltas. Server: c <- c + (1/N) sum over reporting devices of Delta c_k, which keeps c = mean_k c_k.
+option II c_k+ = c_k - c + (x - y_k) / (s_k lr), with the steps actually taken. Devices report
+Delta c_k = c_k+ - c_k and apply c_k <- c_k + Delta c_k only once the coordinator has accepted their report
+(it may drop a non-finite or late one), so the devices, the server and the run log, which tracks every c_k
+from the same Deltas, never disagree. A device that took no step keeps its control. Server:
+c <- c + (1/N) sum over accepted devices of Delta c_k, which keeps c = mean_k c_k.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ class ScaffoldClient:
         return self.option == "I" and self.control_batch is not None
 
     def local_update(self, model, data, run, control_run, n_steps, batch_size, lr, x, c, c_k, out_dx, out_dc):
-        """Corrected local SGD from x; out_dx <- Delta x_k, out_dc <- Delta c_k, c_k updated in place."""
+        """Corrected local SGD from x; out_dx <- Delta x_k, out_dc <- Delta c_k (c_k itself is not touched)."""
         y = x.copy()
         steps = model.local_steps(y, data, run, n_steps, batch_size, lr, correction=c - c_k)
         np.subtract(y, x, out=out_dx)
@@ -46,8 +47,6 @@ class ScaffoldClient:
         else:
             c_new = c_k - c + (x - y) / x.dtype.type(steps * lr)
         np.subtract(c_new, c_k, out=out_dc)
-        if np.isfinite(out_dx).all() and np.isfinite(out_dc).all():
-            c_k += out_dc
         return steps
 
 

@@ -128,6 +128,7 @@ class RoundEngine:
         coeffs[nonfinite] = 0.0
         x = fedavg.server_update(x, plan.device_ids, res.deltas, coeffs, t.lr_global)
         reported = counted_steps > 0
+        self.transport.accept(plan.device_ids[reported])
         if self.scaffold:
             self.c = scaffold.server_control_update(self.c, plan.device_ids[reported], res.delta_c[reported],
                                                     active_ids.size)

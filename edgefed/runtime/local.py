@@ -19,6 +19,7 @@ class LocalTransport:
         self.seed, self.batch_size = seed, batch_size
         self._devices = {}
         self.controls = None  # (N, d) device controls c_k, SCAFFOLD only
+        self._pending = None  # (device ids, Delta c rows) of the last round, until the coordinator accepts
 
     def data(self, device_id: int):
         data = self._devices.get(device_id)
@@ -58,7 +59,18 @@ class LocalTransport:
             elapsed[i] = wall
             if wall > 0:
                 cpu[i] = 100.0 * (time.process_time() - cpu0) / wall
+        if delta_c is not None:
+            self._pending = (plan.device_ids, delta_c)
         return LocalResults(deltas, steps, elapsed, cpu, delta_c)
+
+    def accept(self, device_ids: np.ndarray) -> None:
+        """The coordinator kept these devices' reports: they apply their Delta c_k."""
+        if self._pending is None:
+            return
+        ids, delta_c = self._pending
+        for i in np.flatnonzero(np.isin(ids, device_ids)):
+            self.controls[ids[i]] += delta_c[i]
+        self._pending = None
 
     def evaluate(self, x: np.ndarray) -> Evaluation:
         n = self.problem.n_devices
