@@ -135,7 +135,9 @@ def run(cfg: Config, log_path: Path, *, resume_point=None, force: bool = False, 
     header = Header(
         config_toml=resume_point.config_toml if resume_point else config_mod.to_toml(cfg),
         seed=cfg.seed, rounds=cfg.rounds, n_devices=problem.n_devices, dim=model.dim, dtype=model.dtype,
-        n_train=problem.n_train, attrs={"problem": problem.describe(), "model": model.kind}, **layout,
+        n_train=problem.n_train, **layout,
+        attrs={"problem": problem.describe(), "model": model.kind,
+               "train_objective": "(1/N_r) sum_k f_k" if cfg.train.weighting == "uniform" else "sum_k n_k/n F_k"},
     )
     if resume_point is not None and resume_point.complete:
         return _summary(log_path, resume_point.prefix, 0, 0.0, already_complete=True)
