@@ -43,6 +43,9 @@ def _fmt(value: float, spec: str) -> str:
 def progress_line(s) -> str:
     width = len(str(s.rounds))
     dropped = f"  dropped {s.n_dropped}" if s.n_dropped else ""
+    dropped += f"  late {s.n_late}" if s.n_late else ""
+    if s.steps_asked and s.steps_done < s.steps_asked:
+        dropped += f"  steps {s.steps_done}/{s.steps_asked}"
     return (f"round {s.round_idx:>{width}}/{s.rounds}  train_loss {_fmt(s.train_loss, '8.4f')}  "
             f"test_acc {_fmt(s.test_accuracy, '6.4f')}  participants {s.participants:>3}/{s.n_active}"
             f"{dropped}  {s.elapsed_s * 1e3:7.1f} ms")

@@ -31,7 +31,8 @@ CONTROL_GRADIENTS = ("oracle", "full")
 WEIGHTINGS = ("uniform", "count_global", "count_selected")
 LR_SCHEDULES = ("constant", "staircase")
 SAMPLE_LAWS = ("lognormal", "pareto")
-PARTICIPATION_MODES = ("full",)
+PARTICIPATION_MODES = ("full", "trace", "deadline")
+FAULT_KINDS = ("stall", "raise")
 SCHEMES = ("A", "B", "C")
 
 DEFAULT_CLIENTS = 30
@@ -83,8 +84,27 @@ class ScaffoldConfig:
 
 @dataclass(frozen=True)
 class ParticipationConfig:
-    mode: str = "full"
+    mode: str = "full"  # "full": K steps; "trace": the steps a trace gives; "deadline": what fits in deadline_s
     scheme: str = "B"
+    trace: str | None = None  # trace mode: a run log to replay (its selections and completed steps)
+    deadline_s: float | None = None  # deadline mode: wall-clock budget of each selected device per round
+    grace_s: float = 1.0  # a device silent past deadline + grace is recorded inactive for the round
+    contention: tuple[float, ...] = ()  # CPU competitor load per device (cycled), as the paper's 0..0.9
+
+
+@dataclass(frozen=True)
+class MpiConfig:
+    device_ranks: tuple[int, ...] = ()  # rank hosting each device; empty: round-robin over ranks 1..P-1
+
+
+@dataclass(frozen=True)
+class FaultConfig:
+    """A fault injected into one device's local work in one round, to test what the runtime does."""
+
+    device: int
+    round: int
+    kind: str = "stall"  # "stall": sleep `seconds` (a hung device); "raise": fail with an error
+    seconds: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -105,6 +125,8 @@ class Config:
     scaffold: ScaffoldConfig = field(default_factory=ScaffoldConfig)
     participation: ParticipationConfig = field(default_factory=ParticipationConfig)
     log: LogConfig = field(default_factory=LogConfig)
+    mpi: MpiConfig = field(default_factory=MpiConfig)
+    fault: tuple[FaultConfig, ...] = ()
 
     @property
     def n_clients(self) -> int:
@@ -121,7 +143,7 @@ class Config:
 
 
 TABLES = {f.name: f.default_factory for f in dataclasses.fields(Config) if f.default_factory is not dataclasses.MISSING}
-TOP_KEYS = tuple(f.name for f in dataclasses.fields(Config) if f.name not in TABLES)
+TOP_KEYS = tuple(f.name for f in dataclasses.fields(Config) if f.name not in TABLES)  # seed, rounds, fault
 
 
 # --------------------------------------------------------------------------- reading
@@ -202,6 +224,16 @@ def _build(cls, raw: dict, table: str):
     return cls(**_build_fields(cls, raw, table))
 
 
+def _build_table(cls, raw: dict, where: str):
+    """One table of an array of tables: like _build, but every field without a default is required."""
+    required = [f.name for f in dataclasses.fields(cls)
+                if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+    missing = [name for name in required if name not in raw]
+    if missing:
+        raise ConfigError(f"config: {where} lacks {', '.join(missing)}")
+    return _build(cls, raw, where)
+
+
 def _build_fields(cls, raw: dict, table: str) -> dict:
     hints = typing.get_type_hints(cls)
     out = {}
@@ -211,7 +243,20 @@ def _build_fields(cls, raw: dict, table: str) -> dict:
 
 
 def _coerce(value, hint, key: str):
-    """Check value against a field's type hint; ints are accepted where floats are expected."""
+    """Check value against a field's type hint; ints are accepted where floats are expected.
+
+    `tuple[T, ...]` fields take TOML arrays (of values, or of tables when T is a dataclass).
+    """
+    if typing.get_origin(hint) is tuple:
+        elem = typing.get_args(hint)[0]
+        if not isinstance(value, list):
+            raise ConfigError(f"config: {key} = {value!r} is {_describe(value)}; expected a list")
+        if dataclasses.is_dataclass(elem):
+            bad = [item for item in value if not isinstance(item, dict)]
+            if bad:
+                raise ConfigError(f"config: {key} must be a list of tables ([[{key}]]), found {_describe(bad[0])}")
+            return tuple(_build_table(elem, item, f"{key}[{i}]") for i, item in enumerate(value))
+        return tuple(_coerce(item, elem, f"{key}[{i}]") for i, item in enumerate(value))
     allowed = typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
     if isinstance(value, bool):
         if bool in allowed:
@@ -266,11 +311,36 @@ def validate(cfg: Config) -> Config:
     _choice(cfg.scaffold.option, SCAFFOLD_OPTIONS, "scaffold.option")
     _choice(cfg.scaffold.init, SCAFFOLD_INITS, "scaffold.init")
     _choice(cfg.scaffold.control_gradient, CONTROL_GRADIENTS, "scaffold.control_gradient")
-    _choice(cfg.participation.mode, PARTICIPATION_MODES, "participation.mode")
-    _choice(cfg.participation.scheme, SCHEMES, "participation.scheme")
+    _validate_participation(cfg.participation)
+    for i, fault in enumerate(cfg.fault):
+        _choice(fault.kind, FAULT_KINDS, f"fault[{i}].kind")
+        if fault.device < 0 or (cfg.data.clients is not None and fault.device >= cfg.data.clients):
+            raise ConfigError(f"config: fault[{i}].device = {fault.device} is not a device id (0-based)")
+        if not 1 <= fault.round <= cfg.rounds:
+            raise ConfigError(f"config: fault[{i}].round = {fault.round} is not a round (1..{cfg.rounds})")
     _positive(cfg.log.every, "log.every", "every = 10")
     _positive(cfg.log.eval_every, "log.eval_every", "eval_every = 5")
     return dataclasses.replace(cfg, data=data, model=model, train=train)
+
+
+def _validate_participation(p: ParticipationConfig) -> None:
+    _choice(p.mode, PARTICIPATION_MODES, "participation.mode")
+    _choice(p.scheme, SCHEMES, "participation.scheme")
+    if p.mode == "deadline":
+        if p.deadline_s is None:
+            raise ConfigError('config: participation.mode = "deadline" needs participation.deadline_s (e.g. 0.05)')
+        _positive(p.deadline_s, "participation.deadline_s", "deadline_s = 0.05")
+    elif p.deadline_s is not None:
+        raise ConfigError(f'config: participation.deadline_s applies to mode = "deadline", not {p.mode!r}')
+    if p.mode == "trace" and p.trace is None:
+        raise ConfigError('config: participation.mode = "trace" needs participation.trace (a run log to replay)')
+    if p.mode != "trace" and p.trace is not None:
+        raise ConfigError(f'config: participation.trace applies to mode = "trace", not {p.mode!r}')
+    if not (p.grace_s >= 0 and math.isfinite(p.grace_s)):
+        raise ConfigError(f"config: participation.grace_s = {p.grace_s} must be a finite number >= 0")
+    for i, load in enumerate(p.contention):
+        if not 0 <= load < 1:
+            raise ConfigError(f"config: participation.contention[{i}] = {load} must lie in [0, 1) (a CPU share)")
 
 
 def _validate_data(d: DataConfig) -> DataConfig:
@@ -386,7 +456,11 @@ def to_dict(cfg: Config) -> dict:
     for f in dataclasses.fields(cfg):
         value = getattr(cfg, f.name)
         if dataclasses.is_dataclass(value):
-            out[f.name] = {k: v for k, v in dataclasses.asdict(value).items() if v is not None}
+            out[f.name] = {k: list(v) if isinstance(v, tuple) else v
+                           for k, v in dataclasses.asdict(value).items() if v is not None}
+        elif isinstance(value, tuple):
+            if value:
+                out[f.name] = [dataclasses.asdict(item) for item in value]
         elif value is not None:
             out[f.name] = value
     return out
@@ -394,11 +468,16 @@ def to_dict(cfg: Config) -> dict:
 
 def to_toml(cfg: Config) -> str:
     data = to_dict(cfg)
-    lines = [f"{k} = {_toml_value(v)}" for k, v in data.items() if not isinstance(v, dict)]
+    lines = [f"{k} = {_toml_value(v)}" for k, v in data.items() if not isinstance(v, (dict, list))]
     for name, table in data.items():
         if isinstance(table, dict):
             lines.append(f"\n[{name}]")
             lines.extend(f"{k} = {_toml_value(v)}" for k, v in table.items())
+    for name, tables in data.items():
+        if isinstance(tables, list):
+            for table in tables:
+                lines.append(f"\n[[{name}]]")
+                lines.extend(f"{k} = {_toml_value(v)}" for k, v in table.items())
     return "\n".join(lines) + "\n"
 
 
@@ -429,6 +508,9 @@ def same_experiment(a: Config, b: Config) -> list[str]:
     diffs = []
     for key in sorted(set(da) | set(db)):
         va, vb = da.get(key), db.get(key)
+        if key == "participation":  # a replay may name its trace by another path; the trace itself is checked
+            for d in (va, vb):
+                (d or {}).pop("trace", None)
         if isinstance(va, dict) or isinstance(vb, dict):
             va, vb = va or {}, vb or {}
             diffs += [f"{key}.{k}" for k in sorted(set(va) | set(vb)) if va.get(k) != vb.get(k)]

@@ -19,8 +19,9 @@ from edgefed.algorithms.scaffold import ScaffoldClient
 from edgefed.errors import ResourceError, RunLogError
 from edgefed.models import build_model
 from edgefed.problems import build_problem
-from edgefed.runlog import Column, Header, RunLogWriter, read_resume_point, read_run
-from edgefed.runtime.engine import RoundEngine
+from edgefed.participation.traces import ReplayTrace
+from edgefed.runlog import Column, Header, RunLogWriter, read_participation, read_resume_point, read_run
+from edgefed.runtime.engine import RoundEngine, local_budgets
 from edgefed.runtime.local import LocalTransport
 
 
@@ -115,8 +116,20 @@ def _size(n_bytes: float) -> str:
     return ""
 
 
-def run(cfg: Config, log_path: Path, *, resume_point=None, force: bool = False, on_round=None,
-        on_info=None) -> RunResult:
+@dataclass(frozen=True)
+class Setup:
+    """Everything the coordinator decides before the first round."""
+
+    cfg: Config
+    problem: object
+    model: object
+    batch: int | None
+    header: Header
+    trace: ReplayTrace | None
+
+
+def prepare(cfg: Config, log_path: Path, *, resume_point=None, force: bool = False, on_info=None) -> Setup:
+    """Check everything that can be checked before a log is touched; build the problem and the log header."""
     on_info = on_info or (lambda line: None)
     problem = build_problem(cfg)
     cfg = config_mod.with_clients(cfg, problem.n_devices)
@@ -124,8 +137,11 @@ def run(cfg: Config, log_path: Path, *, resume_point=None, force: bool = False, 
         raise RunLogError(f"run log {log_path} already exists; use --resume {log_path} to continue it, "
                           "--force to replace it, or another --out")
     model = build_model(cfg.model.kind, problem, cfg.model.dtype)
-    batch = None if cfg.train.batch_size == "full" else cfg.train.batch_size
-    transport = LocalTransport(problem, model, client_algorithm(cfg, batch), cfg.seed, batch)
+    trace = None
+    if cfg.participation.mode == "trace":
+        recorded = read_participation(cfg.participation.trace)
+        trace = ReplayTrace.checked(recorded.selected, recorded.steps, recorded.budget, cfg.participation.trace,
+                                    problem.n_devices, cfg.rounds, local_budgets(cfg, problem.n_train))
     on_info(f"{problem.describe()}; model {model.kind}, d = {model.dim} {model.dtype.name}; "
             f"{cfg.train.algorithm}, {cfg.rounds} rounds")
     layout = {}
@@ -139,15 +155,36 @@ def run(cfg: Config, log_path: Path, *, resume_point=None, force: bool = False, 
         attrs={"problem": problem.describe(), "model": model.kind,
                "train_objective": "(1/N_r) sum_k f_k" if cfg.train.weighting == "uniform" else "sum_k n_k/n F_k"},
     )
-    if resume_point is not None and resume_point.complete:
-        return _summary(log_path, resume_point.prefix, 0, 0.0, already_complete=True)
+    batch = None if cfg.train.batch_size == "full" else cfg.train.batch_size
+    return Setup(cfg, problem, model, batch, header, trace)
 
+
+def local_transport(cfg: Config, problem, model, device_ids=None, core=None) -> LocalTransport:
+    """The devices this process hosts (all of them in the simulator)."""
+    batch = None if cfg.train.batch_size == "full" else cfg.train.batch_size
+    transport = LocalTransport(problem, model, client_algorithm(cfg, batch), cfg.seed, batch, device_ids,
+                               cfg.fault, cfg.participation.contention, core)
+    if cfg.participation.mode == "deadline":
+        transport.warmup(model.initial_params())
+    return transport
+
+
+def drive(setup: Setup, transport, log_path: Path, *, resume_point=None, on_round=None) -> RunResult:
+    """Open (or continue) the log and run the rounds through `transport`; the transport is closed after."""
+    cfg = setup.cfg
+    if resume_point is not None and resume_point.complete:
+        transport.close()
+        return _summary(log_path, resume_point.prefix, 0, 0.0, already_complete=True)
     wall0 = time.perf_counter()
-    log = RunLogWriter.create(log_path, header, resume_point.prefix if resume_point else None)
     try:
-        engine = RoundEngine(cfg, problem.n_train, transport, log, on_round)
+        log = RunLogWriter.create(log_path, setup.header, resume_point.prefix if resume_point else None)
+    except BaseException:
+        transport.close()
+        raise
+    try:
+        engine = RoundEngine(cfg, setup.problem.n_train, transport, log, on_round, setup.trace)
         if resume_point is None:
-            x = model.initial_params()
+            x = setup.model.initial_params()
             engine.start(x)
             done = 0
         else:
@@ -164,6 +201,14 @@ def run(cfg: Config, log_path: Path, *, resume_point=None, force: bool = False, 
     log.close({"status": "complete",
                "finished": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")})
     return _summary(log_path, read_run(log_path), cfg.rounds - done, wall)
+
+
+def run(cfg: Config, log_path: Path, *, resume_point=None, force: bool = False, on_round=None,
+        on_info=None) -> RunResult:
+    """One run in this process (the simulator)."""
+    setup = prepare(cfg, log_path, resume_point=resume_point, force=force, on_info=on_info)
+    transport = local_transport(setup.cfg, setup.problem, setup.model)
+    return drive(setup, transport, log_path, resume_point=resume_point, on_round=on_round)
 
 
 def _summary(path, data: dict, rounds_run: int, wall: float, already_complete=False) -> RunResult:

@@ -38,6 +38,10 @@ class LogReg:
     def initial_params(self) -> np.ndarray:
         return np.zeros(self.dim, self.dtype)
 
+    def clone(self) -> "LogReg":
+        """The same model with its own workspaces (for a second thread)."""
+        return LogReg(self.n_features, self.n_classes, self.dtype)
+
     def _check(self, params: np.ndarray, X: np.ndarray, y: np.ndarray) -> None:
         if params.dtype != self.dtype or params.shape != (self.dim,) or not params.flags.c_contiguous:
             raise ValueError(f"params must be a contiguous {self.dtype} vector of {self.dim}, got {params.dtype} {params.shape}")
@@ -99,6 +103,9 @@ class Quadratic:
 
     def initial_params(self) -> np.ndarray:
         return self._x0.astype(self.dtype)
+
+    def clone(self) -> "Quadratic":
+        return Quadratic(self.dim, self._x0, self.dtype)
 
     def begin(self, data: QuadraticData, rng_state: np.ndarray) -> LocalRun:
         return LocalRun(rng_state, 0)

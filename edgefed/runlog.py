@@ -34,7 +34,8 @@ FORMAT = "edgefed-run"
 FORMAT_VERSION = 1
 
 # Datasets holding measured wall time or load: the only ones that differ between two runs of one config.
-MEASURED = frozenset({"participation/elapsed_s", "participation/cpu_percent", "metrics/round_elapsed_s"})
+MEASURED = frozenset({"participation/elapsed_s", "participation/cpu_percent", "participation/cpu_freq_mhz",
+                      "participation/temperature_c", "metrics/round_elapsed_s"})
 
 
 @dataclass(frozen=True)
@@ -74,7 +75,10 @@ def columns(n: int, d: int, dtype) -> tuple[Column, ...]:
         Column("participation/coeff", (n,), np.float64, "round", "aggregation coefficient p_k applied to Delta_k"),
         Column("participation/nonfinite", (n,), np.bool_, "round", "update had NaN/inf and was dropped"),
         Column("participation/elapsed_s", (n,), np.float32, "round", "wall time of the local work, s"),
-        Column("participation/cpu_percent", (n,), np.float32, "round", "CPU share of the device's process, %"),
+        Column("participation/cpu_percent", (n,), np.float32, "round", "CPU share the device's work got, %"),
+        Column("participation/cpu_freq_mhz", (n,), np.float32, "round", "CPU frequency after the work (NaN: unknown)"),
+        Column("participation/temperature_c", (n,), np.float32, "round", "board temperature after the work (NaN: unknown)"),
+        Column("participation/late", (n,), np.bool_, "round", "answered after deadline + grace; its work was dropped"),
         Column("metrics/lr", (), np.float64, "round", "local learning rate used in the round"),
         Column("metrics/round_elapsed_s", (), np.float64, "round", "wall time of the whole round, s"),
         Column("metrics/train_loss", (), np.float64, "round+1", "global objective at x_r (NaN: not evaluated)"),
@@ -330,3 +334,22 @@ def read_resume_point(path: str | Path) -> ResumePoint:
                 rows[st["undo/ids"][:count]] = st[f"undo/{name}"][:count]
             state[name] = rows
         return ResumePoint(str(f.attrs["config"]), done, state, prefix, f.attrs.get("status") == "complete")
+
+
+@dataclass(frozen=True)
+class RecordedParticipation:
+    """Who was selected and how many steps each completed, round by round, in a run log."""
+
+    selected: np.ndarray  # (R, N) bool
+    steps: np.ndarray  # (R, N) int32
+    budget: np.ndarray  # (R, N) int32
+    config_toml: str
+
+
+def read_participation(path: str | Path) -> RecordedParticipation:
+    with open_run(path) as f:
+        try:
+            p = f["participation"]
+            return RecordedParticipation(p["selected"][()], p["steps"][()], p["budget"][()], str(f.attrs["config"]))
+        except KeyError as exc:
+            raise RunLogError(f"{path} lacks {exc.args[0]}; it is not an edgefed run log with participation") from None

@@ -14,6 +14,7 @@ from edgefed.models import Quadratic
 from edgefed.problems import QuadraticData
 from edgefed.rng import Purpose, kernel_state
 from edgefed.runlog import MEASURED, read_run
+from edgefed.runtime.deadline import run_all
 from naive import scaffold_quadratic
 
 
@@ -142,7 +143,7 @@ def _client_round(option, n_steps, c_k, c):
     dx, dc = np.zeros(2), np.zeros(2)
     before = c_k.copy()
     steps = ScaffoldClient(option, None).local_update(
-        model, data, model.begin(data, kernel_state(0, Purpose.LOCAL, 1, 0)), None, n_steps, None, 0.1,
+        model, data, model.begin(data, kernel_state(0, Purpose.LOCAL, 1, 0)), None, run_all, n_steps, None, 0.1,
         x, c, c_k, dx, dc)
     return steps, x, dx, dc, before
 
@@ -163,7 +164,7 @@ def test_correction_has_the_seed_sign():
     model = Quadratic(1, np.zeros(1), np.float64)
     dx, dc = np.zeros(1), np.zeros(1)
     ScaffoldClient("II", None).local_update(model, data, model.begin(data, kernel_state(0, Purpose.LOCAL, 1, 0)),
-                                            None, 1, None, 0.1, np.zeros(1), np.zeros(1), np.ones(1), dx, dc)
+                                            None, run_all, 1, None, 0.1, np.zeros(1), np.zeros(1), np.ones(1), dx, dc)
     assert dx[0] == pytest.approx(0.1)
 
 
@@ -194,8 +195,9 @@ def test_known_slips_are_caught(quad_file, run_experiment, monkeypatch):
     assert deviation()[0] < 1e-12
     honest_update = ScaffoldClient.local_update
 
-    def sends_c_k(self, model, data, run, control_run, n_steps, batch, lr, x, c, c_k, out_dx, out_dc):
-        steps = honest_update(self, model, data, run, control_run, n_steps, batch, lr, x, c, c_k, out_dx, out_dc)
+    def sends_c_k(self, model, data, run, control_run, runner, n_steps, batch, lr, x, c, c_k, out_dx, out_dc):
+        steps = honest_update(self, model, data, run, control_run, runner, n_steps, batch, lr, x, c, c_k, out_dx,
+                              out_dc)
         out_dc[:] = c_k
         return steps
 

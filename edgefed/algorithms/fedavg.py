@@ -14,10 +14,14 @@ class FedAvgClient:
     name = "fedavg"
     needs_control_stream = False
 
-    def local_update(self, model, data, run, control_run, n_steps, batch_size, lr, x, c, c_k, out_dx, out_dc):
-        """Local SGD from x; out_dx <- Delta_k = y_{k,s} - x. Returns the steps taken."""
+    def local_update(self, model, data, run, control_run, runner, n_steps, batch_size, lr, x, c, c_k, out_dx,
+                     out_dc):
+        """Local SGD from x for up to n_steps (`runner` decides how many); out_dx <- Delta_k = y_{k,s} - x.
+
+        Returns the steps taken.
+        """
         y = x.copy()
-        steps = model.local_steps(y, data, run, n_steps, batch_size, lr)
+        steps = runner(lambda n: model.local_steps(y, data, run, n, batch_size, lr), n_steps)
         np.subtract(y, x, out=out_dx)
         return steps
 

@@ -30,10 +30,12 @@ class ScaffoldClient:
     def needs_control_stream(self) -> bool:
         return self.option == "I" and self.control_batch is not None
 
-    def local_update(self, model, data, run, control_run, n_steps, batch_size, lr, x, c, c_k, out_dx, out_dc):
+    def local_update(self, model, data, run, control_run, runner, n_steps, batch_size, lr, x, c, c_k, out_dx,
+                     out_dc):
         """Corrected local SGD from x; out_dx <- Delta x_k, out_dc <- Delta c_k (c_k itself is not touched)."""
         y = x.copy()
-        steps = model.local_steps(y, data, run, n_steps, batch_size, lr, correction=c - c_k)
+        correction = c - c_k
+        steps = runner(lambda n: model.local_steps(y, data, run, n, batch_size, lr, correction), n_steps)
         np.subtract(y, x, out=out_dx)
         out_dc[:] = 0
         if steps == 0:

@@ -33,30 +33,35 @@ class RoundSummary:
     n_active: int
     n_dropped: int
     elapsed_s: float
+    n_late: int = 0
+    steps_done: int = 0
+    steps_asked: int = 0
+
+
+def local_budgets(cfg: Config, n_train: np.ndarray) -> np.ndarray:
+    """K_k for every device: K, or ceil(E * n_k / B) local steps for E epochs of batch B."""
+    t = cfg.train
+    if t.local_epochs is None:
+        return np.full(n_train.size, t.local_steps, dtype=np.int32)
+    batch = n_train if t.batch_size == "full" else np.minimum(t.batch_size, n_train)
+    return np.array([math.ceil(t.local_epochs * n / b - 1e-9) for n, b in zip(n_train, batch)], np.int32)
 
 
 class RoundEngine:
-    def __init__(self, cfg: Config, n_train: np.ndarray, transport, log, on_round=None):
+    def __init__(self, cfg: Config, n_train: np.ndarray, transport, log, on_round=None, trace=None):
         self.cfg = cfg
+        self.trace = trace  # a ReplayTrace in trace mode
         self.n_train = np.asarray(n_train, dtype=np.int64)
         self.n_devices = self.n_train.size
         self.transport = transport
         self.log = log
         self.on_round = on_round or (lambda summary: None)
         self.active = np.ones(self.n_devices, dtype=bool)
-        self._budgets = self._local_budgets()
+        self._budgets = local_budgets(cfg, self.n_train)
         self.scaffold = cfg.train.algorithm == "scaffold"
         self.c = None  # SCAFFOLD's server control
 
     # -- planning ----------------------------------------------------------------------------------------
-    def _local_budgets(self) -> np.ndarray:
-        """K_k for every device: K, or ceil(E * n_k / B) local steps for E epochs of batch B."""
-        t = self.cfg.train
-        if t.local_epochs is None:
-            return np.full(self.n_devices, t.local_steps, dtype=np.int32)
-        batch = self.n_train if t.batch_size == "full" else np.minimum(t.batch_size, self.n_train)
-        return np.array([math.ceil(t.local_epochs * n / b - 1e-9) for n, b in zip(self.n_train, batch)], np.int32)
-
     def learning_rate(self, round_idx: int, shift_round: int = 0) -> float:
         t = self.cfg.train
         if t.lr_schedule == "staircase":
@@ -64,10 +69,15 @@ class RoundEngine:
         return t.lr_local
 
     def plan(self, round_idx: int) -> RoundPlan:
+        lr = self.learning_rate(round_idx)
+        if self.trace is not None:
+            selected, steps = self.trace.round(round_idx)
+            return RoundPlan(round_idx, selected, self._budgets[selected], lr, steps=np.minimum(steps, self._budgets[selected]))
         active_ids = np.flatnonzero(self.active)
         count = self.cfg.clients_per_round_count(active_ids.size)
         selected = select_devices(self.cfg.seed, round_idx, active_ids, count)
-        return RoundPlan(round_idx, selected, self._budgets[selected], self.learning_rate(round_idx))
+        p = self.cfg.participation
+        return RoundPlan(round_idx, selected, self._budgets[selected], lr, deadline_s=p.deadline_s, grace_s=p.grace_s)
 
     # -- evaluation --------------------------------------------------------------------------------------
     def metrics(self, ev: Evaluation) -> tuple[float, float, float]:
@@ -117,18 +127,20 @@ class RoundEngine:
         plan = self.plan(round_idx)
         res = self.transport.local_work(plan, x, self.c)
 
-        # A non-finite update is dropped (counted, logged), never averaged in: it weighs as a device that did nothing.
+        # A non-finite update is dropped (counted, logged), never averaged in: it weighs as a device that did
+        # nothing, as does a late one (its steps arrive as 0).
         nonfinite = ~np.isfinite(res.deltas).all(axis=1)
         if res.delta_c is not None:
             nonfinite |= ~np.isfinite(res.delta_c).all(axis=1)
-        counted_steps = np.where(nonfinite, 0, res.steps)
+        late = np.zeros(plan.device_ids.size, bool) if res.late is None else res.late
+        counted_steps = np.where(nonfinite | late, 0, res.steps)
         active_ids = np.flatnonzero(self.active)
         coeffs = schemes.coefficients(t.weighting, self.cfg.participation.scheme, plan.device_ids,
                                       active_ids, self.n_train, counted_steps, plan.budgets)
-        coeffs[nonfinite] = 0.0
+        coeffs[counted_steps == 0] = 0.0  # nothing applied: log 0 (Scheme B's w_k would multiply a zero update)
         x = fedavg.server_update(x, plan.device_ids, res.deltas, coeffs, t.lr_global)
         reported = counted_steps > 0
-        self.transport.accept(plan.device_ids[reported])
+        self.transport.accept(round_idx, plan.device_ids[reported])
         if self.scaffold:
             self.c = scaffold.server_control_update(self.c, plan.device_ids[reported], res.delta_c[reported],
                                                     active_ids.size)
@@ -136,11 +148,12 @@ class RoundEngine:
         evaluate, store = self._due(round_idx)
         metrics = self.metrics(self.transport.evaluate(x)) if evaluate else (math.nan,) * 3
         elapsed = time.perf_counter() - wall0
-        self.log.append(self._round_row(plan, res, coeffs, nonfinite, metrics, elapsed))
+        self.log.append(self._round_row(plan, res, coeffs, nonfinite, late, metrics, elapsed))
         self._stage_and_commit(round_idx, x, plan.device_ids[reported],
                                None if res.delta_c is None else res.delta_c[reported], store)
-        self.on_round(RoundSummary(round_idx, self.cfg.rounds, *metrics, int(np.count_nonzero(res.steps)),
-                                   int(self.active.sum()), int(nonfinite.sum()), elapsed))
+        self.on_round(RoundSummary(round_idx, self.cfg.rounds, *metrics, int(np.count_nonzero(counted_steps)),
+                                   int(self.active.sum()), int(nonfinite.sum()), elapsed, int(late.sum()),
+                                   int(np.sum(res.steps[~late & ~nonfinite])), int(plan.budgets.sum())))
         return x
 
     def _stage_and_commit(self, round_idx, x, reported_ids, delta_c, store: bool) -> None:
@@ -158,7 +171,7 @@ class RoundEngine:
             self.log.append(stored)
         self.log.commit(round_idx)
 
-    def _round_row(self, plan, res, coeffs, nonfinite, metrics, elapsed) -> dict:
+    def _round_row(self, plan, res, coeffs, nonfinite, late, metrics, elapsed) -> dict:
         n, ids = self.n_devices, plan.device_ids
 
         def scatter(values, dtype, fill=0):
@@ -175,9 +188,16 @@ class RoundEngine:
             "participation/nonfinite": scatter(nonfinite, np.bool_, False),
             "participation/elapsed_s": scatter(res.elapsed_s, np.float32),
             "participation/cpu_percent": scatter(res.cpu_percent, np.float32, np.nan),
+            "participation/cpu_freq_mhz": scatter(_or_nan(res.cpu_freq_mhz), np.float32, np.nan),
+            "participation/temperature_c": scatter(_or_nan(res.temperature_c), np.float32, np.nan),
+            "participation/late": scatter(late, np.bool_, False),
             "metrics/lr": plan.lr,
             "metrics/round_elapsed_s": elapsed,
             "metrics/train_loss": metrics[0],
             "metrics/test_loss": metrics[1],
             "metrics/test_accuracy": metrics[2],
         }
+
+
+def _or_nan(values):
+    return np.nan if values is None else values

@@ -13,8 +13,14 @@ class RoundPlan:
 
     round_idx: int
     device_ids: np.ndarray  # selected devices, ascending
-    budgets: np.ndarray  # int32, steps asked of each selected device
+    budgets: np.ndarray  # int32, steps asked of each selected device (K_k)
     lr: float
+    steps: np.ndarray | None = None  # trace mode: int32, the exact steps each device takes
+    deadline_s: float | None = None  # deadline mode: each device's wall-clock budget
+    grace_s: float = 0.0  # past deadline + grace a device's report is late and dropped
+
+    def steps_to_run(self, i: int) -> int:
+        return int(self.budgets[i] if self.steps is None else self.steps[i])
 
 
 @dataclass(frozen=True)
@@ -26,6 +32,9 @@ class LocalResults:
     elapsed_s: np.ndarray  # (S,) float32
     cpu_percent: np.ndarray  # (S,) float32, NaN where unmeasured
     delta_c: np.ndarray | None = None  # (S, d) SCAFFOLD's Delta c_k; None for FedAvg
+    late: np.ndarray | None = None  # (S,) bool: answered after deadline + grace (or never); dropped
+    cpu_freq_mhz: np.ndarray | None = None  # (S,) float32, NaN where the board does not say
+    temperature_c: np.ndarray | None = None  # (S,) float32, NaN where the board does not say
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,86 @@
+"""Local work under a wall-clock deadline, and what the board says about itself while it works.
+
+A device runs its kernel in chunks and stops when the deadline has passed or its budget is done. The first
+chunk is one step; later chunks are sized from the measured step time to last about `chunk_s` (never past
+the time left), so the clock is read about once per millisecond: its cost (~1 us per chunk, measured in
+benchmarks/) stays well under 1 % of the work, and the overshoot past the deadline stays within one chunk.
+Because the kernels continue the caller's generator state, the steps a chunked run completes are bit for
+bit the steps an unchunked run of the same count makes: a deadline run replays exactly as a trace.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+import psutil
+
+CHUNK_S = 0.001
+
+
+def run_all(step_fn, n_steps: int) -> int:
+    """Full and trace modes: exactly n_steps, in one call."""
+    return step_fn(n_steps) if n_steps > 0 else 0
+
+
+class DeadlineRunner:
+    """run(step_fn, budget): steps done before `deadline_s` passed (counted from the call), at most budget."""
+
+    def __init__(self, deadline_s: float, chunk_s: float = CHUNK_S, clock=time.perf_counter):
+        self.deadline_s, self.chunk_s, self.clock = deadline_s, chunk_s, clock
+        self.chunks = 0  # chunks run by the last call, for benchmarks and tests
+
+    def __call__(self, step_fn, n_steps: int) -> int:
+        clock = self.clock
+        end = clock() + self.deadline_s
+        done, chunk, self.chunks = 0, 1, 0
+        while done < n_steps:
+            t0 = clock()
+            if t0 >= end:
+                break
+            n = min(chunk, n_steps - done)
+            step_fn(n)
+            done += n
+            self.chunks += 1
+            t1 = clock()
+            per_step = max((t1 - t0) / n, 1e-9)
+            chunk = max(1, int(min(self.chunk_s, end - t1) / per_step))
+        return done
+
+
+class BoardReadings:
+    """CPU frequency (MHz) and temperature (deg C) where the board reports them; NaN where it does not."""
+
+    def __init__(self, core: int | None = None):
+        self.core = core
+        self._temp_key = self._find_sensor()
+
+    @staticmethod
+    def _find_sensor():
+        try:
+            sensors = psutil.sensors_temperatures()
+        except (AttributeError, OSError):
+            return None
+        for name in ("cpu_thermal", "coretemp", "k10temp", "soc_thermal", "cpu-thermal"):  # Pi first
+            if sensors.get(name):
+                return name
+        return next((name for name, entries in sensors.items() if entries), None)
+
+    def frequency_mhz(self) -> float:
+        try:
+            freqs = psutil.cpu_freq(percpu=True)
+        except (AttributeError, OSError, NotImplementedError):
+            return math.nan
+        if not freqs:
+            return math.nan
+        entry = freqs[self.core] if self.core is not None and self.core < len(freqs) else freqs[0]
+        return float(entry.current) if entry.current else math.nan
+
+    def temperature_c(self) -> float:
+        if self._temp_key is None:
+            return math.nan
+        try:
+            entries = psutil.sensors_temperatures().get(self._temp_key)
+        except OSError:
+            return math.nan
+        return float(entries[0].current) if entries else math.nan
