@@ -51,7 +51,7 @@ def progress_line(s) -> str:
             f"{dropped}  {s.elapsed_s * 1e3:7.1f} ms")
 
 
-def cmd_run(args) -> int:
+def _resolve(args):
     from edgefed import experiment
 
     if args.resume and args.out and Path(args.out) != Path(args.resume):
@@ -61,13 +61,39 @@ def cmd_run(args) -> int:
         path = Path(args.resume)
     else:
         path = Path(args.out or cfg.log.path or experiment.default_log_path(args.config))
+    return cfg, point, path
+
+
+def _info(line: str) -> None:
+    print(line, flush=True)
+
+
+def _error(message: str) -> None:
+    print(f"edgefed: error: {message}", file=sys.stderr, flush=True)
+
+
+def cmd_run(args) -> int:
+    from edgefed import experiment
+    from edgefed.runtime import mpi
+
     on_round = None if args.quiet else (lambda s: print(progress_line(s), flush=True))
-    try:
-        result = experiment.run(cfg, path, resume_point=point, force=args.force, on_round=on_round,
-                                on_info=lambda line: print(line, flush=True))
-    except KeyboardInterrupt:
-        print(f"edgefed: interrupted; continue with: edgefed run --resume {path}", file=sys.stderr)
-        return 130
+    comm = mpi.world()
+    if comm is not None:
+        from edgefed.runtime import ranks
+
+        if comm.Get_rank() != 0:
+            return ranks.run_device_rank(comm)
+        result = ranks.run_coordinator(comm, lambda: _resolve(args), args.force, on_round, _info, _error)
+        if isinstance(result, int):
+            return result
+        path = result.path
+    else:
+        cfg, point, path = _resolve(args)
+        try:
+            result = experiment.run(cfg, path, resume_point=point, force=args.force, on_round=on_round, on_info=_info)
+        except KeyboardInterrupt:
+            print(f"edgefed: interrupted; continue with: edgefed run --resume {path}", file=sys.stderr)
+            return 130
     if result.already_complete:
         print(f"{path}: the run is already complete; nothing to resume")
         return 0
@@ -84,5 +110,5 @@ def main(argv=None) -> int:
     try:
         return args.func(args)
     except EdgefedError as exc:
-        print(f"edgefed: error: {exc}", file=sys.stderr)
+        _error(str(exc))
         return EXIT_BAD_INPUT

@@ -179,7 +179,7 @@ def drive(setup: Setup, transport, log_path: Path, *, resume_point=None, on_roun
     try:
         log = RunLogWriter.create(log_path, setup.header, resume_point.prefix if resume_point else None)
     except BaseException:
-        transport.close()
+        transport.close(failed=True)
         raise
     try:
         engine = RoundEngine(cfg, setup.problem.n_train, transport, log, on_round, setup.trace)
@@ -194,9 +194,9 @@ def drive(setup: Setup, transport, log_path: Path, *, resume_point=None, on_roun
         engine.run(x, done)
     except BaseException:
         log.close()  # the log stays valid up to the last completed round, ready for --resume
+        transport.close(failed=True)
         raise
-    finally:
-        transport.close()
+    transport.close()
     wall = time.perf_counter() - wall0
     log.close({"status": "complete",
                "finished": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")})

@@ -176,7 +176,7 @@ class LocalTransport:
                 n_test[k] = data.y_test.size
         return Evaluation(train, test_loss, correct, n_test)
 
-    def close(self) -> None:
+    def close(self, failed: bool = False) -> None:
         if self.competitor is not None:
             self.competitor.stop()
             self.competitor = None

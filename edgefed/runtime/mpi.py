@@ -1,0 +1,375 @@
+"""The MPI runtime: rank 0 coordinates (engine, log), ranks 1..P-1 host devices.
+
+Per-round traffic, all on buffers allocated once:
+- down: `Ibcast` of a control vector (int64: command, round, learning rate, deadline, each device's budget
+  and trace steps, and which reports of the previous round the coordinator accepted), then `Ibcast` of the
+  model (and SCAFFOLD's c) in the model dtype;
+- up: each rank sends one message with a record per device it worked for (meta in float64, then Delta x
+  and Delta c in the model dtype), point-to-point so that a rank that misses its deadline holds nobody up.
+No pickling on the per-round path; setup and teardown exchange small metadata only.
+
+Waiting never spins: every wait is a non-blocking request polled with short sleeps (MPICH's blocking calls
+keep a core at 99 %). Device ranks compute on a worker thread, so their main thread keeps serving MPI while
+a device works or hangs: a report that comes after deadline + grace is dropped by the coordinator and the
+device keeps its SCAFFOLD control. If any rank raises, it prints its error and aborts the world.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from edgefed.errors import ConfigError, EdgefedError
+from edgefed.runtime.messages import Evaluation, LocalResults, RoundPlan
+
+CMD_STOP, CMD_ROUND, CMD_EVAL, CMD_INIT_CONTROLS, CMD_LOAD_CONTROLS = range(5)
+TAG_WORK, TAG_EVAL, TAG_INIT, TAG_LOAD = 11, 12, 13, 14
+HEAD = 8  # fixed part of the control vector; then budgets (N), trace steps (N), accepted (N)
+WORK_META = ("round", "device", "steps", "elapsed_s", "cpu_percent", "cpu_freq_mhz", "temperature_c", "late")
+EVAL_META = ("round", "device", "train_loss", "test_loss_sum", "test_correct", "n_test")
+INIT_META = ("round", "device")
+POLL_MAX_S = 0.001
+SPIN_S = 50e-6
+
+_ENV_SIZES = ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_SIZE", "MV2_COMM_WORLD_SIZE", "MPI_LOCALNRANKS")
+
+
+def launched_size() -> int:
+    """World size announced by the launcher's environment (1 when not under mpirun/mpiexec)."""
+    for name in _ENV_SIZES:
+        value = os.environ.get(name)
+        if value and value.isdigit():
+            return int(value)
+    return 1
+
+
+def world():
+    """COMM_WORLD when launched with more than one rank, else None (the simulator runs, MPI stays untouched)."""
+    if launched_size() <= 1:
+        return None
+    try:
+        import mpi4py
+
+        mpi4py.rc.thread_level = "funneled"  # only the main thread of a rank calls MPI
+        from mpi4py import MPI
+    except (ImportError, RuntimeError) as exc:
+        raise EdgefedError(f"this run was started by mpirun but MPI cannot be loaded ({exc}); "
+                           "install it with pip install 'edgefed[mpi]' (or your system's MPI and mpi4py)") from None
+    comm = MPI.COMM_WORLD
+    return comm if comm.Get_size() > 1 else None
+
+
+def wait(req, poll_max_s: float = POLL_MAX_S, also=None) -> None:
+    """Wait for a request without burning a core: a brief spin, then sleeps growing to poll_max_s.
+
+    `also()` runs between polls (a device rank sends finished work while it waits for the next command).
+    """
+    start = time.perf_counter()
+    sleep = 20e-6
+    while not req.Test():
+        if also is not None:
+            also()
+        if time.perf_counter() - start > SPIN_S:
+            time.sleep(sleep)
+            sleep = min(sleep * 2, poll_max_s)
+
+
+def device_owners(n_devices: int, size: int, device_ranks=()) -> np.ndarray:
+    """The rank hosting each device: round-robin over 1..P-1, or the config's `[mpi] device_ranks`."""
+    if not device_ranks:
+        return 1 + np.arange(n_devices) % (size - 1)
+    owners = np.asarray(device_ranks, dtype=np.int64)
+    if owners.size != n_devices:
+        raise ConfigError(f"config: mpi.device_ranks has {owners.size} entries; give one rank per device ({n_devices})")
+    bad = owners[(owners < 1) | (owners >= size)]
+    if bad.size:
+        raise ConfigError(f"config: mpi.device_ranks holds rank {bad[0]}; devices live on ranks 1..{size - 1} "
+                          f"of this mpirun -n {size}")
+    return owners
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Shapes of every buffer, identical on all ranks."""
+
+    n_devices: int
+    dim: int
+    dtype: np.dtype
+    scaffold: bool
+
+    @property
+    def model_len(self) -> int:
+        return 2 * self.dim if self.scaffold else self.dim
+
+    def record(self, tag: int) -> np.dtype:
+        meta, payload = {TAG_WORK: (WORK_META, self.model_len), TAG_EVAL: (EVAL_META, 0),
+                         TAG_INIT: (INIT_META, self.dim)}[tag]
+        return np.dtype([("meta", "<f8", (len(meta),)), ("data", self.dtype, (payload,))])
+
+    def max_record_bytes(self) -> int:
+        return max(self.record(tag).itemsize for tag in (TAG_WORK, TAG_EVAL, TAG_INIT))
+
+    def new_control(self) -> np.ndarray:
+        return np.zeros(HEAD + 3 * self.n_devices, dtype=np.int64)
+
+
+def _floats(ctrl: np.ndarray) -> np.ndarray:
+    """lr, deadline_s, grace_s live as float64 bits in slots 2..4 of the control vector."""
+    return ctrl[2:5].view(np.float64)
+
+
+class MpiTransport:
+    """The coordinator's side: the engine's transport, moving buffers to and from the device ranks."""
+
+    def __init__(self, comm, layout: Layout, owners: np.ndarray, poll_max_s: float = POLL_MAX_S):
+        self.comm, self.layout, self.owners, self.poll = comm, layout, owners, poll_max_s
+        from mpi4py import MPI
+
+        self.MPI = MPI
+        self.ctrl = layout.new_control()
+        self.xbuf = np.zeros(layout.model_len, dtype=layout.dtype)
+        n = layout.n_devices
+        self.hosted = {r: np.flatnonzero(owners == r) for r in range(1, comm.Get_size())}
+        self._recv = {r: np.zeros(max(ids.size, 1) * layout.max_record_bytes(), np.uint8)
+                      for r, ids in self.hosted.items()}
+        self._accept_round, self._accepted = -1, np.zeros(n, np.int64)
+        self._status = MPI.Status()
+        self.stale_messages = 0  # late reports received after their round and dropped
+
+    # -- down ---------------------------------------------------------------------------------------------
+    def _command(self, cmd: int, round_idx: int = 0, plan: RoundPlan | None = None, x=None, c=None, arg=0) -> None:
+        ctrl, n = self.ctrl, self.layout.n_devices
+        ctrl[:] = 0
+        ctrl[0], ctrl[1], ctrl[5], ctrl[6] = cmd, round_idx, self._accept_round, arg
+        ctrl[HEAD + 2 * n:] = self._accepted
+        if plan is not None:
+            _floats(ctrl)[:] = (plan.lr, math.nan if plan.deadline_s is None else plan.deadline_s, plan.grace_s)
+            ctrl[HEAD + plan.device_ids] = plan.budgets
+            ctrl[HEAD + n:HEAD + 2 * n] = -1
+            if plan.steps is not None:
+                ctrl[HEAD + n + plan.device_ids] = plan.steps
+        self._accept_round = -1
+        self._accepted[:] = 0
+        wait(self.comm.Ibcast(ctrl, root=0), self.poll)
+        if x is not None:
+            self.xbuf[: self.layout.dim] = x
+            if self.layout.scaffold:
+                self.xbuf[self.layout.dim:] = c
+            wait(self.comm.Ibcast(self.xbuf, root=0), self.poll)
+
+    # -- up -----------------------------------------------------------------------------------------------
+    def _collect(self, tag: int, round_idx: int, ranks, timeout_s: float | None = None) -> dict:
+        """One message per rank in `ranks` for (tag, round); anything else that arrives is an old late report."""
+        MPI, status = self.MPI, self._status
+        got, expected = {}, set(int(r) for r in ranks)
+        start = time.perf_counter()
+        sleep = 20e-6
+        while expected - set(got):
+            if self.comm.Iprobe(MPI.ANY_SOURCE, MPI.ANY_TAG, status):
+                src, msg_tag, nbytes = status.Get_source(), status.Get_tag(), status.Get_count(MPI.BYTE)
+                buf = self._recv[src]
+                self.comm.Recv([buf[:nbytes], MPI.BYTE], source=src, tag=msg_tag)
+                records = buf[:nbytes].view(self.layout.record(msg_tag))
+                if msg_tag == tag and src in expected and records.size and records["meta"][0, 0] == round_idx:
+                    got[src] = records.copy()
+                else:
+                    self.stale_messages += 1
+                sleep = 20e-6
+                continue
+            if timeout_s is not None and time.perf_counter() - start > timeout_s:
+                break
+            if time.perf_counter() - start > SPIN_S:
+                time.sleep(sleep)
+                sleep = min(sleep * 2, self.poll)
+        return got
+
+    # -- the transport interface --------------------------------------------------------------------------
+    def local_work(self, plan: RoundPlan, x: np.ndarray, c: np.ndarray | None = None) -> LocalResults:
+        self._command(CMD_ROUND, plan.round_idx, plan, x, c)
+        owners = self.owners[plan.device_ids]
+        ranks, per_rank = np.unique(owners, return_counts=True)
+        timeout = None
+        if plan.deadline_s is not None:
+            timeout = int(per_rank.max(initial=0)) * plan.deadline_s + plan.grace_s
+        got = self._collect(TAG_WORK, plan.round_idx, ranks, timeout)
+        d, n_sel = self.layout.dim, plan.device_ids.size
+        row = {int(k): i for i, k in enumerate(plan.device_ids)}
+        deltas = np.zeros((n_sel, d), self.layout.dtype)
+        delta_c = np.zeros((n_sel, d), self.layout.dtype) if self.layout.scaffold else None
+        meta = np.full((n_sel, len(WORK_META)), np.nan)
+        meta[:, WORK_META.index("steps")] = 0
+        meta[:, WORK_META.index("late")] = 1  # until its report arrives
+        for records in got.values():
+            for rec in records:
+                i = row[int(rec["meta"][1])]
+                meta[i] = rec["meta"]
+                deltas[i] = rec["data"][:d]
+                if delta_c is not None:
+                    delta_c[i] = rec["data"][d:]
+        late = meta[:, WORK_META.index("late")] != 0
+        steps = np.where(late, 0, meta[:, WORK_META.index("steps")]).astype(np.int32)
+        deltas[late] = 0
+        if delta_c is not None:
+            delta_c[late] = 0
+
+        def col(name):
+            return meta[:, WORK_META.index(name)].astype(np.float32)
+
+        return LocalResults(deltas, steps, col("elapsed_s"), col("cpu_percent"), delta_c, late,
+                            col("cpu_freq_mhz"), col("temperature_c"))
+
+    def accept(self, round_idx: int, device_ids: np.ndarray) -> None:
+        """Sent with the next command: the devices whose reports of round_idx were applied."""
+        self._accept_round = round_idx
+        self._accepted[:] = 0
+        self._accepted[device_ids] = 1
+
+    def evaluate(self, x: np.ndarray) -> Evaluation:
+        self._command(CMD_EVAL, 0, None, x, np.zeros_like(x) if self.layout.scaffold else None)
+        got = self._collect(TAG_EVAL, 0, [r for r, ids in self.hosted.items() if ids.size])
+        n = self.layout.n_devices
+        ev = Evaluation(np.full(n, np.nan), np.zeros(n), np.zeros(n, np.int64), np.zeros(n, np.int64))
+        for records in got.values():
+            for m in records["meta"]:
+                k = int(m[1])
+                ev.train_loss[k], ev.test_loss_sum[k] = m[2], m[3]
+                ev.test_correct[k], ev.n_test[k] = int(m[4]), int(m[5])
+        return ev
+
+    def init_controls(self, x0: np.ndarray, init: str) -> np.ndarray:
+        self._command(CMD_INIT_CONTROLS, 0, None, x0, np.zeros_like(x0), arg=int(init == "gradient"))
+        got = self._collect(TAG_INIT, 0, [r for r, ids in self.hosted.items() if ids.size])
+        controls = np.zeros((self.layout.n_devices, self.layout.dim), self.layout.dtype)
+        for records in got.values():
+            for rec in records:
+                controls[int(rec["meta"][1])] = rec["data"]
+        return controls
+
+    def load_controls(self, controls: np.ndarray) -> None:
+        self._command(CMD_LOAD_CONTROLS)
+        for rank, ids in self.hosted.items():
+            if ids.size:
+                rows = np.ascontiguousarray(controls[ids], dtype=self.layout.dtype)
+                wait(self.comm.Isend(rows, dest=rank, tag=TAG_LOAD), self.poll)
+
+    def close(self, failed: bool = False) -> None:
+        """Tell the device ranks to stop; after a failure the caller aborts the world instead."""
+        if not failed:
+            self._command(CMD_STOP)
+
+
+class DeviceServer:
+    """A device rank: waits for commands, runs its devices' work on a worker thread, reports back."""
+
+    def __init__(self, comm, layout: Layout, transport, poll_max_s: float = POLL_MAX_S):
+        self.comm, self.layout, self.transport, self.poll = comm, layout, transport, poll_max_s
+        self.ctrl = layout.new_control()
+        self.xbuf = np.zeros(layout.model_len, dtype=layout.dtype)
+        self.own = transport.device_ids
+        nbytes = max(self.own.size, 1) * layout.max_record_bytes()
+        self._send = [np.zeros(nbytes, np.uint8), np.zeros(nbytes, np.uint8)]  # double-buffered
+        self._send_req = [None, None]
+        self._next = 0
+        self._future = None  # (round, Future) of the work in progress
+
+    def _send_records(self, tag: int, records: np.ndarray) -> None:
+        i = self._next
+        self._next = 1 - i
+        if self._send_req[i] is not None:
+            wait(self._send_req[i], self.poll)
+        buf = self._send[i][: records.nbytes]
+        buf[:] = records.view(np.uint8).ravel()
+        self._send_req[i] = self.comm.Isend([buf, self._mpi_byte], dest=0, tag=tag)
+
+    def _report_finished_work(self) -> None:
+        if self._future is None or not self._future[1].done():
+            return
+        round_idx, future, ids = self._future
+        self._future = None
+        res = future.result()  # re-raises a device's error here, on the main thread
+        records = np.zeros(ids.size, self.layout.record(TAG_WORK))
+        meta = records["meta"]
+        meta[:, 0], meta[:, 1], meta[:, 2] = round_idx, ids, res.steps
+        meta[:, 3], meta[:, 4], meta[:, 5], meta[:, 6] = res.elapsed_s, res.cpu_percent, res.cpu_freq_mhz, res.temperature_c
+        meta[:, 7] = res.late
+        records["data"][:, : self.layout.dim] = res.deltas
+        if res.delta_c is not None:
+            records["data"][:, self.layout.dim:] = res.delta_c
+        self._send_records(TAG_WORK, records)
+
+    def serve(self) -> None:
+        from mpi4py import MPI
+
+        self._mpi_byte = MPI.BYTE
+        n, d = self.layout.n_devices, self.layout.dim
+        while True:
+            wait(self.comm.Ibcast(self.ctrl, root=0), self.poll, also=self._report_finished_work)
+            ctrl = self.ctrl
+            cmd, round_idx = int(ctrl[0]), int(ctrl[1])
+            if ctrl[5] >= 0:
+                self.transport.accept(int(ctrl[5]), np.flatnonzero(ctrl[HEAD + 2 * n:]))
+            if cmd == CMD_STOP:
+                break
+            if cmd == CMD_LOAD_CONTROLS:
+                rows = np.zeros((self.own.size, d), self.layout.dtype)
+                if self.own.size:
+                    wait(self.comm.Irecv(rows, source=0, tag=TAG_LOAD), self.poll)
+                self.transport.load_controls(rows)
+                continue
+            wait(self.comm.Ibcast(self.xbuf, root=0), self.poll, also=self._report_finished_work)
+            x = self.xbuf[:d].copy()
+            c = self.xbuf[d:].copy() if self.layout.scaffold else None
+            if cmd == CMD_ROUND:
+                self._start_work(round_idx, x, c)
+            elif cmd == CMD_EVAL:
+                self._evaluate(x)
+            elif cmd == CMD_INIT_CONTROLS:
+                self._init_controls(x, "gradient" if ctrl[6] else "zero")
+        for req in self._send_req:
+            if req is not None:
+                wait(req, self.poll)
+
+    def _start_work(self, round_idx: int, x, c) -> None:
+        n = self.layout.n_devices
+        budgets = self.ctrl[HEAD:HEAD + n]
+        ids = self.own[budgets[self.own] > 0]
+        if ids.size == 0:
+            return
+        lr, deadline, grace = _floats(self.ctrl)
+        trace_steps = self.ctrl[HEAD + n:HEAD + 2 * n][ids]
+        plan = RoundPlan(round_idx, ids, budgets[ids].astype(np.int32), float(lr),
+                         steps=None if trace_steps[0] < 0 else trace_steps.astype(np.int32),
+                         deadline_s=None if math.isnan(deadline) else float(deadline), grace_s=float(grace))
+        if self._future is not None:  # still on an older round: these devices cannot start in time
+            records = np.zeros(ids.size, self.layout.record(TAG_WORK))
+            records["meta"][:, 0], records["meta"][:, 1], records["meta"][:, 7] = round_idx, ids, 1
+            self._send_records(TAG_WORK, records)
+            return
+        self._future = (round_idx, self.transport.submit(plan, x, c), ids)
+
+    def _evaluate(self, x) -> None:
+        ev = self.transport.evaluate(x)
+        ids = self.own
+        records = np.zeros(ids.size, self.layout.record(TAG_EVAL))
+        m = records["meta"]
+        m[:, 0], m[:, 1] = 0, ids
+        m[:, 2], m[:, 3], m[:, 4], m[:, 5] = ev.train_loss[ids], ev.test_loss_sum[ids], ev.test_correct[ids], ev.n_test[ids]
+        self._send_records(TAG_EVAL, records)
+
+    def _init_controls(self, x0, init: str) -> None:
+        controls = self.transport.init_controls(x0, init)
+        records = np.zeros(self.own.size, self.layout.record(TAG_INIT))
+        records["meta"][:, 0], records["meta"][:, 1] = 0, self.own
+        records["data"] = controls
+        self._send_records(TAG_INIT, records)
+
+
+def abort_with(comm, message: str, code: int = 1) -> None:
+    """Print this rank's error and take the whole world down (as `python -m mpi4py` does)."""
+    print(f"edgefed: error on rank {comm.Get_rank()}: {message}", file=sys.stderr, flush=True)
+    comm.Abort(code)

@@ -1,0 +1,88 @@
+"""Rank roles of a distributed run: rank 0 coordinates, ranks 1..P-1 host devices.
+
+Setup is the only place small Python objects travel (pickled `bcast`/`gather`): rank 0 resolves and checks
+the config (a bad one ends every rank with exit 2 and one line from rank 0), device ranks build only their
+own devices' data and report whether they could. After that only buffers move (runtime/mpi.py).
+"""
+
+from __future__ import annotations
+
+import os
+import traceback
+from pathlib import Path
+
+import numpy as np
+
+from edgefed import config as config_mod
+from edgefed import experiment
+from edgefed.errors import EdgefedError
+from edgefed.models import build_model
+from edgefed.problems import build_problem
+from edgefed.runtime.mpi import DeviceServer, Layout, MpiTransport, abort_with, device_owners
+
+EXIT_BAD_INPUT = 2
+
+
+def run_coordinator(comm, resolve, force: bool, on_round, on_info, on_error) -> int:
+    """Rank 0. `resolve()` returns (config, resume point, log path) or raises EdgefedError."""
+    try:
+        cfg, point, path = resolve()
+        setup = experiment.prepare(cfg, path, resume_point=point, force=force, on_info=on_info)
+        owners = device_owners(setup.problem.n_devices, comm.Get_size(), setup.cfg.mpi.device_ranks)
+    except EdgefedError as exc:
+        comm.bcast({"error": str(exc)}, root=0)
+        on_error(str(exc))
+        return EXIT_BAD_INPUT
+    comm.bcast({"config": config_mod.to_toml(setup.cfg), "owners": owners}, root=0)
+    failures = [f for f in comm.gather(None, root=0) if f]
+    if failures:
+        comm.bcast(False, root=0)
+        on_error("; ".join(failures))
+        return EXIT_BAD_INPUT
+    comm.bcast(True, root=0)
+    on_info(f"MPI: {comm.Get_size() - 1} device ranks; devices per rank "
+            f"{np.bincount(owners, minlength=comm.Get_size())[1:].tolist()}")
+    layout = Layout(setup.problem.n_devices, setup.model.dim, setup.model.dtype, setup.cfg.train.algorithm == "scaffold")
+    transport = MpiTransport(comm, layout, owners)
+    try:
+        result = experiment.drive(setup, transport, path, resume_point=point, on_round=on_round)
+    except KeyboardInterrupt:
+        abort_with(comm, f"interrupted; continue with: edgefed run --resume {path}", 130)
+    except EdgefedError as exc:
+        abort_with(comm, f"{exc} (the log {path} holds every completed round; --resume continues it)", EXIT_BAD_INPUT)
+    except BaseException as exc:  # noqa: BLE001 - any failure must take the world down, not hang it
+        abort_with(comm, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}", 1)
+    return result
+
+
+def run_device_rank(comm) -> int:
+    """Ranks 1..P-1: build the devices this rank hosts, then serve the coordinator until it says stop."""
+    rank = comm.Get_rank()
+    info = comm.bcast(None, root=0)
+    if "error" in info:
+        return EXIT_BAD_INPUT
+    failure, transport = None, None
+    try:
+        cfg = config_mod.config_from_dict(config_mod.parse_toml(info["config"]))
+        problem = build_problem(cfg)
+        model = build_model(cfg.model.kind, problem, cfg.model.dtype)
+        own = np.flatnonzero(info["owners"] == rank)
+        core = (rank - 1) % (os.cpu_count() or 1) if cfg.participation.contention else None
+        transport = experiment.local_transport(cfg, problem, model, device_ids=own, core=core)
+        transport.warmup(model.initial_params())
+    except EdgefedError as exc:
+        failure = f"rank {rank}: {exc}"
+    comm.gather(failure, root=0)
+    if not comm.bcast(None, root=0):
+        if transport is not None:
+            transport.close()
+        return EXIT_BAD_INPUT
+    layout = Layout(problem.n_devices, model.dim, model.dtype, cfg.train.algorithm == "scaffold")
+    try:
+        DeviceServer(comm, layout, transport).serve()
+    except BaseException as exc:  # noqa: BLE001
+        transport.close()
+        message = str(exc) if isinstance(exc, EdgefedError) else f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"
+        abort_with(comm, message, 1)
+    transport.close()
+    return 0
