@@ -1,0 +1,176 @@
+"""The MPI runtime, each test a real `mpiexec` in a subprocess with a timeout (a hang fails the test)."""
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from edgefed.runlog import MEASURED, read_run
+
+MPIEXEC = next((str(p) for p in (Path(sys.executable).parent / "mpiexec",) if p.exists()), shutil.which("mpiexec"))
+pytestmark = pytest.mark.skipif(MPIEXEC is None, reason="no mpiexec: pip install 'edgefed[mpi]'")
+TIMEOUT = 240
+
+SMALL = """rounds = 6
+[data]
+clients = 7
+samples = "pareto"
+[train]
+clients_per_round = 4
+local_steps = 10
+"""
+
+
+def edgefed(args, ranks=None, timeout=TIMEOUT):
+    cmd = [sys.executable, "-m", "edgefed", *args]
+    if ranks:
+        cmd = [MPIEXEC, "-n", str(ranks), *cmd]
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "OMPI_", "PMIX_", "MPI_LOCAL"))}
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def write(tmp_path, name, text):
+    path = tmp_path / name
+    path.write_text(text)
+    return str(path)
+
+
+def same_datasets(a, b, skip=()):
+    return [k for k in a if k != "attrs" and k not in MEASURED and k not in skip and a[k].tobytes() != b[k].tobytes()]
+
+
+@pytest.fixture(scope="module")
+def simulated(tmp_path_factory):
+    """The simulator's logs of the configs the MPI runs must reproduce."""
+    folder = tmp_path_factory.mktemp("sim")
+    logs = {}
+    for name, extra in (("fedavg", ""), ("scaffold", '[scaffold]\noption = "I"\ninit = "gradient"\n')):
+        text = SMALL.replace("[train]\n", '[train]\nalgorithm = "scaffold"\n') + extra if name == "scaffold" else SMALL
+        cfg = write(folder, f"{name}.toml", text + ("[log]\nclient_controls = true\n" if name == "scaffold" else ""))
+        out = folder / f"{name}.h5"
+        done = edgefed(["run", cfg, "--out", str(out), "--quiet"])
+        assert done.returncode == 0, done.stderr
+        logs[name] = (cfg, read_run(out))
+    return logs
+
+
+@pytest.mark.parametrize("ranks", [2, 3, 5])
+def test_mpi_writes_the_simulators_bytes(tmp_path, simulated, ranks):
+    cfg, sim = simulated["fedavg"]
+    out = tmp_path / "mpi.h5"
+    done = edgefed(["run", cfg, "--out", str(out), "--quiet"], ranks)
+    assert done.returncode == 0, done.stderr
+    assert f"MPI: {ranks - 1} device ranks" in done.stdout
+    assert same_datasets(sim, read_run(out)) == []
+
+
+def test_scaffold_under_mpi_matches_the_simulator_with_every_control(tmp_path, simulated):
+    cfg, sim = simulated["scaffold"]
+    out = tmp_path / "mpi.h5"
+    done = edgefed(["run", cfg, "--out", str(out), "--quiet"], 3)
+    assert done.returncode == 0, done.stderr
+    log = read_run(out)
+    assert same_datasets(sim, log) == []
+    assert "scaffold/c_clients" in log and log["scaffold/c_clients"].shape == (7, 7, 610)
+
+
+def test_a_raising_rank_aborts_the_world_with_its_message(tmp_path):
+    cfg = write(tmp_path, "c.toml", SMALL.replace("clients_per_round = 4", 'clients_per_round = "all"')
+                + "\n[[fault]]\ndevice = 5\nround = 3\nkind = \"raise\"\n")
+    out = tmp_path / "r.h5"
+    done = edgefed(["run", cfg, "--out", str(out), "--quiet"], 3, timeout=120)
+    assert done.returncode != 0
+    assert "edgefed: error on rank 2: injected fault: device 5 raised in round 3" in done.stderr
+    log = read_run(out)  # everything before the failing round is logged, ready for --resume
+    assert log["state/round"][0] == 2 and log["participation/steps"].shape == (2, 7)
+
+
+def test_bad_config_under_mpi_is_one_line_and_exit_2(tmp_path):
+    cfg = write(tmp_path, "c.toml", SMALL + "local_step = 3\n")
+    done = edgefed(["run", cfg, "--out", str(tmp_path / "r.h5")], 3, timeout=120)
+    assert done.returncode == 2
+    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    assert lines == ["edgefed: error: config: unknown key [train] 'local_step'; did you mean 'local_steps'?"]
+    bad_map = write(tmp_path, "m.toml", SMALL + "[mpi]\ndevice_ranks = [1, 1, 1, 1, 1, 1, 5]\n")
+    done = edgefed(["run", bad_map, "--out", str(tmp_path / "r.h5")], 3, timeout=120)
+    assert done.returncode == 2 and "mpi.device_ranks holds rank 5; devices live on ranks 1..2" in done.stderr
+
+
+DEADLINE = """rounds = 5
+[data]
+clients = 4
+samples = 300
+[train]
+clients_per_round = "all"
+local_steps = 100000
+[participation]
+mode = "deadline"
+deadline_s = 0.1
+grace_s = 0.3
+"""
+
+
+def test_deadline_run_with_a_hung_device_replays_as_a_trace(tmp_path):
+    """The hung device does not hold its round, its late report never enters a later one, and the log replays."""
+    cfg = write(tmp_path, "d.toml", DEADLINE + "[mpi]\ndevice_ranks = [1, 1, 1, 2]\n"
+                + "\n[[fault]]\ndevice = 3\nround = 2\nkind = \"stall\"\nseconds = 2.5\n")
+    out = tmp_path / "d.h5"
+    done = edgefed(["run", cfg, "--out", str(out)], 3)
+    assert done.returncode == 0, done.stderr
+    log = read_run(out)
+    late = log["participation/late"]
+    assert late[1, 3] and not late[:, :3].any() and not late[0].any()
+    assert log["metrics/round_elapsed_s"][1] < 2.0  # the round went on without the hung device
+    steps = log["participation/steps"]
+    assert steps[1, 3] == 0 and log["participation/coeff"][1, 3] == 0
+    assert np.all(steps[:, :3] > 0) and np.all(steps < 100000)  # the deadline, not the budget, stopped them
+    elapsed = log["participation/elapsed_s"][~late]
+    assert elapsed.max() < 0.1 + 0.08  # overshoot within a chunk (1 ms) plus scheduling noise on a shared VM
+    # Replay the log as a trace, in the simulator and under MPI: the same trajectory, bit for bit.
+    replay = DEADLINE.replace('mode = "deadline"', f'mode = "trace"\ntrace = "{out}"')
+    replay = replay.replace("deadline_s = 0.1\n", "").replace("grace_s = 0.3\n", "")
+    rcfg = write(tmp_path, "r.toml", replay + "[mpi]\ndevice_ranks = [1, 1, 1, 2]\n")
+    for ranks, name in ((None, "sim.h5"), (3, "mpi.h5")):
+        done = edgefed(["run", rcfg, "--out", str(tmp_path / name), "--quiet"], ranks)
+        assert done.returncode == 0, done.stderr
+        again = read_run(tmp_path / name)
+        assert again["trajectory/x"].tobytes() == log["trajectory/x"].tobytes()
+        assert np.array_equal(again["participation/steps"], steps)
+
+
+def test_contention_costs_steps(tmp_path):
+    cfg = write(tmp_path, "c.toml", DEADLINE.replace("rounds = 5", "rounds = 4")
+                + "contention = [0.0, 0.9]\n[mpi]\ndevice_ranks = [1, 1, 2, 2]\n")
+    out = tmp_path / "c.h5"
+    done = edgefed(["run", cfg, "--out", str(out), "--quiet"], 3)
+    assert done.returncode == 0, done.stderr
+    log = read_run(out)
+    steps = log["participation/steps"].astype(float)
+    free, loaded = steps[:, [0, 2]].mean(), steps[:, [1, 3]].mean()
+    assert loaded < 0.6 * free, (free, loaded)  # a 90 % competitor leaves about 10 % of the core
+    cpu = log["participation/cpu_percent"]
+    assert np.nanmean(cpu[:, [1, 3]]) < np.nanmean(cpu[:, [0, 2]]) - 20
+
+
+def test_missing_mpi_names_the_fix(monkeypatch):
+    from edgefed.errors import EdgefedError
+    from edgefed.runtime import mpi
+
+    monkeypatch.setenv("PMI_SIZE", "3")
+    monkeypatch.setitem(sys.modules, "mpi4py", None)
+    with pytest.raises(EdgefedError, match=r"pip install 'edgefed\[mpi\]'"):
+        mpi.world()
+    monkeypatch.setenv("PMI_SIZE", "1")
+    assert mpi.world() is None  # one rank: the simulator, MPI untouched
+
+
+def test_one_rank_under_mpiexec_is_the_simulator(tmp_path, simulated):
+    cfg, sim = simulated["fedavg"]
+    out = tmp_path / "one.h5"
+    done = edgefed(["run", cfg, "--out", str(out), "--quiet"], 1)
+    assert done.returncode == 0, done.stderr
+    assert "MPI:" not in done.stdout and same_datasets(sim, read_run(out)) == []
