@@ -33,6 +33,12 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--force", action="store_true", help="replace an existing log at --out")
     run.add_argument("--quiet", action="store_true", help="no per-round progress lines")
     run.set_defaults(func=cmd_run)
+
+    contend = verbs.add_parser("contend", help="a CPU competitor: busy LOAD of every 10 ms (the paper's 0..90 %% loads)")
+    contend.add_argument("--load", type=float, required=True, help="share of the core to take, in [0, 1]")
+    contend.add_argument("--cpu", type=int, help="core to pin to (default: wherever the OS puts it)")
+    contend.add_argument("--seconds", type=float, help="stop after this long (default: until Ctrl-C)")
+    contend.set_defaults(func=cmd_contend)
     return parser
 
 
@@ -102,6 +108,31 @@ def cmd_run(args) -> int:
         f"at round {result.best_round})")
     print(f"done: {result.rounds_run} rounds in {result.wall_s:.1f} s; final train loss "
           f"{result.final_train_loss:.6g}{test}; log {path}")
+    return 0
+
+
+def cmd_contend(args) -> int:
+    import os
+    import time
+
+    from edgefed.runtime.contention import duty_cycle, pin
+
+    if not 0 <= args.load <= 1:
+        raise EdgefedError(f"--load {args.load} must lie in [0, 1] (a share of one core, e.g. 0.7)")
+    cores = os.cpu_count() or 1
+    if args.cpu is not None and not 0 <= args.cpu < cores:
+        raise EdgefedError(f"--cpu {args.cpu} is not a core of this machine (0..{cores - 1})")
+    if args.seconds is not None and not args.seconds > 0:
+        raise EdgefedError(f"--seconds {args.seconds} must be positive")
+    pin(args.cpu)
+    end = math.inf if args.seconds is None else time.monotonic() + args.seconds
+    where = "" if args.cpu is None else f" on core {args.cpu}"
+    print(f"contending: {args.load:.0%} of a core{where}" + ("" if args.seconds is None else f" for {args.seconds:g} s"),
+          flush=True)
+    try:
+        duty_cycle(lambda: args.load, lambda: time.monotonic() >= end)
+    except KeyboardInterrupt:
+        pass
     return 0
 
 

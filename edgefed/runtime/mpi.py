@@ -34,7 +34,7 @@ WORK_META = ("round", "device", "steps", "elapsed_s", "cpu_percent", "cpu_freq_m
 EVAL_META = ("round", "device", "train_loss", "test_loss_sum", "test_correct", "n_test")
 INIT_META = ("round", "device")
 POLL_MAX_S = 0.001
-SPIN_S = 50e-6
+SPIN_S = 300e-6
 
 _ENV_SIZES = ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_SIZE", "MV2_COMM_WORLD_SIZE", "MPI_LOCALNRANKS")
 
