@@ -277,14 +277,21 @@ class DeviceServer:
         self._next = 0
         self._future = None  # (round, Future) of the work in progress
 
+    def _records(self, tag: int, n: int) -> np.ndarray:
+        """n zeroed records to fill, living in the next free send buffer (no allocation per round)."""
+        i = self._next
+        if self._send_req[i] is not None:
+            wait(self._send_req[i], self.poll)
+            self._send_req[i] = None
+        rec = self.layout.record(tag)
+        records = self._send[i][: n * rec.itemsize].view(rec)
+        records.view(np.uint8)[:] = 0
+        return records
+
     def _send_records(self, tag: int, records: np.ndarray) -> None:
         i = self._next
         self._next = 1 - i
-        if self._send_req[i] is not None:
-            wait(self._send_req[i], self.poll)
-        buf = self._send[i][: records.nbytes]
-        buf[:] = records.view(np.uint8).ravel()
-        self._send_req[i] = self.comm.Isend([buf, self._mpi_byte], dest=0, tag=tag)
+        self._send_req[i] = self.comm.Isend([self._send[i][: records.nbytes], self._mpi_byte], dest=0, tag=tag)
 
     def _report_finished_work(self) -> None:
         if self._future is None or not self._future[1].done():
@@ -292,7 +299,7 @@ class DeviceServer:
         round_idx, future, ids = self._future
         self._future = None
         res = future.result()  # re-raises a device's error here, on the main thread
-        records = np.zeros(ids.size, self.layout.record(TAG_WORK))
+        records = self._records(TAG_WORK, ids.size)
         meta = records["meta"]
         meta[:, 0], meta[:, 1], meta[:, 2] = round_idx, ids, res.steps
         meta[:, 3], meta[:, 4], meta[:, 5], meta[:, 6] = res.elapsed_s, res.cpu_percent, res.cpu_freq_mhz, res.temperature_c
@@ -346,7 +353,7 @@ class DeviceServer:
                          steps=None if trace_steps[0] < 0 else trace_steps.astype(np.int32),
                          deadline_s=None if math.isnan(deadline) else float(deadline), grace_s=float(grace))
         if self._future is not None:  # still on an older round: these devices cannot start in time
-            records = np.zeros(ids.size, self.layout.record(TAG_WORK))
+            records = self._records(TAG_WORK, ids.size)
             records["meta"][:, 0], records["meta"][:, 1], records["meta"][:, 7] = round_idx, ids, 1
             self._send_records(TAG_WORK, records)
             return
@@ -355,7 +362,7 @@ class DeviceServer:
     def _evaluate(self, x) -> None:
         ev = self.transport.evaluate(x)
         ids = self.own
-        records = np.zeros(ids.size, self.layout.record(TAG_EVAL))
+        records = self._records(TAG_EVAL, ids.size)
         m = records["meta"]
         m[:, 0], m[:, 1] = 0, ids
         m[:, 2], m[:, 3], m[:, 4], m[:, 5] = ev.train_loss[ids], ev.test_loss_sum[ids], ev.test_correct[ids], ev.n_test[ids]
@@ -363,7 +370,7 @@ class DeviceServer:
 
     def _init_controls(self, x0, init: str) -> None:
         controls = self.transport.init_controls(x0, init)
-        records = np.zeros(self.own.size, self.layout.record(TAG_INIT))
+        records = self._records(TAG_INIT, self.own.size)
         records["meta"][:, 0], records["meta"][:, 1] = 0, self.own
         records["data"] = controls
         self._send_records(TAG_INIT, records)
