@@ -39,6 +39,26 @@ def build_parser() -> argparse.ArgumentParser:
     contend.add_argument("--cpu", type=int, help="core to pin to (default: wherever the OS puts it)")
     contend.add_argument("--seconds", type=float, help="stop after this long (default: until Ctrl-C)")
     contend.set_defaults(func=cmd_contend)
+
+    trace = verbs.add_parser("trace", help="record or inspect participation traces")
+    trace_verbs = trace.add_subparsers(dest="trace_verb", required=True, parser_class=_Parser)
+    record = trace_verbs.add_parser(
+        "record", help="measure traces: a deadline run, one device per trace, every device every round")
+    record.add_argument("--out", required=True, help="trace file to write (CSV)")
+    record.add_argument("--names", required=True, help="comma-separated trace names, e.g. cpu0,cpu30")
+    record.add_argument("--contention", help="competitor load per trace, e.g. 0,0.3 (default: none)")
+    record.add_argument("--drop", help="probability per trace that a round's upload is lost (s = 0), e.g. 0,0.5")
+    record.add_argument("--rounds", type=int, default=200)
+    record.add_argument("--local-steps", type=int, default=500)
+    record.add_argument("--deadline-s", type=float, default=0.01)
+    record.add_argument("--seed", type=int, default=0)
+    record.add_argument("--set", dest="overrides", action="append", default=[], metavar="TABLE.KEY=VALUE",
+                        help="more config overrides for the recording run (model, data, ...)")
+    record.add_argument("--quiet", action="store_true")
+    record.set_defaults(func=cmd_trace_record)
+    show = trace_verbs.add_parser("show", help="per-trace statistics of a trace file (or \"builtin\")")
+    show.add_argument("file", help="a trace file, or builtin")
+    show.set_defaults(func=cmd_trace_show)
     return parser
 
 
@@ -50,6 +70,7 @@ def progress_line(s) -> str:
     width = len(str(s.rounds))
     dropped = f"  dropped {s.n_dropped}" if s.n_dropped else ""
     dropped += f"  late {s.n_late}" if s.n_late else ""
+    dropped += "  no update" if s.round_idx and not s.n_applied else ""
     if s.steps_asked and s.steps_done < s.steps_asked:
         dropped += f"  steps {s.steps_done}/{s.steps_asked}"
     return (f"round {s.round_idx:>{width}}/{s.rounds}  train_loss {_fmt(s.train_loss, '8.4f')}  "
@@ -78,28 +99,36 @@ def _error(message: str) -> None:
     print(f"edgefed: error: {message}", file=sys.stderr, flush=True)
 
 
-def cmd_run(args) -> int:
+def execute(resolve, force: bool, quiet: bool):
+    """Run an experiment in this process or, under mpirun, across the ranks.
+
+    `resolve()` gives (config, resume point, log path). Returns the RunResult on the process that wrote the
+    log, or an exit code (device ranks, bad input, interruption).
+    """
     from edgefed import experiment
     from edgefed.runtime import mpi
 
-    on_round = None if args.quiet else (lambda s: print(progress_line(s), flush=True))
+    on_round = None if quiet else (lambda s: print(progress_line(s), flush=True))
     comm = mpi.world()
     if comm is not None:
         from edgefed.runtime import ranks
 
         if comm.Get_rank() != 0:
             return ranks.run_device_rank(comm)
-        result = ranks.run_coordinator(comm, lambda: _resolve(args), args.force, on_round, _info, _error)
-        if isinstance(result, int):
-            return result
-        path = result.path
-    else:
-        cfg, point, path = _resolve(args)
-        try:
-            result = experiment.run(cfg, path, resume_point=point, force=args.force, on_round=on_round, on_info=_info)
-        except KeyboardInterrupt:
-            print(f"edgefed: interrupted; continue with: edgefed run --resume {path}", file=sys.stderr)
-            return 130
+        return ranks.run_coordinator(comm, resolve, force, on_round, _info, _error)
+    cfg, point, path = resolve()
+    try:
+        return experiment.run(cfg, path, resume_point=point, force=force, on_round=on_round, on_info=_info)
+    except KeyboardInterrupt:
+        print(f"edgefed: interrupted; continue with: edgefed run --resume {path}", file=sys.stderr)
+        return 130
+
+
+def cmd_run(args) -> int:
+    result = execute(lambda: _resolve(args), args.force, args.quiet)
+    if isinstance(result, int):
+        return result
+    path = result.path
     if result.already_complete:
         print(f"{path}: the run is already complete; nothing to resume")
         return 0
@@ -108,6 +137,74 @@ def cmd_run(args) -> int:
         f"at round {result.best_round})")
     print(f"done: {result.rounds_run} rounds in {result.wall_s:.1f} s; final train loss "
           f"{result.final_train_loss:.6g}{test}; log {path}")
+    return 0
+
+
+def cmd_trace_record(args) -> int:
+    import datetime
+    import platform
+    import shlex
+    import tempfile
+
+    import numpy as np
+
+    from edgefed import config as config_mod
+    from edgefed.participation.traces import write_trace_file
+    from edgefed.rng import Purpose, generator
+    from edgefed.runlog import read_run
+
+    names = [n.strip() for n in args.names.split(",") if n.strip()]
+
+    def per_trace(text, what):
+        if text is None:
+            return [0.0] * len(names)
+        try:
+            values = [float(v) for v in text.split(",")]
+        except ValueError:
+            raise EdgefedError(f"--{what} {text!r}: give comma-separated numbers, one per trace") from None
+        if len(values) != len(names) or not all(0 <= v < 1 or (what == "drop" and v == 1) for v in values):
+            raise EdgefedError(f"--{what} needs {len(names)} values in [0, 1), one per trace in --names")
+        return values
+
+    loads, drops = per_trace(args.contention, "contention"), per_trace(args.drop, "drop")
+    if not names or args.rounds < 1 or args.local_steps < 1 or not args.deadline_s > 0:
+        raise EdgefedError("trace record needs --names, and positive --rounds, --local-steps and --deadline-s")
+    tmp = tempfile.TemporaryDirectory()
+    log_path = Path(tmp.name) / "record.h5"
+    overrides = [f"seed={args.seed}", f"rounds={args.rounds}", f"data.clients={len(names)}",
+                 'train.clients_per_round="all"', f"train.local_steps={args.local_steps}",
+                 'participation.mode="deadline"', f"participation.deadline_s={args.deadline_s}",
+                 f"participation.contention={loads}", f"log.eval_every={args.rounds}", *args.overrides]
+    resolve = lambda: (config_mod.load_config(None, overrides), None, log_path)  # noqa: E731
+    result = execute(resolve, False, args.quiet)
+    if isinstance(result, int):
+        return result
+    log = read_run(log_path)
+    steps, budget = log["participation/steps"], log["participation/budget"]
+    fractions = steps / np.maximum(budget, 1)
+    for k, p in enumerate(drops):  # an upload lost on a weak link: the round counts as inactive
+        lost = np.array([generator(args.seed, Purpose.TRACE_DROP, r + 1, k).random() < p for r in range(args.rounds)])
+        fractions[lost, k] = 0.0
+    meta = {"recorded": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "command": "edgefed " + shlex.join(sys.argv[1:]), "machine": f"{platform.machine()} {platform.node()}",
+            "local_steps": args.local_steps, "deadline_s": args.deadline_s,
+            "contention": ",".join(map(str, loads)), "drop": ",".join(map(str, drops))}
+    write_trace_file(args.out, names, fractions, meta)
+    print(f"wrote {args.out}: {len(names)} traces x {args.rounds} rounds")
+    return cmd_trace_show(argparse.Namespace(file=args.out))
+
+
+def cmd_trace_show(args) -> int:
+    from edgefed.participation.traces import BUILTIN, read_trace_file
+
+    file = read_trace_file(BUILTIN if args.file == "builtin" else args.file)
+    for key in ("command", "recorded", "local_steps", "deadline_s"):
+        if key in file.meta:
+            print(f"# {key}: {file.meta[key]}")
+    print(f"{'trace':<12}{'rounds':>7}{'mean':>8}{'std':>8}{'min':>8}{'max':>8}{'inactive':>10}{'complete':>10}")
+    for st in file.stats():
+        print(f"{st['name']:<12}{st['rounds']:>7}{st['mean']:>8.3f}{st['std']:>8.3f}{st['min']:>8.3f}{st['max']:>8.3f}"
+              f"{st['inactive']:>10.1%}{st['complete']:>10.1%}")
     return 0
 
 

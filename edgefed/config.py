@@ -86,10 +86,31 @@ class ScaffoldConfig:
 class ParticipationConfig:
     mode: str = "full"  # "full": K steps; "trace": the steps a trace gives; "deadline": what fits in deadline_s
     scheme: str = "B"
-    trace: str | None = None  # trace mode: a run log to replay (its selections and completed steps)
+    trace: str | tuple[str, ...] | None = None  # trace mode: "builtin[:k]", a trace file, a run log, or names
     deadline_s: float | None = None  # deadline mode: wall-clock budget of each selected device per round
     grace_s: float = 1.0  # a device silent past deadline + grace is recorded inactive for the round
     contention: tuple[float, ...] = ()  # CPU competitor load per device (cycled), as the paper's 0..0.9
+
+
+@dataclass(frozen=True)
+class ArrivalConfig:
+    device: int
+    round: int  # the first round the device is part of the federation
+
+
+@dataclass(frozen=True)
+class DepartureConfig:
+    device: int
+    round: int  # the first round the device is gone
+    policy: str = "exclude"  # "exclude": shift the objective; "include": keep it (the device just falls silent)
+
+
+@dataclass(frozen=True)
+class DynamicsConfig:
+    arrive: tuple[ArrivalConfig, ...] = ()
+    depart: tuple[DepartureConfig, ...] = ()
+    fast_reboot: bool = False  # boost an arriving device's coefficient by 1 + (b - 1) / (r - r0 + 1)^2
+    boost: float = 3.0  # b
 
 
 @dataclass(frozen=True)
@@ -125,6 +146,7 @@ class Config:
     scaffold: ScaffoldConfig = field(default_factory=ScaffoldConfig)
     participation: ParticipationConfig = field(default_factory=ParticipationConfig)
     log: LogConfig = field(default_factory=LogConfig)
+    dynamics: DynamicsConfig = field(default_factory=DynamicsConfig)
     mpi: MpiConfig = field(default_factory=MpiConfig)
     fault: tuple[FaultConfig, ...] = ()
 
@@ -247,6 +269,8 @@ def _coerce(value, hint, key: str):
 
     `tuple[T, ...]` fields take TOML arrays (of values, or of tables when T is a dataclass).
     """
+    if isinstance(hint, types.UnionType) and isinstance(value, list):
+        hint = next((alt for alt in typing.get_args(hint) if typing.get_origin(alt) is tuple), hint)
     if typing.get_origin(hint) is tuple:
         elem = typing.get_args(hint)[0]
         if not isinstance(value, list):
@@ -267,7 +291,7 @@ def _coerce(value, hint, key: str):
         return float(value)
     elif isinstance(value, str) and str in allowed:
         return value
-    expected = " or ".join(_TYPE_NAMES[t] for t in allowed if t is not type(None))
+    expected = " or ".join(_TYPE_NAMES.get(t, "a list") for t in allowed if t is not type(None))
     raise ConfigError(f"config: {key} = {value!r} is {_describe(value)}; expected {expected}")
 
 
@@ -312,6 +336,7 @@ def validate(cfg: Config) -> Config:
     _choice(cfg.scaffold.init, SCAFFOLD_INITS, "scaffold.init")
     _choice(cfg.scaffold.control_gradient, CONTROL_GRADIENTS, "scaffold.control_gradient")
     _validate_participation(cfg.participation)
+    _validate_dynamics(cfg.dynamics, cfg.data.clients, cfg.rounds)
     for i, fault in enumerate(cfg.fault):
         _choice(fault.kind, FAULT_KINDS, f"fault[{i}].kind")
         if fault.device < 0 or (cfg.data.clients is not None and fault.device >= cfg.data.clients):
@@ -332,8 +357,9 @@ def _validate_participation(p: ParticipationConfig) -> None:
         _positive(p.deadline_s, "participation.deadline_s", "deadline_s = 0.05")
     elif p.deadline_s is not None:
         raise ConfigError(f'config: participation.deadline_s applies to mode = "deadline", not {p.mode!r}')
-    if p.mode == "trace" and p.trace is None:
-        raise ConfigError('config: participation.mode = "trace" needs participation.trace (a run log to replay)')
+    if p.mode == "trace" and not p.trace:
+        raise ConfigError('config: participation.mode = "trace" needs participation.trace: "builtin", "builtin:k", '
+                          "a trace file, a run log to replay, or a list of trace names")
     if p.mode != "trace" and p.trace is not None:
         raise ConfigError(f'config: participation.trace applies to mode = "trace", not {p.mode!r}')
     if not (p.grace_s >= 0 and math.isfinite(p.grace_s)):
@@ -341,6 +367,29 @@ def _validate_participation(p: ParticipationConfig) -> None:
     for i, load in enumerate(p.contention):
         if not 0 <= load < 1:
             raise ConfigError(f"config: participation.contention[{i}] = {load} must lie in [0, 1) (a CPU share)")
+
+
+def _validate_dynamics(dyn: DynamicsConfig, n_clients: int | None, rounds: int) -> None:
+    for kind, events in (("arrive", dyn.arrive), ("depart", dyn.depart)):
+        seen = set()
+        for i, e in enumerate(events):
+            key = f"dynamics.{kind}[{i}]"
+            if e.device < 0 or (n_clients is not None and e.device >= n_clients):
+                raise ConfigError(f"config: {key}.device = {e.device} is not a device id (0-based)")
+            if not 1 <= e.round <= rounds:
+                raise ConfigError(f"config: {key}.round = {e.round} is not a round (1..{rounds})")
+            if e.device in seen:
+                raise ConfigError(f"config: {key}: device {e.device} can {kind} only once")
+            seen.add(e.device)
+            if kind == "depart":
+                _choice(e.policy, ("include", "exclude"), f"{key}.policy")
+    arrivals = {e.device: e.round for e in dyn.arrive}
+    for i, e in enumerate(dyn.depart):
+        if e.device in arrivals and e.round <= arrivals[e.device]:
+            raise ConfigError(f"config: dynamics.depart[{i}]: device {e.device} departs in round {e.round}, "
+                              f"not after it arrives (round {arrivals[e.device]})")
+    if not (dyn.boost >= 1 and math.isfinite(dyn.boost)):
+        raise ConfigError(f"config: dynamics.boost = {dyn.boost} must be a finite number >= 1 (the paper uses 3)")
 
 
 def _validate_data(d: DataConfig) -> DataConfig:
@@ -472,13 +521,22 @@ def to_toml(cfg: Config) -> str:
     for name, table in data.items():
         if isinstance(table, dict):
             lines.append(f"\n[{name}]")
-            lines.extend(f"{k} = {_toml_value(v)}" for k, v in table.items())
+            lines.extend(f"{k} = {_toml_value(v)}" for k, v in table.items() if not _is_tables(v))
+            for key, tables in table.items():
+                if _is_tables(tables):
+                    for sub in tables:
+                        lines.append(f"\n[[{name}.{key}]]")
+                        lines.extend(f"{k} = {_toml_value(v)}" for k, v in sub.items())
     for name, tables in data.items():
         if isinstance(tables, list):
             for table in tables:
                 lines.append(f"\n[[{name}]]")
                 lines.extend(f"{k} = {_toml_value(v)}" for k, v in table.items())
     return "\n".join(lines) + "\n"
+
+
+def _is_tables(v) -> bool:
+    return isinstance(v, list) and bool(v) and all(isinstance(item, dict) for item in v)
 
 
 def _toml_value(v) -> str:

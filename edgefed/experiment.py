@@ -19,7 +19,7 @@ from edgefed.algorithms.scaffold import ScaffoldClient
 from edgefed.errors import ResourceError, RunLogError
 from edgefed.models import build_model
 from edgefed.problems import build_problem
-from edgefed.participation.traces import ReplayTrace
+from edgefed.participation.traces import ReplayTrace, sampled_traces
 from edgefed.runlog import Column, Header, RunLogWriter, read_participation, read_resume_point, read_run
 from edgefed.runtime.engine import RoundEngine, local_budgets
 from edgefed.runtime.local import LocalTransport
@@ -138,10 +138,13 @@ def prepare(cfg: Config, log_path: Path, *, resume_point=None, force: bool = Fal
                           "--force to replace it, or another --out")
     model = build_model(cfg.model.kind, problem, cfg.model.dtype)
     trace = None
-    if cfg.participation.mode == "trace":
-        recorded = read_participation(cfg.participation.trace)
-        trace = ReplayTrace.checked(recorded.selected, recorded.steps, recorded.budget, cfg.participation.trace,
+    spec = cfg.participation.trace
+    if cfg.participation.mode == "trace" and isinstance(spec, str) and spec.endswith((".h5", ".hdf5")):
+        recorded = read_participation(spec)
+        trace = ReplayTrace.checked(recorded.selected, recorded.steps, recorded.budget, spec,
                                     problem.n_devices, cfg.rounds, local_budgets(cfg, problem.n_train))
+    elif cfg.participation.mode == "trace":
+        trace = sampled_traces(spec, cfg.seed, problem.n_devices)
     on_info(f"{problem.describe()}; model {model.kind}, d = {model.dim} {model.dtype.name}; "
             f"{cfg.train.algorithm}, {cfg.rounds} rounds")
     layout = {}
@@ -189,7 +192,7 @@ def drive(setup: Setup, transport, log_path: Path, *, resume_point=None, on_roun
             done = 0
         else:
             done = resume_point.rounds_done
-            x = engine.resume(resume_point.state)
+            x = engine.resume(resume_point.state, done)
             log.restore(done, resume_point.state)
         engine.run(x, done)
     except BaseException:

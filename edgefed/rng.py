@@ -19,6 +19,9 @@ class Purpose(IntEnum):
     LOCAL = 5         # minibatches and oracle noise of one device's local work in one round
     INIT = 6          # initial model parameters
     CONTROL = 7       # SCAFFOLD option I / gradient init oracle calls
+    TRACE = 8         # the completed fraction a trace gives a device in a round
+    TRACE_ASSIGN = 9  # which trace a device follows
+    TRACE_DROP = 10   # uploads lost while recording a trace
 
 
 def seed_sequence(seed: int, purpose: Purpose, round_idx: int = 0, device_id: int | None = None):

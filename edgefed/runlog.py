@@ -80,6 +80,8 @@ def columns(n: int, d: int, dtype) -> tuple[Column, ...]:
         Column("participation/temperature_c", (n,), np.float32, "round", "board temperature after the work (NaN: unknown)"),
         Column("participation/late", (n,), np.bool_, "round", "answered after deadline + grace; its work was dropped"),
         Column("metrics/lr", (), np.float64, "round", "local learning rate used in the round"),
+        Column("metrics/n_applied", (), np.int32, "round",
+               "devices whose update was applied (0: the model did not change, e.g. Scheme A with K_r = 0)"),
         Column("metrics/round_elapsed_s", (), np.float64, "round", "wall time of the whole round, s"),
         Column("metrics/train_loss", (), np.float64, "round+1", "global objective at x_r (NaN: not evaluated)"),
         Column("metrics/test_loss", (), np.float64, "round+1", "mean loss on held-out data (NaN: none)"),
@@ -156,25 +158,41 @@ class RunLogWriter:
     def rows(self, name: str) -> np.ndarray:
         return self._f[f"state/{name}"][()]
 
-    def stage(self, round_idx: int, slots: dict, row_deltas: dict | None = None) -> None:
-        """Write round_idx's resume state: slot vectors, and per-device rows += deltas behind an undo copy.
+    def stage(self, round_idx: int, slots: dict, row_deltas: dict | None = None, row_sets: dict | None = None) -> None:
+        """Write round_idx's resume state: slot vectors, and per-device rows behind an undo copy.
 
-        `row_deltas` maps a row state to (ascending device ids, deltas). Nothing is the resume point until
-        `commit`.
+        `row_deltas` maps a row state to (ascending device ids, deltas added to those rows); `row_sets` to
+        (ascending device ids, new rows), e.g. the control a device gets when it arrives. Every row state
+        changes the same devices. Nothing is the resume point until `commit`.
         """
-        if row_deltas:
-            ids = next(iter(row_deltas.values()))[0]
-            olds = {name: self._state(name)[ids] for name in row_deltas} if ids.size else {}
+        names = sorted(set(row_deltas or {}) | set(row_sets or {}))
+        if names:
+            empty = np.zeros(0, np.int64)
+            changes = {}
+            for name in names:
+                d_ids, deltas = (row_deltas or {}).get(name, (empty, None))
+                s_ids, rows = (row_sets or {}).get(name, (empty, None))
+                ids = np.union1d(d_ids, s_ids).astype(np.int64)
+                old = self._state(name)[ids] if ids.size else None
+                new = None
+                if ids.size:
+                    new = old.copy()
+                    if d_ids.size:
+                        new[np.searchsorted(ids, d_ids)] = old[np.searchsorted(ids, d_ids)] + deltas
+                    if s_ids.size:
+                        new[np.searchsorted(ids, s_ids)] = rows
+                changes[name] = (ids, old, new)
+            ids = changes[names[0]][0]
             _write_row(self._state("undo/count"), 0, ids.size, np.int64)
             if ids.size:
                 self._state("undo/ids")[: ids.size] = ids
-                for name, old in olds.items():
+                for name, (_, old, _) in changes.items():
                     self._state(f"undo/{name}")[: ids.size] = old
             _write_row(self._state("undo/round"), 0, round_idx, np.int64)
             self._f.flush()
-            for name, (_, deltas) in row_deltas.items():
+            for name, (ids, _, new) in changes.items():
                 if ids.size:
-                    self._state(name)[ids] = olds[name] + deltas
+                    self._state(name)[ids] = new
         for name, value in slots.items():
             ds = self._state(name)
             _write_row(ds, round_idx % 2, value, ds.dtype)

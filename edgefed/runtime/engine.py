@@ -16,7 +16,9 @@ import numpy as np
 from edgefed.algorithms import fedavg, scaffold
 from edgefed.config import Config
 from edgefed.participation import schemes
+from edgefed.participation.dynamics import Dynamics
 from edgefed.participation.sampling import select_devices
+from edgefed.participation.traces import ReplayTrace
 from edgefed.runtime.messages import Evaluation, RoundPlan
 
 
@@ -36,6 +38,7 @@ class RoundSummary:
     n_late: int = 0
     steps_done: int = 0
     steps_asked: int = 0
+    n_applied: int = 0
 
 
 def local_budgets(cfg: Config, n_train: np.ndarray) -> np.ndarray:
@@ -50,13 +53,14 @@ def local_budgets(cfg: Config, n_train: np.ndarray) -> np.ndarray:
 class RoundEngine:
     def __init__(self, cfg: Config, n_train: np.ndarray, transport, log, on_round=None, trace=None):
         self.cfg = cfg
-        self.trace = trace  # a ReplayTrace in trace mode
+        self.trace = trace  # trace mode: a ReplayTrace (selections and steps) or SampledTraces (steps)
         self.n_train = np.asarray(n_train, dtype=np.int64)
         self.n_devices = self.n_train.size
         self.transport = transport
         self.log = log
         self.on_round = on_round or (lambda summary: None)
-        self.active = np.ones(self.n_devices, dtype=bool)
+        self.dynamics = Dynamics(cfg.dynamics, self.n_devices)
+        self.active = self.dynamics.active(0)
         self._budgets = local_budgets(cfg, self.n_train)
         self.scaffold = cfg.train.algorithm == "scaffold"
         self.c = None  # SCAFFOLD's server control
@@ -69,26 +73,36 @@ class RoundEngine:
         return t.lr_local
 
     def plan(self, round_idx: int) -> RoundPlan:
-        lr = self.learning_rate(round_idx)
-        if self.trace is not None:
-            selected, steps = self.trace.round(round_idx)
-            return RoundPlan(round_idx, selected, self._budgets[selected], lr, steps=np.minimum(steps, self._budgets[selected]))
-        active_ids = np.flatnonzero(self.active)
-        count = self.cfg.clients_per_round_count(active_ids.size)
-        selected = select_devices(self.cfg.seed, round_idx, active_ids, count)
+        """Who works in round round_idx (the federation's membership already updated) and how much."""
+        lr = self.learning_rate(round_idx, self.dynamics.shift_round(round_idx))
         p = self.cfg.participation
-        return RoundPlan(round_idx, selected, self._budgets[selected], lr, deadline_s=p.deadline_s, grace_s=p.grace_s)
+        if isinstance(self.trace, ReplayTrace):
+            selected, steps = self.trace.round(round_idx)
+        else:
+            active_ids = np.flatnonzero(self.active)
+            count = self.cfg.clients_per_round_count(active_ids.size)
+            selected = select_devices(self.cfg.seed, round_idx, active_ids, count)
+            steps = None
+            if self.trace is not None:
+                steps = self.trace.steps(self.cfg.seed, round_idx, selected, self._budgets[selected])
+        silent = self.dynamics.silent(round_idx)[selected]
+        if silent.any():  # departed but still in the objective: selected, never reporting
+            steps = np.where(silent, 0, self._budgets[selected] if steps is None else steps).astype(np.int32)
+        budgets = self._budgets[selected]
+        return RoundPlan(round_idx, selected, budgets, lr, steps=None if steps is None else np.minimum(steps, budgets),
+                         deadline_s=p.deadline_s, grace_s=p.grace_s)
 
     # -- evaluation --------------------------------------------------------------------------------------
     def metrics(self, ev: Evaluation) -> tuple[float, float, float]:
-        """(train objective, test loss, test accuracy), reduced in ascending device id."""
+        """(train objective, test loss, test accuracy) over the federation, reduced in ascending device id."""
         active_ids = np.flatnonzero(self.active)
         weights = schemes.objective_weights(self.cfg.train.weighting, active_ids, self.n_train)
         train = float(np.dot(weights, ev.train_loss[active_ids]))
-        n_test = int(ev.n_test.sum())
+        n_test = int(ev.n_test[active_ids].sum())
         if n_test == 0:
             return train, math.nan, math.nan
-        return train, float(ev.test_loss_sum.sum() / n_test), float(ev.test_correct.sum() / n_test)
+        return (train, float(ev.test_loss_sum[active_ids].sum() / n_test),
+                float(ev.test_correct[active_ids].sum() / n_test))
 
     def _due(self, round_idx: int) -> tuple[bool, bool]:
         """(evaluate now, store the model now)."""
@@ -108,8 +122,9 @@ class RoundEngine:
         self._stage_and_commit(0, x0, np.zeros(0, np.int64), None, store=True)
         self.on_round(RoundSummary(0, self.cfg.rounds, train, test_loss, test_acc, 0, int(self.active.sum()), 0, 0.0))
 
-    def resume(self, state: dict) -> np.ndarray:
+    def resume(self, state: dict, done: int) -> np.ndarray:
         """Restore the server state (and the devices' controls) of a resume point; returns x."""
+        self.active = self.dynamics.active(done)
         if self.scaffold:
             self.c = state["c"]
             self.transport.load_controls(state["c_clients"])
@@ -121,9 +136,29 @@ class RoundEngine:
             x = self.round(round_idx, x)
         return x
 
+    def _shift(self, round_idx: int, x: np.ndarray):
+        """Membership of round round_idx; on an objective shift SCAFFOLD's c is re-averaged over it.
+
+        An arriving device first gets a fresh control (zero, or its full local gradient at x). Returns the
+        (ids, rows) of such new controls, which the round's checkpoint writes to the log.
+        """
+        self.active = self.dynamics.active(round_idx)
+        if not (self.scaffold and self.dynamics.shifts_at(round_idx)):
+            return None
+        arriving = self.dynamics.arriving(round_idx)
+        controls = self.log.rows("c_clients")
+        sets = None
+        if arriving.size:
+            rows = self.transport.reset_controls(x, self.cfg.scaffold.init, arriving)
+            controls[arriving] = rows
+            sets = (arriving, rows)
+        self.c = scaffold.mean_control(controls[np.flatnonzero(self.active)], x.dtype)
+        return sets
+
     def round(self, round_idx: int, x: np.ndarray) -> np.ndarray:
         wall0 = time.perf_counter()
         t = self.cfg.train
+        control_sets = self._shift(round_idx, x)
         plan = self.plan(round_idx)
         res = self.transport.local_work(plan, x, self.c)
 
@@ -137,6 +172,7 @@ class RoundEngine:
         active_ids = np.flatnonzero(self.active)
         coeffs = schemes.coefficients(t.weighting, self.cfg.participation.scheme, plan.device_ids,
                                       active_ids, self.n_train, counted_steps, plan.budgets)
+        coeffs *= self.dynamics.boost(plan.device_ids, round_idx)  # fast-reboot of arriving devices
         coeffs[counted_steps == 0] = 0.0  # nothing applied: log 0 (Scheme B's w_k would multiply a zero update)
         x = fedavg.server_update(x, plan.device_ids, res.deltas, coeffs, t.lr_global)
         reported = counted_steps > 0
@@ -150,21 +186,24 @@ class RoundEngine:
         elapsed = time.perf_counter() - wall0
         self.log.append(self._round_row(plan, res, coeffs, nonfinite, late, metrics, elapsed))
         self._stage_and_commit(round_idx, x, plan.device_ids[reported],
-                               None if res.delta_c is None else res.delta_c[reported], store)
+                               None if res.delta_c is None else res.delta_c[reported], store, control_sets)
         self.on_round(RoundSummary(round_idx, self.cfg.rounds, *metrics, int(np.count_nonzero(counted_steps)),
                                    int(self.active.sum()), int(nonfinite.sum()), elapsed, int(late.sum()),
-                                   int(np.sum(res.steps[~late & ~nonfinite])), int(plan.budgets.sum())))
+                                   int(np.sum(res.steps[~late & ~nonfinite])), int(plan.budgets.sum()),
+                                   int(np.count_nonzero(coeffs))))
         return x
 
-    def _stage_and_commit(self, round_idx, x, reported_ids, delta_c, store: bool) -> None:
+    def _stage_and_commit(self, round_idx, x, reported_ids, delta_c, store: bool, control_sets=None) -> None:
         """Resume state, the stored trajectory rows, then the round marker (last)."""
-        slots, rows, stored = {"x": x}, None, {"trajectory/round": round_idx, "trajectory/x": x}
+        slots, rows, sets, stored = {"x": x}, None, None, {"trajectory/round": round_idx, "trajectory/x": x}
         if self.scaffold:
             slots["c"] = self.c
             if delta_c is not None:
                 rows = {"c_clients": (reported_ids, delta_c)}
+            if control_sets is not None:
+                sets = {"c_clients": control_sets}
             stored["scaffold/c"] = self.c
-        self.log.stage(round_idx, slots, rows)
+        self.log.stage(round_idx, slots, rows, sets)
         if store:
             if self.scaffold and self.cfg.log.client_controls:
                 stored["scaffold/c_clients"] = self.log.rows("c_clients")
@@ -192,6 +231,7 @@ class RoundEngine:
             "participation/temperature_c": scatter(_or_nan(res.temperature_c), np.float32, np.nan),
             "participation/late": scatter(late, np.bool_, False),
             "metrics/lr": plan.lr,
+            "metrics/n_applied": int(np.count_nonzero(coeffs)),
             "metrics/round_elapsed_s": elapsed,
             "metrics/train_loss": metrics[0],
             "metrics/test_loss": metrics[1],

@@ -86,6 +86,13 @@ class LocalTransport:
                                   for k in self.device_ids]) if self.device_ids.size else np.zeros((0, x0.size))
         return self.controls.copy()
 
+    def reset_controls(self, x: np.ndarray, init: str, device_ids: np.ndarray) -> np.ndarray:
+        """Fresh controls for these (hosted) devices, e.g. on arrival; returns their rows."""
+        rows = np.stack([scaffold.initial_controls(self.eval_model, self.data(int(k)), x, init) for k in device_ids])
+        for k, row in zip(device_ids, rows):
+            self.controls[self._row[int(k)]] = row
+        return rows
+
     def load_controls(self, controls: np.ndarray) -> None:
         """Restore the hosted devices' controls (rows in device_ids order)."""
         self.controls = np.array(controls, dtype=self.model.dtype)

@@ -242,13 +242,18 @@ class MpiTransport:
         return ev
 
     def init_controls(self, x0: np.ndarray, init: str) -> np.ndarray:
-        self._command(CMD_INIT_CONTROLS, 0, None, x0, np.zeros_like(x0), arg=int(init == "gradient"))
-        got = self._collect(TAG_INIT, 0, [r for r, ids in self.hosted.items() if ids.size])
+        return self.reset_controls(x0, init, np.arange(self.layout.n_devices))
+
+    def reset_controls(self, x: np.ndarray, init: str, device_ids: np.ndarray) -> np.ndarray:
+        """Fresh controls (zero, or the full local gradient at x) for these devices; returns their rows."""
+        mask = RoundPlan(0, np.asarray(device_ids), np.ones(len(device_ids), np.int32), 0.0)
+        self._command(CMD_INIT_CONTROLS, 0, mask, x, np.zeros_like(x), arg=int(init == "gradient"))
+        got = self._collect(TAG_INIT, 0, np.unique(self.owners[device_ids]))
         controls = np.zeros((self.layout.n_devices, self.layout.dim), self.layout.dtype)
         for records in got.values():
             for rec in records:
                 controls[int(rec["meta"][1])] = rec["data"]
-        return controls
+        return controls[device_ids]
 
     def load_controls(self, controls: np.ndarray) -> None:
         self._command(CMD_LOAD_CONTROLS)
@@ -368,11 +373,17 @@ class DeviceServer:
         m[:, 2], m[:, 3], m[:, 4], m[:, 5] = ev.train_loss[ids], ev.test_loss_sum[ids], ev.test_correct[ids], ev.n_test[ids]
         self._send_records(TAG_EVAL, records)
 
-    def _init_controls(self, x0, init: str) -> None:
-        controls = self.transport.init_controls(x0, init)
-        records = self._records(TAG_INIT, self.own.size)
-        records["meta"][:, 0], records["meta"][:, 1] = 0, self.own
-        records["data"] = controls
+    def _init_controls(self, x, init: str) -> None:
+        ids = self.own[self.ctrl[HEAD:HEAD + self.layout.n_devices][self.own] > 0]
+        if ids.size == 0:
+            return
+        if self.transport.controls is None:
+            rows = self.transport.init_controls(x, init)
+        else:
+            rows = self.transport.reset_controls(x, init, ids)
+        records = self._records(TAG_INIT, ids.size)
+        records["meta"][:, 0], records["meta"][:, 1] = 0, ids
+        records["data"] = rows
         self._send_records(TAG_INIT, records)
 
 

@@ -1,0 +1,67 @@
+"""Arrivals and departures (seed 003, DESIGN 2.6-2.7): who is in the federation, and objective shifts.
+
+A device that arrives in round r0 is outside the federation before r0 (never selected, not in the
+objective) and inside from r0 on; its arrival shifts the objective: weights renormalize over the new
+federation and the staircase learning rate restarts (r_shift = r0 - 1). With fast-reboot its coefficient
+is multiplied by 1 + (b - 1) / (r - r0 + 1)^2: b at arrival, decaying as O(r^-2).
+A device that departs in round r1 is gone from r1 on: with `exclude` it leaves the federation (an objective
+shift, like an arrival); with `include` it stays in the objective and may still be selected, but it never
+reports again (its steps are 0).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from edgefed.config import DynamicsConfig
+
+
+class Dynamics:
+    def __init__(self, cfg: DynamicsConfig, n_devices: int):
+        self.cfg = cfg
+        self.n = n_devices
+        self.arrival = {e.device: e.round for e in cfg.arrive}
+        self.departure = {e.device: (e.round, e.policy) for e in cfg.depart}
+        shifts = [r for r in self.arrival.values()]
+        shifts += [r for r, policy in self.departure.values() if policy == "exclude"]
+        self._shifts = sorted(set(shifts))
+
+    def active(self, round_idx: int) -> np.ndarray:
+        """Membership of the federation (the objective) in round round_idx; round 0 is the start."""
+        mask = np.ones(self.n, dtype=bool)
+        for k, r0 in self.arrival.items():
+            mask[k] = round_idx >= r0 if round_idx > 0 else False
+        for k, (r1, policy) in self.departure.items():
+            if policy == "exclude" and round_idx >= r1:
+                mask[k] = False
+        return mask
+
+    def silent(self, round_idx: int) -> np.ndarray:
+        """Devices still in the objective that no longer report (departed with `include`)."""
+        mask = np.zeros(self.n, dtype=bool)
+        for k, (r1, policy) in self.departure.items():
+            mask[k] = policy == "include" and round_idx >= r1
+        return mask
+
+    def shift_round(self, round_idx: int) -> int:
+        """r_shift: the round before the last objective shift at or before round_idx (0 without one)."""
+        before = [r for r in self._shifts if r <= round_idx]
+        return before[-1] - 1 if before else 0
+
+    def shifts_at(self, round_idx: int) -> bool:
+        return round_idx in self._shifts
+
+    def arriving(self, round_idx: int) -> np.ndarray:
+        return np.array(sorted(k for k, r0 in self.arrival.items() if r0 == round_idx), dtype=np.int64)
+
+    def boost(self, device_ids: np.ndarray, round_idx: int) -> np.ndarray:
+        """Fast-reboot multipliers of the given devices in round round_idx (1 where none applies)."""
+        out = np.ones(len(device_ids))
+        if not self.cfg.fast_reboot:
+            return out
+        b = self.cfg.boost
+        for i, k in enumerate(device_ids):
+            r0 = self.arrival.get(int(k))
+            if r0 is not None and round_idx >= r0:
+                out[i] = 1.0 + (b - 1.0) / (round_idx - r0 + 1) ** 2
+        return out
