@@ -8,9 +8,7 @@ import sys
 from pathlib import Path
 
 from edgefed import __version__
-from edgefed.errors import EdgefedError
-
-EXIT_BAD_INPUT = 2
+from edgefed.errors import EXIT_BAD_INPUT, EdgefedError
 
 
 class _Parser(argparse.ArgumentParser):
@@ -142,6 +140,7 @@ def cmd_run(args) -> int:
 
 def cmd_trace_record(args) -> int:
     import datetime
+    import os
     import platform
     import shlex
     import tempfile
@@ -186,7 +185,7 @@ def cmd_trace_record(args) -> int:
         lost = np.array([generator(args.seed, Purpose.TRACE_DROP, r + 1, k).random() < p for r in range(args.rounds)])
         fractions[lost, k] = 0.0
     meta = {"recorded": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "command": "edgefed " + shlex.join(sys.argv[1:]), "machine": f"{platform.machine()} {platform.node()}",
+            "command": "edgefed " + shlex.join(sys.argv[1:]), "machine": f"{platform.machine()}, {os.cpu_count()} cores",
             "local_steps": args.local_steps, "deadline_s": args.deadline_s,
             "contention": ",".join(map(str, loads)), "drop": ",".join(map(str, drops))}
     write_trace_file(args.out, names, fractions, meta)

@@ -405,9 +405,11 @@ def _validate_data(d: DataConfig) -> DataConfig:
                 raise ConfigError(f"config: data.{key} = {value} must be a finite number >= 0")
         if isinstance(d.samples, str):
             _choice(d.samples, SAMPLE_LAWS, "data.samples")
-        else:
-            _positive(d.samples, "data.samples", "samples = 200, or \"lognormal\" / \"pareto\"")
-        _positive(d.samples_min, "data.samples_min", "samples_min = 50")
+        elif d.samples < 2:
+            raise ConfigError(f"config: data.samples = {d.samples}; a device needs at least 2 samples (one to train, "
+                              'one to test), e.g. samples = 200, or "lognormal" / "pareto"')
+        if d.samples_min < 2:
+            raise ConfigError(f"config: data.samples_min = {d.samples_min}; a device needs at least 2 samples")
         if d.samples_max is not None and d.samples_max < d.samples_min:
             raise ConfigError(f"config: data.samples_max = {d.samples_max} is below samples_min = {d.samples_min}")
         if not 0 < d.test_fraction < 1:

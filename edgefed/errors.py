@@ -1,5 +1,7 @@
 """One error hierarchy; the CLI turns any of these into a one-line message and exit code 2."""
 
+EXIT_BAD_INPUT = 2
+
 
 class EdgefedError(Exception):
     """Base of every error edgefed reports to a user (bad input, not a bug)."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime
 import math
+import os
 import shutil
 import time
 from dataclasses import dataclass
@@ -109,11 +110,11 @@ def check_control_memory(cfg: Config, n: int, d: int, dtype, log_path: Path, on_
 
 
 def _size(n_bytes: float) -> str:
-    for unit in ("B", "KB", "MB", "GB"):
-        if n_bytes < 1024 or unit == "GB":
+    for unit in ("B", "KB", "MB"):
+        if n_bytes < 1024:
             return f"{n_bytes:.0f} {unit}" if unit == "B" else f"{n_bytes:.1f} {unit}"
         n_bytes /= 1024
-    return ""
+    return f"{n_bytes:.1f} GB"
 
 
 @dataclass(frozen=True)
@@ -123,7 +124,6 @@ class Setup:
     cfg: Config
     problem: object
     model: object
-    batch: int | None
     header: Header
     trace: ReplayTrace | None
 
@@ -136,6 +136,9 @@ def prepare(cfg: Config, log_path: Path, *, resume_point=None, force: bool = Fal
     if resume_point is None and log_path.exists() and not force:
         raise RunLogError(f"run log {log_path} already exists; use --resume {log_path} to continue it, "
                           "--force to replace it, or another --out")
+    folder = next((p for p in (log_path.parent, *log_path.parent.parents) if p.exists()), Path.cwd())
+    if not folder.is_dir() or not os.access(folder, os.W_OK):
+        raise RunLogError(f"cannot write run log {log_path}: {folder} is not a writable folder; choose another --out")
     model = build_model(cfg.model.kind, problem, cfg.model.dtype)
     trace = None
     spec = cfg.participation.trace
@@ -158,8 +161,7 @@ def prepare(cfg: Config, log_path: Path, *, resume_point=None, force: bool = Fal
         attrs={"problem": problem.describe(), "model": model.kind,
                "train_objective": "(1/N_r) sum_k f_k" if cfg.train.weighting == "uniform" else "sum_k n_k/n F_k"},
     )
-    batch = None if cfg.train.batch_size == "full" else cfg.train.batch_size
-    return Setup(cfg, problem, model, batch, header, trace)
+    return Setup(cfg, problem, model, header, trace)
 
 
 def local_transport(cfg: Config, problem, model, device_ids=None, core=None) -> LocalTransport:
@@ -180,7 +182,7 @@ def drive(setup: Setup, transport, log_path: Path, *, resume_point=None, on_roun
         return _summary(log_path, resume_point.prefix, 0, 0.0, already_complete=True)
     wall0 = time.perf_counter()
     try:
-        log = RunLogWriter.create(log_path, setup.header, resume_point.prefix if resume_point else None)
+        log = RunLogWriter.create(log_path, setup.header, resume_point)
     except BaseException:
         transport.close(failed=True)
         raise
@@ -193,7 +195,6 @@ def drive(setup: Setup, transport, log_path: Path, *, resume_point=None, on_roun
         else:
             done = resume_point.rounds_done
             x = engine.resume(resume_point.state, done)
-            log.restore(done, resume_point.state)
         engine.run(x, done)
     except BaseException:
         log.close()  # the log stays valid up to the last completed round, ready for --resume

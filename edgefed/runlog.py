@@ -103,7 +103,6 @@ class RunLogWriter:
     def __init__(self, path: Path, f: h5py.File, header: Header):
         self.path = path
         self._f = f
-        self.header = header
         cols = columns(header.n_devices, header.dim, header.dtype) + header.extra_columns
         self._cols = {c.path: (f[c.path], np.dtype(c.dtype), tuple(c.row_shape)) for c in cols}
         self._rows = {name: ds.shape[0] for name, (ds, _, _) in self._cols.items()}
@@ -111,8 +110,12 @@ class RunLogWriter:
 
     # -- creation ------------------------------------------------------------------------------------
     @classmethod
-    def create(cls, path: str | Path, header: Header, prefix: dict | None = None) -> "RunLogWriter":
-        """Build the log beside `path`, then swap it in: an existing file is replaced only by a whole log."""
+    def create(cls, path: str | Path, header: Header, resume: "ResumePoint | None" = None) -> "RunLogWriter":
+        """Build the log beside `path`, then swap it in: an existing file is replaced only by a whole log.
+
+        With a resume point the new file holds its completed rounds and its resume state before the swap,
+        so a resume that fails at any moment leaves a log that can still be resumed.
+        """
         path = Path(path)
         if path.parent and not path.parent.exists():
             try:
@@ -123,12 +126,8 @@ class RunLogWriter:
         try:
             with h5py.File(tmp, "w", libver="latest") as f:
                 _write_skeleton(f, header)
-                if prefix:
-                    for name, data in prefix.items():
-                        ds = f[name]
-                        ds.resize(data.shape[0], axis=0)
-                        if data.shape[0]:
-                            ds[...] = data
+                if resume is not None:
+                    _write_resume_point(f, resume)
             os.replace(tmp, path)
         except OSError as exc:
             tmp.unlink(missing_ok=True)
@@ -203,14 +202,6 @@ class RunLogWriter:
             ds = self._state_ds[name] = self._f[f"state/{name}"]
         return ds
 
-    def restore(self, round_idx: int, state: dict) -> None:
-        """Write a resume point's state into a fresh log (whose prefix was copied) and mark its round."""
-        rows = [name for name in state if name in self._f["state/undo"]]
-        for name in rows:
-            self.set_rows(name, state[name])
-        self.stage(round_idx, {k: v for k, v in state.items() if k not in rows})
-        self.commit(round_idx)
-
     def commit(self, round_idx: int) -> None:
         """Flush everything staged and appended, then mark round_idx complete: the marker goes last."""
         self._f.flush()
@@ -233,6 +224,22 @@ def _write_row(ds: h5py.Dataset, index: int, value, dtype, row_shape: tuple | No
     file_space = ds.id.get_space()
     file_space.select_hyperslab((index,) + (0,) * (row.ndim - 1), row.shape)
     ds.id.write(h5py.h5s.create_simple(row.shape), file_space, row)
+
+
+def _write_resume_point(f: h5py.File, point: "ResumePoint") -> None:
+    """Copy a resume point (completed rounds, state, marker) into a fresh, not yet swapped-in log."""
+    for name, data in point.prefix.items():
+        ds = f[name]
+        ds.resize(data.shape[0], axis=0)
+        if data.shape[0]:
+            ds[...] = data
+    slots = f["state"].attrs["slots"].split(",")
+    for name, value in point.state.items():
+        if name in slots:
+            f[f"state/{name}"][point.rounds_done % 2] = value
+        else:
+            f[f"state/{name}"][...] = value
+    f["state/round"][0] = point.rounds_done
 
 
 def _write_skeleton(f: h5py.File, header: Header) -> None:

@@ -39,6 +39,10 @@ def run_experiment(tmp_path):
 
 
 def _toml(v):
+    if isinstance(v, list) and v and isinstance(v[0], dict):
+        return "[" + ", ".join("{" + ", ".join(f"{k} = {_toml(x)}" for k, x in item.items()) + "}" for item in v) + "]"
+    if isinstance(v, list):
+        return "[" + ", ".join(_toml(x) for x in v) + "]"
     if isinstance(v, str):
         return f'"{v}"'
     if isinstance(v, bool):

@@ -55,6 +55,7 @@ def test_same_experiment_names_the_differing_keys():
     ("rounds=0", "rounds = 0 must be positive"),
     ("data=3", "data must be a table"),
     ("train.local_epochs=0", "train.local_epochs = 0 must be positive"),
+    ("data.samples=1", "data.samples = 1; a device needs at least 2 samples"),
 ])
 def test_bad_values_name_the_key(override, message):
     with pytest.raises(ConfigError) as err:

@@ -48,7 +48,11 @@ def simulated(tmp_path_factory):
     """The simulator's logs of the configs the MPI runs must reproduce."""
     folder = tmp_path_factory.mktemp("sim")
     logs = {}
-    for name, extra in (("fedavg", ""), ("scaffold", '[scaffold]\noption = "I"\ninit = "gradient"\n')):
+    scaffold_extra = ('[scaffold]\noption = "I"\ninit = "gradient"\n'
+                      '[participation]\nmode = "trace"\ntrace = "builtin"\nscheme = "C"\n'
+                      '[dynamics]\nfast_reboot = true\n[[dynamics.arrive]]\ndevice = 1\nround = 3\n'
+                      '[[dynamics.depart]]\ndevice = 3\nround = 5\n')
+    for name, extra in (("fedavg", ""), ("scaffold", scaffold_extra)):
         text = SMALL.replace("[train]\n", '[train]\nalgorithm = "scaffold"\n') + extra if name == "scaffold" else SMALL
         cfg = write(folder, f"{name}.toml", text + ("[log]\nclient_controls = true\n" if name == "scaffold" else ""))
         out = folder / f"{name}.h5"
@@ -68,7 +72,7 @@ def test_mpi_writes_the_simulators_bytes(tmp_path, simulated, ranks):
     assert same_datasets(sim, read_run(out)) == []
 
 
-def test_scaffold_under_mpi_matches_the_simulator_with_every_control(tmp_path, simulated):
+def test_scaffold_with_traces_and_dynamics_under_mpi_matches_the_simulator(tmp_path, simulated):
     cfg, sim = simulated["scaffold"]
     out = tmp_path / "mpi.h5"
     done = edgefed(["run", cfg, "--out", str(out), "--quiet"], 3)
@@ -76,6 +80,8 @@ def test_scaffold_under_mpi_matches_the_simulator_with_every_control(tmp_path, s
     log = read_run(out)
     assert same_datasets(sim, log) == []
     assert "scaffold/c_clients" in log and log["scaffold/c_clients"].shape == (7, 7, 610)
+    assert not log["participation/active"][:2, 1].any() and not log["participation/active"][4:, 3].any()
+    assert (log["participation/steps"] < 10).any()  # the built-in traces cut some devices short
 
 
 def test_a_raising_rank_aborts_the_world_with_its_message(tmp_path):
@@ -98,6 +104,12 @@ def test_bad_config_under_mpi_is_one_line_and_exit_2(tmp_path):
     bad_map = write(tmp_path, "m.toml", SMALL + "[mpi]\ndevice_ranks = [1, 1, 1, 1, 1, 1, 5]\n")
     done = edgefed(["run", bad_map, "--out", str(tmp_path / "r.h5")], 3, timeout=120)
     assert done.returncode == 2 and "mpi.device_ranks holds rank 5; devices live on ranks 1..2" in done.stderr
+    good = write(tmp_path, "g.toml", SMALL)
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    unwritable = edgefed(["run", good, "--out", str(blocker / "r.h5")], 3, timeout=120)
+    lines = [line for line in unwritable.stderr.splitlines() if line.strip()]
+    assert unwritable.returncode == 2 and len(lines) == 1 and "is not a writable folder" in lines[0]
 
 
 DEADLINE = """rounds = 5

@@ -83,11 +83,15 @@ def test_averaging_identical_updates_returns_that_update(n_dev, d, lr_g, seed):
 
 @settings(max_examples=50, deadline=None)
 @given(st.integers(2, 6), st.integers(0, 2**31))
-def test_device_order_does_not_change_the_weights(n_dev, seed):
+def test_device_order_does_not_change_weights_or_server_update(n_dev, seed):
     g = np.random.default_rng(seed)
     n = g.integers(1, 100, 10)
     sel = np.sort(g.choice(10, n_dev, replace=False))
     perm = g.permutation(n_dev)
     for weighting in ("uniform", "count_global", "count_selected"):
         w = schemes.base_weights(weighting, sel, np.arange(10), n)
-        assert np.allclose(schemes.base_weights(weighting, sel[perm], np.arange(10), n), w[perm], rtol=1e-15)
+        np.testing.assert_array_equal(schemes.base_weights(weighting, sel[perm], np.arange(10), n), w[perm])
+    x, deltas = g.normal(size=5), g.normal(size=(n_dev, 5))
+    w = schemes.base_weights("count_selected", sel, np.arange(10), n)
+    ref = server_update(x, sel, deltas, w, 0.9)
+    assert server_update(x, sel[perm], deltas[perm], w[perm], 0.9).tobytes() == ref.tobytes()

@@ -127,3 +127,35 @@ def test_killed_run_resumes_byte_identical(tmp_path):
         assert value.tobytes() == b[name].tobytes(), name
     again = subprocess.run(cmd + ["--resume", str(killed)], capture_output=True, text=True, timeout=120)
     assert again.returncode == 0 and "already complete" in again.stdout
+
+
+def test_a_resume_that_fails_leaves_a_resumable_log(tmp_path, monkeypatch):
+    from edgefed.runtime.engine import RoundEngine
+
+    overrides = [f"{k}={v!r}" if not isinstance(v, str) else f'{k}="{v}"' for k, v in SMALL.items()]
+    cfg = config_mod.load_config(None, overrides + ['train.algorithm="scaffold"', "log.client_controls=true"])
+    whole, part = tmp_path / "whole.h5", tmp_path / "part.h5"
+    experiment.run(cfg, whole)
+
+    def stop_at_5(summary):
+        if summary.round_idx == 5:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        experiment.run(cfg, part, on_round=stop_at_5)
+    honest_resume = RoundEngine.resume
+
+    def fails(self, state, done):
+        raise KeyboardInterrupt  # e.g. Ctrl-C while the device ranks load their controls
+
+    monkeypatch.setattr(RoundEngine, "resume", fails)
+    _, point = experiment.resolve_config(None, [], str(part))
+    with pytest.raises(KeyboardInterrupt):
+        experiment.run(cfg, part, resume_point=point)
+    monkeypatch.setattr(RoundEngine, "resume", honest_resume)
+    _, point = experiment.resolve_config(None, [], str(part))
+    assert point.rounds_done == 5
+    experiment.run(cfg, part, resume_point=point)
+    a, b = read_run(whole), read_run(part)
+    for name, value in _datasets(a).items():
+        assert value.tobytes() == b[name].tobytes(), name

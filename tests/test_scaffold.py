@@ -232,37 +232,35 @@ def test_interrupted_scaffold_run_resumes_every_control(tmp_path, quad_file):
             assert value.tobytes() == b[name].tobytes(), name
 
 
-def test_a_kill_between_stage_and_commit_rolls_the_controls_back(tmp_path, quad_file):
+def test_a_kill_between_stage_and_commit_rolls_the_controls_back(tmp_path, quad_file, monkeypatch):
+    """Round 4 writes its rows and slots, then dies before its marker: resume sees round 3, rows rolled back."""
+    from edgefed.runlog import RunLogWriter, read_resume_point
+
     _, _, path = het_quadratic(quad_file)
     cfg = config_mod.load_config(None, [
         'data.kind="quadratic"', f'data.path="{path}"', 'train.algorithm="scaffold"', "train.clients_per_round=3",
-        "rounds=5", "log.client_controls=true"])
-    log_path = tmp_path / "run.h5"
-    experiment.run(cfg, log_path)
-    full = read_run(log_path)
-    from edgefed.runlog import open_run, read_resume_point
+        "rounds=5", "log.client_controls=true", 'scaffold.init="gradient"'])
+    experiment.run(cfg, tmp_path / "whole.h5")
+    full = read_run(tmp_path / "whole.h5")
+    honest_commit = RunLogWriter.commit
 
-    # Rewind the marker to round 3 and pretend round 4 was half written: its undo area is what round 4 saw.
-    import h5py
+    def dies_in_round_4(self, round_idx):
+        if round_idx == 4:
+            raise KeyboardInterrupt
+        honest_commit(self, round_idx)
 
-    with h5py.File(log_path, "r+") as f:
-        f["state/round"][0] = 3
-        ids = np.flatnonzero(full["participation/selected"][3])
-        f["state/undo/round"][0] = 4
-        f["state/undo/count"][0] = ids.size
-        f["state/undo/ids"][: ids.size] = ids
-        f["state/undo/c_clients"][: ids.size] = full["scaffold/c_clients"][3][ids]
-        f["state/c_clients"][...] = full["scaffold/c_clients"][4]  # round 4's rows already written
-        for r in (3, 4):  # round 3's slots, and round 4's slots already staged
-            f["state/c"][r % 2] = full["scaffold/c"][r]
-            f["state/x"][r % 2] = full["trajectory/x"][r]
-    point = read_resume_point(log_path)
-    assert point.rounds_done == 3
+    monkeypatch.setattr(RunLogWriter, "commit", dies_in_round_4)
+    with pytest.raises(KeyboardInterrupt):
+        experiment.run(cfg, tmp_path / "killed.h5")
+    point = read_resume_point(tmp_path / "killed.h5")
+    raw = read_run(tmp_path / "killed.h5")
+    changed = np.flatnonzero(full["participation/selected"][3])
+    assert raw["state/undo/round"][0] == 4  # round 4 had staged its rows ...
+    assert not np.array_equal(raw["state/c_clients"][changed], full["scaffold/c_clients"][3][changed])
+    assert point.rounds_done == 3  # ... but the resume point is round 3, rows rolled back
     np.testing.assert_array_equal(point.state["c_clients"], full["scaffold/c_clients"][3])
     np.testing.assert_array_equal(point.state["c"], full["scaffold/c"][3])
     np.testing.assert_array_equal(point.state["x"], full["trajectory/x"][3])
-    with open_run(log_path):
-        pass
 
 
 def test_controls_that_cannot_fit_are_refused(tmp_path, monkeypatch):

@@ -58,7 +58,9 @@ def test_features_have_the_generator_covariance_and_labels_its_argmax():
     X, y = p.generate(1)
     var = X.var(axis=0)
     np.testing.assert_allclose(var, np.arange(1, 61) ** -1.2, rtol=0.05)
-    assert np.bincount(y, minlength=N_CLASSES).sum() == 20000 and y.max() < N_CLASSES
+    v, W, b = p.device_law(1)
+    np.testing.assert_allclose(X.mean(axis=0), v, atol=0.03)  # x ~ N(v_k, Sigma)
+    assert np.array_equal(y, np.argmax(X @ W + b, axis=1)) and y.max() < N_CLASSES
 
 
 def test_mean_of_device_features_spreads_with_beta():
@@ -85,4 +87,6 @@ def test_non_iid_labels_come_from_the_devices_own_model():
     W, b = p._global_model()
     X, y = p.generate(0)
     assert not np.array_equal(y, np.argmax(X @ W + b, axis=1))
+    _, W0, b0 = p.device_law(0)
+    assert np.array_equal(y, np.argmax(X @ W0 + b0, axis=1))
     assert isinstance(p, SyntheticProblem) and p.describe().startswith("SYNTHETIC(1,1)")

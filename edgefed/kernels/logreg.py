@@ -57,35 +57,6 @@ def _accumulate_grad(X, i, n_classes, prob, grad):
 
 
 @njit(**JIT)
-def _sgd_steps(params, X, y, n_classes, n_steps, b, lr, inv_b, rng, perm, correction, grad, prob):
-    """n_steps of params <- params - lr * (mean minibatch gradient + correction).
-
-    A minibatch is a uniform b-subset (b <= n) of the n samples, drawn anew each step; b = n is the full
-    gradient, summed in perm order. `correction` is empty (plain SGD) or holds SCAFFOLD's c - c_k.
-    lr and inv_b = 1/b come in the parameter dtype.
-    """
-    n = X.shape[0]
-    d = params.shape[0]
-    corrected = correction.shape[0] == d
-    for _ in range(n_steps):
-        if b < n:
-            draw_batch(rng, perm, n, b)
-        grad[:] = 0
-        for ii in range(b):
-            i = perm[ii]
-            _logits_softmax(params, X, i, n_classes, prob, y[i])
-            prob[y[i]] -= 1
-            _accumulate_grad(X, i, n_classes, prob, grad)
-        if corrected:
-            for k in range(d):
-                params[k] -= lr * (grad[k] * inv_b + correction[k])
-        else:
-            for k in range(d):
-                params[k] -= lr * (grad[k] * inv_b)
-    return n_steps
-
-
-@njit(**JIT)
 def _minibatch_grad(params, X, y, n_classes, b, inv_b, rng, perm, grad, prob):
     """grad <- mean gradient over one minibatch of b samples drawn as in _sgd_steps (one oracle call)."""
     n = X.shape[0]
@@ -99,6 +70,27 @@ def _minibatch_grad(params, X, y, n_classes, b, inv_b, rng, perm, grad, prob):
         _accumulate_grad(X, i, n_classes, prob, grad)
     for k in range(grad.shape[0]):
         grad[k] *= inv_b
+
+
+@njit(**JIT)
+def _sgd_steps(params, X, y, n_classes, n_steps, b, lr, inv_b, rng, perm, correction, grad, prob):
+    """n_steps of params <- params - lr * (mean minibatch gradient + correction).
+
+    A minibatch is a uniform b-subset (b <= n) of the n samples, drawn anew each step; b = n is the full
+    gradient, summed in perm order. `correction` is empty (plain SGD) or holds SCAFFOLD's c - c_k.
+    lr and inv_b = 1/b come in the parameter dtype.
+    """
+    d = params.shape[0]
+    corrected = correction.shape[0] == d
+    for _ in range(n_steps):
+        _minibatch_grad(params, X, y, n_classes, b, inv_b, rng, perm, grad, prob)
+        if corrected:
+            for k in range(d):
+                params[k] -= lr * (grad[k] + correction[k])
+        else:
+            for k in range(d):
+                params[k] -= lr * grad[k]
+    return n_steps
 
 
 @njit(**JIT)

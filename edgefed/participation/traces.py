@@ -22,7 +22,6 @@ from edgefed.rng import Purpose, generator
 class ReplayTrace:
     selected: np.ndarray  # (R, N) bool
     steps: np.ndarray  # (R, N) int32
-    source: str
 
     @classmethod
     def checked(cls, selected, steps, budget, source: str, n_devices: int, rounds: int,
@@ -40,7 +39,7 @@ class ReplayTrace:
             r, k = np.argwhere(wrong)[0]
             raise ConfigError(f"config: {where} asked device {k} for {budget[r, k]} steps in round {r + 1} but this "
                               f"run's budget is {budgets[k]}; use the same train.local_steps / local_epochs")
-        return cls(selected.copy(), steps.astype(np.int32), source)
+        return cls(selected.copy(), steps.astype(np.int32))
 
     def round(self, round_idx: int) -> tuple[np.ndarray, np.ndarray]:
         """(selected device ids ascending, steps each completes) of round round_idx (1-based)."""

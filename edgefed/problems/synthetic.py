@@ -62,19 +62,27 @@ class SyntheticProblem:
         g = generator(self.seed, Purpose.DATA_GLOBAL)
         return g.normal(0.0, 1.0, (N_FEATURES, N_CLASSES)), g.normal(0.0, 1.0, N_CLASSES)
 
-    def generate(self, device_id: int):
-        """(X, y) of all the device's samples in float64, before the split."""
+    def _device_law(self, g):
+        """(v_k, W_k, b_k) of one device, drawn first from its stream."""
         cfg = self.cfg
-        g = generator(self.seed, Purpose.DATA_DEVICE, device_id=device_id)
         u = g.normal(0.0, cfg.alpha)
         big_b = g.normal(0.0, cfg.beta)
         if cfg.iid:
             W, b = self._global_model()
-            v = np.zeros(N_FEATURES)
-        else:
-            v = g.normal(big_b, 1.0, N_FEATURES)
-            W = g.normal(u, 1.0, (N_FEATURES, N_CLASSES))
-            b = g.normal(u, 1.0, N_CLASSES)
+            return np.zeros(N_FEATURES), W, b
+        v = g.normal(big_b, 1.0, N_FEATURES)
+        W = g.normal(u, 1.0, (N_FEATURES, N_CLASSES))
+        b = g.normal(u, 1.0, N_CLASSES)
+        return v, W, b
+
+    def device_law(self, device_id: int):
+        """(v_k, W_k, b_k): the feature mean and labelling model of one device."""
+        return self._device_law(generator(self.seed, Purpose.DATA_DEVICE, device_id=device_id))
+
+    def generate(self, device_id: int):
+        """(X, y) of all the device's samples in float64, before the split."""
+        g = generator(self.seed, Purpose.DATA_DEVICE, device_id=device_id)
+        v, W, b = self._device_law(g)
         n = int(self.n_total[device_id])
         X = v + g.standard_normal((n, N_FEATURES)) * _SIGMA_SQRT
         y = np.argmax(X @ W + b, axis=1)  # softmax is monotone: argmax of the logits is the argmax

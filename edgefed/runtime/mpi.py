@@ -28,7 +28,7 @@ from edgefed.errors import ConfigError, EdgefedError
 from edgefed.runtime.messages import Evaluation, LocalResults, RoundPlan
 
 CMD_STOP, CMD_ROUND, CMD_EVAL, CMD_INIT_CONTROLS, CMD_LOAD_CONTROLS = range(5)
-TAG_WORK, TAG_EVAL, TAG_INIT, TAG_LOAD = 11, 12, 13, 14
+TAG_WORK, TAG_EVAL, TAG_INIT, TAG_LOAD, TAG_BYE = 11, 12, 13, 14, 15
 HEAD = 8  # fixed part of the control vector; then budgets (N), trace steps (N), accepted (N)
 WORK_META = ("round", "device", "steps", "elapsed_s", "cpu_percent", "cpu_freq_mhz", "temperature_c", "late")
 EVAL_META = ("round", "device", "train_loss", "test_loss_sum", "test_correct", "n_test")
@@ -64,19 +64,37 @@ def world():
     return comm if comm.Get_size() > 1 else None
 
 
-def wait(req, poll_max_s: float = POLL_MAX_S, also=None) -> None:
-    """Wait for a request without burning a core: a brief spin, then sleeps growing to poll_max_s.
+class Backoff:
+    """Pause between polls without burning a core: spin for SPIN_S, then sleeps doubling up to poll_max_s.
 
-    `also()` runs between polls (a device rank sends finished work while it waits for the next command).
+    The brief spin matters: a large non-blocking broadcast only advances when it is tested.
     """
-    start = time.perf_counter()
-    sleep = 20e-6
+
+    def __init__(self, poll_max_s: float = POLL_MAX_S):
+        self.poll_max_s = poll_max_s
+        self.start = time.perf_counter()
+        self.sleep = 20e-6
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.start
+
+    def pause(self) -> None:
+        if self.elapsed() > SPIN_S:
+            time.sleep(self.sleep)
+            self.sleep = min(self.sleep * 2, self.poll_max_s)
+
+    def reset(self) -> None:
+        self.sleep = 20e-6
+
+
+def wait(req, poll_max_s: float = POLL_MAX_S, also=None) -> None:
+    """Wait for a request without burning a core; `also()` runs between polls (a device rank sends finished
+    work while it waits for the next command)."""
+    backoff = Backoff(poll_max_s)
     while not req.Test():
         if also is not None:
             also()
-        if time.perf_counter() - start > SPIN_S:
-            time.sleep(sleep)
-            sleep = min(sleep * 2, poll_max_s)
+        backoff.pause()
 
 
 def device_owners(n_devices: int, size: int, device_ranks=()) -> np.ndarray:
@@ -107,7 +125,7 @@ class Layout:
         return 2 * self.dim if self.scaffold else self.dim
 
     def record(self, tag: int) -> np.dtype:
-        meta, payload = {TAG_WORK: (WORK_META, self.model_len), TAG_EVAL: (EVAL_META, 0),
+        meta, payload = {TAG_WORK: (WORK_META, self.model_len), TAG_EVAL: (EVAL_META, 0), TAG_BYE: (EVAL_META, 0),
                          TAG_INIT: (INIT_META, self.dim)}[tag]
         return np.dtype([("meta", "<f8", (len(meta),)), ("data", self.dtype, (payload,))])
 
@@ -139,7 +157,6 @@ class MpiTransport:
                       for r, ids in self.hosted.items()}
         self._accept_round, self._accepted = -1, np.zeros(n, np.int64)
         self._status = MPI.Status()
-        self.stale_messages = 0  # late reports received after their round and dropped
 
     # -- down ---------------------------------------------------------------------------------------------
     def _command(self, cmd: int, round_idx: int = 0, plan: RoundPlan | None = None, x=None, c=None, arg=0) -> None:
@@ -167,8 +184,7 @@ class MpiTransport:
         """One message per rank in `ranks` for (tag, round); anything else that arrives is an old late report."""
         MPI, status = self.MPI, self._status
         got, expected = {}, set(int(r) for r in ranks)
-        start = time.perf_counter()
-        sleep = 20e-6
+        backoff = Backoff(self.poll)
         while expected - set(got):
             if self.comm.Iprobe(MPI.ANY_SOURCE, MPI.ANY_TAG, status):
                 src, msg_tag, nbytes = status.Get_source(), status.Get_tag(), status.Get_count(MPI.BYTE)
@@ -177,15 +193,11 @@ class MpiTransport:
                 records = buf[:nbytes].view(self.layout.record(msg_tag))
                 if msg_tag == tag and src in expected and records.size and records["meta"][0, 0] == round_idx:
                     got[src] = records.copy()
-                else:
-                    self.stale_messages += 1
-                sleep = 20e-6
+                backoff.reset()  # anything else is a late report of an older round: dropped
                 continue
-            if timeout_s is not None and time.perf_counter() - start > timeout_s:
+            if timeout_s is not None and backoff.elapsed() > timeout_s:
                 break
-            if time.perf_counter() - start > SPIN_S:
-                time.sleep(sleep)
-                sleep = min(sleep * 2, self.poll)
+            backoff.pause()
         return got
 
     # -- the transport interface --------------------------------------------------------------------------
@@ -263,9 +275,14 @@ class MpiTransport:
                 wait(self.comm.Isend(rows, dest=rank, tag=TAG_LOAD), self.poll)
 
     def close(self, failed: bool = False) -> None:
-        """Tell the device ranks to stop; after a failure the caller aborts the world instead."""
+        """Tell the device ranks to stop and drain what they still send until each says goodbye.
+
+        Draining lets a late report that is still on its way complete, so no rank hangs on it at exit.
+        After a failure the caller aborts the world instead.
+        """
         if not failed:
             self._command(CMD_STOP)
+            self._collect(TAG_BYE, -2, list(self.hosted))
 
 
 class DeviceServer:
@@ -326,6 +343,7 @@ class DeviceServer:
             if ctrl[5] >= 0:
                 self.transport.accept(int(ctrl[5]), np.flatnonzero(ctrl[HEAD + 2 * n:]))
             if cmd == CMD_STOP:
+                self._goodbye()
                 break
             if cmd == CMD_LOAD_CONTROLS:
                 rows = np.zeros((self.own.size, d), self.layout.dtype)
@@ -342,6 +360,14 @@ class DeviceServer:
                 self._evaluate(x)
             elif cmd == CMD_INIT_CONTROLS:
                 self._init_controls(x, "gradient" if ctrl[6] else "zero")
+    def _goodbye(self) -> None:
+        """Finish (and drop) work still running, then say goodbye; the coordinator drains until it hears it."""
+        if self._future is not None:
+            self._future[1].exception()  # waits for the worker; a late result is of no use any more
+            self._future = None
+        records = self._records(TAG_BYE, 1)
+        records["meta"][0, 0] = -2
+        self._send_records(TAG_BYE, records)
         for req in self._send_req:
             if req is not None:
                 wait(req, self.poll)

@@ -15,12 +15,10 @@ import numpy as np
 
 from edgefed import config as config_mod
 from edgefed import experiment
-from edgefed.errors import EdgefedError
+from edgefed.errors import EXIT_BAD_INPUT, EdgefedError
 from edgefed.models import build_model
 from edgefed.problems import build_problem
 from edgefed.runtime.mpi import DeviceServer, Layout, MpiTransport, abort_with, device_owners
-
-EXIT_BAD_INPUT = 2
 
 
 def run_coordinator(comm, resolve, force: bool, on_round, on_info, on_error) -> int:
@@ -33,6 +31,9 @@ def run_coordinator(comm, resolve, force: bool, on_round, on_info, on_error) -> 
         comm.bcast({"error": str(exc)}, root=0)
         on_error(str(exc))
         return EXIT_BAD_INPUT
+    except BaseException as exc:  # a bug: the device ranks must not wait for a config that never comes
+        comm.bcast({"error": f"{type(exc).__name__}: {exc}"}, root=0)
+        raise
     comm.bcast({"config": config_mod.to_toml(setup.cfg), "owners": owners}, root=0)
     failures = [f for f in comm.gather(None, root=0) if f]
     if failures:
@@ -49,7 +50,8 @@ def run_coordinator(comm, resolve, force: bool, on_round, on_info, on_error) -> 
     except KeyboardInterrupt:
         abort_with(comm, f"interrupted; continue with: edgefed run --resume {path}", 130)
     except EdgefedError as exc:
-        abort_with(comm, f"{exc} (the log {path} holds every completed round; --resume continues it)", EXIT_BAD_INPUT)
+        hint = f" (the log {path} holds every completed round; --resume continues it)" if path.exists() else ""
+        abort_with(comm, f"{exc}{hint}", EXIT_BAD_INPUT)
     except BaseException as exc:  # noqa: BLE001 - any failure must take the world down, not hang it
         abort_with(comm, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}", 1)
     return result
@@ -72,6 +74,8 @@ def run_device_rank(comm) -> int:
         transport.warmup(model.initial_params())
     except EdgefedError as exc:
         failure = f"rank {rank}: {exc}"
+    except BaseException as exc:  # noqa: BLE001 - reported through rank 0 rather than hanging the gather
+        failure = f"rank {rank}: {type(exc).__name__}: {exc}"
     comm.gather(failure, root=0)
     if not comm.bcast(None, root=0):
         if transport is not None:

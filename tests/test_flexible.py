@@ -1,0 +1,192 @@
+"""Flexible participation (seed 003): schemes on traced rounds, traces, replay, arrivals and departures."""
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from edgefed import config as config_mod
+from edgefed import experiment
+from edgefed.errors import ConfigError
+from edgefed.participation.dynamics import Dynamics
+from edgefed.participation.traces import BUILTIN, read_trace_file, sampled_traces, write_trace_file
+from edgefed.runlog import read_run
+
+
+def quad(quad_file, N=4, d=3, seed=0):
+    g = np.random.default_rng(seed)
+    A, b = g.uniform(0.5, 2.0, (N, d)), g.normal(0, 2, (N, d))
+    return A, b, quad_file(A, b, x0=np.zeros(d))
+
+
+def constant_traces(tmp_path, fractions):
+    """A trace file whose trace k always completes fractions[k] of the budget; returns the per-device list."""
+    path = tmp_path / "const.csv"
+    write_trace_file(path, [f"t{k}" for k in range(len(fractions))], np.array(fractions)[None, :], {"note": "test"})
+    return [f"{path}#t{k}" for k in range(len(fractions))]
+
+
+def run_quad(run_experiment, path, **extra):
+    base = {"data.kind": "quadratic", "data.path": str(path), "model.dtype": "float64", "rounds": 3,
+            "train.clients_per_round": "all", "train.local_steps": 8, "train.lr_local": 0.1,
+            "train.weighting": "uniform", "log.eval_every": 1000}
+    base.update(extra)
+    return run_experiment(base)
+
+
+@pytest.mark.parametrize("scheme,expected", [
+    ("A", [4 / 2 * 0.25, 0.0, 0.0, 4 / 2 * 0.25]),  # only complete devices, scaled by |S| / K_r = 4 / 2
+    ("B", [0.25, 0.25, 0.25, 0.25]),
+    ("C", [0.25, 0.25 * 8 / 4, 0.25 * 8 / 2, 0.25]),  # K / s_k
+])
+def test_scheme_coefficients_on_traced_rounds(tmp_path, quad_file, run_experiment, scheme, expected):
+    _, _, path = quad(quad_file)
+    traces = constant_traces(tmp_path, [1.0, 0.5, 0.25, 1.0])
+    log = run_quad(run_experiment, path, **{"participation.mode": "trace", "participation.trace": traces,
+                                            "participation.scheme": scheme})
+    assert log["participation/steps"][0].tolist() == [8, 4, 2, 8]
+    np.testing.assert_allclose(log["participation/coeff"], np.tile(expected, (3, 1)), rtol=1e-15)
+
+
+def test_scheme_a_with_no_complete_device_changes_nothing(tmp_path, quad_file, run_experiment):
+    _, _, path = quad(quad_file)
+    traces = constant_traces(tmp_path, [0.5, 0.0, 0.25, 0.75])
+    for scheme in ("A", "C"):
+        log = run_quad(run_experiment, path, **{"participation.mode": "trace", "participation.trace": traces,
+                                                "participation.scheme": scheme})
+        if scheme == "A":
+            assert np.all(log["trajectory/x"] == 0) and log["metrics/n_applied"].tolist() == [0, 0, 0]
+            assert not log["participation/coeff"].any()
+        else:  # C: s_k = 0 weighs 0, the others K / s_k
+            assert log["participation/coeff"][0].tolist() == [0.25 * 2, 0.0, 0.25 * 4, 0.25 * 8 / 6]
+            assert log["metrics/n_applied"].tolist() == [3, 3, 3]
+
+
+def test_scheme_c_reaches_the_optimum_where_b_is_biased(tmp_path, quad_file, run_experiment):
+    """Devices completing 100/50/25/75 % of K = 8 steps every round, exact gradients, staircase lr 0.2/r.
+
+    Scheme B weighs device k by its steps, so it converges to the optimum of sum_k s_k f_k; Scheme C
+    rescales by K/s_k and converges to the optimum of (1/N) sum_k f_k. What remains of C's error after R
+    rounds is the client drift of K local steps, O(lr_R) = O(0.2/400): measured 1.7e-3 at R = 400 (4e-4 at
+    R = 2000), so 0.01 is a safe bound; B stays at distance 0.79.
+    """
+    A, b, path = quad(quad_file)
+    fractions = np.array([1.0, 0.5, 0.25, 0.75])
+    traces = constant_traces(tmp_path, fractions)
+    optimum = (A * b).sum(axis=0) / A.sum(axis=0)
+    biased = (A * b * fractions[:, None]).sum(axis=0) / (A * fractions[:, None]).sum(axis=0)
+    final = {}
+    for scheme in ("B", "C"):
+        log = run_quad(run_experiment, path, **{"participation.mode": "trace", "participation.trace": traces,
+                                                "participation.scheme": scheme, "rounds": 400,
+                                                "train.lr_local": 0.2, "train.lr_schedule": "staircase",
+                                                "log.every": 100})
+        final[scheme] = log["trajectory/x"][-1]
+    assert np.linalg.norm(final["C"] - optimum) < 0.01
+    assert np.linalg.norm(final["B"] - optimum) > 0.5
+    assert np.linalg.norm(final["B"] - biased) < 0.01
+
+
+def test_sampled_traces_draw_from_the_assigned_trace(tmp_path):
+    file = read_trace_file(BUILTIN)
+    assert file.names[:5] == ("cpu0", "cpu30", "cpu50", "cpu70", "cpu90") and len(file.names) == 8
+    assert "trace record" in file.meta["command"]
+    traces = sampled_traces("builtin:2", seed=3, n_devices=40)
+    assert set(traces.assignment) == {0, 1}  # the first two traces only
+    budgets = np.full(40, 100)
+    steps = traces.steps(3, 7, np.arange(40), budgets)
+    for k in range(40):
+        allowed = np.floor(file.fractions[traces.assignment[k]] * 100 + 0.5)
+        assert steps[k] in allowed
+    assert np.array_equal(steps, traces.steps(3, 7, np.arange(40), budgets))  # a pure function of the stream
+    explicit = sampled_traces(("cpu90", "bw-low"), seed=0, n_devices=5)
+    assert explicit.assignment.tolist() == [0, 1, 0, 1, 0] and explicit.names == ("cpu90", "bw-low")
+    with pytest.raises(ConfigError, match="give how many of its 8 traces"):
+        sampled_traces("builtin:9", 0, 4)
+    with pytest.raises(ConfigError, match="has only cpu0"):
+        sampled_traces(("cpu99",), 0, 4)
+
+
+def test_replay_gives_the_same_participation_to_every_scheme(tmp_path, run_experiment):
+    common = {"rounds": 8, "data.clients": 8, "train.clients_per_round": 5, "train.local_steps": 10,
+              "participation.mode": "trace", "participation.trace": "builtin", "log.eval_every": 100}
+    recorded = run_experiment(common, name="recorded.h5")
+    again = run_experiment({**common, "participation.trace": str(tmp_path / "recorded.h5")})
+    assert again["trajectory/x"].tobytes() == recorded["trajectory/x"].tobytes()
+    other = run_experiment({**common, "participation.trace": str(tmp_path / "recorded.h5"),
+                            "participation.scheme": "C"})
+    assert np.array_equal(other["participation/steps"], recorded["participation/steps"])
+    assert np.array_equal(other["participation/selected"], recorded["participation/selected"])
+    assert other["trajectory/x"].tobytes() != recorded["trajectory/x"].tobytes()
+    for override, message in (({"data.clients": 9}, "has 8 devices but this run has 9"),
+                              ({"rounds": 9}, "holds 8 rounds but this run needs 9"),
+                              ({"train.local_steps": 11}, "this run's budget is 11")):
+        with pytest.raises(ConfigError, match=message):
+            run_experiment({**common, "participation.trace": str(tmp_path / "recorded.h5"), **override})
+
+
+def test_membership_learning_rate_restart_and_boost(run_experiment):
+    log = run_experiment({
+        "rounds": 12, "data.clients": 6, "train.clients_per_round": "all", "train.local_steps": 5,
+        "train.lr_schedule": "staircase", "train.lr_local": 0.6, "train.weighting": "count_global",
+        "dynamics.fast_reboot": True, "log.eval_every": 100,
+    } | {"dynamics.arrive": [{"device": 2, "round": 4}],
+         "dynamics.depart": [{"device": 4, "round": 7, "policy": "exclude"},
+                             {"device": 5, "round": 9, "policy": "include"}]})
+    active, selected = log["participation/active"], log["participation/selected"]
+    assert not active[:3, 2].any() and active[3:, 2].all()  # arrives in round 4
+    assert active[:6, 4].all() and not active[6:, 4].any()  # excluded from round 7
+    assert active[:, 5].all()  # included: stays in the objective ...
+    assert np.all(log["participation/steps"][8:, 5] == 0)  # ... but never reports from round 9
+    assert not (selected & ~active).any()
+    # staircase restarts at eta_0 after each objective shift (rounds 4 and 7), not at the include-departure
+    shift = np.array([0, 0, 0, 3, 3, 3, 6, 6, 6, 6, 6, 6])
+    np.testing.assert_allclose(log["metrics/lr"], 0.6 / (np.arange(1, 13) - shift), rtol=1e-15)
+    n = log["devices/n_train"].astype(float)
+    for r in (4, 5, 6):  # rounds 4..6: devices 0..5 active; device 2's weight boosted by 1 + 2 / (r - 3)^2
+        w = n[2] / n[active[r - 1]].sum()
+        assert log["participation/coeff"][r - 1, 2] == pytest.approx(w * (1 + 2 / (r - 3) ** 2), rel=1e-12)
+    w_other = n[0] / n[active[7]].sum()
+    assert log["participation/coeff"][7, 0] == pytest.approx(w_other, rel=1e-12)
+
+
+def test_scaffold_invariant_holds_across_shifts(run_experiment):
+    log = run_experiment({
+        "rounds": 10, "data.clients": 6, "train.clients_per_round": 3, "train.algorithm": "scaffold",
+        "model.dtype": "float64", "scaffold.init": "gradient", "log.client_controls": True, "log.eval_every": 100,
+    } | {"dynamics.arrive": [{"device": 1, "round": 3}], "dynamics.depart": [{"device": 3, "round": 6}]})
+    active = np.vstack([log["participation/active"][:1], log["participation/active"]])  # row 0: start
+    active[0, 1] = False
+    for r in range(11):
+        members = log["scaffold/c_clients"][r][active[r]]
+        np.testing.assert_allclose(log["scaffold/c"][r], members.mean(axis=0), rtol=1e-12, atol=1e-14)
+    assert not np.array_equal(log["scaffold/c_clients"][2, 1], log["scaffold/c_clients"][3, 1])  # fresh control
+
+
+def test_dynamics_validation():
+    with pytest.raises(ConfigError, match="departs in round 3, not after it arrives"):
+        config_mod.config_from_dict({"dynamics": {"arrive": [{"device": 1, "round": 5}],
+                                                  "depart": [{"device": 1, "round": 3}]}})
+    with pytest.raises(ConfigError, match="policy = 'keep' is not known"):
+        config_mod.config_from_dict({"dynamics": {"depart": [{"device": 1, "round": 3, "policy": "keep"}]}})
+    dyn = Dynamics(config_mod.DynamicsConfig(), 3)
+    assert dyn.active(0).all() and dyn.shift_round(50) == 0 and dyn.boost(np.arange(3), 4).tolist() == [1, 1, 1]
+
+
+def test_trace_record_and_show(tmp_path):
+    out = tmp_path / "t.csv"
+    done = subprocess.run([sys.executable, "-m", "edgefed", "trace", "record", "--out", str(out), "--names", "free,busy",
+                           "--contention", "0,0.9", "--drop", "0,0.5", "--rounds", "12", "--local-steps", "400",
+                           "--quiet"], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    file = read_trace_file(out)
+    assert file.names == ("free", "busy") and file.fractions[0].size == 12
+    assert file.fractions[1].mean() < file.fractions[0].mean()
+    assert "free" in done.stdout and "inactive" in done.stdout
+    shown = subprocess.run([sys.executable, "-m", "edgefed", "trace", "show", "builtin"], capture_output=True,
+                           text=True, timeout=120)
+    assert shown.returncode == 0 and "cpu90" in shown.stdout and "bw-low" in shown.stdout
+    bad = subprocess.run([sys.executable, "-m", "edgefed", "trace", "show", str(tmp_path / "none.csv")],
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "not found" in bad.stderr
