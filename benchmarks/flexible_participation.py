@@ -1,0 +1,139 @@
+"""The shape of the flexible-participation paper's experiments (seed 003), on SYNTHETIC with logistic regression.
+
+    python benchmarks/flexible_participation.py schemes    [--seeds 0 1]   # (1) A/B/C vs number of traces
+    python benchmarks/flexible_participation.py reboot     [--seeds 0 1 2] # (2) fast-reboot after an arrival
+    python benchmarks/flexible_participation.py departure  [--seeds 0 1 2] # (3) include vs exclude
+
+Common setting (the paper's): staircase learning rate eta_0 / r with eta_0 = 1, batch 20, count weights
+p_k = n_k / n, every device of the federation works every round, K = 20 local steps, and each device's
+completed steps drawn every round from one of edgefed's built-in measured traces (edgefed trace show builtin).
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+from edgefed import config as config_mod
+from edgefed import experiment
+from edgefed.models import build_model
+from edgefed.problems import build_problem
+from edgefed.runlog import read_run
+
+COMMON = ['train.clients_per_round="all"', "train.local_steps=20", "train.batch_size=20", "train.lr_local=1.0",
+          'train.lr_schedule="staircase"', 'train.weighting="count_global"', 'participation.mode="trace"']
+DATASETS = {"SYNTHETIC(1,1)": ["data.alpha=1.0", "data.beta=1.0"], "SYNTHETIC(0,0)": ["data.alpha=0.0", "data.beta=0.0"]}
+
+
+def run(overrides, folder: Path, name: str) -> dict:
+    cfg = config_mod.load_config(None, COMMON + overrides)
+    path = folder / f"{name}.h5"
+    experiment.run(cfg, path, force=True)
+    return read_run(path)
+
+
+def schemes(args, folder):
+    print("(1) Final test accuracy (mean of the last 5 evaluations, every 10 rounds) of Schemes A, B, C as the")
+    print(f"    number of built-in traces grows; 50 devices, Pareto sample counts, {args.rounds} rounds, seeds {args.seeds}.")
+    print("    Traces in order: cpu0, cpu30, cpu50, cpu70, cpu90 (CPU competitors), bw-high, bw-medium, bw-low (lost uploads).")
+    for dataset, data in DATASETS.items():
+        print(f"\n{dataset}\n\n| traces | A | B | C | best |\n| --- | --- | --- | --- | --- |")
+        for k in range(1, 9):
+            accs = {}
+            for scheme in "ABC":
+                finals = []
+                for seed in args.seeds:
+                    log = run(data + [f"seed={seed}", "data.clients=50", 'data.samples="pareto"', f"rounds={args.rounds}",
+                                      f'participation.trace="builtin:{k}"', f'participation.scheme="{scheme}"',
+                                      "log.eval_every=10", "log.every=1000"], folder, f"s{k}{scheme}{seed}")
+                    acc = log["metrics/test_accuracy"]
+                    finals.append(np.nanmean(acc[np.isfinite(acc)][-5:]))
+                accs[scheme] = float(np.mean(finals))
+            best = max(accs, key=accs.get)
+            print(f"| {k} | {accs['A']:.4f} | {accs['B']:.4f} | {accs['C']:.4f} | {best} |", flush=True)
+
+
+def rounds_to_recover(acc: np.ndarray, arrival: int):
+    """Rounds after the arrival until test accuracy is back at its level just before it (None: never)."""
+    before = acc[arrival - 1]
+    later = np.flatnonzero(acc[arrival:] >= before)
+    return int(later[0]) if later.size else None
+
+
+def reboot(args, folder):
+    print("(2) Rounds to recover the pre-arrival test accuracy after device 29 arrives, with and without")
+    print(f"    fast-reboot (b = 3); SYNTHETIC(1,1), 30 devices of 200 samples, traces builtin:5, Scheme C,")
+    print(f"    {args.rounds} rounds, seeds {args.seeds}. Test accuracy over the federation, every round.")
+    print("\n| arrival round | without fast-reboot | with fast-reboot |\n| --- | --- | --- |")
+    for arrival in (20, 60, 120):
+        cells = []
+        for fast in (False, True):
+            got = []
+            for seed in args.seeds:
+                log = run(DATASETS["SYNTHETIC(1,1)"] + [
+                    f"seed={seed}", "data.clients=30", "data.samples=200", f"rounds={args.rounds}",
+                    'participation.trace="builtin:5"', 'participation.scheme="C"', "log.every=1000",
+                    f"dynamics.fast_reboot={'true' if fast else 'false'}",
+                    f"dynamics.arrive=[{{device = 29, round = {arrival}}}]"], folder, f"r{arrival}{fast}{seed}")
+                got.append(rounds_to_recover(log["metrics/test_accuracy"], arrival))
+            cells.append(", ".join("never" if g is None else str(g) for g in got))
+        print(f"| {arrival} | {cells[0]} | {cells[1]} |", flush=True)
+
+
+def departure(args, folder):
+    print("(3) Test loss on the remaining 29 devices after device 29 departs, include vs exclude; the first")
+    print(f"    round from which exclude stays below include. 30 devices of 200 samples, traces builtin:5,")
+    print(f"    Scheme C, {args.rounds} rounds, seeds {args.seeds}.")
+    print("\n| data | departure round | test loss at departure | include at end | exclude at end | curves cross at |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    for dataset, data in (("SYNTHETIC(0,0)", DATASETS["SYNTHETIC(0,0)"]),
+                          ("SYNTHETIC(0.5,0.5)", ["data.alpha=0.5", "data.beta=0.5"]),
+                          ("SYNTHETIC(1,1)", DATASETS["SYNTHETIC(1,1)"])):
+        for leave in (50, 100):
+            rows = {}
+            for policy in ("include", "exclude"):
+                losses = []
+                for seed in args.seeds:
+                    overrides = data + [
+                        f"seed={seed}", "data.clients=30", "data.samples=200", f"rounds={args.rounds}",
+                        'participation.trace="builtin:5"', 'participation.scheme="C"', "log.eval_every=1000",
+                        f'dynamics.depart=[{{device = 29, round = {leave}, policy = "{policy}"}}]']
+                    log = run(overrides, folder, f"d{leave}{policy}{seed}")
+                    losses.append(remaining_test_loss(overrides, log["trajectory/x"], range(29)))
+                rows[policy] = np.mean(losses, axis=0)
+            inc, exc = rows["include"], rows["exclude"]
+            below = exc[leave:] < inc[leave:]
+            cross = next((leave + i for i in range(below.size) if below[i:].all()), None)
+            print(f"| {dataset} | {leave} | {inc[leave - 1]:.4f} | {inc[-1]:.4f} | {exc[-1]:.4f} | "
+                  f"{'never' if cross is None else cross} |", flush=True)
+
+
+def remaining_test_loss(overrides, trajectory, devices) -> np.ndarray:
+    """Held-out loss of every stored model on the given devices' test data."""
+    cfg = config_mod.load_config(None, COMMON + overrides)
+    problem = build_problem(cfg)
+    model = build_model(cfg.model.kind, problem, cfg.model.dtype)
+    data = [problem.device(k) for k in devices]
+    n = sum(d.y_test.size for d in data)
+    return np.array([sum(model.loss_correct(x, d.X_test, d.y_test)[0] for d in data) / n for x in trajectory])
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("experiment", choices=["schemes", "reboot", "departure"])
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0])
+    parser.add_argument("--rounds", type=int, default=200)
+    args = parser.parse_args()
+    print(f"# {platform.machine()}, Python {platform.python_version()}; command: "
+          f"python benchmarks/flexible_participation.py {args.experiment} --seeds {' '.join(map(str, args.seeds))} "
+          f"--rounds {args.rounds}\n")
+    with tempfile.TemporaryDirectory() as tmp:
+        {"schemes": schemes, "reboot": reboot, "departure": departure}[args.experiment](args, Path(tmp))
+
+
+if __name__ == "__main__":
+    main()
