@@ -11,7 +11,8 @@ import pytest
 
 from edgefed import config as config_mod
 from edgefed import experiment
-from edgefed.runlog import MEASURED, open_run, read_run
+from edgefed.runlog import open_run, read_run
+from helpers import assert_same_logs, compared, interrupted_then_resumed
 
 SMALL = {"rounds": 12, "data.clients": 8, "train.clients_per_round": 3, "train.local_steps": 4,
          "data.samples": "pareto", "log.every": 5, "log.eval_every": 4}
@@ -49,15 +50,11 @@ def test_schema_shapes_types_and_attributes(run_experiment):
     assert np.array_equal(log["state/x"][R % 2], log["trajectory/x"][-1]) and log["state/round"][0] == R
 
 
-def _datasets(log):
-    return {k: v for k, v in log.items() if k != "attrs" and k not in MEASURED}
-
-
 def test_same_seed_same_bytes_other_seed_differs(run_experiment):
     a, b = run_experiment(SMALL), run_experiment(SMALL)
     c = run_experiment({**SMALL, "seed": 1})
-    assert _datasets(a).keys() == _datasets(b).keys()
-    for name, value in _datasets(a).items():
+    assert compared(a).keys() == compared(b).keys()
+    for name, value in compared(a).items():
         assert value.tobytes() == b[name].tobytes(), name
     assert a["trajectory/x"].tobytes() != c["trajectory/x"].tobytes()
     assert a["participation/selected"].tobytes() != c["participation/selected"].tobytes()
@@ -72,23 +69,8 @@ def test_test_accuracy_rises_on_the_default_problem(run_experiment):
 
 def test_interrupted_run_resumes_to_the_same_log(tmp_path):
     overrides = [f"{k}={v!r}" if not isinstance(v, str) else f'{k}="{v}"' for k, v in SMALL.items()]
-    cfg = config_mod.load_config(None, overrides)
-    whole, part = tmp_path / "whole.h5", tmp_path / "part.h5"
-    experiment.run(cfg, whole)
-
-    def stop_at_7(summary):
-        if summary.round_idx == 7:
-            raise KeyboardInterrupt
-
-    with pytest.raises(KeyboardInterrupt):
-        experiment.run(cfg, part, on_round=stop_at_7)
-    assert read_run(part)["participation/steps"].shape[0] == 7
-    _, point = experiment.resolve_config(None, [], str(part))
-    assert point.rounds_done == 7
-    experiment.run(cfg, part, resume_point=point)
-    a, b = read_run(whole), read_run(part)
-    for name, value in _datasets(a).items():
-        assert value.tobytes() == b[name].tobytes(), name
+    whole, resumed = interrupted_then_resumed(config_mod.load_config(None, overrides), tmp_path, 7)
+    assert_same_logs(whole, resumed)
 
 
 def test_killed_run_resumes_byte_identical(tmp_path):
@@ -123,7 +105,7 @@ def test_killed_run_resumes_byte_identical(tmp_path):
     subprocess.run(cmd + ["--out", str(whole)], check=True, capture_output=True, timeout=300)
     a, b = read_run(whole), read_run(killed)
     assert b["attrs"]["status"] == "complete"
-    for name, value in _datasets(a).items():
+    for name, value in compared(a).items():
         assert value.tobytes() == b[name].tobytes(), name
     again = subprocess.run(cmd + ["--resume", str(killed)], capture_output=True, text=True, timeout=120)
     assert again.returncode == 0 and "already complete" in again.stdout
@@ -134,8 +116,17 @@ def test_a_resume_that_fails_leaves_a_resumable_log(tmp_path, monkeypatch):
 
     overrides = [f"{k}={v!r}" if not isinstance(v, str) else f'{k}="{v}"' for k, v in SMALL.items()]
     cfg = config_mod.load_config(None, overrides + ['train.algorithm="scaffold"', "log.client_controls=true"])
-    whole, part = tmp_path / "whole.h5", tmp_path / "part.h5"
-    experiment.run(cfg, whole)
+    honest_resume = RoundEngine.resume
+    calls = []
+
+    def fails_once(self, state, done):
+        calls.append(done)
+        if len(calls) == 1:
+            raise RuntimeError("e.g. a device rank died while loading its controls")
+        return honest_resume(self, state, done)
+
+    monkeypatch.setattr(RoundEngine, "resume", fails_once)
+    part = tmp_path / "part.h5"
 
     def stop_at_5(summary):
         if summary.round_idx == 5:
@@ -143,19 +134,12 @@ def test_a_resume_that_fails_leaves_a_resumable_log(tmp_path, monkeypatch):
 
     with pytest.raises(KeyboardInterrupt):
         experiment.run(cfg, part, on_round=stop_at_5)
-    honest_resume = RoundEngine.resume
-
-    def fails(self, state, done):
-        raise KeyboardInterrupt  # e.g. Ctrl-C while the device ranks load their controls
-
-    monkeypatch.setattr(RoundEngine, "resume", fails)
     _, point = experiment.resolve_config(None, [], str(part))
-    with pytest.raises(KeyboardInterrupt):
+    with pytest.raises(RuntimeError):
         experiment.run(cfg, part, resume_point=point)
-    monkeypatch.setattr(RoundEngine, "resume", honest_resume)
-    _, point = experiment.resolve_config(None, [], str(part))
+    _, point = experiment.resolve_config(None, [], str(part))  # the log is still resumable, at the same round
     assert point.rounds_done == 5
     experiment.run(cfg, part, resume_point=point)
-    a, b = read_run(whole), read_run(part)
-    for name, value in _datasets(a).items():
-        assert value.tobytes() == b[name].tobytes(), name
+    experiment.run(cfg, tmp_path / "whole.h5")
+    assert calls == [5, 5]
+    assert_same_logs(read_run(tmp_path / "whole.h5"), read_run(part))

@@ -13,8 +13,9 @@ from edgefed.errors import ResourceError
 from edgefed.models import Quadratic
 from edgefed.problems import QuadraticData
 from edgefed.rng import Purpose, kernel_state
-from edgefed.runlog import MEASURED, read_run
+from edgefed.runlog import read_run
 from edgefed.runtime.deadline import run_all
+from helpers import assert_same_logs, interrupted_then_resumed
 from naive import scaffold_quadratic
 
 
@@ -215,21 +216,7 @@ def test_interrupted_scaffold_run_resumes_every_control(tmp_path, quad_file):
     cfg = config_mod.load_config(None, [
         'data.kind="quadratic"', f'data.path="{path}"', 'train.algorithm="scaffold"', "train.clients_per_round=3",
         'scaffold.option="I"', "data.noise_std=0.3", "rounds=9", "log.every=4", "log.client_controls=true"])
-    whole, part = tmp_path / "whole.h5", tmp_path / "part.h5"
-    experiment.run(cfg, whole)
-
-    def stop_at_6(summary):
-        if summary.round_idx == 6:
-            raise KeyboardInterrupt
-
-    with pytest.raises(KeyboardInterrupt):
-        experiment.run(cfg, part, on_round=stop_at_6)
-    _, point = experiment.resolve_config(None, [], str(part))
-    experiment.run(cfg, part, resume_point=point)
-    a, b = read_run(whole), read_run(part)
-    for name, value in a.items():
-        if name != "attrs" and name not in MEASURED:
-            assert value.tobytes() == b[name].tobytes(), name
+    assert_same_logs(*interrupted_then_resumed(cfg, tmp_path, 6))
 
 
 def test_a_kill_between_stage_and_commit_rolls_the_controls_back(tmp_path, quad_file, monkeypatch):

@@ -1,0 +1,34 @@
+"""Helpers shared by the test modules."""
+
+import pytest
+
+from edgefed import experiment
+from edgefed.runlog import MEASURED, read_run
+
+
+def compared(log: dict) -> dict:
+    """Every dataset two runs of one config must write byte for byte (all but the measured ones)."""
+    return {k: v for k, v in log.items() if k != "attrs" and k not in MEASURED}
+
+
+def assert_same_logs(a: dict, b: dict) -> None:
+    assert compared(a).keys() == compared(b).keys()
+    for name, value in compared(a).items():
+        assert value.tobytes() == b[name].tobytes(), name
+
+
+def interrupted_then_resumed(cfg, tmp_path, stop_round: int):
+    """Run cfg whole, and again stopped by Ctrl-C after stop_round and resumed; returns both logs."""
+    whole, part = tmp_path / "whole.h5", tmp_path / "part.h5"
+    experiment.run(cfg, whole)
+
+    def stop(summary):
+        if summary.round_idx == stop_round:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        experiment.run(cfg, part, on_round=stop)
+    _, point = experiment.resolve_config(None, [], str(part))
+    assert point.rounds_done == stop_round
+    experiment.run(cfg, part, resume_point=point)
+    return read_run(whole), read_run(part)
