@@ -10,8 +10,10 @@ from __future__ import annotations
 import numpy as np
 
 from edgefed.kernels import logreg as _logreg
+from edgefed.kernels import mlp as _mlp
 from edgefed.kernels import quadratic as _quad
 from edgefed.problems import ClassificationData, QuadraticData
+from edgefed.rng import Purpose, generator
 
 _EMPTY = {np.dtype(np.float32): np.zeros(0, np.float32), np.dtype(np.float64): np.zeros(0, np.float64)}
 
@@ -128,9 +130,114 @@ class Quadratic:
         return self.loss_grad(params, data, np.empty_like(params))
 
 
-def build_model(kind: str, problem, dtype: str):
+class MLP:
+    """Fully connected ReLU network with a softmax output; McMahan et al.'s 2NN is sizes (784, 200, 200, 10).
+
+    Initialization: Glorot-uniform weights, U(+-sqrt(6 / (fan_in + fan_out))), the default of the
+    TensorFlow layers the FedAvg experiments used; zero biases; drawn from the (seed, INIT) stream.
+    """
+
+    kind = "mlp"
+    EVAL_CHUNK = 256
+
+    def __init__(self, sizes, dtype: np.dtype, seed: int):
+        self.sizes = np.asarray(sizes, dtype=np.int64)
+        self.dtype, self.seed = np.dtype(dtype), seed
+        widths = self.sizes[:-1] * self.sizes[1:] + self.sizes[1:]
+        self.offsets = np.concatenate([[0], np.cumsum(widths)[:-1]]).astype(np.int64)
+        self.dim = int(widths.sum())
+        self.n_features, self.n_classes = int(self.sizes[0]), int(self.sizes[-1])
+        self._grad = np.zeros(self.dim, self.dtype)
+        self._work = {}  # batch size -> (activations, deltas, layer offsets), allocated once per size
+
+    def workspace(self, b: int):
+        work = self._work.get(b)
+        if work is None:
+            total = int(self.sizes.sum())
+            a_offs = (b * np.concatenate([[0], np.cumsum(self.sizes)[:-1]])).astype(np.int64)
+            work = self._work[b] = (np.zeros(b * total, self.dtype), np.zeros(b * total, self.dtype), a_offs)
+        return work
+
+    def initial_params(self) -> np.ndarray:
+        g = generator(self.seed, Purpose.INIT)
+        params = np.zeros(self.dim)
+        for layer, off in enumerate(self.offsets):
+            din, dout = int(self.sizes[layer]), int(self.sizes[layer + 1])
+            limit = np.sqrt(6.0 / (din + dout))
+            params[off:off + din * dout] = g.uniform(-limit, limit, din * dout)
+        return params.astype(self.dtype)
+
+    def clone(self) -> "MLP":
+        return MLP(self.sizes, self.dtype, self.seed)
+
+    def _check(self, params, X, y) -> None:
+        if params.dtype != self.dtype or params.shape != (self.dim,) or not params.flags.c_contiguous:
+            raise ValueError(f"params must be a contiguous {self.dtype} vector of {self.dim}, got {params.dtype} {params.shape}")
+        if X.dtype != self.dtype or X.ndim != 2 or X.shape[1] != self.n_features or not X.flags.c_contiguous:
+            raise ValueError(f"X must be contiguous {self.dtype} (n, {self.n_features}), got {X.dtype} {X.shape}")
+        if y.dtype != np.int64 or y.shape != (X.shape[0],):
+            raise ValueError(f"y must be int64 of shape ({X.shape[0]},), got {y.dtype} {y.shape}")
+
+    def begin(self, data: ClassificationData, rng_state: np.ndarray) -> LocalRun:
+        return LocalRun(rng_state, data.n_train)
+
+    def local_steps(self, params, data: ClassificationData, run: LocalRun, n_steps: int, batch_size, lr: float,
+                    correction: np.ndarray | None = None) -> int:
+        X, y = data.X_train, data.y_train
+        self._check(params, X, y)
+        b = X.shape[0] if batch_size is None else min(int(batch_size), X.shape[0])
+        acts, deltas, a_offs = self.workspace(b)
+        t = self.dtype.type
+        corr = _EMPTY[self.dtype] if correction is None else correction
+        return _mlp._sgd_steps(params, self.sizes, self.offsets, a_offs, X, y, int(n_steps), b, t(lr), t(1.0) / t(b),
+                               run.rng, run.perm, corr, self._grad, acts, deltas)
+
+    def oracle_grad(self, params, data: ClassificationData, run: LocalRun, batch_size, grad_out) -> None:
+        X, y = data.X_train, data.y_train
+        self._check(params, X, y)
+        if batch_size is None:
+            self.loss_grad(params, data, grad_out)
+            return
+        b = min(int(batch_size), X.shape[0])
+        acts, deltas, a_offs = self.workspace(b)
+        t = self.dtype.type
+        _mlp._minibatch_grad(params, self.sizes, self.offsets, a_offs, X, y, b, t(1.0) / t(b), run.rng, run.perm,
+                             grad_out, acts, deltas)
+
+    def loss_grad(self, params, data: ClassificationData, grad_out: np.ndarray) -> float:
+        """Mean training loss and its full gradient, accumulated over chunks of rows (bounded memory)."""
+        X, y = data.X_train, data.y_train
+        self._check(params, X, y)
+        n = X.shape[0]
+        grad_out[:] = 0
+        part = np.zeros(self.dim, self.dtype)
+        loss = 0.0
+        t = self.dtype.type
+        for start in range(0, n, self.EVAL_CHUNK):
+            idx = np.arange(start, min(start + self.EVAL_CHUNK, n), dtype=np.int64)
+            acts, deltas, a_offs = self.workspace(idx.size)
+            loss += _mlp._batch_grad(params, self.sizes, self.offsets, a_offs, X, y, idx, idx.size, t(1.0) / t(n),
+                                     part, acts, deltas)
+            grad_out += part
+        return loss / n
+
+    def loss_correct(self, params, X: np.ndarray, y: np.ndarray) -> tuple[float, int]:
+        self._check(params, X, y)
+        if X.shape[0] == 0:
+            return 0.0, 0
+        acts, _, _ = self.workspace(self.EVAL_CHUNK)
+        loss, correct = _mlp._loss_correct(params, self.sizes, self.offsets, X, y, self.EVAL_CHUNK, acts)
+        return float(loss), int(correct)
+
+    def train_loss(self, params, data: ClassificationData) -> float:
+        return self.loss_correct(params, data.X_train, data.y_train)[0] / data.n_train
+
+
+def build_model(kind: str, problem, dtype: str, hidden=(200, 200), seed: int = 0):
     if kind == "logreg":
         return LogReg(problem.n_features, problem.n_classes, np.dtype(dtype))
+    if kind == "mlp":
+        return MLP((problem.n_features, *hidden, problem.n_classes), np.dtype(dtype), seed)
     if kind == "quadratic":
         return Quadratic(problem.dim, problem.x0, np.dtype(dtype))
     raise ValueError(f"unknown model kind {kind!r}")

@@ -1,0 +1,177 @@
+"""Multilayer perceptron with ReLU hidden layers and a softmax output (McMahan et al.'s 2NN: 784-200-200-10).
+
+Flat parameter layout, layer by layer: W_l (d_l x d_{l+1}, row-major: input unit i, output unit j at
+i*d_{l+1} + j), then b_l (d_{l+1}). `sizes` holds (d_0, ..., d_L) and `offsets` the start of each W_l
+(the b_l follow their W_l). Activations and deltas live in caller-owned buffers of batch x sum(d_l), so a
+step allocates nothing. Inner loops run over contiguous rows of W (and skip the zeros ReLU leaves), which
+LLVM vectorizes without fastmath.
+"""
+
+import numpy as np
+from numba import njit
+
+from edgefed.kernels import JIT
+from edgefed.kernels.random import draw_batch
+
+
+@njit(**JIT)
+def _layer(params, offsets, sizes, layer):
+    """(W, b) of one layer as views of the flat parameters: W is d_l x d_{l+1}."""
+    din, dout = sizes[layer], sizes[layer + 1]
+    w0 = offsets[layer]
+    return params[w0:w0 + din * dout].reshape((din, dout)), params[w0 + din * dout:w0 + din * dout + dout]
+
+
+@njit(**JIT)
+def _forward(params, sizes, offsets, X, idx, b, acts):
+    """acts[l] (b x d_l, stacked) <- the activations for the rows idx[:b] of X; the last layer holds logits.
+
+    2-D views of the flat buffers (not index arithmetic on them) are what lets LLVM vectorize the inner
+    loops: measured 16 vs 2 GFLOP/s on the 2NN's first layer.
+    """
+    n_layers = sizes.shape[0] - 1
+    d0 = sizes[0]
+    A = acts[:b * d0].reshape((b, d0))
+    for r in range(b):
+        A[r] = X[idx[r]]
+    a_off = 0
+    for layer in range(n_layers):
+        din, dout = sizes[layer], sizes[layer + 1]
+        W, bias = _layer(params, offsets, sizes, layer)
+        A = acts[a_off:a_off + b * din].reshape((b, din))
+        z_off = a_off + b * din
+        Z = acts[z_off:z_off + b * dout].reshape((b, dout))
+        for r in range(b):
+            for j in range(dout):
+                Z[r, j] = bias[j]
+            for k in range(din):
+                a = A[r, k]
+                if a != 0:
+                    for j in range(dout):
+                        Z[r, j] += a * W[k, j]
+            if layer < n_layers - 1:
+                for j in range(dout):
+                    if Z[r, j] < 0:
+                        Z[r, j] = 0
+        a_off = z_off
+    return a_off  # where the logits start
+
+
+@njit(**JIT)
+def _softmax_rows(acts, out_off, b, n_classes, y, idx, deltas, d_off, scale):
+    """deltas <- scale * (softmax(logits) - onehot(y)); returns the summed cross-entropy (float64)."""
+    loss = 0.0
+    for r in range(b):
+        zr = out_off + r * n_classes
+        label = y[idx[r]]
+        zmax = acts[zr]
+        for c in range(1, n_classes):
+            if acts[zr + c] > zmax:
+                zmax = acts[zr + c]
+        total = acts[zr] * 0
+        for c in range(n_classes):
+            total += np.exp(acts[zr + c] - zmax)
+        loss += np.log(np.float64(total)) + np.float64(zmax) - np.float64(acts[zr + label])
+        dr = d_off + r * n_classes
+        for c in range(n_classes):
+            deltas[dr + c] = np.exp(acts[zr + c] - zmax) / total * scale
+        deltas[dr + label] -= scale
+    return loss
+
+
+@njit(**JIT)
+def _backward(params, sizes, offsets, a_offs, b, acts, deltas, grad):
+    """grad <- the gradient whose output deltas are already in deltas (last layer); acts from _forward.
+
+    a_offs[l] = b * (d_0 + ... + d_{l-1}): where layer l's activations (and deltas) start.
+    """
+    n_layers = sizes.shape[0] - 1
+    grad[:] = 0
+    for layer in range(n_layers - 1, -1, -1):
+        din, dout = sizes[layer], sizes[layer + 1]
+        W, _ = _layer(params, offsets, sizes, layer)
+        gW, gb = _layer(grad, offsets, sizes, layer)
+        A = acts[a_offs[layer]:a_offs[layer] + b * din].reshape((b, din))
+        D = deltas[a_offs[layer + 1]:a_offs[layer + 1] + b * dout].reshape((b, dout))
+        for r in range(b):
+            for j in range(dout):
+                gb[j] += D[r, j]
+            for k in range(din):
+                a = A[r, k]
+                if a != 0:
+                    for j in range(dout):
+                        gW[k, j] += a * D[r, j]
+        if layer > 0:  # deltas of the hidden layer below: (D W^T) * relu'
+            P = deltas[a_offs[layer]:a_offs[layer] + b * din].reshape((b, din))
+            for r in range(b):
+                for k in range(din):
+                    if A[r, k] > 0:
+                        s = D[r, 0] * 0
+                        for j in range(dout):
+                            s += D[r, j] * W[k, j]
+                        P[r, k] = s
+                    else:
+                        P[r, k] = 0
+
+
+@njit(**JIT)
+def _batch_grad(params, sizes, offsets, a_offs, X, y, idx, b, scale, grad, acts, deltas):
+    """grad <- scale * (sum of gradients over the rows idx[:b]); returns their summed loss."""
+    out_off = _forward(params, sizes, offsets, X, idx, b, acts)
+    loss = _softmax_rows(acts, out_off, b, sizes[sizes.shape[0] - 1], y, idx, deltas, out_off, scale)
+    _backward(params, sizes, offsets, a_offs, b, acts, deltas, grad)
+    return loss
+
+
+@njit(**JIT)
+def _minibatch_grad(params, sizes, offsets, a_offs, X, y, b, inv_b, rng, perm, grad, acts, deltas):
+    """grad <- mean gradient over one minibatch of b samples, drawn as in logreg (one oracle call)."""
+    if b < X.shape[0]:
+        draw_batch(rng, perm, X.shape[0], b)
+    return _batch_grad(params, sizes, offsets, a_offs, X, y, perm, b, inv_b, grad, acts, deltas)
+
+
+@njit(**JIT)
+def _sgd_steps(params, sizes, offsets, a_offs, X, y, n_steps, b, lr, inv_b, rng, perm, correction, grad, acts,
+               deltas):
+    """n_steps of params <- params - lr * (mean minibatch gradient + correction)."""
+    d = params.shape[0]
+    corrected = correction.shape[0] == d
+    for _ in range(n_steps):
+        _minibatch_grad(params, sizes, offsets, a_offs, X, y, b, inv_b, rng, perm, grad, acts, deltas)
+        if corrected:
+            for k in range(d):
+                params[k] -= lr * (grad[k] + correction[k])
+        else:
+            for k in range(d):
+                params[k] -= lr * grad[k]
+    return n_steps
+
+
+@njit(**JIT)
+def _loss_correct(params, sizes, offsets, X, y, chunk, acts):
+    """(sum of losses, correct predictions) over all samples, `chunk` rows at a time."""
+    n = X.shape[0]
+    n_classes = sizes[sizes.shape[0] - 1]
+    idx = np.arange(n)  # once per evaluation, not per step
+    loss = 0.0
+    correct = 0
+    for start in range(0, n, chunk):
+        b = min(chunk, n - start)
+        out_off = _forward(params, sizes, offsets, X, idx[start:], b, acts)
+        for r in range(b):
+            zr = out_off + r * n_classes
+            label = y[start + r]
+            zmax = acts[zr]
+            best = 0
+            for c in range(1, n_classes):
+                if acts[zr + c] > zmax:
+                    zmax = acts[zr + c]
+                    best = c
+            total = 0.0
+            for c in range(n_classes):
+                total += np.exp(np.float64(acts[zr + c]) - np.float64(zmax))
+            loss += np.log(total) + np.float64(zmax) - np.float64(acts[zr + label])
+            if best == label:
+                correct += 1
+    return loss, correct
