@@ -19,9 +19,12 @@ from pathlib import Path
 
 from edgefed.errors import ConfigError
 
-DATA_KINDS = ("synthetic", "quadratic")
-MODEL_KINDS = ("logreg", "quadratic")
-MODELS_FOR_DATA = {"synthetic": ("logreg",), "quadratic": ("quadratic",)}
+DATA_KINDS = ("synthetic", "quadratic", "mnist", "emnist")
+MODEL_KINDS = ("logreg", "mlp", "quadratic")
+MODELS_FOR_DATA = {"synthetic": ("logreg", "mlp"), "quadratic": ("quadratic",), "mnist": ("mlp", "logreg"),
+                   "emnist": ("mlp", "logreg")}
+PARTITIONS = ("iid", "label", "shards", "dirichlet")
+EMNIST_SPLITS = ("byclass", "bymerge", "balanced", "letters", "digits", "mnist")
 DTYPES = ("float32", "float64")
 ALGORITHMS = ("fedavg", "scaffold")
 DEFAULT_WEIGHTING = {"fedavg": "count_selected", "scaffold": "uniform"}  # scaffold: seed 002's 1/S
@@ -48,18 +51,24 @@ class DataConfig:
     alpha: float = 1.0
     beta: float = 1.0
     iid: bool = False
-    samples: str | int = "lognormal"  # "lognormal" (FedProx), "pareto" (Type I, index 0.5) or a fixed count
+    samples: str | int | None = None  # synthetic: "lognormal" (FedProx, default), "pareto" or a count;
+    # images: "partition" (default: as the partition gives) or "pareto" (with partition = "iid")
     samples_min: int = 50  # Pareto scale (floor)
     samples_max: int | None = None  # cap; None: uncapped for lognormal (as FedProx), 5000 for pareto
     test_fraction: float = 0.1
     noise_std: float = 0.0  # quadratic oracle noise
     dim: int = 10  # generated quadratic (no path) only
+    split: str | None = None  # EMNIST split; None: "bymerge" (the flexible-participation paper's)
+    partition: str = "iid"  # images: "iid", "label", "shards", "dirichlet"
+    dirichlet_alpha: float = 0.5
+    holdout: int = 2000  # images held out for testing when data.path holds only the test files
 
 
 @dataclass(frozen=True)
 class ModelConfig:
     kind: str | None = None  # None: the data's natural model
     dtype: str = "float32"
+    hidden: tuple[int, ...] = (200, 200)  # mlp hidden layers (McMahan et al.'s 2NN)
 
 
 @dataclass(frozen=True)
@@ -396,7 +405,27 @@ def _validate_data(d: DataConfig) -> DataConfig:
     _choice(d.kind, DATA_KINDS, "data.kind")
     if d.clients is not None:
         _positive(d.clients, "data.clients", "clients = 30")
+    if d.kind in ("mnist", "emnist"):
+        if d.path is None:
+            raise ConfigError(f"config: data.kind = {d.kind!r} needs data.path, the folder of its IDX files "
+                              "(nothing is downloaded)")
+        _choice(d.partition, PARTITIONS, "data.partition")
+        samples = "partition" if d.samples is None else d.samples
+        if samples not in ("partition", "pareto"):
+            raise ConfigError(f'config: data.samples = {samples!r} for images: "partition" or "pareto"')
+        if samples == "pareto" and d.partition != "iid":
+            raise ConfigError('config: data.samples = "pareto" sizes an "iid" partition; drop it or use partition = "iid"')
+        split = d.split or ("bymerge" if d.kind == "emnist" else None)
+        if d.kind == "emnist":
+            _choice(split, EMNIST_SPLITS, "data.split")
+        elif split is not None:
+            raise ConfigError("config: data.split applies to kind = \"emnist\"; remove it")
+        _positive(d.dirichlet_alpha, "data.dirichlet_alpha", "dirichlet_alpha = 0.5")
+        _positive(d.holdout, "data.holdout", "holdout = 2000")
+        d = dataclasses.replace(d, samples=samples, split=split, clients=d.clients or 100)
     if d.kind == "synthetic":
+        if d.samples is None:
+            d = dataclasses.replace(d, samples="lognormal")
         if d.path is not None:
             raise ConfigError("config: data.path does not apply to kind = \"synthetic\" (it is generated); remove it")
         for key in ("alpha", "beta"):
@@ -435,6 +464,8 @@ def _validate_model(m: ModelConfig, data: DataConfig) -> ModelConfig:
             f"config: model.kind = {m.kind!r} does not fit data.kind = {data.kind!r}; use {' or '.join(map(repr, fits))}"
         )
     _choice(m.dtype, DTYPES, "model.dtype")
+    if not m.hidden or any(h < 1 for h in m.hidden):
+        raise ConfigError(f"config: model.hidden = {list(m.hidden)} must list positive layer widths, e.g. [200, 200]")
     return m
 
 

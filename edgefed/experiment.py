@@ -139,7 +139,7 @@ def prepare(cfg: Config, log_path: Path, *, resume_point=None, force: bool = Fal
     folder = next((p for p in (log_path.parent, *log_path.parent.parents) if p.exists()), Path.cwd())
     if not folder.is_dir() or not os.access(folder, os.W_OK):
         raise RunLogError(f"cannot write run log {log_path}: {folder} is not a writable folder; choose another --out")
-    model = build_model(cfg.model.kind, problem, cfg.model.dtype)
+    model = build_model(cfg.model.kind, problem, cfg.model.dtype, cfg.model.hidden, cfg.seed)
     trace = None
     spec = cfg.participation.trace
     if cfg.participation.mode == "trace" and isinstance(spec, str) and spec.endswith((".h5", ".hdf5")):

@@ -42,6 +42,10 @@ def build_problem(cfg: Config):
         from edgefed.problems.synthetic import SyntheticProblem
 
         return SyntheticProblem(cfg.data, cfg.seed, np.dtype(cfg.model.dtype))
+    if cfg.data.kind in ("mnist", "emnist"):
+        from edgefed.problems.images import ImageProblem
+
+        return ImageProblem(cfg.data, cfg.seed, np.dtype(cfg.model.dtype))
     from edgefed.problems.quadratic import QuadraticProblem
 
     return QuadraticProblem.from_config(cfg.data, cfg.seed, np.dtype(cfg.model.dtype))

@@ -47,6 +47,8 @@ class LocalTransport:
         n = problem.n_devices
         self.device_ids = np.arange(n) if device_ids is None else np.asarray(device_ids, dtype=np.int64)
         self._row = {int(k): i for i, k in enumerate(self.device_ids)}
+        if hasattr(problem, "host"):
+            problem.host(self.device_ids)
         self._devices = {}
         self._faults = {(f.device, f.round): f for f in faults}
         self.controls = None  # (hosted devices, d) SCAFFOLD controls c_k, in device_ids order

@@ -67,7 +67,7 @@ def run_device_rank(comm) -> int:
     try:
         cfg = config_mod.config_from_dict(config_mod.parse_toml(info["config"]))
         problem = build_problem(cfg)
-        model = build_model(cfg.model.kind, problem, cfg.model.dtype)
+        model = build_model(cfg.model.kind, problem, cfg.model.dtype, cfg.model.hidden, cfg.seed)
         own = np.flatnonzero(info["owners"] == rank)
         core = (rank - 1) % (os.cpu_count() or 1) if cfg.participation.contention else None
         transport = experiment.local_transport(cfg, problem, model, device_ids=own, core=core)
