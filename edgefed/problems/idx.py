@@ -35,13 +35,16 @@ def find(folder: Path, stem: str) -> Path | None:
 
 
 def _header(f, path: Path, magic: int, n_dims: int) -> tuple:
-    head = f.read(4 * (1 + n_dims))
-    if len(head) < 4 * (1 + n_dims):
+    head = f.read(4)
+    if len(head) < 4:
         raise ProblemFileError(f"{path} is too short to be an IDX file")
-    values = struct.unpack(f">{1 + n_dims}i", head)
-    if values[0] != magic:
-        raise ProblemFileError(f"{path} has IDX magic {values[0]}, expected {magic}; is it the right file?")
-    return values[1:]
+    (found,) = struct.unpack(">i", head)
+    if found != magic:
+        raise ProblemFileError(f"{path} has IDX magic {found}, expected {magic}; is it the right file?")
+    dims = f.read(4 * n_dims)
+    if len(dims) < 4 * n_dims:
+        raise ProblemFileError(f"{path} is too short to be an IDX file")
+    return struct.unpack(f">{n_dims}i", dims)
 
 
 def read_labels(path: Path) -> np.ndarray:

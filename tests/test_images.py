@@ -1,0 +1,196 @@
+"""MNIST/EMNIST IDX loading, partitions, and the MLP (2NN) kernel against NumPy and finite differences."""
+
+import gzip
+import hashlib
+import struct
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from edgefed.config import load_config
+from edgefed.errors import ConfigError, ProblemFileError
+from edgefed.models import MLP
+from edgefed.problems import ClassificationData, build_problem
+from edgefed.problems import idx
+from edgefed.problems.partition import partition
+from edgefed.rng import Purpose, kernel_state
+from naive import Xoshiro
+
+T10K = Path(__file__).resolve().parents[2] / "shared" / "data" / "mnist-t10k"
+needs_t10k = pytest.mark.skipif(not (T10K / "t10k-images-idx3-ubyte.gz").is_file(),
+                                reason="the real MNIST t10k files (../shared/data/mnist-t10k) are not in this checkout")
+
+
+def write_idx(folder: Path, stem: str, images: np.ndarray, labels: np.ndarray, gz: bool = True):
+    opener = gzip.open if gz else open
+    suffix = ".gz" if gz else ""
+    n, h, w = images.shape
+    with opener(folder / f"{stem}-images-idx3-ubyte{suffix}", "wb") as f:
+        f.write(struct.pack(">4i", 2051, n, h, w) + images.astype(np.uint8).tobytes())
+    with opener(folder / f"{stem}-labels-idx1-ubyte{suffix}", "wb") as f:
+        f.write(struct.pack(">2i", 2049, n) + labels.astype(np.uint8).tobytes())
+
+
+@pytest.mark.parametrize("gz", [True, False])
+def test_idx_rows_stream_and_emnist_orientation(tmp_path, gz, monkeypatch):
+    g = np.random.default_rng(0)
+    images = g.integers(0, 256, (9000, 3, 4))
+    labels = g.integers(0, 10, 9000)
+    write_idx(tmp_path, "t10k", images, labels, gz)
+    suffix = ".gz" if gz else ""
+    path = tmp_path / f"t10k-images-idx3-ubyte{suffix}"
+    monkeypatch.setattr(idx, "BLOCK", 1000)  # rows are picked across many blocks
+    rows = np.array([0, 5, 999, 1000, 4321, 8999])
+    np.testing.assert_array_equal(idx.read_image_rows(path, rows), images[rows].reshape(6, 12))
+    upright = idx.read_image_rows(path, rows, transpose=True)
+    np.testing.assert_array_equal(upright, images[rows].transpose(0, 2, 1).reshape(6, 12))
+    np.testing.assert_array_equal(idx.read_labels(tmp_path / f"t10k-labels-idx1-ubyte{suffix}"), labels)
+
+
+def test_idx_errors_name_the_file(tmp_path):
+    write_idx(tmp_path, "t10k", np.zeros((5, 2, 2)), np.zeros(5))
+    labels = tmp_path / "t10k-labels-idx1-ubyte.gz"
+    with pytest.raises(ProblemFileError, match="magic 2049, expected 2051"):
+        idx.read_image_rows(labels, np.array([0]))
+    cut = tmp_path / "cut-labels"
+    cut.write_bytes(struct.pack(">2i", 2049, 10) + bytes(3))
+    with pytest.raises(ProblemFileError, match="holds 3 labels but its header says 10"):
+        idx.read_labels(cut)
+    with pytest.raises(ProblemFileError, match="holds no mnist files; expected train-images-idx3-ubyte"):
+        idx.dataset_files("mnist", tmp_path / "..", "")
+    (tmp_path / "t10k-labels-idx1-ubyte.gz").unlink()
+    with pytest.raises(ProblemFileError, match="not t10k-labels-idx1-ubyte"):
+        idx.dataset_files("mnist", tmp_path, "")
+
+
+@pytest.mark.parametrize("kind", ["iid", "label", "shards", "dirichlet"])
+def test_partitions_cover_disjointly_and_are_seeded(kind):
+    labels = np.random.default_rng(1).integers(0, 10, 5000)
+    parts = partition(kind, labels, 20, seed=3, n_classes=10, alpha=0.3)
+    flat = np.concatenate(parts)
+    assert np.unique(flat).size == flat.size  # disjoint
+    assert all(np.all(np.diff(p) > 0) for p in parts)
+    again = partition(kind, labels, 20, seed=3, n_classes=10, alpha=0.3)
+    assert all(np.array_equal(a, b) for a, b in zip(parts, again))
+    assert not all(np.array_equal(a, b) for a, b in zip(parts, partition(kind, labels, 20, 4, 10, 0.3)))
+    distinct = [np.unique(labels[p]).size for p in parts]
+    if kind == "iid":
+        assert flat.size == 5000 and {p.size for p in parts} == {250} and min(distinct) == 10
+    if kind == "label":
+        assert max(distinct) == 1  # one label per device
+    if kind == "shards":
+        assert flat.size == 5000 and max(distinct) <= 4 and np.mean(distinct) <= 3
+    if kind == "dirichlet":
+        assert flat.size == 5000 and np.mean(distinct) < 10
+
+
+def test_a_partition_that_starves_a_device_is_refused():
+    with pytest.raises(ConfigError, match="leaves device"):
+        partition("iid", np.zeros(10, np.int64), 8, 0, 10)
+
+
+@needs_t10k
+def test_real_t10k_loads_with_its_documented_counts_and_checksum():
+    labels = idx.read_labels(T10K / "t10k-labels-idx1-ubyte.gz")
+    assert np.bincount(labels).tolist() == [980, 1135, 1032, 1010, 982, 892, 958, 1028, 974, 1009]
+    pixels = idx.read_image_rows(T10K / "t10k-images-idx3-ubyte.gz", np.arange(10000))
+    with gzip.open(T10K / "t10k-images-idx3-ubyte.gz", "rb") as f:
+        assert hashlib.md5(f.read()).hexdigest() == "2646ac647ad5339dbf082846283269ea"
+    assert pixels.shape == (10000, 784) and pixels.max() == 255
+
+
+@needs_t10k
+def test_mnist_problem_holds_out_the_end_and_builds_one_device(tmp_path):
+    cfg = load_config(None, ['data.kind="mnist"', f'data.path="{T10K}"', "data.clients=10", 'data.partition="label"',
+                             'train.clients_per_round="all"'])
+    assert cfg.model.kind == "mlp"
+    p = build_problem(cfg)
+    assert p.n_train.sum() <= 8000 and sum(r.size for r in p.test_rows) == 2000
+    assert max(r.max() for r in p.train_rows) < 8000 and min(r.min() for r in p.test_rows) >= 8000
+    d = p.device(3)
+    assert d.X_train.dtype == np.float32 and d.X_train.shape == (p.n_train[3], 784) and 0 <= d.X_train.min()
+    assert d.X_train.max() <= 1.0 and np.unique(d.y_train).size == 1
+
+
+def naive_mlp_steps(params, sizes, X, y, n_steps, batch, lr, rng_state, correction=None):
+    params = params.astype(np.float64).copy()
+    rng = Xoshiro(rng_state)
+    perm = list(range(X.shape[0]))
+    for _ in range(n_steps):
+        idx_ = rng.batch(perm, batch) if batch < X.shape[0] else perm
+        g = naive_mlp_grad(params, sizes, X[idx_], y[idx_])[1]
+        params -= lr * (g if correction is None else g + correction)
+    return params
+
+
+def naive_mlp_grad(params, sizes, X, y):
+    layers, off = [], 0
+    for a, b in zip(sizes[:-1], sizes[1:]):
+        layers.append((params[off:off + a * b].reshape(a, b), params[off + a * b:off + a * b + b]))
+        off += a * b + b
+    hs = [X]
+    for i, (W, b) in enumerate(layers):
+        z = hs[-1] @ W + b
+        hs.append(np.maximum(z, 0) if i < len(layers) - 1 else z)
+    z = hs[-1] - hs[-1].max(axis=1, keepdims=True)
+    p = np.exp(z) / np.exp(z).sum(axis=1, keepdims=True)
+    loss = -np.mean(np.log(p[np.arange(len(y)), y]))
+    delta = p
+    delta[np.arange(len(y)), y] -= 1
+    delta /= len(y)
+    grads = []
+    for i in range(len(layers) - 1, -1, -1):
+        W, _ = layers[i]
+        grads.append(np.concatenate([(hs[i].T @ delta).ravel(), delta.sum(axis=0)]))
+        delta = (delta @ W.T) * (hs[i] > 0)
+    return loss, np.concatenate(grads[::-1])
+
+
+@pytest.mark.parametrize("dtype,tol", [(np.float64, 1e-12), (np.float32, 3e-5)])
+@pytest.mark.parametrize("batch", [1, 6, 40])
+def test_mlp_steps_match_numpy(dtype, tol, batch):
+    g = np.random.default_rng(2)
+    sizes = (7, 5, 6, 3)
+    X, y = g.normal(size=(31, 7)).astype(dtype), g.integers(0, 3, 31)
+    data = ClassificationData(X, y, X[:4].copy(), y[:4].copy())
+    model = MLP(sizes, dtype, seed=1)
+    x0 = model.initial_params()
+    corr = (0.01 * g.normal(size=model.dim)).astype(dtype)
+    state = kernel_state(5, Purpose.LOCAL, 2, 1)
+    for correction in (None, corr):
+        expect = naive_mlp_steps(x0, sizes, X.astype(np.float64), y, 9, batch, 0.2, state.copy(),
+                                 None if correction is None else correction.astype(np.float64))
+        x = x0.copy()
+        model.local_steps(x, data, model.begin(data, state.copy()), 9, batch, 0.2, correction)
+        np.testing.assert_allclose(x, expect, rtol=tol, atol=tol)
+
+
+def test_mlp_full_gradient_loss_and_finite_differences():
+    g = np.random.default_rng(3)
+    sizes = (6, 8, 4)
+    X, y = g.normal(size=(600, 6)), g.integers(0, 4, 600)  # more rows than one evaluation chunk
+    data = ClassificationData(X, y, X[:5].copy(), y[:5].copy())
+    model = MLP(sizes, np.float64, seed=0)
+    x = model.initial_params() + 0.05 * g.normal(size=model.dim)
+    grad = np.zeros(model.dim)
+    loss = model.loss_grad(x, data, grad)
+    ref_loss, ref_grad = naive_mlp_grad(x, sizes, X, y)
+    assert loss == pytest.approx(ref_loss, rel=1e-12)
+    np.testing.assert_allclose(grad, ref_grad, rtol=1e-10, atol=1e-13)
+    assert model.train_loss(x, data) == pytest.approx(ref_loss, rel=1e-12)
+    for j in g.choice(model.dim, 12, replace=False):
+        e = np.zeros(model.dim)
+        e[j] = 1e-6
+        fd = (naive_mlp_grad(x + e, sizes, X, y)[0] - naive_mlp_grad(x - e, sizes, X, y)[0]) / 2e-6
+        assert fd == pytest.approx(grad[j], abs=1e-8)
+
+
+def test_2nn_has_mcmahans_parameter_count_and_glorot_init():
+    model = MLP((784, 200, 200, 10), np.float32, seed=0)
+    assert model.dim == 199_210
+    x = model.initial_params()
+    w1 = x[: 784 * 200]
+    assert np.abs(w1).max() <= np.sqrt(6 / 984) and np.abs(w1.std() - np.sqrt(2 / 984)) < 2e-3
+    assert not x[784 * 200:784 * 200 + 200].any()  # zero biases
+    assert np.array_equal(x, MLP((784, 200, 200, 10), np.float32, seed=0).initial_params())
