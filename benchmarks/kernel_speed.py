@@ -1,0 +1,130 @@
+"""Local-step speed of edgefed's Numba kernels beside NumPy and PyTorch CPU, single thread, in one run.
+
+    python benchmarks/kernel_speed.py [--repeats 300]
+
+Prints the machine's measured single-core float32 GEMM peak first (NumPy/BLAS on a large product), then each
+model's time per SGD step (forward, backward and update of one minibatch), its GFLOP/s and its fraction of
+that peak. PyTorch is optional: without it those columns say "-". Threads are pinned to one before anything
+loads a BLAS.
+"""
+
+from __future__ import annotations
+
+import os
+
+for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "NUMBA_NUM_THREADS"):
+    os.environ[var] = "1"
+
+import argparse  # noqa: E402
+import platform  # noqa: E402
+import time  # noqa: E402
+
+import numpy as np  # noqa: E402
+
+from edgefed.models import MLP, LogReg  # noqa: E402
+from edgefed.problems import ClassificationData  # noqa: E402
+from edgefed.rng import Purpose, kernel_state  # noqa: E402
+
+try:
+    import torch
+
+    torch.set_num_threads(1)
+except ImportError:  # optional: only for the comparison
+    torch = None
+
+
+def best_time(fn, repeats: int) -> float:
+    """Median seconds per call after a warm-up."""
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return float(np.median(times))
+
+
+def gemm_peak(repeats: int = 20) -> float:
+    a = np.random.rand(1024, 1024).astype(np.float32)
+    b = np.random.rand(1024, 1024).astype(np.float32)
+    return 2 * 1024**3 / best_time(lambda: a @ b, repeats) / 1e9
+
+
+def numpy_step(sizes, X, y, params, batch, lr):
+    """A plain NumPy minibatch SGD step of an MLP (no hidden layer = logistic regression)."""
+    rows = np.random.randint(0, X.shape[0], batch)
+    hs = [X[rows]]
+    for i, (W, b) in enumerate(params):
+        z = hs[-1] @ W + b
+        hs.append(np.maximum(z, 0) if i < len(params) - 1 else z)
+    z = hs[-1] - hs[-1].max(axis=1, keepdims=True)
+    p = np.exp(z)
+    p /= p.sum(axis=1, keepdims=True)
+    p[np.arange(batch), y[rows]] -= 1
+    delta = p / batch
+    for i in range(len(params) - 1, -1, -1):
+        W, b = params[i]
+        gW, gb = hs[i].T @ delta, delta.sum(axis=0)
+        if i:
+            delta = (delta @ W.T) * (hs[i] > 0)
+        W -= lr * gW
+        b -= lr * gb
+
+
+def torch_step(model, opt, X, y, batch):
+    rows = torch.randint(0, X.shape[0], (batch,))
+    opt.zero_grad(set_to_none=True)
+    loss = torch.nn.functional.cross_entropy(model(X[rows]), y[rows])
+    loss.backward()
+    opt.step()
+
+
+def bench(name, sizes, batch, repeats, peak):
+    g = np.random.default_rng(0)
+    X = g.random((2000, sizes[0]), dtype=np.float32)
+    y = g.integers(0, sizes[-1], 2000)
+    data = ClassificationData(X, y, X[:10], y[:10])
+    model = LogReg(sizes[0], sizes[-1], np.float32) if len(sizes) == 2 else MLP(sizes, np.float32, 0)
+    x = model.initial_params()
+    run = model.begin(data, kernel_state(0, Purpose.LOCAL, 1, 0))
+    numba_s = best_time(lambda: model.local_steps(x, data, run, 1, batch, 0.01), repeats)
+    params = [(0.01 * g.standard_normal((a, b), dtype=np.float32), np.zeros(b, np.float32))
+              for a, b in zip(sizes[:-1], sizes[1:])]
+    numpy_s = best_time(lambda: numpy_step(sizes, X, y, params, batch, 0.01), repeats)
+    torch_s = None
+    if torch is not None:
+        layers = []
+        for i, (a, b) in enumerate(zip(sizes[:-1], sizes[1:])):
+            layers.append(torch.nn.Linear(a, b))
+            if i < len(sizes) - 2:
+                layers.append(torch.nn.ReLU())
+        net = torch.nn.Sequential(*layers)
+        opt = torch.optim.SGD(net.parameters(), lr=0.01)
+        tx, ty = torch.from_numpy(X), torch.from_numpy(y)
+        torch_s = best_time(lambda: torch_step(net, opt, tx, ty, batch), repeats)
+    flops = 6 * batch * sum(a * b for a, b in zip(sizes[:-1], sizes[1:]))  # forward, backward, weight gradient
+    gf = flops / numba_s / 1e9
+    torch_cell = "-" if torch_s is None else f"{torch_s * 1e6:.0f}"
+    ratio = "-" if torch_s is None else f"{torch_s / numba_s:.1f}x"
+    print(f"| {name} | {batch} | {numba_s * 1e6:.1f} | {numpy_s * 1e6:.0f} | {torch_cell} | {ratio} | "
+          f"{numpy_s / numba_s:.1f}x | {gf:.1f} | {gf / peak:.0%} |", flush=True)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=300)
+    args = parser.parse_args()
+    peak = gemm_peak()
+    version = "not installed" if torch is None else torch.__version__
+    print(f"# {platform.machine()}, Python {platform.python_version()}, NumPy {np.__version__}, PyTorch {version}")
+    print(f"# single-core float32 GEMM peak (NumPy/BLAS, 1024^3): {peak:.1f} GFLOP/s\n")
+    print("| model | batch | Numba µs/step | NumPy µs/step | PyTorch µs/step | vs PyTorch | vs NumPy | GFLOP/s | of peak |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    bench("logreg 60→10", (60, 10), 20, args.repeats, peak)
+    bench("2NN 784-200-200-10", (784, 200, 200, 10), 10, args.repeats, peak)
+    bench("2NN 784-200-200-10", (784, 200, 200, 10), 64, max(args.repeats // 5, 20), peak)
+
+
+if __name__ == "__main__":
+    main()
