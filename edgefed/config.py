@@ -20,9 +20,9 @@ from pathlib import Path
 from edgefed.errors import ConfigError
 
 DATA_KINDS = ("synthetic", "quadratic", "mnist", "emnist")
-MODEL_KINDS = ("logreg", "mlp", "quadratic")
-MODELS_FOR_DATA = {"synthetic": ("logreg", "mlp"), "quadratic": ("quadratic",), "mnist": ("mlp", "logreg"),
-                   "emnist": ("mlp", "logreg")}
+MODEL_KINDS = ("logreg", "mlp", "cnn", "quadratic")
+MODELS_FOR_DATA = {"synthetic": ("logreg", "mlp"), "quadratic": ("quadratic",), "mnist": ("mlp", "cnn", "logreg"),
+                   "emnist": ("cnn", "mlp", "logreg")}
 PARTITIONS = ("iid", "label", "shards", "dirichlet")
 EMNIST_SPLITS = ("byclass", "bymerge", "balanced", "letters", "digits", "mnist")
 DTYPES = ("float32", "float64")

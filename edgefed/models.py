@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from edgefed.kernels import cnn as _cnn
 from edgefed.kernels import logreg as _logreg
 from edgefed.kernels import mlp as _mlp
 from edgefed.kernels import quadratic as _quad
@@ -233,11 +234,116 @@ class MLP:
         return self.loss_correct(params, data.X_train, data.y_train)[0] / data.n_train
 
 
+class CNN:
+    """McMahan et al.'s CNN (kernels/cnn.py) for square single-channel images whose side divides by 4.
+
+    Initialization as the MLP's: Glorot-uniform weights (fan-in and fan-out over the 5x5 window for the
+    convolutions), zero biases, from the (seed, INIT) stream.
+    """
+
+    kind = "cnn"
+    EVAL_CHUNK = 64
+
+    def __init__(self, n_features: int, n_classes: int, dtype: np.dtype, seed: int):
+        side = int(round(np.sqrt(n_features)))
+        if side * side != n_features or side % 4:
+            raise ValueError(f"the CNN needs square images with a side divisible by 4, not {n_features} pixels")
+        self.side, self.n_features, self.n_classes = side, n_features, n_classes
+        self.dtype, self.seed = np.dtype(dtype), seed
+        self.offsets, self.dim, sizes = _cnn.layout(side, n_classes)
+        self.per_sample = int(sizes.sum())
+        s2, s4 = side // 2, side // 4
+        self.n_args = s2 * s2 * 32 + s4 * s4 * 64
+        self._grad = np.zeros(self.dim, self.dtype)
+        self._work = {}
+
+    def workspace(self, b: int):
+        work = self._work.get(b)
+        if work is None:
+            work = self._work[b] = (np.zeros((b, self.per_sample), self.dtype),
+                                    np.zeros((b, self.per_sample), self.dtype), np.zeros((b, self.n_args), np.int8))
+        return work
+
+    def initial_params(self) -> np.ndarray:
+        g = generator(self.seed, Purpose.INIT)
+        s4 = self.side // 4
+        fans = [(25 * 1, 25 * 32, 25 * 32), (25 * 32, 25 * 64, 25 * 32 * 64),
+                (s4 * s4 * 64, 512, s4 * s4 * 64 * 512), (512, self.n_classes, 512 * self.n_classes)]
+        params = np.zeros(self.dim)
+        for off, (fan_in, fan_out, n) in zip(self.offsets, fans):
+            limit = np.sqrt(6.0 / (fan_in + fan_out))
+            params[off:off + n] = g.uniform(-limit, limit, n)
+        return params.astype(self.dtype)
+
+    def clone(self) -> "CNN":
+        return CNN(self.n_features, self.n_classes, self.dtype, self.seed)
+
+    _check = MLP._check
+
+    def begin(self, data: ClassificationData, rng_state: np.ndarray) -> LocalRun:
+        return LocalRun(rng_state, data.n_train)
+
+    def _fixed(self):
+        return self.offsets, self.side, self.n_classes
+
+    def local_steps(self, params, data: ClassificationData, run: LocalRun, n_steps: int, batch_size, lr: float,
+                    correction: np.ndarray | None = None) -> int:
+        X, y = data.X_train, data.y_train
+        self._check(params, X, y)
+        b = X.shape[0] if batch_size is None else min(int(batch_size), X.shape[0])
+        acts, deltas, args = self.workspace(b)
+        t = self.dtype.type
+        corr = _EMPTY[self.dtype] if correction is None else correction
+        return _cnn._sgd_steps(params, *self._fixed(), X, y, int(n_steps), b, t(lr), t(1.0) / t(b), run.rng,
+                               run.perm, corr, self._grad, acts, deltas, args)
+
+    def oracle_grad(self, params, data: ClassificationData, run: LocalRun, batch_size, grad_out) -> None:
+        X, y = data.X_train, data.y_train
+        self._check(params, X, y)
+        if batch_size is None:
+            self.loss_grad(params, data, grad_out)
+            return
+        b = min(int(batch_size), X.shape[0])
+        acts, deltas, args = self.workspace(b)
+        t = self.dtype.type
+        _cnn._minibatch_grad(params, *self._fixed(), X, y, b, t(1.0) / t(b), run.rng, run.perm, grad_out, acts,
+                             deltas, args)
+
+    def loss_grad(self, params, data: ClassificationData, grad_out: np.ndarray) -> float:
+        X, y = data.X_train, data.y_train
+        self._check(params, X, y)
+        n = X.shape[0]
+        grad_out[:] = 0
+        part = np.zeros(self.dim, self.dtype)
+        loss = 0.0
+        t = self.dtype.type
+        for start in range(0, n, self.EVAL_CHUNK):
+            idx = np.arange(start, min(start + self.EVAL_CHUNK, n), dtype=np.int64)
+            acts, deltas, args = self.workspace(idx.size)
+            loss += _cnn._batch_grad(params, *self._fixed(), X, y, idx, idx.size, t(1.0) / t(n), part, acts, deltas,
+                                     args)
+            grad_out += part
+        return loss / n
+
+    def loss_correct(self, params, X: np.ndarray, y: np.ndarray) -> tuple[float, int]:
+        self._check(params, X, y)
+        if X.shape[0] == 0:
+            return 0.0, 0
+        acts, _, args = self.workspace(1)
+        loss, correct = _cnn._loss_correct(params, *self._fixed(), X, y, acts[0], args[0])
+        return float(loss), int(correct)
+
+    def train_loss(self, params, data: ClassificationData) -> float:
+        return self.loss_correct(params, data.X_train, data.y_train)[0] / data.n_train
+
+
 def build_model(kind: str, problem, dtype: str, hidden=(200, 200), seed: int = 0):
     if kind == "logreg":
         return LogReg(problem.n_features, problem.n_classes, np.dtype(dtype))
     if kind == "mlp":
         return MLP((problem.n_features, *hidden, problem.n_classes), np.dtype(dtype), seed)
+    if kind == "cnn":
+        return CNN(problem.n_features, problem.n_classes, np.dtype(dtype), seed)
     if kind == "quadratic":
         return Quadratic(problem.dim, problem.x0, np.dtype(dtype))
     raise ValueError(f"unknown model kind {kind!r}")

@@ -194,3 +194,66 @@ def test_2nn_has_mcmahans_parameter_count_and_glorot_init():
     assert np.abs(w1).max() <= np.sqrt(6 / 984) and np.abs(w1.std() - np.sqrt(2 / 984)) < 2e-3
     assert not x[784 * 200:784 * 200 + 200].any()  # zero biases
     assert np.array_equal(x, MLP((784, 200, 200, 10), np.float32, seed=0).initial_params())
+
+
+def naive_cnn_loss(params, side, n_classes, X, y):
+    """Straight from the definition: padded 5x5 convolutions, ReLU, 2x2 max pools, two dense layers."""
+    s4 = side // 4
+    shapes = [((5, 5, 1, 32), 32), ((5, 5, 32, 64), 64), ((s4 * s4 * 64, 512), 512), ((512, n_classes), n_classes)]
+    layers, off = [], 0
+    for wshape, b in shapes:
+        n = int(np.prod(wshape))
+        layers.append((params[off:off + n].reshape(wshape), params[off + n:off + n + b]))
+        off += n + b
+
+    def conv(h, W, b):
+        pad = np.pad(h, ((0, 0), (2, 2), (2, 2), (0, 0)))
+        s = h.shape[1]
+        out = np.zeros((h.shape[0], s, s, W.shape[3])) + b
+        for ky in range(5):
+            for kx in range(5):
+                out += np.einsum("nyxc,cd->nyxd", pad[:, ky:ky + s, kx:kx + s, :], W[ky, kx])
+        return np.maximum(out, 0)
+
+    def pool(h):
+        n, s, _, c = h.shape
+        return h.reshape(n, s // 2, 2, s // 2, 2, c).max(axis=(2, 4))
+
+    h = pool(conv(X.reshape(-1, side, side, 1), *layers[0]))
+    h = pool(conv(h, *layers[1])).reshape(X.shape[0], -1)
+    h = np.maximum(h @ layers[2][0] + layers[2][1], 0)
+    z = h @ layers[3][0] + layers[3][1]
+    z = z - z.max(axis=1, keepdims=True)
+    return -np.mean(z[np.arange(len(y)), y] - np.log(np.exp(z).sum(axis=1)))
+
+
+def test_cnn_matches_its_definition_and_finite_differences():
+    from edgefed.models import CNN
+
+    assert CNN(784, 10, np.float32, 0).dim == 1_663_370  # McMahan et al.'s count, with "same" padding
+    assert CNN(784, 62, np.float32, 0).dim == 1_663_370 + 52 * 513  # EMNIST ByClass
+    g = np.random.default_rng(4)
+    X, y = g.random((70, 64)), g.integers(0, 3, 70)  # 70 rows: more than one evaluation chunk
+    data = ClassificationData(X, y, X[:3].copy(), y[:3].copy())
+    model = CNN(64, 3, np.float64, seed=0)
+    x = model.initial_params() + 0.01 * g.normal(size=model.dim)
+    grad = np.zeros(model.dim)
+    loss = model.loss_grad(x, data, grad)
+    assert loss == pytest.approx(naive_cnn_loss(x, 8, 3, X, y), rel=1e-12)
+    assert model.train_loss(x, data) == pytest.approx(loss, rel=1e-12)
+    picks = [3, 700, 840, 30000, 52100, 100000, model.dim - 520, model.dim - 2]  # every layer's W and b
+    for j in picks:
+        e = np.zeros(model.dim)
+        e[j] = 1e-6
+        fd = (naive_cnn_loss(x + e, 8, 3, X, y) - naive_cnn_loss(x - e, 8, 3, X, y)) / 2e-6
+        assert fd == pytest.approx(grad[j], abs=2e-8, rel=1e-5), j
+    # one SGD step is x - lr * (minibatch gradient + correction), with the minibatch the kernel's stream draws
+    state = kernel_state(1, Purpose.LOCAL, 1, 0)
+    rows = Xoshiro(state.copy()).batch(list(range(70)), 10)
+    sub = ClassificationData(X[rows], y[rows], X[:1], y[:1])
+    sub_grad = np.zeros(model.dim)
+    model.loss_grad(x, sub, sub_grad)
+    corr = 0.001 * g.normal(size=model.dim)
+    stepped = x.copy()
+    model.local_steps(stepped, data, model.begin(data, state), 1, 10, 0.1, corr)
+    np.testing.assert_allclose(stepped, x - 0.1 * (sub_grad + corr), rtol=1e-10, atol=1e-13)

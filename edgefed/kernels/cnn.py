@@ -1,0 +1,293 @@
+"""McMahan et al.'s CNN: two 5x5 "same" convolutions (32 then 64 channels), each with ReLU and 2x2 max pooling,
+a 512-unit ReLU layer, and a softmax output: 1,663,370 parameters for 28x28 inputs and 10 classes.
+
+Flat parameters: conv1 W (5, 5, 1, 32) [ky, kx, c_in, c_out], b (32); conv2 W (5, 5, 32, 64), b (64);
+fc1 W (7*7*64, 512) over the pooled map flattened as (y, x, channel), b (512); fc2 W (512, C), b (C).
+Feature maps are channels-last, so every inner loop runs over contiguous output channels. All buffers are
+caller-owned; a step allocates nothing.
+"""
+
+import numpy as np
+from numba import njit
+
+from edgefed.kernels import JIT
+from edgefed.kernels.mlp import _dot8
+from edgefed.kernels.random import draw_batch
+
+K, PAD = 5, 2
+
+
+def layout(side: int, n_classes: int):
+    """(parameter offsets, total parameters, activation sizes per sample) for a side x side input."""
+    s2, s4 = side // 2, side // 4
+    shapes = [(K * K * 1 * 32, 32), (K * K * 32 * 64, 64), (s4 * s4 * 64 * 512, 512), (512 * n_classes, n_classes)]
+    offsets, off = [], 0
+    for w, b in shapes:
+        offsets.append(off)
+        off += w + b
+    # per sample: input, conv1 (pre-pool, after ReLU), pool1, conv2, pool2, fc1, logits
+    acts = (side * side, side * side * 32, s2 * s2 * 32, s2 * s2 * 64, s4 * s4 * 64, 512, n_classes)
+    return np.array(offsets, np.int64), off, np.array(acts, np.int64)
+
+
+@njit(**JIT)
+def _conv_forward(inp, W, bias, out, side, cin, cout):
+    """out (side, side, cout) <- ReLU(conv(inp (side, side, cin), W (K, K, cin, cout)) + bias), zero padding."""
+    for y in range(side):
+        for x in range(side):
+            o = out[y, x]
+            for co in range(cout):
+                o[co] = bias[co]
+            for ky in range(K):
+                yy = y + ky - PAD
+                if yy < 0 or yy >= side:
+                    continue
+                for kx in range(K):
+                    xx = x + kx - PAD
+                    if xx < 0 or xx >= side:
+                        continue
+                    for ci in range(cin):
+                        a = inp[yy, xx, ci]
+                        if a != 0:
+                            w = W[ky, kx, ci]
+                            for co in range(cout):
+                                o[co] += a * w[co]
+            for co in range(cout):
+                if o[co] < 0:
+                    o[co] = 0
+
+
+@njit(**JIT)
+def _pool_forward(inp, out, arg, side, ch):
+    """2x2 max pooling of inp (side, side, ch) into out (side/2, side/2, ch); arg keeps the winner (0..3)."""
+    half = side // 2
+    for y in range(half):
+        for x in range(half):
+            for c in range(ch):
+                best = inp[2 * y, 2 * x, c]
+                which = 0
+                for q in range(1, 4):
+                    v = inp[2 * y + q // 2, 2 * x + q % 2, c]
+                    if v > best:
+                        best = v
+                        which = q
+                out[y, x, c] = best
+                arg[y, x, c] = which
+
+
+@njit(**JIT)
+def _dense_forward(inp, W, bias, out, relu):
+    for j in range(out.shape[0]):
+        out[j] = bias[j]
+    for k in range(inp.shape[0]):
+        a = inp[k]
+        if a != 0:
+            w = W[k]
+            for j in range(out.shape[0]):
+                out[j] += a * w[j]
+    if relu:
+        for j in range(out.shape[0]):
+            if out[j] < 0:
+                out[j] = 0
+
+
+@njit(**JIT)
+def _views(params, offsets, side, n_classes):
+    s4 = side // 4
+    o = offsets
+    w1 = params[o[0]:o[0] + K * K * 32].reshape((K, K, 1, 32))
+    b1 = params[o[0] + K * K * 32:o[1]]
+    w2 = params[o[1]:o[1] + K * K * 32 * 64].reshape((K, K, 32, 64))
+    b2 = params[o[1] + K * K * 32 * 64:o[2]]
+    w3 = params[o[2]:o[2] + s4 * s4 * 64 * 512].reshape((s4 * s4 * 64, 512))
+    b3 = params[o[2] + s4 * s4 * 64 * 512:o[3]]
+    w4 = params[o[3]:o[3] + 512 * n_classes].reshape((512, n_classes))
+    b4 = params[o[3] + 512 * n_classes:o[3] + 512 * n_classes + n_classes]
+    return w1, b1, w2, b2, w3, b3, w4, b4
+
+
+@njit(**JIT)
+def _forward_one(params, offsets, side, n_classes, x, a1, p1, g1, a2, p2, g2, h, z):
+    """One sample through the network; every buffer is one sample's slice."""
+    w1, b1, w2, b2, w3, b3, w4, b4 = _views(params, offsets, side, n_classes)
+    s2 = side // 2
+    _conv_forward(x.reshape((side, side, 1)), w1, b1, a1.reshape((side, side, 32)), side, 1, 32)
+    _pool_forward(a1.reshape((side, side, 32)), p1.reshape((s2, s2, 32)), g1.reshape((s2, s2, 32)), side, 32)
+    _conv_forward(p1.reshape((s2, s2, 32)), w2, b2, a2.reshape((s2, s2, 64)), s2, 32, 64)
+    _pool_forward(a2.reshape((s2, s2, 64)), p2.reshape((s2 // 2, s2 // 2, 64)), g2.reshape((s2 // 2, s2 // 2, 64)),
+                  s2, 64)
+    _dense_forward(p2, w3, b3, h, True)
+    _dense_forward(h, w4, b4, z, False)
+
+
+@njit(**JIT)
+def _pool_backward(dout, arg, din, side, ch, act):
+    """Route each pooled gradient to its winner; ReLU's derivative uses act (the pre-pool activations)."""
+    din[:] = 0
+    half = side // 2
+    for y in range(half):
+        for x in range(half):
+            for c in range(ch):
+                q = arg[y, x, c]
+                yy, xx = 2 * y + q // 2, 2 * x + q % 2
+                if act[yy, xx, c] > 0:
+                    din[yy, xx, c] = dout[y, x, c]
+
+
+@njit(**JIT)
+def _conv_backward(inp, W, dout, gW, gb, dinp, side, cin, cout, need_dinp):
+    """gW, gb += the convolution's gradients for one sample; dinp <- gradient w.r.t. its input."""
+    if need_dinp:
+        dinp[:] = 0
+    for y in range(side):
+        for x in range(side):
+            d = dout[y, x]
+            nonzero = False
+            for co in range(cout):
+                gb[co] += d[co]
+                if d[co] != 0:
+                    nonzero = True
+            if not nonzero:
+                continue
+            for ky in range(K):
+                yy = y + ky - PAD
+                if yy < 0 or yy >= side:
+                    continue
+                for kx in range(K):
+                    xx = x + kx - PAD
+                    if xx < 0 or xx >= side:
+                        continue
+                    for ci in range(cin):
+                        a = inp[yy, xx, ci]
+                        g = gW[ky, kx, ci]
+                        if a != 0:
+                            for co in range(cout):
+                                g[co] += a * d[co]
+                        if need_dinp:
+                            dinp[yy, xx, ci] += _dot8(W[ky, kx, ci], d)
+
+
+@njit(**JIT)
+def _batch_grad(params, offsets, side, n_classes, X, y, idx, b, scale, grad, acts, deltas, args):
+    """grad <- scale * sum of the gradients of the rows idx[:b]; returns their summed loss (float64).
+
+    acts/deltas: (b, per-sample activation total) in the model dtype; args: (b, pooling winners) int8.
+    """
+    s2, s4 = side // 2, side // 4
+    n1, n2, n3, n4 = side * side * 32, s2 * s2 * 32, s2 * s2 * 64, s4 * s4 * 64
+    grad[:] = 0
+    w1, b1, w2, b2, w3, b3, w4, b4 = _views(params, offsets, side, n_classes)
+    g1, gb1, g2, gb2, g3, gb3, g4, gb4 = _views(grad, offsets, side, n_classes)
+    loss = 0.0
+    for r in range(b):
+        i = idx[r]
+        a = acts[r]
+        dl = deltas[r]
+        x_ = a[:side * side]
+        for k in range(side * side):
+            x_[k] = X[i, k]
+        o1 = side * side
+        o2, o3, o4 = o1 + n1, o1 + n1 + n2, o1 + n1 + n2 + n3
+        o5, o6 = o4 + n4, o4 + n4 + 512
+        a1, p1, a2, p2, h, z = a[o1:o2], a[o2:o3], a[o3:o4], a[o4:o5], a[o5:o6], a[o6:o6 + n_classes]
+        q1, q2 = args[r, :n2], args[r, n2:n2 + n4]
+        _forward_one(params, offsets, side, n_classes, x_, a1, p1, q1, a2, p2, q2, h, z)
+        # softmax cross-entropy
+        zmax = z[0]
+        for c in range(1, n_classes):
+            if z[c] > zmax:
+                zmax = z[c]
+        total = 0.0
+        for c in range(n_classes):
+            total += np.exp(np.float64(z[c]) - np.float64(zmax))
+        label = y[i]
+        loss += np.log(total) + np.float64(zmax) - np.float64(z[label])
+        dz, dh, dp2, da2, dp1 = dl[o6:o6 + n_classes], dl[o5:o6], dl[o4:o5], dl[o3:o4], dl[o2:o3]
+        for c in range(n_classes):
+            dz[c] = np.exp(np.float64(z[c]) - np.float64(zmax)) / total * scale
+        dz[label] -= scale
+        # fc2
+        for c in range(n_classes):
+            gb4[c] += dz[c]
+        for k in range(512):
+            if h[k] != 0:
+                for c in range(n_classes):
+                    g4[k, c] += h[k] * dz[c]
+            dh[k] = _dot8(w4[k], dz) if h[k] > 0 else 0
+        # fc1
+        for j in range(512):
+            gb3[j] += dh[j]
+        for k in range(n4):
+            pk = p2[k]
+            dp2[k] = _dot8(w3[k], dh)
+            if pk != 0:
+                g = g3[k]
+                for j in range(512):
+                    g[j] += pk * dh[j]
+        # pool2, conv2
+        _pool_backward(dp2.reshape((s4, s4, 64)), q2.reshape((s4, s4, 64)), da2.reshape((s2, s2, 64)), s2, 64,
+                       a2.reshape((s2, s2, 64)))
+        _conv_backward(p1.reshape((s2, s2, 32)), w2, da2.reshape((s2, s2, 64)), g2, gb2, dp1.reshape((s2, s2, 32)),
+                       s2, 32, 64, True)
+        # pool1, conv1 (no gradient to the input)
+        da1 = dl[o1:o2]
+        _pool_backward(dp1.reshape((s2, s2, 32)), q1.reshape((s2, s2, 32)), da1.reshape((side, side, 32)), side, 32,
+                       a1.reshape((side, side, 32)))
+        _conv_backward(x_.reshape((side, side, 1)), w1, da1.reshape((side, side, 32)), g1, gb1,
+                       da1.reshape((side, side, 32)), side, 1, 32, False)
+    return loss
+
+
+@njit(**JIT)
+def _sgd_steps(params, offsets, side, n_classes, X, y, n_steps, b, lr, inv_b, rng, perm, correction, grad, acts,
+               deltas, args):
+    d = params.shape[0]
+    corrected = correction.shape[0] == d
+    for _ in range(n_steps):
+        if b < X.shape[0]:
+            draw_batch(rng, perm, X.shape[0], b)
+        _batch_grad(params, offsets, side, n_classes, X, y, perm, b, inv_b, grad, acts, deltas, args)
+        if corrected:
+            for k in range(d):
+                params[k] -= lr * (grad[k] + correction[k])
+        else:
+            for k in range(d):
+                params[k] -= lr * grad[k]
+    return n_steps
+
+
+@njit(**JIT)
+def _minibatch_grad(params, offsets, side, n_classes, X, y, b, inv_b, rng, perm, grad, acts, deltas, args):
+    if b < X.shape[0]:
+        draw_batch(rng, perm, X.shape[0], b)
+    return _batch_grad(params, offsets, side, n_classes, X, y, perm, b, inv_b, grad, acts, deltas, args)
+
+
+@njit(**JIT)
+def _loss_correct(params, offsets, side, n_classes, X, y, act, arg):
+    """(sum of losses, correct predictions) over all samples, one at a time (act/arg: one sample's buffers)."""
+    s2, s4 = side // 2, side // 4
+    n1, n2, n3, n4 = side * side * 32, s2 * s2 * 32, s2 * s2 * 64, s4 * s4 * 64
+    o1 = side * side
+    o2, o3, o4 = o1 + n1, o1 + n1 + n2, o1 + n1 + n2 + n3
+    o5, o6 = o4 + n4, o4 + n4 + 512
+    loss = 0.0
+    correct = 0
+    for i in range(X.shape[0]):
+        x_ = act[:o1]
+        for k in range(o1):
+            x_[k] = X[i, k]
+        z = act[o6:o6 + n_classes]
+        _forward_one(params, offsets, side, n_classes, x_, act[o1:o2], act[o2:o3], arg[:n2], act[o3:o4],
+                     act[o4:o5], arg[n2:n2 + n4], act[o5:o6], z)
+        best = 0
+        for c in range(1, n_classes):
+            if z[c] > z[best]:
+                best = c
+        total = 0.0
+        for c in range(n_classes):
+            total += np.exp(np.float64(z[c]) - np.float64(z[best]))
+        loss += np.log(total) + np.float64(z[best]) - np.float64(z[y[i]])
+        if best == y[i]:
+            correct += 1
+    return loss, correct
