@@ -21,7 +21,7 @@ import time  # noqa: E402
 
 import numpy as np  # noqa: E402
 
-from edgefed.models import MLP, LogReg  # noqa: E402
+from edgefed.models import CNN, MLP, LogReg  # noqa: E402
 from edgefed.problems import ClassificationData  # noqa: E402
 from edgefed.rng import Purpose, kernel_state  # noqa: E402
 
@@ -111,6 +111,33 @@ def bench(name, sizes, batch, repeats, peak):
           f"{numpy_s / numba_s:.1f}x | {gf:.1f} | {gf / peak:.0%} |", flush=True)
 
 
+def bench_cnn(batch, repeats, peak):
+    """McMahan's CNN on 28x28 inputs: edgefed's kernel beside PyTorch (NumPy has no convolution to compare)."""
+    g = np.random.default_rng(0)
+    X = g.random((500, 784), dtype=np.float32)
+    y = g.integers(0, 10, 500)
+    data = ClassificationData(X, y, X[:10], y[:10])
+    model = CNN(784, 10, np.float32, 0)
+    x = model.initial_params()
+    run = model.begin(data, kernel_state(0, Purpose.LOCAL, 1, 0))
+    numba_s = best_time(lambda: model.local_steps(x, data, run, 1, batch, 0.01), repeats)
+    torch_s = None
+    if torch is not None:
+        nn = torch.nn
+        net = nn.Sequential(nn.Conv2d(1, 32, 5, padding=2), nn.ReLU(), nn.MaxPool2d(2),
+                            nn.Conv2d(32, 64, 5, padding=2), nn.ReLU(), nn.MaxPool2d(2), nn.Flatten(),
+                            nn.Linear(3136, 512), nn.ReLU(), nn.Linear(512, 10))
+        opt = torch.optim.SGD(net.parameters(), lr=0.01)
+        tx, ty = torch.from_numpy(X).reshape(-1, 1, 28, 28), torch.from_numpy(y)
+        torch_s = best_time(lambda: torch_step(net, opt, tx, ty, batch), repeats)
+    macs = 28 * 28 * 25 * 32 + 14 * 14 * 25 * 32 * 64 + 3136 * 512 + 512 * 10
+    gf = 6 * batch * macs / numba_s / 1e9
+    torch_cell = "-" if torch_s is None else f"{torch_s * 1e6:.0f}"
+    ratio = "-" if torch_s is None else f"{torch_s / numba_s:.2f}x"
+    print(f"| CNN 5x5x32, 5x5x64, 512 | {batch} | {numba_s * 1e6:.0f} | - | {torch_cell} | {ratio} | - | {gf:.1f} | "
+          f"{gf / peak:.0%} |", flush=True)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=300)
@@ -124,6 +151,7 @@ def main():
     bench("logreg 60→10", (60, 10), 20, args.repeats, peak)
     bench("2NN 784-200-200-10", (784, 200, 200, 10), 10, args.repeats, peak)
     bench("2NN 784-200-200-10", (784, 200, 200, 10), 64, max(args.repeats // 5, 20), peak)
+    bench_cnn(10, 5, peak)
 
 
 if __name__ == "__main__":
