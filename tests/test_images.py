@@ -257,3 +257,23 @@ def test_cnn_matches_its_definition_and_finite_differences():
     stepped = x.copy()
     model.local_steps(stepped, data, model.begin(data, state), 1, 10, 0.1, corr)
     np.testing.assert_allclose(stepped, x - 0.1 * (sub_grad + corr), rtol=1e-10, atol=1e-13)
+
+
+def test_emnist_letters_are_upright_and_zero_based(tmp_path):
+    g = np.random.default_rng(5)
+    images = g.integers(0, 256, (300, 28, 28))
+    labels = g.integers(1, 27, 300)  # letters: 1..26
+    write_idx(tmp_path, "emnist-letters-train", images[:240], labels[:240])
+    write_idx(tmp_path, "emnist-letters-test", images[240:], labels[240:])
+    cfg = load_config(None, ['data.kind="emnist"', f'data.path="{tmp_path}"', 'data.split="letters"',
+                             "data.clients=4", 'train.clients_per_round="all"', 'model.dtype="float64"'])
+    assert cfg.model.kind == "cnn"
+    p = build_problem(cfg)
+    assert p.n_classes == 26 and p.n_train.sum() == 240 and sum(r.size for r in p.test_rows) == 60
+    d = p.device(2)
+    rows = p.train_rows[2]
+    np.testing.assert_array_equal(d.y_train, labels[rows] - 1)
+    np.testing.assert_allclose(d.X_train, images[rows].transpose(0, 2, 1).reshape(-1, 784) / 255)
+    with pytest.raises(ProblemFileError, match="holds no emnist files"):
+        build_problem(load_config(None, ['data.kind="emnist"', f'data.path="{tmp_path}"', 'data.split="digits"',
+                                         "data.clients=4", 'train.clients_per_round="all"']))
