@@ -37,6 +37,13 @@ class LogReg:
         self.dim = n_features * n_classes + n_classes
         self._grad = np.zeros(self.dim, self.dtype)
         self._prob = np.zeros(n_classes, self.dtype)
+        self._work = {}  # batch size -> (logits, gathered rows), allocated once per size
+
+    def workspace(self, b: int):
+        work = self._work.get(b)
+        if work is None:
+            work = self._work[b] = (np.zeros((b, self.n_classes), self.dtype), np.zeros((b, self.n_features), self.dtype))
+        return work
 
     def initial_params(self) -> np.ndarray:
         return np.zeros(self.dim, self.dtype)
@@ -65,8 +72,9 @@ class LogReg:
         b = n if batch_size is None else min(int(batch_size), n)
         t = self.dtype.type
         corr = _EMPTY[self.dtype] if correction is None else correction
+        Z, Xb = self.workspace(b)
         return _logreg._sgd_steps(params, X, y, self.n_classes, int(n_steps), b, t(lr), t(1.0) / t(b),
-                                  run.rng, run.perm, corr, self._grad, self._prob)
+                                  run.rng, run.perm, corr, self._grad, Z, Xb)
 
     def oracle_grad(self, params, data: ClassificationData, run: LocalRun, batch_size, grad_out) -> None:
         """grad_out <- one stochastic gradient g_k(params): a minibatch drawn from run (None: the full batch)."""
@@ -75,8 +83,8 @@ class LogReg:
         n = X.shape[0]
         b = n if batch_size is None else min(int(batch_size), n)
         t = self.dtype.type
-        _logreg._minibatch_grad(params, X, y, self.n_classes, b, t(1.0) / t(b), run.rng, run.perm, grad_out,
-                                self._prob)
+        Z, Xb = self.workspace(b)
+        _logreg._minibatch_grad(params, X, y, self.n_classes, b, t(1.0) / t(b), run.rng, run.perm, grad_out, Z, Xb)
 
     def loss_grad(self, params, data: ClassificationData, grad_out: np.ndarray) -> float:
         """Mean training loss F_k(params); grad_out <- its full gradient."""

@@ -57,23 +57,62 @@ def _accumulate_grad(X, i, n_classes, prob, grad):
 
 
 @njit(**JIT)
-def _minibatch_grad(params, X, y, n_classes, b, inv_b, rng, perm, grad, prob):
-    """grad <- mean gradient over one minibatch of b samples drawn as in _sgd_steps (one oracle call)."""
-    n = X.shape[0]
-    if b < n:
-        draw_batch(rng, perm, n, b)
+def _batch_grad(params, X, y, idx, b, n_classes, scale, grad, Z, Xb):
+    """grad <- scale * sum of the gradients of rows idx[:b] (no loss: the SGD path does not need it).
+
+    The rows are gathered into Xb (b x f) so both products run weight-row-outer over contiguous memory;
+    Z (b x C) holds the logits, then scale * (softmax - onehot).
+    """
+    f = X.shape[1]
+    nw = f * n_classes
+    W = params[:nw].reshape((f, n_classes))
+    bias = params[nw:]
+    gW = grad[:nw].reshape((f, n_classes))
+    gb = grad[nw:]
+    for r in range(b):
+        Xb[r] = X[idx[r]]
+        Z[r] = bias
+    for k in range(f):
+        w = W[k]
+        for r in range(b):
+            a = Xb[r, k]
+            for c in range(n_classes):
+                Z[r, c] += a * w[c]
     grad[:] = 0
-    for ii in range(b):
-        i = perm[ii]
-        _logits_softmax(params, X, i, n_classes, prob, y[i])
-        prob[y[i]] -= 1
-        _accumulate_grad(X, i, n_classes, prob, grad)
-    for k in range(grad.shape[0]):
-        grad[k] *= inv_b
+    for r in range(b):
+        z = Z[r]
+        zmax = z[0]
+        for c in range(1, n_classes):
+            if z[c] > zmax:
+                zmax = z[c]
+        total = z[0] * 0
+        for c in range(n_classes):
+            z[c] = np.exp(z[c] - zmax)
+            total += z[c]
+        for c in range(n_classes):
+            z[c] = z[c] / total * scale
+        z[y[idx[r]]] -= scale
+        for c in range(n_classes):
+            gb[c] += z[c]
+    for k in range(f):
+        g = gW[k]
+        for r in range(b):
+            a = Xb[r, k]
+            for c in range(n_classes):
+                g[c] += a * Z[r, c]
 
 
 @njit(**JIT)
-def _sgd_steps(params, X, y, n_classes, n_steps, b, lr, inv_b, rng, perm, correction, grad, prob):
+def _minibatch_grad(params, X, y, n_classes, b, inv_b, rng, perm, grad, Z, Xb):
+    """grad <- mean gradient over one minibatch of b samples (one oracle call), drawn as in _sgd_steps."""
+    n = X.shape[0]
+    if b < n:
+        draw_batch(rng, perm, n, b)
+    _batch_grad(params, X, y, perm, b, n_classes, inv_b, grad, Z, Xb)
+
+
+@njit(**JIT)
+def _sgd_steps(params, X, y, n_classes, n_steps, b, lr, inv_b, rng, perm, correction, grad, Z, Xb):
     """n_steps of params <- params - lr * (mean minibatch gradient + correction).
 
     A minibatch is a uniform b-subset (b <= n) of the n samples, drawn anew each step; b = n is the full
@@ -83,7 +122,7 @@ def _sgd_steps(params, X, y, n_classes, n_steps, b, lr, inv_b, rng, perm, correc
     d = params.shape[0]
     corrected = correction.shape[0] == d
     for _ in range(n_steps):
-        _minibatch_grad(params, X, y, n_classes, b, inv_b, rng, perm, grad, prob)
+        _minibatch_grad(params, X, y, n_classes, b, inv_b, rng, perm, grad, Z, Xb)
         if corrected:
             for k in range(d):
                 params[k] -= lr * (grad[k] + correction[k])
