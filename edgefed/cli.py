@@ -162,7 +162,8 @@ def cmd_trace_record(args) -> int:
         except ValueError:
             raise EdgefedError(f"--{what} {text!r}: give comma-separated numbers, one per trace") from None
         if len(values) != len(names) or not all(0 <= v < 1 or (what == "drop" and v == 1) for v in values):
-            raise EdgefedError(f"--{what} needs {len(names)} values in [0, 1), one per trace in --names")
+            bound = "[0, 1]" if what == "drop" else "[0, 1)"
+            raise EdgefedError(f"--{what} needs {len(names)} values in {bound}, one per trace in --names")
         return values
 
     loads, drops = per_trace(args.contention, "contention"), per_trace(args.drop, "drop")

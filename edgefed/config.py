@@ -526,7 +526,8 @@ def with_clients(cfg: Config, n_clients: int) -> Config:
             "remove data.clients or make them agree"
         )
     check_clients_per_round(cfg.train, n_clients)
-    return dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, clients=n_clients))
+    cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, clients=n_clients))
+    return validate(cfg)  # device ids in [[dynamics.*]] and [[fault]] now checked against this N
 
 
 # --------------------------------------------------------------------------- writing

@@ -19,6 +19,24 @@ from edgefed.rng import Purpose, generator
 _EMPTY = {np.dtype(np.float32): np.zeros(0, np.float32), np.dtype(np.float64): np.zeros(0, np.float64)}
 
 
+class GrowingRows:
+    """Workspaces of `rows` rows that grow to the largest batch asked for and hand out views of the first b.
+
+    One set per model, so evaluation chunks and minibatches of any size share it (no buffer per size).
+    """
+
+    def __init__(self, *row_shapes):
+        self.row_shapes = row_shapes  # (shape of one row, dtype) per buffer
+        self.rows = 0
+        self.buffers = ()
+
+    def take(self, b: int):
+        if b > self.rows:
+            self.rows = b
+            self.buffers = tuple(np.zeros((b, *shape), dtype) for shape, dtype in self.row_shapes)
+        return tuple(buf[:b] for buf in self.buffers)
+
+
 class LocalRun:
     """Workspace of one device's local work in one round: its generator state and minibatch permutation."""
 
@@ -37,13 +55,10 @@ class LogReg:
         self.dim = n_features * n_classes + n_classes
         self._grad = np.zeros(self.dim, self.dtype)
         self._prob = np.zeros(n_classes, self.dtype)
-        self._work = {}  # batch size -> (logits, gathered rows), allocated once per size
+        self._work = GrowingRows(((n_classes,), self.dtype), ((n_features,), self.dtype))  # logits, gathered rows
 
     def workspace(self, b: int):
-        work = self._work.get(b)
-        if work is None:
-            work = self._work[b] = (np.zeros((b, self.n_classes), self.dtype), np.zeros((b, self.n_features), self.dtype))
-        return work
+        return self._work.take(b)
 
     def initial_params(self) -> np.ndarray:
         return np.zeros(self.dim, self.dtype)
@@ -157,15 +172,14 @@ class MLP:
         self.dim = int(widths.sum())
         self.n_features, self.n_classes = int(self.sizes[0]), int(self.sizes[-1])
         self._grad = np.zeros(self.dim, self.dtype)
-        self._work = {}  # batch size -> (activations, deltas, layer offsets), allocated once per size
+        total = int(self.sizes.sum())
+        self._work = GrowingRows(((total,), self.dtype), ((total,), self.dtype))  # activations, deltas
+        self._starts = np.concatenate([[0], np.cumsum(self.sizes)[:-1]]).astype(np.int64)
 
     def workspace(self, b: int):
-        work = self._work.get(b)
-        if work is None:
-            total = int(self.sizes.sum())
-            a_offs = (b * np.concatenate([[0], np.cumsum(self.sizes)[:-1]])).astype(np.int64)
-            work = self._work[b] = (np.zeros(b * total, self.dtype), np.zeros(b * total, self.dtype), a_offs)
-        return work
+        """(activations, deltas, where each layer starts) for a batch of b; buffers are flat b x sum(d_l)."""
+        acts, deltas = self._work.take(b)
+        return acts.reshape(-1), deltas.reshape(-1), b * self._starts
 
     def initial_params(self) -> np.ndarray:
         g = generator(self.seed, Purpose.INIT)
@@ -263,14 +277,11 @@ class CNN:
         s2, s4 = side // 2, side // 4
         self.n_args = s2 * s2 * 32 + s4 * s4 * 64
         self._grad = np.zeros(self.dim, self.dtype)
-        self._work = {}
+        self._work = GrowingRows(((self.per_sample,), self.dtype), ((self.per_sample,), self.dtype),
+                                 ((self.n_args,), np.int8))  # activations, deltas, pooling winners
 
     def workspace(self, b: int):
-        work = self._work.get(b)
-        if work is None:
-            work = self._work[b] = (np.zeros((b, self.per_sample), self.dtype),
-                                    np.zeros((b, self.per_sample), self.dtype), np.zeros((b, self.n_args), np.int8))
-        return work
+        return self._work.take(b)
 
     def initial_params(self) -> np.ndarray:
         g = generator(self.seed, Purpose.INIT)

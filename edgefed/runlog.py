@@ -174,12 +174,13 @@ class RunLogWriter:
                 ids = np.union1d(d_ids, s_ids).astype(np.int64)
                 old = self._state(name)[ids] if ids.size else None
                 new = None
-                if ids.size:
+                if ids.size:  # a fresh row first, then the round's Delta on top (an arriving device reports too)
                     new = old.copy()
-                    if d_ids.size:
-                        new[np.searchsorted(ids, d_ids)] = old[np.searchsorted(ids, d_ids)] + deltas
                     if s_ids.size:
                         new[np.searchsorted(ids, s_ids)] = rows
+                    if d_ids.size:
+                        at = np.searchsorted(ids, d_ids)
+                        new[at] = new[at] + deltas
                 changes[name] = (ids, old, new)
             ids = changes[names[0]][0]
             _write_row(self._state("undo/count"), 0, ids.size, np.int64)

@@ -12,6 +12,8 @@ from edgefed.errors import ConfigError
 from edgefed.participation.dynamics import Dynamics
 from edgefed.participation.traces import BUILTIN, read_trace_file, sampled_traces, write_trace_file
 from edgefed.runlog import read_run
+from conftest import _toml
+from helpers import assert_same_logs, interrupted_then_resumed
 
 
 def quad(quad_file, N=4, d=3, seed=0):
@@ -151,17 +153,25 @@ def test_membership_learning_rate_restart_and_boost(run_experiment):
     assert log["participation/coeff"][7, 0] == pytest.approx(w_other, rel=1e-12)
 
 
-def test_scaffold_invariant_holds_across_shifts(run_experiment):
-    log = run_experiment({
-        "rounds": 10, "data.clients": 6, "train.clients_per_round": 3, "train.algorithm": "scaffold",
+@pytest.mark.parametrize("selection", ["all", 3])
+def test_scaffold_invariant_holds_across_shifts(tmp_path, run_experiment, selection):
+    overrides = {
+        "rounds": 10, "data.clients": 6, "train.clients_per_round": selection, "train.algorithm": "scaffold",
         "model.dtype": "float64", "scaffold.init": "gradient", "log.client_controls": True, "log.eval_every": 100,
-    } | {"dynamics.arrive": [{"device": 1, "round": 3}], "dynamics.depart": [{"device": 3, "round": 6}]})
-    active = np.vstack([log["participation/active"][:1], log["participation/active"]])  # row 0: start
+        "dynamics.arrive": [{"device": 1, "round": 3}], "dynamics.depart": [{"device": 3, "round": 6}]}
+    log = run_experiment(overrides)
+    active = np.vstack([log["participation/active"][:1], log["participation/active"]])  # row 0: the start
     active[0, 1] = False
+    if selection == "all":
+        assert log["participation/selected"][2, 1] and log["participation/steps"][2, 1] > 0  # reports on arrival
     for r in range(11):
         members = log["scaffold/c_clients"][r][active[r]]
         np.testing.assert_allclose(log["scaffold/c"][r], members.mean(axis=0), rtol=1e-12, atol=1e-14)
     assert not np.array_equal(log["scaffold/c_clients"][2, 1], log["scaffold/c_clients"][3, 1])  # fresh control
+    # and a run stopped in the arrival round resumes to the same log
+    items = [f"{k}={_toml(v)}" for k, v in overrides.items()]
+    whole, resumed = interrupted_then_resumed(config_mod.load_config(None, items), tmp_path, 3)
+    assert_same_logs(whole, resumed)
 
 
 def test_dynamics_validation():
@@ -176,13 +186,14 @@ def test_dynamics_validation():
 
 def test_trace_record_and_show(tmp_path):
     out = tmp_path / "t.csv"
-    done = subprocess.run([sys.executable, "-m", "edgefed", "trace", "record", "--out", str(out), "--names", "free,busy",
-                           "--contention", "0,0.9", "--drop", "0,0.5", "--rounds", "12", "--local-steps", "400",
-                           "--quiet"], capture_output=True, text=True, timeout=300)
+    done = subprocess.run([sys.executable, "-m", "edgefed", "trace", "record", "--out", str(out), "--names",
+                           "free,busy,lossy", "--contention", "0,0.9,0", "--drop", "0,0,1", "--rounds", "12",
+                           "--local-steps", "400", "--quiet"], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     file = read_trace_file(out)
-    assert file.names == ("free", "busy") and file.fractions[0].size == 12
-    assert file.fractions[1].mean() < file.fractions[0].mean()
+    assert file.names == ("free", "busy", "lossy") and file.fractions[0].size == 12
+    assert file.fractions[1].mean() < 0.8 * file.fractions[0].mean()  # the competitor alone costs steps
+    assert not file.fractions[2].any()  # every upload lost: inactive in every round
     assert "free" in done.stdout and "inactive" in done.stdout
     shown = subprocess.run([sys.executable, "-m", "edgefed", "trace", "show", "builtin"], capture_output=True,
                            text=True, timeout=120)

@@ -30,7 +30,7 @@ class Dynamics:
         """Membership of the federation (the objective) in round round_idx; round 0 is the start."""
         mask = np.ones(self.n, dtype=bool)
         for k, r0 in self.arrival.items():
-            mask[k] = round_idx >= r0 if round_idx > 0 else False
+            mask[k] = round_idx >= r0  # arrival rounds are >= 1, so round 0 has none of them
         for k, (r1, policy) in self.departure.items():
             if policy == "exclude" and round_idx >= r1:
                 mask[k] = False

@@ -119,8 +119,8 @@ class SampledTraces:
     come from the device's own streams, so any rank count replays the same steps.
     """
 
-    def __init__(self, names, fractions, assignment: np.ndarray, source: str):
-        self.names, self.fractions, self.assignment, self.source = tuple(names), tuple(fractions), assignment, source
+    def __init__(self, names, fractions, assignment: np.ndarray):
+        self.names, self.fractions, self.assignment = tuple(names), tuple(fractions), assignment
 
     def steps(self, seed: int, round_idx: int, device_ids: np.ndarray, budgets: np.ndarray) -> np.ndarray:
         out = np.zeros(len(device_ids), np.int32)
@@ -143,7 +143,7 @@ def sampled_traces(spec, seed: int, n_devices: int) -> SampledTraces:
                                   f"{count} traces to draw from (1..{count})")
             count = int(first)
         assignment = np.array([generator(seed, Purpose.TRACE_ASSIGN, 0, k).integers(count) for k in range(n_devices)])
-        return SampledTraces(file.names, file.fractions, assignment, spec)
+        return SampledTraces(file.names, file.fractions, assignment)
     names, fractions, index = [], [], []
     for entry in spec:
         source, _, name = entry.rpartition("#") if "#" in entry else ("builtin", "", entry)
@@ -155,4 +155,4 @@ def sampled_traces(spec, seed: int, n_devices: int) -> SampledTraces:
         fractions.append(file.fractions[file.names.index(name)])
         index.append(len(names) - 1)
     assignment = np.array([index[k % len(index)] for k in range(n_devices)])
-    return SampledTraces(names, fractions, assignment, ",".join(spec))
+    return SampledTraces(names, fractions, assignment)

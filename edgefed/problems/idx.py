@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import gzip
 import struct
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -52,7 +53,7 @@ def read_labels(path: Path) -> np.ndarray:
         with _open(path) as f:
             (count,) = _header(f, path, LABELS_MAGIC, 1)
             data = np.frombuffer(f.read(count), dtype=np.uint8)
-    except (OSError, EOFError, gzip.BadGzipFile) as exc:
+    except (OSError, EOFError, gzip.BadGzipFile, zlib.error) as exc:
         raise ProblemFileError(f"{path} cannot be read ({exc}); give the standard IDX label file") from None
     if data.size != count:
         raise ProblemFileError(f"{path} holds {data.size} labels but its header says {count}; the file is cut short")
@@ -63,7 +64,7 @@ def image_count(path: Path) -> tuple[int, int, int]:
     try:
         with _open(path) as f:
             return _header(f, path, IMAGES_MAGIC, 3)
-    except (OSError, EOFError, gzip.BadGzipFile) as exc:
+    except (OSError, EOFError, gzip.BadGzipFile, zlib.error) as exc:
         raise ProblemFileError(f"{path} cannot be read ({exc}); give the standard IDX image file") from None
 
 
@@ -90,7 +91,7 @@ def read_image_rows(path: Path, rows: np.ndarray, transpose: bool = False) -> np
                     images = np.frombuffer(block, dtype=np.uint8).reshape(stop - start, size)
                     out[done:done + take.size] = images[take - start]
                     done += take.size
-    except (OSError, EOFError, gzip.BadGzipFile) as exc:
+    except (OSError, EOFError, gzip.BadGzipFile, zlib.error) as exc:
         raise ProblemFileError(f"{path} cannot be read ({exc}); give the standard IDX image file") from None
     if transpose:
         out = out.reshape(-1, height, width).transpose(0, 2, 1).reshape(-1, size)

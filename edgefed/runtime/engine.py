@@ -76,8 +76,10 @@ class RoundEngine:
         """Who works in round round_idx (the federation's membership already updated) and how much."""
         lr = self.learning_rate(round_idx, self.dynamics.shift_round(round_idx))
         p = self.cfg.participation
-        if isinstance(self.trace, ReplayTrace):
+        if isinstance(self.trace, ReplayTrace):  # the recorded selection, within this run's federation
             selected, steps = self.trace.round(round_idx)
+            member = self.active[selected]
+            selected, steps = selected[member], steps[member]
         else:
             active_ids = np.flatnonzero(self.active)
             count = self.cfg.clients_per_round_count(active_ids.size)
