@@ -201,3 +201,21 @@ def test_trace_record_and_show(tmp_path):
     bad = subprocess.run([sys.executable, "-m", "edgefed", "trace", "show", str(tmp_path / "none.csv")],
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "not found" in bad.stderr
+
+
+def test_replay_keeps_devices_outside_the_federation_out(tmp_path, run_experiment):
+    common = {"rounds": 6, "data.clients": 6, "train.clients_per_round": "all", "train.local_steps": 5,
+              "log.eval_every": 100}
+    run_experiment(common, name="recorded.h5")
+    log = run_experiment({**common, "participation.mode": "trace", "participation.trace": str(tmp_path / "recorded.h5"),
+                          "dynamics.arrive": [{"device": 2, "round": 4}]})
+    assert not log["participation/selected"][:3, 2].any() and log["participation/selected"][3:, 2].all()
+    np.testing.assert_allclose(log["participation/coeff"].sum(axis=1), 1.0)
+
+
+def test_dynamics_device_ids_are_checked_against_the_problem_files_n(quad_file):
+    path = quad_file(np.ones((3, 2)), np.zeros((3, 2)))
+    cfg = config_mod.load_config(None, ['data.kind="quadratic"', f'data.path="{path}"',
+                                        'train.clients_per_round="all"', "dynamics.arrive=[{device = 5, round = 2}]"])
+    with pytest.raises(ConfigError, match=r"dynamics.arrive\[0\].device = 5 is not a device id"):
+        experiment.run(cfg, path.parent / "r.h5")

@@ -279,3 +279,13 @@ def test_emnist_letters_are_upright_and_zero_based(tmp_path):
     with pytest.raises(ProblemFileError, match="holds no emnist files"):
         build_problem(load_config(None, ['data.kind="emnist"', f'data.path="{tmp_path}"', 'data.split="digits"',
                                          "data.clients=4", 'train.clients_per_round="all"']))
+
+
+def test_a_damaged_gzip_stream_is_a_clear_error(tmp_path):
+    write_idx(tmp_path, "t10k", np.random.default_rng(0).integers(0, 256, (2000, 28, 28)), np.zeros(2000))
+    path = tmp_path / "t10k-images-idx3-ubyte.gz"
+    raw = bytearray(path.read_bytes())
+    raw[len(raw) // 2: len(raw) // 2 + 64] = b"\xff" * 64  # invalid deflate blocks mid-stream
+    path.write_bytes(bytes(raw))
+    with pytest.raises(ProblemFileError, match="cannot be read"):
+        idx.read_image_rows(path, np.arange(2000))

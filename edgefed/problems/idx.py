@@ -2,7 +2,8 @@
 
 IDX: a big-endian header (magic 2051 for images: count, rows, cols; 2049 for labels: count) then uint8 data.
 Labels are small and read whole; image rows are streamed in blocks and only the requested ones kept, so a
-rank (or a Pi Zero with 512 MB) holds just its own devices' images. EMNIST stores images transposed; they are
+rank (or a Pi Zero with 512 MB) holds just its own devices' images. Files are always read to their end, where
+gzip checks its CRC: a damaged file is an error, never silently wrong pixels. EMNIST stores images transposed; they are
 turned upright here. EMNIST `letters` labels run 1..26 and become 0..25.
 """
 
@@ -53,6 +54,7 @@ def read_labels(path: Path) -> np.ndarray:
         with _open(path) as f:
             (count,) = _header(f, path, LABELS_MAGIC, 1)
             data = np.frombuffer(f.read(count), dtype=np.uint8)
+            f.read(1)  # to the end: gzip checks its CRC there
     except (OSError, EOFError, gzip.BadGzipFile, zlib.error) as exc:
         raise ProblemFileError(f"{path} cannot be read ({exc}); give the standard IDX label file") from None
     if data.size != count:
@@ -79,10 +81,8 @@ def read_image_rows(path: Path, rows: np.ndarray, transpose: bool = False) -> np
             if rows.size and rows[-1] >= count:
                 raise ProblemFileError(f"{path} holds {count} images; row {rows[-1]} was asked for")
             done = 0
-            for start in range(0, count, BLOCK):
+            for start in range(0, count, BLOCK):  # to the end even when done: a gzip file's CRC is checked there
                 stop = min(start + BLOCK, count)
-                if done == rows.size:
-                    break
                 block = f.read((stop - start) * size)
                 if len(block) < (stop - start) * size:
                     raise ProblemFileError(f"{path} is cut short: {count} images in the header, fewer in the file")
@@ -91,6 +91,8 @@ def read_image_rows(path: Path, rows: np.ndarray, transpose: bool = False) -> np
                     images = np.frombuffer(block, dtype=np.uint8).reshape(stop - start, size)
                     out[done:done + take.size] = images[take - start]
                     done += take.size
+            if f.read(1):
+                raise ProblemFileError(f"{path} has data past its {count} images; is it the right file?")
     except (OSError, EOFError, gzip.BadGzipFile, zlib.error) as exc:
         raise ProblemFileError(f"{path} cannot be read ({exc}); give the standard IDX image file") from None
     if transpose:
