@@ -175,6 +175,8 @@ class MLP:
         total = int(self.sizes.sum())
         self._work = GrowingRows(((total,), self.dtype), ((total,), self.dtype))  # activations, deltas
         self._starts = np.concatenate([[0], np.cumsum(self.sizes)[:-1]]).astype(np.int64)
+        hidden_w = self.sizes[1:-1] * self.sizes[2:]
+        self._wt = np.zeros(int(hidden_w.max()) if hidden_w.size else 0, self.dtype)  # transposed-weight scratch
 
     def workspace(self, b: int):
         """(activations, deltas, where each layer starts) for a batch of b; buffers are flat b x sum(d_l)."""
@@ -213,7 +215,7 @@ class MLP:
         t = self.dtype.type
         corr = _EMPTY[self.dtype] if correction is None else correction
         return _mlp._sgd_steps(params, self.sizes, self.offsets, a_offs, X, y, int(n_steps), b, t(lr), t(1.0) / t(b),
-                               run.rng, run.perm, corr, self._grad, acts, deltas)
+                               run.rng, run.perm, corr, self._grad, acts, deltas, self._wt)
 
     def oracle_grad(self, params, data: ClassificationData, run: LocalRun, batch_size, grad_out) -> None:
         X, y = data.X_train, data.y_train
@@ -225,7 +227,7 @@ class MLP:
         acts, deltas, a_offs = self.workspace(b)
         t = self.dtype.type
         _mlp._minibatch_grad(params, self.sizes, self.offsets, a_offs, X, y, b, t(1.0) / t(b), run.rng, run.perm,
-                             grad_out, acts, deltas)
+                             grad_out, acts, deltas, self._wt)
 
     def loss_grad(self, params, data: ClassificationData, grad_out: np.ndarray) -> float:
         """Mean training loss and its full gradient, accumulated over chunks of rows (bounded memory)."""
@@ -240,7 +242,7 @@ class MLP:
             idx = np.arange(start, min(start + self.EVAL_CHUNK, n), dtype=np.int64)
             acts, deltas, a_offs = self.workspace(idx.size)
             loss += _mlp._batch_grad(params, self.sizes, self.offsets, a_offs, X, y, idx, idx.size, t(1.0) / t(n),
-                                     part, acts, deltas)
+                                     part, acts, deltas, self._wt)
             grad_out += part
         return loss / n
 
