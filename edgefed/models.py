@@ -45,27 +45,13 @@ class LocalRun:
         self.perm = np.arange(n_samples, dtype=np.int64)
 
 
-class LogReg:
-    """Multinomial logistic regression, d = f*C + C, initialized at zero (as FedProx)."""
+class Classifier:
+    """What the classification models share: input checks, batch sizes, chunked full gradients, evaluation.
 
-    kind = "logreg"
+    A subclass provides its kernels through `_sgd`, `_minibatch`, `_chunk_grad` and `loss_correct`.
+    """
 
-    def __init__(self, n_features: int, n_classes: int, dtype: np.dtype):
-        self.n_features, self.n_classes, self.dtype = n_features, n_classes, np.dtype(dtype)
-        self.dim = n_features * n_classes + n_classes
-        self._grad = np.zeros(self.dim, self.dtype)
-        self._prob = np.zeros(n_classes, self.dtype)
-        self._work = GrowingRows(((n_classes,), self.dtype), ((n_features,), self.dtype))  # logits, gathered rows
-
-    def workspace(self, b: int):
-        return self._work.take(b)
-
-    def initial_params(self) -> np.ndarray:
-        return np.zeros(self.dim, self.dtype)
-
-    def clone(self) -> "LogReg":
-        """The same model with its own workspaces (for a second thread)."""
-        return LogReg(self.n_features, self.n_classes, self.dtype)
+    EVAL_CHUNK = 256
 
     def _check(self, params: np.ndarray, X: np.ndarray, y: np.ndarray) -> None:
         if params.dtype != self.dtype or params.shape != (self.dim,) or not params.flags.c_contiguous:
@@ -78,31 +64,77 @@ class LogReg:
     def begin(self, data: ClassificationData, rng_state: np.ndarray) -> LocalRun:
         return LocalRun(rng_state, data.n_train)
 
+    def _checked(self, params, data: ClassificationData, batch_size):
+        """(X, y, b, 1/b in the model dtype) after checking the inputs once."""
+        X, y = data.X_train, data.y_train
+        self._check(params, X, y)
+        b = X.shape[0] if batch_size is None else min(int(batch_size), X.shape[0])
+        t = self.dtype.type
+        return X, y, b, t(1.0) / t(b)
+
     def local_steps(self, params, data: ClassificationData, run: LocalRun, n_steps: int, batch_size, lr: float,
                     correction: np.ndarray | None = None) -> int:
         """n_steps of minibatch SGD on params in place; batch_size None means the full local gradient."""
-        X, y = data.X_train, data.y_train
-        self._check(params, X, y)
-        n = X.shape[0]
-        b = n if batch_size is None else min(int(batch_size), n)
-        t = self.dtype.type
+        X, y, b, inv_b = self._checked(params, data, batch_size)
         corr = _EMPTY[self.dtype] if correction is None else correction
-        Z, Xb = self.workspace(b)
-        return _logreg._sgd_steps(params, X, y, self.n_classes, int(n_steps), b, t(lr), t(1.0) / t(b),
-                                  run.rng, run.perm, corr, self._grad, Z, Xb)
+        return self._sgd(params, X, y, int(n_steps), b, self.dtype.type(lr), inv_b, run, corr)
 
     def oracle_grad(self, params, data: ClassificationData, run: LocalRun, batch_size, grad_out) -> None:
         """grad_out <- one stochastic gradient g_k(params): a minibatch drawn from run (None: the full batch)."""
-        X, y = data.X_train, data.y_train
-        self._check(params, X, y)
-        n = X.shape[0]
-        b = n if batch_size is None else min(int(batch_size), n)
-        t = self.dtype.type
-        Z, Xb = self.workspace(b)
-        _logreg._minibatch_grad(params, X, y, self.n_classes, b, t(1.0) / t(b), run.rng, run.perm, grad_out, Z, Xb)
+        if batch_size is None:  # in chunks: a full batch of CNN activations would not fit a Pi
+            self.loss_grad(params, data, grad_out)
+            return
+        X, y, b, inv_b = self._checked(params, data, batch_size)
+        self._minibatch(params, X, y, b, inv_b, run, grad_out)
 
     def loss_grad(self, params, data: ClassificationData, grad_out: np.ndarray) -> float:
-        """Mean training loss F_k(params); grad_out <- its full gradient."""
+        """Mean training loss F_k(params) and its full gradient, summed over chunks (bounded memory)."""
+        X, y, _, _ = self._checked(params, data, None)
+        n = X.shape[0]
+        grad_out[:] = 0
+        part = np.zeros(self.dim, self.dtype)
+        loss = 0.0
+        scale = self.dtype.type(1.0) / self.dtype.type(n)
+        for start in range(0, n, self.EVAL_CHUNK):
+            idx = np.arange(start, min(start + self.EVAL_CHUNK, n), dtype=np.int64)
+            loss += self._chunk_grad(params, X, y, idx, scale, part)
+            grad_out += part
+        return loss / n
+
+    def train_loss(self, params, data: ClassificationData) -> float:
+        return self.loss_correct(params, data.X_train, data.y_train)[0] / data.n_train
+
+
+class LogReg(Classifier):
+    """Multinomial logistic regression, d = f*C + C, initialized at zero (as FedProx)."""
+
+    kind = "logreg"
+
+    def __init__(self, n_features: int, n_classes: int, dtype: np.dtype):
+        self.n_features, self.n_classes, self.dtype = n_features, n_classes, np.dtype(dtype)
+        self.dim = n_features * n_classes + n_classes
+        self._grad = np.zeros(self.dim, self.dtype)
+        self._prob = np.zeros(n_classes, self.dtype)
+        self._work = GrowingRows(((n_classes,), self.dtype), ((n_features,), self.dtype))  # logits, gathered rows
+
+    def initial_params(self) -> np.ndarray:
+        return np.zeros(self.dim, self.dtype)
+
+    def clone(self) -> "LogReg":
+        """The same model with its own workspaces (for a second thread)."""
+        return LogReg(self.n_features, self.n_classes, self.dtype)
+
+    def _sgd(self, params, X, y, n_steps, b, lr, inv_b, run, corr):
+        Z, Xb = self._work.take(b)
+        return _logreg._sgd_steps(params, X, y, self.n_classes, n_steps, b, lr, inv_b, run.rng, run.perm, corr,
+                                  self._grad, Z, Xb)
+
+    def _minibatch(self, params, X, y, b, inv_b, run, grad_out):
+        Z, Xb = self._work.take(b)
+        _logreg._minibatch_grad(params, X, y, self.n_classes, b, inv_b, run.rng, run.perm, grad_out, Z, Xb)
+
+    def loss_grad(self, params, data: ClassificationData, grad_out: np.ndarray) -> float:
+        """Mean training loss F_k(params); grad_out <- its full gradient (one pass, float64 loss sum)."""
         self._check(params, data.X_train, data.y_train)
         return _logreg._loss_grad(params, data.X_train, data.y_train, self.n_classes, grad_out, self._prob)
 
@@ -114,8 +146,131 @@ class LogReg:
         loss, correct = _logreg._loss_correct(params, X, y, self.n_classes, self._prob)
         return float(loss), int(correct)
 
-    def train_loss(self, params, data: ClassificationData) -> float:
-        return self.loss_correct(params, data.X_train, data.y_train)[0] / data.n_train
+
+class MLP(Classifier):
+    """Fully connected ReLU network with a softmax output; McMahan et al.'s 2NN is sizes (784, 200, 200, 10).
+
+    Initialization: Glorot-uniform weights, U(+-sqrt(6 / (fan_in + fan_out))), the default of the
+    TensorFlow layers the FedAvg experiments used; zero biases; drawn from the (seed, INIT) stream.
+    """
+
+    kind = "mlp"
+
+    def __init__(self, sizes, dtype: np.dtype, seed: int):
+        self.sizes = np.asarray(sizes, dtype=np.int64)
+        self.dtype, self.seed = np.dtype(dtype), seed
+        widths = self.sizes[:-1] * self.sizes[1:] + self.sizes[1:]
+        self.offsets = np.concatenate([[0], np.cumsum(widths)[:-1]]).astype(np.int64)
+        self.dim = int(widths.sum())
+        self.n_features, self.n_classes = int(self.sizes[0]), int(self.sizes[-1])
+        self._grad = np.zeros(self.dim, self.dtype)
+        total = int(self.sizes.sum())
+        self._work = GrowingRows(((total,), self.dtype), ((total,), self.dtype))  # activations, deltas
+        self._starts = np.concatenate([[0], np.cumsum(self.sizes)[:-1]]).astype(np.int64)
+        hidden_w = self.sizes[1:-1] * self.sizes[2:]
+        self._wt = np.zeros(int(hidden_w.max()) if hidden_w.size else 0, self.dtype)  # transposed-weight scratch
+
+    def workspace(self, b: int):
+        """(activations, deltas, where each layer starts) for a batch of b; buffers are flat b x sum(d_l)."""
+        acts, deltas = self._work.take(b)
+        return acts.reshape(-1), deltas.reshape(-1), b * self._starts
+
+    def initial_params(self) -> np.ndarray:
+        g = generator(self.seed, Purpose.INIT)
+        params = np.zeros(self.dim)
+        for layer, off in enumerate(self.offsets):
+            din, dout = int(self.sizes[layer]), int(self.sizes[layer + 1])
+            limit = np.sqrt(6.0 / (din + dout))
+            params[off:off + din * dout] = g.uniform(-limit, limit, din * dout)
+        return params.astype(self.dtype)
+
+    def clone(self) -> "MLP":
+        return MLP(self.sizes, self.dtype, self.seed)
+
+    def _sgd(self, params, X, y, n_steps, b, lr, inv_b, run, corr):
+        acts, deltas, a_offs = self.workspace(b)
+        return _mlp._sgd_steps(params, self.sizes, self.offsets, a_offs, X, y, n_steps, b, lr, inv_b, run.rng,
+                               run.perm, corr, self._grad, acts, deltas, self._wt)
+
+    def _minibatch(self, params, X, y, b, inv_b, run, grad_out):
+        acts, deltas, a_offs = self.workspace(b)
+        _mlp._minibatch_grad(params, self.sizes, self.offsets, a_offs, X, y, b, inv_b, run.rng, run.perm, grad_out,
+                             acts, deltas, self._wt)
+
+    def _chunk_grad(self, params, X, y, idx, scale, out) -> float:
+        acts, deltas, a_offs = self.workspace(idx.size)
+        return _mlp._batch_grad(params, self.sizes, self.offsets, a_offs, X, y, idx, idx.size, scale, out, acts,
+                                deltas, self._wt)
+
+    def loss_correct(self, params, X: np.ndarray, y: np.ndarray) -> tuple[float, int]:
+        self._check(params, X, y)
+        if X.shape[0] == 0:
+            return 0.0, 0
+        acts, _, _ = self.workspace(self.EVAL_CHUNK)
+        loss, correct = _mlp._loss_correct(params, self.sizes, self.offsets, X, y, self.EVAL_CHUNK, acts)
+        return float(loss), int(correct)
+
+
+class CNN(Classifier):
+    """McMahan et al.'s CNN (kernels/cnn.py) for square single-channel images whose side divides by 4.
+
+    Initialization as the MLP's: Glorot-uniform weights (fan-in and fan-out over the 5x5 window for the
+    convolutions), zero biases, from the (seed, INIT) stream.
+    """
+
+    kind = "cnn"
+    EVAL_CHUNK = 64
+
+    def __init__(self, n_features: int, n_classes: int, dtype: np.dtype, seed: int):
+        side = int(round(np.sqrt(n_features)))
+        if side * side != n_features or side % 4:
+            raise ValueError(f"the CNN needs square images with a side divisible by 4, not {n_features} pixels")
+        self.side, self.n_features, self.n_classes = side, n_features, n_classes
+        self.dtype, self.seed = np.dtype(dtype), seed
+        self.offsets, self.dim, sizes = _cnn.layout(side, n_classes)
+        self.per_sample = int(sizes.sum())
+        s2, s4 = side // 2, side // 4
+        self.n_args = s2 * s2 * 32 + s4 * s4 * 64
+        self._grad = np.zeros(self.dim, self.dtype)
+        self._work = GrowingRows(((self.per_sample,), self.dtype), ((self.per_sample,), self.dtype),
+                                 ((self.n_args,), np.int8))  # activations, deltas, pooling winners
+
+    def initial_params(self) -> np.ndarray:
+        g = generator(self.seed, Purpose.INIT)
+        s4 = self.side // 4
+        fans = [(25 * 1, 25 * 32, 25 * 32), (25 * 32, 25 * 64, 25 * 32 * 64),
+                (s4 * s4 * 64, 512, s4 * s4 * 64 * 512), (512, self.n_classes, 512 * self.n_classes)]
+        params = np.zeros(self.dim)
+        for off, (fan_in, fan_out, n) in zip(self.offsets, fans):
+            limit = np.sqrt(6.0 / (fan_in + fan_out))
+            params[off:off + n] = g.uniform(-limit, limit, n)
+        return params.astype(self.dtype)
+
+    def clone(self) -> "CNN":
+        return CNN(self.n_features, self.n_classes, self.dtype, self.seed)
+
+    def _sgd(self, params, X, y, n_steps, b, lr, inv_b, run, corr):
+        acts, deltas, args = self._work.take(b)
+        return _cnn._sgd_steps(params, self.offsets, self.side, self.n_classes, X, y, n_steps, b, lr, inv_b,
+                               run.rng, run.perm, corr, self._grad, acts, deltas, args)
+
+    def _minibatch(self, params, X, y, b, inv_b, run, grad_out):
+        acts, deltas, args = self._work.take(b)
+        _cnn._minibatch_grad(params, self.offsets, self.side, self.n_classes, X, y, b, inv_b, run.rng, run.perm,
+                             grad_out, acts, deltas, args)
+
+    def _chunk_grad(self, params, X, y, idx, scale, out) -> float:
+        acts, deltas, args = self._work.take(idx.size)
+        return _cnn._batch_grad(params, self.offsets, self.side, self.n_classes, X, y, idx, idx.size, scale, out,
+                                acts, deltas, args)
+
+    def loss_correct(self, params, X: np.ndarray, y: np.ndarray) -> tuple[float, int]:
+        self._check(params, X, y)
+        if X.shape[0] == 0:
+            return 0.0, 0
+        acts, _, args = self._work.take(1)
+        loss, correct = _cnn._loss_correct(params, self.offsets, self.side, self.n_classes, X, y, acts[0], args[0])
+        return float(loss), int(correct)
 
 
 class Quadratic:
@@ -152,210 +307,6 @@ class Quadratic:
 
     def train_loss(self, params, data: QuadraticData) -> float:
         return self.loss_grad(params, data, np.empty_like(params))
-
-
-class MLP:
-    """Fully connected ReLU network with a softmax output; McMahan et al.'s 2NN is sizes (784, 200, 200, 10).
-
-    Initialization: Glorot-uniform weights, U(+-sqrt(6 / (fan_in + fan_out))), the default of the
-    TensorFlow layers the FedAvg experiments used; zero biases; drawn from the (seed, INIT) stream.
-    """
-
-    kind = "mlp"
-    EVAL_CHUNK = 256
-
-    def __init__(self, sizes, dtype: np.dtype, seed: int):
-        self.sizes = np.asarray(sizes, dtype=np.int64)
-        self.dtype, self.seed = np.dtype(dtype), seed
-        widths = self.sizes[:-1] * self.sizes[1:] + self.sizes[1:]
-        self.offsets = np.concatenate([[0], np.cumsum(widths)[:-1]]).astype(np.int64)
-        self.dim = int(widths.sum())
-        self.n_features, self.n_classes = int(self.sizes[0]), int(self.sizes[-1])
-        self._grad = np.zeros(self.dim, self.dtype)
-        total = int(self.sizes.sum())
-        self._work = GrowingRows(((total,), self.dtype), ((total,), self.dtype))  # activations, deltas
-        self._starts = np.concatenate([[0], np.cumsum(self.sizes)[:-1]]).astype(np.int64)
-        hidden_w = self.sizes[1:-1] * self.sizes[2:]
-        self._wt = np.zeros(int(hidden_w.max()) if hidden_w.size else 0, self.dtype)  # transposed-weight scratch
-
-    def workspace(self, b: int):
-        """(activations, deltas, where each layer starts) for a batch of b; buffers are flat b x sum(d_l)."""
-        acts, deltas = self._work.take(b)
-        return acts.reshape(-1), deltas.reshape(-1), b * self._starts
-
-    def initial_params(self) -> np.ndarray:
-        g = generator(self.seed, Purpose.INIT)
-        params = np.zeros(self.dim)
-        for layer, off in enumerate(self.offsets):
-            din, dout = int(self.sizes[layer]), int(self.sizes[layer + 1])
-            limit = np.sqrt(6.0 / (din + dout))
-            params[off:off + din * dout] = g.uniform(-limit, limit, din * dout)
-        return params.astype(self.dtype)
-
-    def clone(self) -> "MLP":
-        return MLP(self.sizes, self.dtype, self.seed)
-
-    def _check(self, params, X, y) -> None:
-        if params.dtype != self.dtype or params.shape != (self.dim,) or not params.flags.c_contiguous:
-            raise ValueError(f"params must be a contiguous {self.dtype} vector of {self.dim}, got {params.dtype} {params.shape}")
-        if X.dtype != self.dtype or X.ndim != 2 or X.shape[1] != self.n_features or not X.flags.c_contiguous:
-            raise ValueError(f"X must be contiguous {self.dtype} (n, {self.n_features}), got {X.dtype} {X.shape}")
-        if y.dtype != np.int64 or y.shape != (X.shape[0],):
-            raise ValueError(f"y must be int64 of shape ({X.shape[0]},), got {y.dtype} {y.shape}")
-
-    def begin(self, data: ClassificationData, rng_state: np.ndarray) -> LocalRun:
-        return LocalRun(rng_state, data.n_train)
-
-    def local_steps(self, params, data: ClassificationData, run: LocalRun, n_steps: int, batch_size, lr: float,
-                    correction: np.ndarray | None = None) -> int:
-        X, y = data.X_train, data.y_train
-        self._check(params, X, y)
-        b = X.shape[0] if batch_size is None else min(int(batch_size), X.shape[0])
-        acts, deltas, a_offs = self.workspace(b)
-        t = self.dtype.type
-        corr = _EMPTY[self.dtype] if correction is None else correction
-        return _mlp._sgd_steps(params, self.sizes, self.offsets, a_offs, X, y, int(n_steps), b, t(lr), t(1.0) / t(b),
-                               run.rng, run.perm, corr, self._grad, acts, deltas, self._wt)
-
-    def oracle_grad(self, params, data: ClassificationData, run: LocalRun, batch_size, grad_out) -> None:
-        X, y = data.X_train, data.y_train
-        self._check(params, X, y)
-        if batch_size is None:
-            self.loss_grad(params, data, grad_out)
-            return
-        b = min(int(batch_size), X.shape[0])
-        acts, deltas, a_offs = self.workspace(b)
-        t = self.dtype.type
-        _mlp._minibatch_grad(params, self.sizes, self.offsets, a_offs, X, y, b, t(1.0) / t(b), run.rng, run.perm,
-                             grad_out, acts, deltas, self._wt)
-
-    def loss_grad(self, params, data: ClassificationData, grad_out: np.ndarray) -> float:
-        """Mean training loss and its full gradient, accumulated over chunks of rows (bounded memory)."""
-        X, y = data.X_train, data.y_train
-        self._check(params, X, y)
-        n = X.shape[0]
-        grad_out[:] = 0
-        part = np.zeros(self.dim, self.dtype)
-        loss = 0.0
-        t = self.dtype.type
-        for start in range(0, n, self.EVAL_CHUNK):
-            idx = np.arange(start, min(start + self.EVAL_CHUNK, n), dtype=np.int64)
-            acts, deltas, a_offs = self.workspace(idx.size)
-            loss += _mlp._batch_grad(params, self.sizes, self.offsets, a_offs, X, y, idx, idx.size, t(1.0) / t(n),
-                                     part, acts, deltas, self._wt)
-            grad_out += part
-        return loss / n
-
-    def loss_correct(self, params, X: np.ndarray, y: np.ndarray) -> tuple[float, int]:
-        self._check(params, X, y)
-        if X.shape[0] == 0:
-            return 0.0, 0
-        acts, _, _ = self.workspace(self.EVAL_CHUNK)
-        loss, correct = _mlp._loss_correct(params, self.sizes, self.offsets, X, y, self.EVAL_CHUNK, acts)
-        return float(loss), int(correct)
-
-    def train_loss(self, params, data: ClassificationData) -> float:
-        return self.loss_correct(params, data.X_train, data.y_train)[0] / data.n_train
-
-
-class CNN:
-    """McMahan et al.'s CNN (kernels/cnn.py) for square single-channel images whose side divides by 4.
-
-    Initialization as the MLP's: Glorot-uniform weights (fan-in and fan-out over the 5x5 window for the
-    convolutions), zero biases, from the (seed, INIT) stream.
-    """
-
-    kind = "cnn"
-    EVAL_CHUNK = 64
-
-    def __init__(self, n_features: int, n_classes: int, dtype: np.dtype, seed: int):
-        side = int(round(np.sqrt(n_features)))
-        if side * side != n_features or side % 4:
-            raise ValueError(f"the CNN needs square images with a side divisible by 4, not {n_features} pixels")
-        self.side, self.n_features, self.n_classes = side, n_features, n_classes
-        self.dtype, self.seed = np.dtype(dtype), seed
-        self.offsets, self.dim, sizes = _cnn.layout(side, n_classes)
-        self.per_sample = int(sizes.sum())
-        s2, s4 = side // 2, side // 4
-        self.n_args = s2 * s2 * 32 + s4 * s4 * 64
-        self._grad = np.zeros(self.dim, self.dtype)
-        self._work = GrowingRows(((self.per_sample,), self.dtype), ((self.per_sample,), self.dtype),
-                                 ((self.n_args,), np.int8))  # activations, deltas, pooling winners
-
-    def workspace(self, b: int):
-        return self._work.take(b)
-
-    def initial_params(self) -> np.ndarray:
-        g = generator(self.seed, Purpose.INIT)
-        s4 = self.side // 4
-        fans = [(25 * 1, 25 * 32, 25 * 32), (25 * 32, 25 * 64, 25 * 32 * 64),
-                (s4 * s4 * 64, 512, s4 * s4 * 64 * 512), (512, self.n_classes, 512 * self.n_classes)]
-        params = np.zeros(self.dim)
-        for off, (fan_in, fan_out, n) in zip(self.offsets, fans):
-            limit = np.sqrt(6.0 / (fan_in + fan_out))
-            params[off:off + n] = g.uniform(-limit, limit, n)
-        return params.astype(self.dtype)
-
-    def clone(self) -> "CNN":
-        return CNN(self.n_features, self.n_classes, self.dtype, self.seed)
-
-    _check = MLP._check
-
-    def begin(self, data: ClassificationData, rng_state: np.ndarray) -> LocalRun:
-        return LocalRun(rng_state, data.n_train)
-
-    def _fixed(self):
-        return self.offsets, self.side, self.n_classes
-
-    def local_steps(self, params, data: ClassificationData, run: LocalRun, n_steps: int, batch_size, lr: float,
-                    correction: np.ndarray | None = None) -> int:
-        X, y = data.X_train, data.y_train
-        self._check(params, X, y)
-        b = X.shape[0] if batch_size is None else min(int(batch_size), X.shape[0])
-        acts, deltas, args = self.workspace(b)
-        t = self.dtype.type
-        corr = _EMPTY[self.dtype] if correction is None else correction
-        return _cnn._sgd_steps(params, *self._fixed(), X, y, int(n_steps), b, t(lr), t(1.0) / t(b), run.rng,
-                               run.perm, corr, self._grad, acts, deltas, args)
-
-    def oracle_grad(self, params, data: ClassificationData, run: LocalRun, batch_size, grad_out) -> None:
-        X, y = data.X_train, data.y_train
-        self._check(params, X, y)
-        if batch_size is None:
-            self.loss_grad(params, data, grad_out)
-            return
-        b = min(int(batch_size), X.shape[0])
-        acts, deltas, args = self.workspace(b)
-        t = self.dtype.type
-        _cnn._minibatch_grad(params, *self._fixed(), X, y, b, t(1.0) / t(b), run.rng, run.perm, grad_out, acts,
-                             deltas, args)
-
-    def loss_grad(self, params, data: ClassificationData, grad_out: np.ndarray) -> float:
-        X, y = data.X_train, data.y_train
-        self._check(params, X, y)
-        n = X.shape[0]
-        grad_out[:] = 0
-        part = np.zeros(self.dim, self.dtype)
-        loss = 0.0
-        t = self.dtype.type
-        for start in range(0, n, self.EVAL_CHUNK):
-            idx = np.arange(start, min(start + self.EVAL_CHUNK, n), dtype=np.int64)
-            acts, deltas, args = self.workspace(idx.size)
-            loss += _cnn._batch_grad(params, *self._fixed(), X, y, idx, idx.size, t(1.0) / t(n), part, acts, deltas,
-                                     args)
-            grad_out += part
-        return loss / n
-
-    def loss_correct(self, params, X: np.ndarray, y: np.ndarray) -> tuple[float, int]:
-        self._check(params, X, y)
-        if X.shape[0] == 0:
-            return 0.0, 0
-        acts, _, args = self.workspace(1)
-        loss, correct = _cnn._loss_correct(params, *self._fixed(), X, y, acts[0], args[0])
-        return float(loss), int(correct)
-
-    def train_loss(self, params, data: ClassificationData) -> float:
-        return self.loss_correct(params, data.X_train, data.y_train)[0] / data.n_train
 
 
 def build_model(kind: str, problem, dtype: str, hidden=(200, 200), seed: int = 0):

