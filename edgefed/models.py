@@ -234,7 +234,8 @@ class CNN(Classifier):
         self._grad = np.zeros(self.dim, self.dtype)
         self._work = GrowingRows(((self.per_sample,), self.dtype), ((self.per_sample,), self.dtype),
                                  ((self.n_args,), np.int8))  # activations, deltas, pooling winners
-        self._scratch = np.zeros(_cnn.scratch_size(side), self.dtype)  # unrolled windows, W^T
+        self._scratch = np.zeros(_cnn.scratch_size(side), self.dtype)  # unrolled windows, conv W^T
+        self._wt = np.zeros(512 * s4 * s4 * 64, self.dtype)  # fc1 W^T
 
     def initial_params(self) -> np.ndarray:
         g = generator(self.seed, Purpose.INIT)
@@ -253,17 +254,17 @@ class CNN(Classifier):
     def _sgd(self, params, X, y, n_steps, b, lr, inv_b, run, corr):
         acts, deltas, args = self._work.take(b)
         return _cnn._sgd_steps(params, self.offsets, self.side, self.n_classes, X, y, n_steps, b, lr, inv_b,
-                               run.rng, run.perm, corr, self._grad, acts, deltas, args, self._scratch)
+                               run.rng, run.perm, corr, self._grad, acts, deltas, args, self._scratch, self._wt)
 
     def _minibatch(self, params, X, y, b, inv_b, run, grad_out):
         acts, deltas, args = self._work.take(b)
         _cnn._minibatch_grad(params, self.offsets, self.side, self.n_classes, X, y, b, inv_b, run.rng, run.perm,
-                             grad_out, acts, deltas, args, self._scratch)
+                             grad_out, acts, deltas, args, self._scratch, self._wt)
 
     def _chunk_grad(self, params, X, y, idx, scale, out) -> float:
         acts, deltas, args = self._work.take(idx.size)
         return _cnn._batch_grad(params, self.offsets, self.side, self.n_classes, X, y, idx, idx.size, scale, out,
-                                acts, deltas, args, self._scratch)
+                                acts, deltas, args, self._scratch, self._wt)
 
     def loss_correct(self, params, X: np.ndarray, y: np.ndarray) -> tuple[float, int]:
         self._check(params, X, y)

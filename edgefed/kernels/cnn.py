@@ -129,14 +129,9 @@ def _views(params, offsets, side, n_classes):
 
 @njit(**JIT)
 def _forward_one(params, offsets, side, n_classes, x, a1, p1, g1, a2, p2, g2, h, z, scratch):
-    """One sample through the network; every buffer is one sample's slice."""
-    w1, b1, w2, b2, w3, b3, w4, b4 = _views(params, offsets, side, n_classes)
-    s2 = side // 2
-    _conv_forward(x.reshape((side, side, 1)), w1, b1, a1.reshape((side, side, 32)), side, 1, 32, scratch)
-    _pool_forward(a1.reshape((side, side, 32)), p1.reshape((s2, s2, 32)), g1.reshape((s2, s2, 32)), side, 32)
-    _conv_forward(p1.reshape((s2, s2, 32)), w2, b2, a2.reshape((s2, s2, 64)), s2, 32, 64, scratch)
-    _pool_forward(a2.reshape((s2, s2, 64)), p2.reshape((s2 // 2, s2 // 2, 64)), g2.reshape((s2 // 2, s2 // 2, 64)),
-                  s2, 64)
+    """One sample through the whole network (evaluation); every buffer is one sample's slice."""
+    _features_one(params, offsets, side, n_classes, x, a1, p1, g1, a2, p2, g2, scratch)
+    _, _, _, _, w3, b3, w4, b4 = _views(params, offsets, side, n_classes)
     _dense_forward(p2, w3, b3, h, True)
     _dense_forward(h, w4, b4, z, False)
 
@@ -198,31 +193,54 @@ def _conv_backward(inp, W, dout, gW, gb, dinp, side, cin, cout, need_dinp, scrat
 
 
 @njit(**JIT)
-def _batch_grad(params, offsets, side, n_classes, X, y, idx, b, scale, grad, acts, deltas, args, scratch):
+def _features_one(params, offsets, side, n_classes, x, a1, p1, g1, a2, p2, g2, scratch):
+    """The convolutional part for one sample: conv1, pool1, conv2, pool2."""
+    w1, b1, w2, b2, _, _, _, _ = _views(params, offsets, side, n_classes)
+    s2 = side // 2
+    _conv_forward(x.reshape((side, side, 1)), w1, b1, a1.reshape((side, side, 32)), side, 1, 32, scratch)
+    _pool_forward(a1.reshape((side, side, 32)), p1.reshape((s2, s2, 32)), g1.reshape((s2, s2, 32)), side, 32)
+    _conv_forward(p1.reshape((s2, s2, 32)), w2, b2, a2.reshape((s2, s2, 64)), s2, 32, 64, scratch)
+    _pool_forward(a2.reshape((s2, s2, 64)), p2.reshape((s2 // 2, s2 // 2, 64)), g2.reshape((s2 // 2, s2 // 2, 64)),
+                  s2, 64)
+
+
+@njit(**JIT)
+def _batch_grad(params, offsets, side, n_classes, X, y, idx, b, scale, grad, acts, deltas, args, scratch, wt):
     """grad <- scale * sum of the gradients of the rows idx[:b]; returns their summed loss (float64).
 
-    acts/deltas: (b, per-sample activation total) in the model dtype; args: (b, pooling winners) int8.
+    acts/deltas: (b, per-sample activation total) in the model dtype; args: (b, pooling winners) int8;
+    wt: scratch for fc1's transposed weights. Convolutions run sample by sample (each as one im2col
+    product); the dense layers run over the whole batch, so their weights stream once per step.
     """
     s2, s4 = side // 2, side // 4
     n1, n2, n3, n4 = side * side * 32, s2 * s2 * 32, s2 * s2 * 64, s4 * s4 * 64
+    o1 = side * side
+    o2, o3, o4 = o1 + n1, o1 + n1 + n2, o1 + n1 + n2 + n3
+    o5, o6 = o4 + n4, o4 + n4 + 512
     grad[:] = 0
     w1, b1, w2, b2, w3, b3, w4, b4 = _views(params, offsets, side, n_classes)
     g1, gb1, g2, gb2, g3, gb3, g4, gb4 = _views(grad, offsets, side, n_classes)
-    loss = 0.0
     for r in range(b):
-        i = idx[r]
         a = acts[r]
-        dl = deltas[r]
-        x_ = a[:side * side]
-        for k in range(side * side):
-            x_[k] = X[i, k]
-        o1 = side * side
-        o2, o3, o4 = o1 + n1, o1 + n1 + n2, o1 + n1 + n2 + n3
-        o5, o6 = o4 + n4, o4 + n4 + 512
-        a1, p1, a2, p2, h, z = a[o1:o2], a[o2:o3], a[o3:o4], a[o4:o5], a[o5:o6], a[o6:o6 + n_classes]
-        q1, q2 = args[r, :n2], args[r, n2:n2 + n4]
-        _forward_one(params, offsets, side, n_classes, x_, a1, p1, q1, a2, p2, q2, h, z, scratch)
-        # softmax cross-entropy
+        i = idx[r]
+        for k in range(o1):
+            a[k] = X[i, k]
+        _features_one(params, offsets, side, n_classes, a[:o1], a[o1:o2], a[o2:o3], args[r, :n2], a[o3:o4],
+                      a[o4:o5], args[r, n2:n2 + n4], scratch)
+    P2, H, Z = acts[:b, o4:o5], acts[:b, o5:o6], acts[:b, o6:o6 + n_classes]
+    for r in range(b):
+        H[r] = b3
+        Z[r] = b4
+    accumulate_product(P2, w3, H, b, n4, 512)
+    for r in range(b):
+        for j in range(512):
+            if H[r, j] < 0:
+                H[r, j] = 0
+    accumulate_product(H, w4, Z, b, 512, n_classes)
+    dP2, dH, dZ = deltas[:b, o4:o5], deltas[:b, o5:o6], deltas[:b, o6:o6 + n_classes]
+    loss = 0.0
+    for r in range(b):  # softmax cross-entropy
+        z, dz = Z[r], dZ[r]
         zmax = z[0]
         for c in range(1, n_classes):
             if z[c] > zmax:
@@ -230,59 +248,58 @@ def _batch_grad(params, offsets, side, n_classes, X, y, idx, b, scale, grad, act
         total = 0.0
         for c in range(n_classes):
             total += np.exp(np.float64(z[c]) - np.float64(zmax))
-        label = y[i]
+        label = y[idx[r]]
         loss += np.log(total) + np.float64(zmax) - np.float64(z[label])
-        dz, dh, dp2, da2, dp1 = dl[o6:o6 + n_classes], dl[o5:o6], dl[o4:o5], dl[o3:o4], dl[o2:o3]
         for c in range(n_classes):
             dz[c] = np.exp(np.float64(z[c]) - np.float64(zmax)) / total * scale
         dz[label] -= scale
-        # fc2
         for c in range(n_classes):
             gb4[c] += dz[c]
         for k in range(512):
-            if h[k] != 0:
-                for c in range(n_classes):
-                    g4[k, c] += h[k] * dz[c]
-            dh[k] = dot8(w4[k], dz) if h[k] > 0 else 0
-        # fc1
+            dH[r, k] = dot8(w4[k], dz) if H[r, k] > 0 else 0
         for j in range(512):
-            gb3[j] += dh[j]
-        for k in range(n4):
-            pk = p2[k]
-            dp2[k] = dot8(w3[k], dh)
-            if pk != 0:
-                g = g3[k]
-                for j in range(512):
-                    g[j] += pk * dh[j]
-        # pool2, conv2
-        _pool_backward(dp2.reshape((s4, s4, 64)), q2.reshape((s4, s4, 64)), da2.reshape((s2, s2, 64)), s2, 64,
+            gb3[j] += dH[r, j]
+    accumulate_outer(H, dZ, g4, b, 512, n_classes)
+    accumulate_outer(P2, dH, g3, b, n4, 512)
+    W3T = wt[:512 * n4].reshape((512, n4))  # transposed once per step so dP2 = dH W3^T streams rows
+    for k in range(n4):
+        for j in range(512):
+            W3T[j, k] = w3[k, j]
+    for r in range(b):
+        dP2[r] = 0
+    accumulate_product(dH, W3T, dP2, b, 512, n4)
+    for r in range(b):
+        a, dl = acts[r], deltas[r]
+        a1, p1, a2 = a[o1:o2], a[o2:o3], a[o3:o4]
+        q1, q2 = args[r, :n2], args[r, n2:n2 + n4]
+        da1, dp1, da2 = dl[o1:o2], dl[o2:o3], dl[o3:o4]
+        _pool_backward(dl[o4:o5].reshape((s4, s4, 64)), q2.reshape((s4, s4, 64)), da2.reshape((s2, s2, 64)), s2, 64,
                        a2.reshape((s2, s2, 64)))
         _conv_backward(p1.reshape((s2, s2, 32)), w2, da2.reshape((s2, s2, 64)), g2, gb2, dp1.reshape((s2, s2, 32)),
                        s2, 32, 64, True, scratch)
-        # pool1, conv1 (no gradient to the input)
-        da1 = dl[o1:o2]
         _pool_backward(dp1.reshape((s2, s2, 32)), q1.reshape((s2, s2, 32)), da1.reshape((side, side, 32)), side, 32,
                        a1.reshape((side, side, 32)))
-        _conv_backward(x_.reshape((side, side, 1)), w1, da1.reshape((side, side, 32)), g1, gb1,
+        _conv_backward(a[:o1].reshape((side, side, 1)), w1, da1.reshape((side, side, 32)), g1, gb1,
                        da1.reshape((side, side, 32)), side, 1, 32, False, scratch)
     return loss
 
 
 @njit(**JIT)
 def _sgd_steps(params, offsets, side, n_classes, X, y, n_steps, b, lr, inv_b, rng, perm, correction, grad, acts,
-               deltas, args, scratch):
+               deltas, args, scratch, wt):
     for _ in range(n_steps):
         _minibatch_grad(params, offsets, side, n_classes, X, y, b, inv_b, rng, perm, grad, acts, deltas, args,
-                        scratch)
+                        scratch, wt)
         apply_step(params, grad, lr, correction)
     return n_steps
 
 
 @njit(**JIT)
-def _minibatch_grad(params, offsets, side, n_classes, X, y, b, inv_b, rng, perm, grad, acts, deltas, args, scratch):
+def _minibatch_grad(params, offsets, side, n_classes, X, y, b, inv_b, rng, perm, grad, acts, deltas, args, scratch,
+                    wt):
     if b < X.shape[0]:
         draw_batch(rng, perm, X.shape[0], b)
-    return _batch_grad(params, offsets, side, n_classes, X, y, perm, b, inv_b, grad, acts, deltas, args, scratch)
+    return _batch_grad(params, offsets, side, n_classes, X, y, perm, b, inv_b, grad, acts, deltas, args, scratch, wt)
 
 
 @njit(**JIT)
