@@ -188,11 +188,12 @@ def test_trace_record_and_show(tmp_path):
     out = tmp_path / "t.csv"
     done = subprocess.run([sys.executable, "-m", "edgefed", "trace", "record", "--out", str(out), "--names",
                            "free,busy,lossy", "--contention", "0,0.9,0", "--drop", "0,0,1", "--rounds", "12",
-                           "--local-steps", "400", "--quiet"], capture_output=True, text=True, timeout=300)
+                           "--local-steps", "2000", "--quiet"], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     file = read_trace_file(out)
     assert file.names == ("free", "busy", "lossy") and file.fractions[0].size == 12
-    assert file.fractions[1].mean() < 0.8 * file.fractions[0].mean()  # the competitor alone costs steps
+    # the deadline binds for both (2000 steps take ~30 ms on a free core); a 90 % competitor costs most of them
+    assert file.fractions[1].mean() < 0.85 * file.fractions[0].mean()
     assert not file.fractions[2].any()  # every upload lost: inactive in every round
     assert "free" in done.stdout and "inactive" in done.stdout
     shown = subprocess.run([sys.executable, "-m", "edgefed", "trace", "show", "builtin"], capture_output=True,
