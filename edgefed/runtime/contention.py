@@ -1,9 +1,11 @@
 """CPU competitors: a duty-cycle load beside the training process, like the paper's 0/30/50/70/90 % competitors.
 
 A competitor is a separate process pinned to one core that is busy `load` of every 10 ms period and sleeps
-the rest. Its load lives in a 16-byte memory-mapped file (load, stop flag), so the process hosting several
-devices changes the level to the current device's before that device works. Started as a fresh interpreter
-(not a fork), which is safe inside an MPI rank.
+the rest. Its load lives in a small memory-mapped file (load, stop flag, period counter), so the process
+hosting several devices changes the level to the current device's before that device works, and waits until
+the competitor has started a period at the new level (at most one period): otherwise a device with a short
+deadline would run beside the previous device's load. Started as a fresh interpreter (not a fork), which is
+safe inside an MPI rank.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import tempfile
 import time
 
 PERIOD_S = 0.01
+CELL = 24  # load (float64), stop flag (float64), periods started (int64)
 
 
 def pin(core: int | None, pid: int = 0) -> None:
@@ -25,10 +28,12 @@ def pin(core: int | None, pid: int = 0) -> None:
         os.sched_setaffinity(pid, {core % os.cpu_count()})
 
 
-def duty_cycle(get_load, should_stop, period_s: float = PERIOD_S) -> None:
+def duty_cycle(get_load, should_stop, period_s: float = PERIOD_S, on_period=None) -> None:
     """Busy for load * period, asleep for the rest, until should_stop()."""
     while not should_stop():
         load = get_load()
+        if on_period is not None:
+            on_period()
         start = time.perf_counter()
         busy_until = start + load * period_s
         x = 0
@@ -44,10 +49,11 @@ class Competitor:
 
     def __init__(self, core: int | None, load: float = 0.0):
         fd, self._path = tempfile.mkstemp(prefix="edgefed-contend-")
-        os.write(fd, bytes(16))
-        self._cell = mmap.mmap(fd, 16)
+        os.write(fd, bytes(CELL))
+        self._cell = mmap.mmap(fd, CELL)
         os.close(fd)
-        self.set_load(load)
+        self._load = None
+        self._cell[0:8] = struct.pack("d", float(load))
         self.core = core
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "edgefed.runtime.contention", self._path, str(-1 if core is None else core)],
@@ -55,7 +61,15 @@ class Competitor:
         )
 
     def set_load(self, load: float) -> None:
+        """Change the competitor's load and wait (up to a few periods) until it runs at it."""
+        if load == self._load:
+            return
+        self._load = load
         self._cell[0:8] = struct.pack("d", float(load))
+        start = struct.unpack("q", self._cell[16:24])[0]
+        deadline = time.monotonic() + 5 * PERIOD_S
+        while struct.unpack("q", self._cell[16:24])[0] == start and time.monotonic() < deadline:
+            time.sleep(PERIOD_S / 20)
 
     def stop(self) -> None:
         if self._cell is None:
@@ -79,12 +93,16 @@ class Competitor:
 
 def _serve(path: str, core: int) -> None:
     with open(path, "r+b") as f:
-        cell = mmap.mmap(f.fileno(), 16)
+        cell = mmap.mmap(f.fileno(), CELL)
     pin(None if core < 0 else core)
     parent = os.getppid()
+
+    def next_period():
+        cell[16:24] = struct.pack("q", struct.unpack("q", cell[16:24])[0] + 1)
+
     # The parent may die without stop() (an MPI abort kills it): then the competitor ends itself.
     duty_cycle(lambda: struct.unpack("d", cell[0:8])[0],
-               lambda: struct.unpack("d", cell[8:16])[0] != 0.0 or os.getppid() != parent)
+               lambda: struct.unpack("d", cell[8:16])[0] != 0.0 or os.getppid() != parent, on_period=next_period)
 
 
 if __name__ == "__main__":
