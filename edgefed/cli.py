@@ -48,7 +48,8 @@ def build_parser() -> argparse.ArgumentParser:
     record.add_argument("--drop", help="probability per trace that a round's upload is lost (s = 0), e.g. 0,0.5")
     record.add_argument("--rounds", type=int, default=200)
     record.add_argument("--local-steps", type=int, default=500)
-    record.add_argument("--deadline-s", type=float, default=0.01)
+    record.add_argument("--deadline-s", type=float,
+                        help="per-device deadline (default: the time K steps take on a free core here, x 1.1)")
     record.add_argument("--seed", type=int, default=0)
     record.add_argument("--set", dest="overrides", action="append", default=[], metavar="TABLE.KEY=VALUE",
                         help="more config overrides for the recording run (model, data, ...)")
@@ -167,8 +168,11 @@ def cmd_trace_record(args) -> int:
         return values
 
     loads, drops = per_trace(args.contention, "contention"), per_trace(args.drop, "drop")
-    if not names or args.rounds < 1 or args.local_steps < 1 or not args.deadline_s > 0:
+    if not names or args.rounds < 1 or args.local_steps < 1 or (args.deadline_s is not None and not args.deadline_s > 0):
         raise EdgefedError("trace record needs --names, and positive --rounds, --local-steps and --deadline-s")
+    if args.deadline_s is None:  # so a free device just completes K and a loaded one shows its lost share
+        args.deadline_s = round(1.1 * unloaded_seconds(args.local_steps, args.overrides), 5)
+        print(f"deadline: {args.deadline_s * 1e3:.2f} ms (1.1 x the time of {args.local_steps} steps measured here)")
     tmp = tempfile.TemporaryDirectory()
     log_path = Path(tmp.name) / "record.h5"
     overrides = [f"seed={args.seed}", f"rounds={args.rounds}", f"data.clients={len(names)}",
@@ -192,6 +196,31 @@ def cmd_trace_record(args) -> int:
     write_trace_file(args.out, names, fractions, meta)
     print(f"wrote {args.out}: {len(names)} traces x {args.rounds} rounds")
     return cmd_trace_show(argparse.Namespace(file=args.out))
+
+
+def unloaded_seconds(n_steps: int, overrides) -> float:
+    """Median wall time of n_steps local steps of device 0 of the recording's model, on this core, unloaded."""
+    import time
+
+    from edgefed import config as config_mod
+    from edgefed.models import build_model
+    from edgefed.problems import build_problem
+    from edgefed.rng import Purpose, kernel_state
+
+    cfg = config_mod.load_config(None, ['train.clients_per_round="all"', "data.clients=1", *overrides])
+    problem = build_problem(cfg)
+    model = build_model(cfg.model.kind, problem, cfg.model.dtype, cfg.model.hidden, cfg.seed)
+    data = problem.device(0)
+    batch = None if cfg.train.batch_size == "full" else cfg.train.batch_size
+    times = []
+    for i in range(7):
+        x = model.initial_params()
+        run = model.begin(data, kernel_state(cfg.seed, Purpose.LOCAL, 1, 0))
+        start = time.perf_counter()
+        model.local_steps(x, data, run, n_steps, batch, cfg.train.lr_local)
+        if i:  # the first call compiles or loads the kernels
+            times.append(time.perf_counter() - start)
+    return float(sorted(times)[len(times) // 2])
 
 
 def cmd_trace_show(args) -> int:
