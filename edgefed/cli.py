@@ -170,7 +170,11 @@ def cmd_trace_record(args) -> int:
     loads, drops = per_trace(args.contention, "contention"), per_trace(args.drop, "drop")
     if not names or args.rounds < 1 or args.local_steps < 1 or (args.deadline_s is not None and not args.deadline_s > 0):
         raise EdgefedError("trace record needs --names, and positive --rounds, --local-steps and --deadline-s")
-    if args.deadline_s is None:  # so a free device just completes K and a loaded one shows its lost share
+    from edgefed.runtime import mpi
+
+    comm = mpi.world()
+    coordinator = comm is None or comm.Get_rank() == 0  # device ranks get the config from rank 0
+    if args.deadline_s is None and coordinator:  # so a free device just completes K, a loaded one shows its loss
         args.deadline_s = round(1.1 * unloaded_seconds(args.local_steps, args.overrides), 5)
         print(f"deadline: {args.deadline_s * 1e3:.2f} ms (1.1 x the time of {args.local_steps} steps measured here)")
     tmp = tempfile.TemporaryDirectory()
