@@ -66,7 +66,7 @@ def rounds_to_recover(acc: np.ndarray, arrival: int):
 
 def reboot(args, folder):
     print("(2) Rounds to recover the pre-arrival test accuracy after device 29 arrives, with and without")
-    print(f"    fast-reboot (b = 3); SYNTHETIC(1,1), 30 devices of 200 samples, traces builtin:5, Scheme C,")
+    print("    fast-reboot (b = 3); SYNTHETIC(1,1), 30 devices of 200 samples, traces builtin:5, Scheme C,")
     print(f"    {args.rounds} rounds, seeds {args.seeds}. Test accuracy over the federation, every round.")
     print("\n| arrival round | without fast-reboot | with fast-reboot |\n| --- | --- | --- |")
     for arrival in (20, 60, 120):
@@ -86,7 +86,7 @@ def reboot(args, folder):
 
 def departure(args, folder):
     print("(3) Test loss on the remaining 29 devices after device 29 departs, include vs exclude; the first")
-    print(f"    round from which exclude stays below include. 30 devices of 200 samples, traces builtin:5,")
+    print("    round from which exclude stays below include. 30 devices of 200 samples, traces builtin:5,")
     print(f"    Scheme C, {args.rounds} rounds, seeds {args.seeds}.")
     print("\n| data | departure round | test loss at departure | include at end | exclude at end | curves cross at |")
     print("| --- | --- | --- | --- | --- | --- |")

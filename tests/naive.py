@@ -74,10 +74,8 @@ def fedavg_quadratic(A, b, x0, rounds, K, S, lr_l, lr_g, weighting, n, selection
     """
     x = x0.astype(np.float64).copy()
     traj = [x.copy()]
-    N = A.shape[0]
     for r in range(rounds):
         sel = sorted(selections[r])
-        new = x.copy()
         total = np.zeros_like(x)
         for k in sel:
             y = x.copy()
@@ -90,8 +88,7 @@ def fedavg_quadratic(A, b, x0, rounds, K, S, lr_l, lr_g, weighting, n, selection
             else:
                 w = n[k] / sum(n[j] for j in sel)
             total = total + w * (y - x)
-        new = x + lr_g * total
-        x = new
+        x = x + lr_g * total
         traj.append(x.copy())
     return np.array(traj)
 

@@ -11,7 +11,6 @@ from edgefed import experiment
 from edgefed.errors import ConfigError
 from edgefed.participation.dynamics import Dynamics
 from edgefed.participation.traces import BUILTIN, read_trace_file, sampled_traces, write_trace_file
-from edgefed.runlog import read_run
 from conftest import _toml
 from helpers import assert_same_logs, interrupted_then_resumed
 

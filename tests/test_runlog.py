@@ -1,6 +1,5 @@
 """The run log: schema of DESIGN 3.4, determinism, readers during a run, resume after a kill."""
 
-import os
 import signal
 import subprocess
 import sys

@@ -13,6 +13,7 @@ from numba import njit
 from edgefed.kernels import JIT
 from edgefed.kernels.linalg import accumulate_outer, accumulate_product, dot8
 from edgefed.kernels.random import draw_batch
+from edgefed.kernels.softmax import cross_entropy, softmax_xent
 from edgefed.kernels.sgd import apply_step
 
 K, PAD = 5, 2
@@ -239,20 +240,9 @@ def _batch_grad(params, offsets, side, n_classes, X, y, idx, b, scale, grad, act
     accumulate_product(H, w4, Z, b, 512, n_classes)
     dP2, dH, dZ = deltas[:b, o4:o5], deltas[:b, o5:o6], deltas[:b, o6:o6 + n_classes]
     loss = 0.0
-    for r in range(b):  # softmax cross-entropy
-        z, dz = Z[r], dZ[r]
-        zmax = z[0]
-        for c in range(1, n_classes):
-            if z[c] > zmax:
-                zmax = z[c]
-        total = 0.0
-        for c in range(n_classes):
-            total += np.exp(np.float64(z[c]) - np.float64(zmax))
-        label = y[idx[r]]
-        loss += np.log(total) + np.float64(zmax) - np.float64(z[label])
-        for c in range(n_classes):
-            dz[c] = np.exp(np.float64(z[c]) - np.float64(zmax)) / total * scale
-        dz[label] -= scale
+    for r in range(b):
+        dz = dZ[r]
+        loss += softmax_xent(Z[r], y[idx[r]], scale, dz)
         for c in range(n_classes):
             gb4[c] += dz[c]
         for k in range(512):
@@ -319,14 +309,8 @@ def _loss_correct(params, offsets, side, n_classes, X, y, act, arg, scratch):
         z = act[o6:o6 + n_classes]
         _forward_one(params, offsets, side, n_classes, x_, act[o1:o2], act[o2:o3], arg[:n2], act[o3:o4],
                      act[o4:o5], arg[n2:n2 + n4], act[o5:o6], z, scratch)
-        best = 0
-        for c in range(1, n_classes):
-            if z[c] > z[best]:
-                best = c
-        total = 0.0
-        for c in range(n_classes):
-            total += np.exp(np.float64(z[c]) - np.float64(z[best]))
-        loss += np.log(total) + np.float64(z[best]) - np.float64(z[y[i]])
+        sample_loss, best = cross_entropy(z, y[i])
+        loss += sample_loss
         if best == y[i]:
             correct += 1
     return loss, correct

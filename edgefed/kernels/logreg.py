@@ -5,47 +5,31 @@ Every array a kernel touches is passed in, so a local step allocates nothing; sc
 to the parameter dtype so float32 runs stay float32 all the way through.
 """
 
-import numpy as np
 from numba import njit
 
 from edgefed.kernels import JIT
 from edgefed.kernels.random import draw_batch
 from edgefed.kernels.sgd import apply_step
+from edgefed.kernels.softmax import cross_entropy, softmax_xent
 
 
 @njit(**JIT)
-def _logits_softmax(params, X, i, n_classes, prob, label):
-    """prob <- softmax(x_i W + b); returns the cross-entropy -log softmax(z)[label] in float64.
-
-    The loss comes from the logits (log-sum-exp), not from log(prob), so it stays finite when a
-    probability underflows.
-    """
+def _logits(params, X, i, n_classes, z):
+    """z <- x_i W + b."""
     f = X.shape[1]
     nw = f * n_classes
     for c in range(n_classes):
-        prob[c] = params[nw + c]
+        z[c] = params[nw + c]
     for j in range(f):
         xj = X[i, j]
         base = j * n_classes
         for c in range(n_classes):
-            prob[c] += xj * params[base + c]
-    zmax = prob[0]
-    for c in range(1, n_classes):
-        if prob[c] > zmax:
-            zmax = prob[c]
-    z_label = prob[label]
-    total = prob[0] * 0
-    for c in range(n_classes):
-        prob[c] = np.exp(prob[c] - zmax)
-        total += prob[c]
-    for c in range(n_classes):
-        prob[c] /= total
-    return np.log(np.float64(total)) + np.float64(zmax) - np.float64(z_label)
+            z[c] += xj * params[base + c]
 
 
 @njit(**JIT)
 def _accumulate_grad(X, i, n_classes, prob, grad):
-    """grad += x_i^T (prob - onehot), with prob already holding prob - onehot."""
+    """grad += x_i^T delta, with prob holding delta = softmax - onehot."""
     f = X.shape[1]
     nw = f * n_classes
     for j in range(f):
@@ -82,17 +66,7 @@ def _batch_grad(params, X, y, idx, b, n_classes, scale, grad, Z, Xb):
     grad[:] = 0
     for r in range(b):
         z = Z[r]
-        zmax = z[0]
-        for c in range(1, n_classes):
-            if z[c] > zmax:
-                zmax = z[c]
-        total = z[0] * 0
-        for c in range(n_classes):
-            z[c] = np.exp(z[c] - zmax)
-            total += z[c]
-        for c in range(n_classes):
-            z[c] = z[c] / total * scale
-        z[y[idx[r]]] -= scale
+        softmax_xent(z, y[idx[r]], scale, z)
         for c in range(n_classes):
             gb[c] += z[c]
     for k in range(f):
@@ -133,8 +107,8 @@ def _loss_grad(params, X, y, n_classes, grad, prob):
     grad[:] = 0
     loss = 0.0
     for i in range(n):
-        loss += _logits_softmax(params, X, i, n_classes, prob, y[i])
-        prob[y[i]] -= 1
+        _logits(params, X, i, n_classes, prob)
+        loss += softmax_xent(prob, y[i], 1.0, prob)
         _accumulate_grad(X, i, n_classes, prob, grad)
     grad /= n
     return loss / n
@@ -147,11 +121,9 @@ def _loss_correct(params, X, y, n_classes, prob):
     loss = 0.0
     correct = 0
     for i in range(n):
-        loss += _logits_softmax(params, X, i, n_classes, prob, y[i])
-        best = 0
-        for c in range(1, n_classes):
-            if prob[c] > prob[best]:
-                best = c
+        _logits(params, X, i, n_classes, prob)
+        sample_loss, best = cross_entropy(prob, y[i])
+        loss += sample_loss
         if best == y[i]:
             correct += 1
     return loss, correct

@@ -13,6 +13,7 @@ from numba import njit
 from edgefed.kernels import JIT
 from edgefed.kernels.linalg import accumulate_outer, accumulate_product
 from edgefed.kernels.random import draw_batch
+from edgefed.kernels.softmax import cross_entropy, softmax_xent
 from edgefed.kernels.sgd import apply_step
 
 
@@ -57,24 +58,14 @@ def _forward(params, sizes, offsets, X, idx, b, acts):
 
 
 @njit(**JIT)
-def _softmax_rows(acts, out_off, b, n_classes, y, idx, deltas, d_off, scale):
-    """deltas <- scale * (softmax(logits) - onehot(y)); returns the summed cross-entropy (float64)."""
+def _softmax_rows(acts, out_off, b, n_classes, y, idx, deltas, scale):
+    """The output layer's deltas (same offset in deltas as the logits in acts) <- scale * (softmax - onehot);
+    returns the summed cross-entropy (float64)."""
+    Z = acts[out_off:out_off + b * n_classes].reshape((b, n_classes))
+    D = deltas[out_off:out_off + b * n_classes].reshape((b, n_classes))
     loss = 0.0
     for r in range(b):
-        zr = out_off + r * n_classes
-        label = y[idx[r]]
-        zmax = acts[zr]
-        for c in range(1, n_classes):
-            if acts[zr + c] > zmax:
-                zmax = acts[zr + c]
-        total = acts[zr] * 0
-        for c in range(n_classes):
-            total += np.exp(acts[zr + c] - zmax)
-        loss += np.log(np.float64(total)) + np.float64(zmax) - np.float64(acts[zr + label])
-        dr = d_off + r * n_classes
-        for c in range(n_classes):
-            deltas[dr + c] = np.exp(acts[zr + c] - zmax) / total * scale
-        deltas[dr + label] -= scale
+        loss += softmax_xent(Z[r], y[idx[r]], scale, D[r])
     return loss
 
 
@@ -117,7 +108,7 @@ def _backward(params, sizes, offsets, a_offs, b, acts, deltas, grad, wt):
 def _batch_grad(params, sizes, offsets, a_offs, X, y, idx, b, scale, grad, acts, deltas, wt):
     """grad <- scale * (sum of gradients over the rows idx[:b]); returns their summed loss."""
     out_off = _forward(params, sizes, offsets, X, idx, b, acts)
-    loss = _softmax_rows(acts, out_off, b, sizes[sizes.shape[0] - 1], y, idx, deltas, out_off, scale)
+    loss = _softmax_rows(acts, out_off, b, sizes[sizes.shape[0] - 1], y, idx, deltas, scale)
     _backward(params, sizes, offsets, a_offs, b, acts, deltas, grad, wt)
     return loss
 
@@ -151,19 +142,10 @@ def _loss_correct(params, sizes, offsets, X, y, chunk, acts):
     for start in range(0, n, chunk):
         b = min(chunk, n - start)
         out_off = _forward(params, sizes, offsets, X, idx[start:], b, acts)
+        Z = acts[out_off:out_off + b * n_classes].reshape((b, n_classes))
         for r in range(b):
-            zr = out_off + r * n_classes
-            label = y[start + r]
-            zmax = acts[zr]
-            best = 0
-            for c in range(1, n_classes):
-                if acts[zr + c] > zmax:
-                    zmax = acts[zr + c]
-                    best = c
-            total = 0.0
-            for c in range(n_classes):
-                total += np.exp(np.float64(acts[zr + c]) - np.float64(zmax))
-            loss += np.log(total) + np.float64(zmax) - np.float64(acts[zr + label])
-            if best == label:
+            sample_loss, best = cross_entropy(Z[r], y[start + r])
+            loss += sample_loss
+            if best == y[start + r]:
                 correct += 1
     return loss, correct

@@ -10,7 +10,6 @@ The first int(0.9 n) samples train (FedProx's split; `test_fraction` changes it)
 
 from __future__ import annotations
 
-import math
 
 import numpy as np
 
