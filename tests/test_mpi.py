@@ -186,3 +186,24 @@ def test_one_rank_under_mpiexec_is_the_simulator(tmp_path, simulated):
     done = edgefed(["run", cfg, "--out", str(out), "--quiet"], 1)
     assert done.returncode == 0, done.stderr
     assert "MPI:" not in done.stdout and same_datasets(sim, read_run(out)) == []
+
+
+@pytest.mark.parametrize("model", ["mlp", "cnn"])
+def test_image_models_under_mpi_match_the_simulator(tmp_path, model):
+    """MNIST-format files in, the 2NN or the CNN trained by device ranks: the simulator's bytes out."""
+    from test_images import write_idx
+    g = np.random.default_rng(9)
+    write_idx(tmp_path, "t10k", g.integers(0, 256, (300, 28, 28)), g.integers(0, 10, 300))
+    cfg = write(tmp_path, "img.toml", f'rounds = 2\n[data]\nkind = "mnist"\npath = "{tmp_path}"\nclients = 4\n'
+                                      f'holdout = 60\n[model]\nkind = "{model}"\n'
+                                      '[train]\nclients_per_round = 3\nlocal_steps = 2\nbatch_size = 10\n')
+    logs = []
+    for ranks in (None, 3):
+        out = tmp_path / f"{ranks}.h5"
+        done = edgefed(["run", cfg, "--out", str(out), "--quiet"], ranks)
+        assert done.returncode == 0, done.stderr
+        logs.append(read_run(out))
+    sim, mpi = logs
+    assert sim["trajectory/x"].shape == (3, 199210 if model == "mlp" else 1663370)
+    assert same_datasets(sim, mpi) == []
+    assert not np.array_equal(sim["trajectory/x"][0], sim["trajectory/x"][-1])
