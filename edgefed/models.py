@@ -120,6 +120,8 @@ class LogReg(Classifier):
         self._grad = np.zeros(self.dim, self.dtype)
         self._prob = np.zeros(n_classes, self.dtype)
         self._work = GrowingRows(((n_classes,), self.dtype), ((n_features,), self.dtype))  # logits, gathered rows
+        self._grad_t = np.zeros((n_classes, n_features), self.dtype)
+        self._eval_z = np.zeros((64, n_classes), self.dtype)
 
     def initial_params(self) -> np.ndarray:
         return np.zeros(self.dim, self.dtype)
@@ -131,11 +133,12 @@ class LogReg(Classifier):
     def _sgd(self, params, X, y, n_steps, b, lr, inv_b, run, corr):
         Z, Xb = self._work.take(b)
         return _logreg._sgd_steps(params, X, y, self.n_classes, n_steps, b, lr, inv_b, run.rng, run.perm, corr,
-                                  self._grad, Z, Xb)
+                                  self._grad, Z, Xb, self._grad_t)
 
     def _minibatch(self, params, X, y, b, inv_b, run, grad_out):
         Z, Xb = self._work.take(b)
-        _logreg._minibatch_grad(params, X, y, self.n_classes, b, inv_b, run.rng, run.perm, grad_out, Z, Xb)
+        _logreg._minibatch_grad(params, X, y, self.n_classes, b, inv_b, run.rng, run.perm, grad_out, Z, Xb,
+                                self._grad_t)
 
     def loss_grad(self, params, data: ClassificationData, grad_out: np.ndarray) -> float:
         """Mean training loss F_k(params); grad_out <- its full gradient (one pass, float64 loss sum)."""
@@ -147,7 +150,7 @@ class LogReg(Classifier):
         self._check(params, X, y)
         if X.shape[0] == 0:
             return 0.0, 0
-        loss, correct = _logreg._loss_correct(params, X, y, self.n_classes, self._prob)
+        loss, correct = _logreg._loss_correct(params, X, y, self.n_classes, self._eval_z)
         return float(loss), int(correct)
 
 

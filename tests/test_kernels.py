@@ -90,6 +90,11 @@ def test_logreg_loss_correct_counts_and_survives_huge_logits():
     big = 1e4 * x  # probabilities underflow to 0; the loss must stay finite and large
     loss_big, _ = model.loss_correct(big, data.X_train, data.y_train)
     assert np.isfinite(loss_big) and loss_big > 1e3
+    many = _problem(n=150)  # evaluation runs 64 rows at a time: two full chunks and a partial one
+    loss, correct = model.loss_correct(x, many.X_train, many.y_train)
+    z = many.X_train @ x[:24].reshape(6, 4) + x[24:]
+    assert correct == int((z.argmax(axis=1) == many.y_train).sum())
+    assert loss / 150 == pytest.approx(softmax_ce(x[:24].reshape(6, 4), x[24:], many.X_train, many.y_train)[0])
 
 
 def test_logreg_edge_cases():
