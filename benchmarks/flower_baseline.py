@@ -179,15 +179,22 @@ def main(argv=None):
     n_params = dim * n_classes + n_classes
     data_path = os.path.abspath(args.data)
 
-    import flwr  # noqa: F401
-    import ray
+    try:
+        import flwr
+        import ray
+    except ImportError as ex:
+        raise SystemExit(
+            f"flower_baseline: {ex}. Run this script with the Python of a Flower virtualenv, e.g.\n"
+            "  python -m venv /work/flower-venv && /work/flower-venv/bin/pip install 'flwr[simulation]'\n"
+            "  /work/flower-venv/bin/python benchmarks/flower_baseline.py --data FILE.npz ..."
+        ) from None
     from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
     from flwr.clientapp import ClientApp
     from flwr.serverapp import Grid, ServerApp
     from flwr.serverapp.strategy import FedAvg
     from flwr.simulation import run_simulation
 
-    flwr_version = _version("flwr")
+    flwr_version = getattr(flwr, "__version__", None) or _version("flwr")
     logging.getLogger("flwr").setLevel(logging.INFO if args.verbose else logging.WARNING)
 
     if args.pull_interval is not None:

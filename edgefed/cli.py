@@ -38,6 +38,22 @@ def build_parser() -> argparse.ArgumentParser:
     contend.add_argument("--seconds", type=float, help="stop after this long (default: until Ctrl-C)")
     contend.set_defaults(func=cmd_contend)
 
+    warm = verbs.add_parser("warmup", help="compile every kernel into Numba's cache, so no first round pays for it")
+    warm.add_argument("--models", default="logreg,mlp,cnn,quadratic", help="comma-separated (default: all)")
+    warm.add_argument("--dtypes", default="float32,float64", help="comma-separated (default: both)")
+    warm.set_defaults(func=cmd_warmup)
+
+    prof = verbs.add_parser("profile", help="measure this machine (under mpirun: also its collectives) "
+                                            "and write a hardware profile")
+    prof.add_argument("--out", help="profile to write (TOML; under mpirun with several hosts it must contain "
+                                    "{host}); default: print it")
+    prof.add_argument("--name", help="the profile's name (default: the board's model, else the CPU's)")
+    prof.add_argument("--models", default="logreg,mlp,cnn", help="comma-separated models to measure")
+    prof.add_argument("--no-cold", action="store_true",
+                      help="skip the cold-start measurement (it compiles every kernel into an empty cache)")
+    prof.add_argument("--force", action="store_true", help="replace an existing --out")
+    prof.set_defaults(func=cmd_profile)
+
     trace = verbs.add_parser("trace", help="record or inspect participation traces")
     trace_verbs = trace.add_subparsers(dest="trace_verb", required=True, parser_class=_Parser)
     record = trace_verbs.add_parser(
@@ -149,6 +165,7 @@ def cmd_trace_record(args) -> int:
     import numpy as np
 
     from edgefed import config as config_mod
+    from edgefed.hwprofile import AUTO_FACTOR
     from edgefed.participation.traces import write_trace_file
     from edgefed.rng import Purpose, generator
     from edgefed.runlog import read_run
@@ -175,8 +192,8 @@ def cmd_trace_record(args) -> int:
     comm = mpi.world()
     coordinator = comm is None or comm.Get_rank() == 0  # device ranks get the config from rank 0
     if args.deadline_s is None and coordinator:  # so a free device just completes K, a loaded one shows its loss
-        args.deadline_s = round(1.1 * unloaded_seconds(args.local_steps, args.overrides), 5)
-        print(f"deadline: {args.deadline_s * 1e3:.2f} ms (1.1 x the time of {args.local_steps} steps measured here)")
+        args.deadline_s = round(AUTO_FACTOR * unloaded_seconds(args.local_steps, args.overrides), 5)
+        print(f"deadline: {args.deadline_s * 1e3:.2f} ms ({AUTO_FACTOR} x the time of {args.local_steps} steps measured here)")
     tmp = tempfile.TemporaryDirectory()
     log_path = Path(tmp.name) / "record.h5"
     overrides = [f"seed={args.seed}", f"rounds={args.rounds}", f"data.clients={len(names)}",
@@ -238,6 +255,71 @@ def cmd_trace_show(args) -> int:
     for st in file.stats():
         print(f"{st['name']:<12}{st['rounds']:>7}{st['mean']:>8.3f}{st['std']:>8.3f}{st['min']:>8.3f}{st['max']:>8.3f}"
               f"{st['inactive']:>10.1%}{st['complete']:>10.1%}")
+    return 0
+
+
+def _names(text: str, known, what: str) -> list[str]:
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    bad = [n for n in names if n not in known]
+    if bad or not names:
+        raise EdgefedError(f"--{what} {text!r}: choose from {', '.join(known)}")
+    return names
+
+
+def cmd_warmup(args) -> int:
+    from edgefed.profiling import warmup
+
+    models = _names(args.models, ("logreg", "mlp", "cnn", "quadratic"), "models")
+    dtypes = _names(args.dtypes, ("float32", "float64"), "dtypes")
+    compiled = warmup(models, dtypes)
+    print(f"warmup: {compiled} kernels compiled into the cache" if compiled else "warmup: every kernel was cached")
+    return 0
+
+
+def cmd_profile(args) -> int:
+    from edgefed import hwprofile, profiling
+    from edgefed.runtime import mpi
+
+    models = _names(args.models, hwprofile.MODELS, "models")
+    comm = mpi.world()
+    rank = 0 if comm is None else comm.Get_rank()
+    if args.out and rank == 0 and Path(args.out).exists() and not args.force and "{host}" not in args.out:
+        raise EdgefedError(f"{args.out} already exists; pass --force to replace it or choose another --out")
+    host = profiling.host_name()
+    hosts = [host] if comm is None else comm.allgather(host)
+    leader = hosts.index(host) == rank  # one rank per host measures it, the others stay idle meanwhile
+    say = print if leader else (lambda line: None)
+    if rank != 0:
+        say = (lambda line: print(f"[{host}] {line}", flush=True)) if leader else say
+    measured = profiling.measure(models, cold=not args.no_cold, out=say) if leader else None
+    if comm is not None:
+        measured = comm.gather(measured, root=0)
+        collectives = profiling.mpi_collectives(comm, models)
+        if rank != 0:
+            return 0
+        measured = [m for m in measured if m is not None]
+        for m in measured:
+            m["mpi"] = {"ranks": comm.Get_size(), "hosts": len(set(hosts)), "collective": collectives}
+    else:
+        measured = [measured]
+    names = list(dict.fromkeys(hosts))
+    if len(measured) > 1 and (not args.out or "{host}" not in args.out):
+        raise EdgefedError(f"profiled {len(measured)} hosts; give --out with {{host}} in it, "
+                           "e.g. --out hw_profiles/{host}.toml")
+    for host_name, profile in zip(names, measured):
+        if args.name:
+            profile["name"] = args.name
+        text = hwprofile.to_toml(profile, profiling.header_comment(profile))
+        hwprofile.profile_from_dict(profile, "the measured profile")  # what we write must load back
+        if not args.out:
+            print(text, end="")
+            continue
+        path = Path(args.out.replace("{host}", host_name))
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.tmp")
+        tmp.write_text(text, encoding="utf-8")
+        tmp.replace(path)
+        print(f"profile of {host_name} written to {path}")
     return 0
 
 

@@ -17,6 +17,7 @@ import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from edgefed import hwprofile
 from edgefed.errors import ConfigError
 
 DATA_KINDS = ("synthetic", "quadratic", "mnist", "emnist")
@@ -96,7 +97,8 @@ class ParticipationConfig:
     mode: str = "full"  # "full": K steps; "trace": the steps a trace gives; "deadline": what fits in deadline_s
     scheme: str = "B"
     trace: str | tuple[str, ...] | None = None  # trace mode: "builtin[:k]", a trace file, a run log, or names
-    deadline_s: float | None = None  # deadline mode: wall-clock budget of each selected device per round
+    deadline_s: float | str | None = None  # deadline mode: seconds per device and round, or "auto" / "1.5x":
+    # that multiple of the time K steps take on the device's board ([device] profiles; "auto" = 1.1x)
     grace_s: float = 1.0  # a device silent past deadline + grace is recorded inactive for the round
     contention: tuple[float, ...] = ()  # CPU competitor load per device (cycled), as the paper's 0..0.9
 
@@ -125,6 +127,12 @@ class DynamicsConfig:
 @dataclass(frozen=True)
 class MpiConfig:
     device_ranks: tuple[int, ...] = ()  # rank hosting each device; empty: round-robin over ranks 1..P-1
+
+
+@dataclass(frozen=True)
+class DeviceConfig:
+    profile: str | None = None  # hardware profile of the boards: a name in hw_profiles/ or a .toml file
+    boards: tuple[str, ...] = ()  # under MPI, each device rank's board (entry i: rank i + 1), overriding profile
 
 
 @dataclass(frozen=True)
@@ -157,6 +165,7 @@ class Config:
     log: LogConfig = field(default_factory=LogConfig)
     dynamics: DynamicsConfig = field(default_factory=DynamicsConfig)
     mpi: MpiConfig = field(default_factory=MpiConfig)
+    device: DeviceConfig = field(default_factory=DeviceConfig)
     fault: tuple[FaultConfig, ...] = ()
 
     @property
@@ -345,6 +354,7 @@ def validate(cfg: Config) -> Config:
     _choice(cfg.scaffold.init, SCAFFOLD_INITS, "scaffold.init")
     _choice(cfg.scaffold.control_gradient, CONTROL_GRADIENTS, "scaffold.control_gradient")
     _validate_participation(cfg.participation)
+    _validate_device(cfg.device, cfg.participation)
     _validate_dynamics(cfg.dynamics, cfg.data.clients, cfg.rounds)
     for i, fault in enumerate(cfg.fault):
         _choice(fault.kind, FAULT_KINDS, f"fault[{i}].kind")
@@ -357,13 +367,28 @@ def validate(cfg: Config) -> Config:
     return dataclasses.replace(cfg, data=data, model=model, train=train)
 
 
+def _validate_device(dev: DeviceConfig, p: ParticipationConfig) -> None:
+    for i, name in enumerate(dev.boards):
+        if not name.strip():
+            raise ConfigError(f"config: device.boards[{i}] is empty; name a hardware profile (e.g. \"pi4b\")")
+    if dev.profile is not None and not dev.profile.strip():
+        raise ConfigError('config: device.profile is empty; name a hardware profile (e.g. "pi4b") or a .toml file')
+    if isinstance(p.deadline_s, str) and dev.profile is None and not dev.boards:
+        raise ConfigError(f"config: participation.deadline_s = {p.deadline_s!r} derives each deadline from the "
+                          "board's hardware profile; set [device] profile = \"NAME\" (shipped: "
+                          f"{', '.join(hwprofile.shipped_names())}) or write one with `edgefed profile --out FILE`")
+
+
 def _validate_participation(p: ParticipationConfig) -> None:
     _choice(p.mode, PARTICIPATION_MODES, "participation.mode")
     _choice(p.scheme, SCHEMES, "participation.scheme")
     if p.mode == "deadline":
         if p.deadline_s is None:
             raise ConfigError('config: participation.mode = "deadline" needs participation.deadline_s (e.g. 0.05)')
-        _positive(p.deadline_s, "participation.deadline_s", "deadline_s = 0.05")
+        if isinstance(p.deadline_s, str):
+            hwprofile.parse_deadline(p.deadline_s)
+        else:
+            _positive(p.deadline_s, "participation.deadline_s", "deadline_s = 0.05")
     elif p.deadline_s is not None:
         raise ConfigError(f'config: participation.deadline_s applies to mode = "deadline", not {p.mode!r}')
     if p.mode == "trace" and not p.trace:

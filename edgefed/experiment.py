@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import math
 import os
@@ -14,10 +15,11 @@ import numpy as np
 import psutil
 
 from edgefed import config as config_mod
+from edgefed import hwprofile
 from edgefed.config import Config
 from edgefed.algorithms.fedavg import FedAvgClient
 from edgefed.algorithms.scaffold import ScaffoldClient
-from edgefed.errors import ResourceError, RunLogError
+from edgefed.errors import ConfigError, ResourceError, RunLogError
 from edgefed.models import build_model
 from edgefed.problems import build_problem
 from edgefed.participation.traces import ReplayTrace, sampled_traces
@@ -126,6 +128,7 @@ class Setup:
     model: object
     header: Header
     trace: ReplayTrace | None
+    deadlines: np.ndarray | None = None  # deadline mode: each device's wall-clock budget per round, s
 
 
 def prepare(cfg: Config, log_path: Path, *, resume_point=None, force: bool = False, on_info=None) -> Setup:
@@ -164,14 +167,62 @@ def prepare(cfg: Config, log_path: Path, *, resume_point=None, force: bool = Fal
     return Setup(cfg, problem, model, header, trace)
 
 
+def device_deadlines(setup: Setup, owners: np.ndarray | None = None, on_info=None) -> Setup:
+    """Setup with each device's deadline: the configured seconds, or a multiple of the time its budget of
+    K_k steps takes on its board, by the hardware profile of the rank hosting it (owners; None: this
+    process hosts every device, on [device] profile's board). The deadlines go into the log's attributes."""
+    cfg, p = setup.cfg, setup.cfg.participation
+    if p.mode != "deadline":
+        return setup
+    n = setup.problem.n_devices
+    factor = hwprofile.parse_deadline(p.deadline_s)
+    if factor is None:
+        deadlines = np.full(n, float(p.deadline_s))
+    else:
+        dev = cfg.device
+        if owners is None or not dev.boards:
+            if dev.profile is None:
+                raise ConfigError("config: the simulator runs every device on this machine; set [device] profile "
+                                  "to its hardware profile (device.boards applies under mpirun)")
+            names = [dev.profile] * n
+        else:
+            ranks = int(owners.max(initial=0))
+            if len(dev.boards) != ranks:
+                raise ConfigError(f"config: device.boards names {len(dev.boards)} boards, but this run has {ranks} "
+                                  "device ranks; give one profile per device rank (entry i is rank i + 1)")
+            names = [dev.boards[int(r) - 1] for r in owners]
+        profiles = {name: hwprofile.load_profile(name) for name in dict.fromkeys(names)}
+        budgets = local_budgets(cfg, setup.problem.n_train)
+        batches = setup.problem.n_train if cfg.train.batch_size == "full" else np.minimum(cfg.train.batch_size,
+                                                                                          setup.problem.n_train)
+        model = setup.model
+        deadlines = np.array([factor * budgets[k] * profiles[names[k]].step_seconds(model.kind, int(batches[k]),
+                                                                                      model.dim) for k in range(n)])
+        if on_info is not None:
+            parts = []
+            for name, prof in profiles.items():
+                mine = deadlines[[k for k in range(n) if names[k] == name]]
+                estimated = "" if prof.measured else ", estimated speeds"
+                parts.append(f"{prof.name} ({name}{estimated}): {mine.min() * 1e3:.1f}..{mine.max() * 1e3:.1f} ms")
+            on_info(f"deadlines {factor:g}x the profiled time of each device's steps: " + "; ".join(parts))
+    setup.header.attrs["deadline_s"] = deadlines
+    return dataclasses.replace(setup, deadlines=deadlines)
+
+
 def local_transport(cfg: Config, problem, model, device_ids=None, core=None) -> LocalTransport:
     """The devices this process hosts (all of them in the simulator)."""
     batch = None if cfg.train.batch_size == "full" else cfg.train.batch_size
-    transport = LocalTransport(problem, model, client_algorithm(cfg, batch), cfg.seed, batch, device_ids,
-                               cfg.fault, cfg.participation.contention, core)
-    if cfg.participation.mode == "deadline":
-        transport.warmup(model.initial_params())
-    return transport
+    return LocalTransport(problem, model, client_algorithm(cfg, batch), cfg.seed, batch, device_ids,
+                          cfg.fault, cfg.participation.contention, core)
+
+
+def note_warmup(setup: Setup, compiled: list[int], seconds: list[float], on_info) -> None:
+    """Record in the log (and say) what compiling the kernels before round 1 cost each process."""
+    setup.header.attrs["warmup_compiled"] = np.asarray(compiled, np.int64)
+    setup.header.attrs["warmup_s"] = np.asarray(seconds, np.float64)
+    if any(compiled):
+        on_info(f"compiled {max(compiled)} kernels before round 1 ({max(seconds):.1f} s); "
+                "`edgefed warmup` once per machine caches them")
 
 
 def drive(setup: Setup, transport, log_path: Path, *, resume_point=None, on_round=None) -> RunResult:
@@ -187,7 +238,7 @@ def drive(setup: Setup, transport, log_path: Path, *, resume_point=None, on_roun
         transport.close(failed=True)
         raise
     try:
-        engine = RoundEngine(cfg, setup.problem.n_train, transport, log, on_round, setup.trace)
+        engine = RoundEngine(cfg, setup.problem.n_train, transport, log, on_round, setup.trace, setup.deadlines)
         if resume_point is None:
             x = setup.model.initial_params()
             engine.start(x)
@@ -211,7 +262,10 @@ def run(cfg: Config, log_path: Path, *, resume_point=None, force: bool = False, 
         on_info=None) -> RunResult:
     """One run in this process (the simulator)."""
     setup = prepare(cfg, log_path, resume_point=resume_point, force=force, on_info=on_info)
+    setup = device_deadlines(setup, None, on_info)
     transport = local_transport(setup.cfg, setup.problem, setup.model)
+    compiled, seconds = transport.warmup()
+    note_warmup(setup, [compiled], [seconds], on_info or (lambda line: None))
     return drive(setup, transport, log_path, resume_point=resume_point, on_round=on_round)
 
 

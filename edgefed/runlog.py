@@ -36,7 +36,7 @@ FORMAT_VERSION = 1
 
 # Datasets holding measured wall time or load: the only ones that differ between two runs of one config.
 MEASURED = frozenset({"participation/elapsed_s", "participation/cpu_percent", "participation/cpu_freq_mhz",
-                      "participation/temperature_c", "metrics/round_elapsed_s"})
+                      "participation/temperature_c", "participation/compiled", "metrics/round_elapsed_s"})
 
 
 @dataclass(frozen=True)
@@ -80,6 +80,8 @@ def columns(n: int, d: int, dtype) -> tuple[Column, ...]:
         Column("participation/cpu_freq_mhz", (n,), np.float32, "round", "CPU frequency after the work (NaN: unknown)"),
         Column("participation/temperature_c", (n,), np.float32, "round", "board temperature after the work (NaN: unknown)"),
         Column("participation/late", (n,), np.bool_, "round", "answered after deadline + grace; its work was dropped"),
+        Column("participation/compiled", (n,), np.bool_, "round",
+               "the device's work included Numba compilation (a cold kernel cache; see edgefed warmup)"),
         Column("metrics/lr", (), np.float64, "round", "local learning rate used in the round"),
         Column("metrics/n_applied", (), np.int32, "round",
                "devices whose update was applied (0: the model did not change, e.g. Scheme A with K_r = 0)"),

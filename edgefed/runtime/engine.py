@@ -51,7 +51,7 @@ def local_budgets(cfg: Config, n_train: np.ndarray) -> np.ndarray:
 
 
 class RoundEngine:
-    def __init__(self, cfg: Config, n_train: np.ndarray, transport, log, on_round=None, trace=None):
+    def __init__(self, cfg: Config, n_train: np.ndarray, transport, log, on_round=None, trace=None, deadlines=None):
         self.cfg = cfg
         self.trace = trace  # trace mode: a ReplayTrace (selections and steps) or SampledTraces (steps)
         self.n_train = np.asarray(n_train, dtype=np.int64)
@@ -62,6 +62,7 @@ class RoundEngine:
         self.dynamics = Dynamics(cfg.dynamics, self.n_devices)
         self.active = self.dynamics.active(0)
         self._budgets = local_budgets(cfg, self.n_train)
+        self._deadlines = None if deadlines is None else np.asarray(deadlines, np.float64)
         self.scaffold = cfg.train.algorithm == "scaffold"
         self.c = None  # SCAFFOLD's server control
 
@@ -92,7 +93,7 @@ class RoundEngine:
             steps = np.where(silent, 0, self._budgets[selected] if steps is None else steps).astype(np.int32)
         budgets = self._budgets[selected]
         return RoundPlan(round_idx, selected, budgets, lr, steps=None if steps is None else np.minimum(steps, budgets),
-                         deadline_s=p.deadline_s, grace_s=p.grace_s)
+                         deadline_s=None if self._deadlines is None else self._deadlines[selected], grace_s=p.grace_s)
 
     # -- evaluation --------------------------------------------------------------------------------------
     def metrics(self, ev: Evaluation) -> tuple[float, float, float]:
@@ -232,6 +233,7 @@ class RoundEngine:
             "participation/cpu_freq_mhz": scatter(_or_nan(res.cpu_freq_mhz), np.float32, np.nan),
             "participation/temperature_c": scatter(_or_nan(res.temperature_c), np.float32, np.nan),
             "participation/late": scatter(late, np.bool_, False),
+            "participation/compiled": scatter(False if res.compiled is None else res.compiled, np.bool_, False),
             "metrics/lr": plan.lr,
             "metrics/n_applied": int(np.count_nonzero(coeffs)),
             "metrics/round_elapsed_s": elapsed,

@@ -18,6 +18,8 @@ import numpy as np
 
 from edgefed.algorithms import scaffold
 from edgefed.errors import EdgefedError
+from edgefed.kernels import jit_compilations
+from edgefed.profiling import warm_model
 from edgefed.rng import Purpose, kernel_state
 from edgefed.runtime.contention import Competitor, pin
 from edgefed.runtime.deadline import BoardReadings, DeadlineRunner, run_all
@@ -50,6 +52,7 @@ class LocalTransport:
         if hasattr(problem, "host"):
             problem.host(self.device_ids)
         self._devices = {}
+        self._worked = set()  # devices that already worked in this process: only a first round can compile
         self._faults = {(f.device, f.round): f for f in faults}
         self.controls = None  # (hosted devices, d) SCAFFOLD controls c_k, in device_ids order
         self._pending = None  # (round, device ids, Delta c rows) until the coordinator accepts them
@@ -68,18 +71,16 @@ class LocalTransport:
             data = self._devices[device_id] = self.problem.device(device_id)
         return data
 
-    def warmup(self, x: np.ndarray) -> None:
-        """Compile (or load from cache) every kernel a round uses, so no deadline pays for it."""
+    def warmup(self) -> tuple[int, float]:
+        """Compile (or load from cache) every kernel a round uses, so no round pays for it.
+
+        Returns (kernels compiled, seconds): compiled is 0 when the cache was warm (`edgefed warmup`).
+        """
         if self.device_ids.size == 0:
-            return
-        data = self.data(int(self.device_ids[0]))
-        y = x.copy()
-        run = self.model.begin(data, kernel_state(self.seed, Purpose.LOCAL, 0, int(self.device_ids[0])))
-        self.model.local_steps(y, data, run, 1, self.batch_size, 0.0)
-        self.model.local_steps(y, data, run, 1, self.batch_size, 0.0, np.zeros_like(x))
-        self.model.oracle_grad(x, data, run, self.batch_size, y)
-        self.eval_model.loss_grad(x, data, y)
-        self.eval_model.train_loss(x, data)
+            return 0, 0.0
+        before, t0 = jit_compilations(), time.perf_counter()
+        warm_model(self.model, self.data(int(self.device_ids[0])), self.batch_size)
+        return jit_compilations() - before, time.perf_counter() - t0
 
     # -- SCAFFOLD controls -------------------------------------------------------------------------------
     def init_controls(self, x0: np.ndarray, init: str) -> np.ndarray:
@@ -128,8 +129,7 @@ class LocalTransport:
         steps = np.zeros(n_sel, np.int32)
         elapsed, cpu = np.zeros(n_sel, np.float32), np.full(n_sel, np.nan, np.float32)
         freq, temp = np.full(n_sel, np.nan, np.float32), np.full(n_sel, np.nan, np.float32)
-        late = np.zeros(n_sel, bool)
-        runner = run_all if plan.deadline_s is None else DeadlineRunner(plan.deadline_s)
+        late, compiled = np.zeros(n_sel, bool), np.zeros(n_sel, bool)
         for i, k in enumerate(plan.device_ids):
             k = int(k)
             data = self.data(k)
@@ -140,16 +140,22 @@ class LocalTransport:
             if self.client.needs_control_stream:
                 control_run = self.model.begin(data, kernel_state(self.seed, Purpose.CONTROL, plan.round_idx, k))
             c_k = None if self.controls is None else self.controls[self._row[k]]
+            first = k not in self._worked
+            compiled_before = jit_compilations() if first else 0
             wall0, cpu0 = time.perf_counter(), time.thread_time()
             self._inject_fault(k, plan.round_idx)
+            runner = run_all if plan.deadline_s is None else DeadlineRunner(float(plan.deadline_s[i]))
             steps[i] = self.client.local_update(self.model, data, run, control_run, runner, plan.steps_to_run(i),
                                                 self.batch_size, plan.lr, x, c, c_k, deltas[i],
                                                 None if delta_c is None else delta_c[i])
             wall = time.perf_counter() - wall0
+            if first:
+                self._worked.add(k)
+                compiled[i] = jit_compilations() > compiled_before
             elapsed[i] = wall
             cpu[i] = 100.0 * (time.thread_time() - cpu0) / wall if wall > 0 else math.nan
             freq[i], temp[i] = self.readings.frequency_mhz(), self.readings.temperature_c()
-            if plan.deadline_s is not None and wall > plan.deadline_s + plan.grace_s:
+            if plan.deadline_s is not None and wall > plan.deadline_s[i] + plan.grace_s:
                 late[i] = True  # in one process a hung device is only noticed afterwards; its work is dropped
                 steps[i] = 0
                 deltas[i] = 0
@@ -159,7 +165,7 @@ class LocalTransport:
             self.competitor.set_load(0.0)
         if delta_c is not None:
             self._pending = (plan.round_idx, plan.device_ids.copy(), delta_c)
-        return LocalResults(deltas, steps, elapsed, cpu, delta_c, late, freq, temp)
+        return LocalResults(deltas, steps, elapsed, cpu, delta_c, late, freq, temp, compiled)
 
     def _inject_fault(self, device_id: int, round_idx: int) -> None:
         fault = self._faults.get((device_id, round_idx))

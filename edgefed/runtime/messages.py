@@ -16,7 +16,7 @@ class RoundPlan:
     budgets: np.ndarray  # int32, steps asked of each selected device (K_k)
     lr: float
     steps: np.ndarray | None = None  # trace mode: int32, the exact steps each device takes
-    deadline_s: float | None = None  # deadline mode: each device's wall-clock budget
+    deadline_s: np.ndarray | None = None  # deadline mode: (S,) float64, each device's wall-clock budget
     grace_s: float = 0.0  # past deadline + grace a device's report is late and dropped
 
     def steps_to_run(self, i: int) -> int:
@@ -35,6 +35,7 @@ class LocalResults:
     late: np.ndarray | None = None  # (S,) bool: answered after deadline + grace (or never); dropped
     cpu_freq_mhz: np.ndarray | None = None  # (S,) float32, NaN where the board does not say
     temperature_c: np.ndarray | None = None  # (S,) float32, NaN where the board does not say
+    compiled: np.ndarray | None = None  # (S,) bool: the work included Numba compilation (a cold cache)
 
 
 @dataclass(frozen=True)

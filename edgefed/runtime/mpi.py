@@ -1,8 +1,8 @@
 """The MPI runtime: rank 0 coordinates (engine, log), ranks 1..P-1 host devices.
 
 Per-round traffic, all on buffers allocated once:
-- down: `Ibcast` of a control vector (int64: command, round, learning rate, deadline, each device's budget
-  and trace steps, and which reports of the previous round the coordinator accepted), then `Ibcast` of the
+- down: `Ibcast` of a control vector (int64: command, round, learning rate, each device's budget, trace
+  steps and deadline, and which reports of the previous round the coordinator accepted), then `Ibcast` of the
   model (and SCAFFOLD's c) in the model dtype;
 - up: each rank sends one message with a record per device it worked for (meta in float64, then Delta x
   and Delta c in the model dtype), point-to-point so that a rank that misses its deadline holds nobody up.
@@ -29,8 +29,9 @@ from edgefed.runtime.messages import Evaluation, LocalResults, RoundPlan
 
 CMD_STOP, CMD_ROUND, CMD_EVAL, CMD_INIT_CONTROLS, CMD_LOAD_CONTROLS = range(5)
 TAG_WORK, TAG_EVAL, TAG_INIT, TAG_LOAD, TAG_BYE = 11, 12, 13, 14, 15
-HEAD = 8  # fixed part of the control vector; then budgets (N), trace steps (N), accepted (N)
-WORK_META = ("round", "device", "steps", "elapsed_s", "cpu_percent", "cpu_freq_mhz", "temperature_c", "late")
+HEAD = 8  # fixed part of the control vector; then budgets (N), trace steps (N), accepted (N), deadlines (N)
+WORK_META = ("round", "device", "steps", "elapsed_s", "cpu_percent", "cpu_freq_mhz", "temperature_c", "late",
+             "compiled")
 EVAL_META = ("round", "device", "train_loss", "test_loss_sum", "test_correct", "n_test")
 INIT_META = ("round", "device")
 POLL_MAX_S = 0.001
@@ -133,11 +134,16 @@ class Layout:
         return max(self.record(tag).itemsize for tag in (TAG_WORK, TAG_EVAL, TAG_INIT))
 
     def new_control(self) -> np.ndarray:
-        return np.zeros(HEAD + 3 * self.n_devices, dtype=np.int64)
+        return np.zeros(HEAD + 4 * self.n_devices, dtype=np.int64)
+
+
+def _deadlines(ctrl: np.ndarray, n: int) -> np.ndarray:
+    """Each device's deadline (s) as float64 bits; NaN outside deadline mode."""
+    return ctrl[HEAD + 3 * n:HEAD + 4 * n].view(np.float64)
 
 
 def _floats(ctrl: np.ndarray) -> np.ndarray:
-    """lr, deadline_s, grace_s live as float64 bits in slots 2..4 of the control vector."""
+    """lr, (unused), grace_s live as float64 bits in slots 2..4 of the control vector."""
     return ctrl[2:5].view(np.float64)
 
 
@@ -163,9 +169,12 @@ class MpiTransport:
         ctrl, n = self.ctrl, self.layout.n_devices
         ctrl[:] = 0
         ctrl[0], ctrl[1], ctrl[5], ctrl[6] = cmd, round_idx, self._accept_round, arg
-        ctrl[HEAD + 2 * n:] = self._accepted
+        ctrl[HEAD + 2 * n:HEAD + 3 * n] = self._accepted
         if plan is not None:
-            _floats(ctrl)[:] = (plan.lr, math.nan if plan.deadline_s is None else plan.deadline_s, plan.grace_s)
+            _floats(ctrl)[:] = (plan.lr, math.nan, plan.grace_s)
+            _deadlines(ctrl, n)[:] = math.nan
+            if plan.deadline_s is not None:
+                _deadlines(ctrl, n)[plan.device_ids] = plan.deadline_s
             ctrl[HEAD + plan.device_ids] = plan.budgets
             ctrl[HEAD + n:HEAD + 2 * n] = -1
             if plan.steps is not None:
@@ -204,10 +213,10 @@ class MpiTransport:
     def local_work(self, plan: RoundPlan, x: np.ndarray, c: np.ndarray | None = None) -> LocalResults:
         self._command(CMD_ROUND, plan.round_idx, plan, x, c)
         owners = self.owners[plan.device_ids]
-        ranks, per_rank = np.unique(owners, return_counts=True)
+        ranks = np.unique(owners)
         timeout = None
-        if plan.deadline_s is not None:
-            timeout = int(per_rank.max(initial=0)) * plan.deadline_s + plan.grace_s
+        if plan.deadline_s is not None:  # a rank runs its devices one after another
+            timeout = max(float(plan.deadline_s[owners == r].sum()) for r in ranks) + plan.grace_s
         got = self._collect(TAG_WORK, plan.round_idx, ranks, timeout)
         d, n_sel = self.layout.dim, plan.device_ids.size
         row = {int(k): i for i, k in enumerate(plan.device_ids)}
@@ -233,7 +242,7 @@ class MpiTransport:
             return meta[:, WORK_META.index(name)].astype(np.float32)
 
         return LocalResults(deltas, steps, col("elapsed_s"), col("cpu_percent"), delta_c, late,
-                            col("cpu_freq_mhz"), col("temperature_c"))
+                            col("cpu_freq_mhz"), col("temperature_c"), col("compiled") == 1)
 
     def accept(self, round_idx: int, device_ids: np.ndarray) -> None:
         """Sent with the next command: the devices whose reports of round_idx were applied."""
@@ -325,7 +334,7 @@ class DeviceServer:
         meta = records["meta"]
         meta[:, 0], meta[:, 1], meta[:, 2] = round_idx, ids, res.steps
         meta[:, 3], meta[:, 4], meta[:, 5], meta[:, 6] = res.elapsed_s, res.cpu_percent, res.cpu_freq_mhz, res.temperature_c
-        meta[:, 7] = res.late
+        meta[:, 7], meta[:, 8] = res.late, res.compiled
         records["data"][:, : self.layout.dim] = res.deltas
         if res.delta_c is not None:
             records["data"][:, self.layout.dim:] = res.delta_c
@@ -341,7 +350,7 @@ class DeviceServer:
             ctrl = self.ctrl
             cmd, round_idx = int(ctrl[0]), int(ctrl[1])
             if ctrl[5] >= 0:
-                self.transport.accept(int(ctrl[5]), np.flatnonzero(ctrl[HEAD + 2 * n:]))
+                self.transport.accept(int(ctrl[5]), np.flatnonzero(ctrl[HEAD + 2 * n:HEAD + 3 * n]))
             if cmd == CMD_STOP:
                 self._goodbye()
                 break
@@ -378,11 +387,12 @@ class DeviceServer:
         ids = self.own[budgets[self.own] > 0]
         if ids.size == 0:
             return
-        lr, deadline, grace = _floats(self.ctrl)
+        lr, _, grace = _floats(self.ctrl)
+        deadlines = _deadlines(self.ctrl, n)[ids]
         trace_steps = self.ctrl[HEAD + n:HEAD + 2 * n][ids]
         plan = RoundPlan(round_idx, ids, budgets[ids].astype(np.int32), float(lr),
                          steps=None if trace_steps[0] < 0 else trace_steps.astype(np.int32),
-                         deadline_s=None if math.isnan(deadline) else float(deadline), grace_s=float(grace))
+                         deadline_s=None if np.isnan(deadlines).all() else deadlines.copy(), grace_s=float(grace))
         if self._future is not None:  # still on an older round: these devices cannot start in time
             records = self._records(TAG_WORK, ids.size)
             records["meta"][:, 0], records["meta"][:, 1], records["meta"][:, 7] = round_idx, ids, 1

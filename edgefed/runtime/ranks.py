@@ -26,6 +26,7 @@ def run_coordinator(comm, resolve, force: bool, on_round, on_info, on_error) -> 
         cfg, point, path = resolve()
         setup = experiment.prepare(cfg, path, resume_point=point, force=force, on_info=on_info)
         owners = device_owners(setup.problem.n_devices, comm.Get_size(), setup.cfg.mpi.device_ranks)
+        setup = experiment.device_deadlines(setup, owners, on_info)
     except EdgefedError as exc:
         comm.bcast({"error": str(exc)}, root=0)
         on_error(str(exc))
@@ -34,12 +35,14 @@ def run_coordinator(comm, resolve, force: bool, on_round, on_info, on_error) -> 
         comm.bcast({"error": f"{type(exc).__name__}: {exc}"}, root=0)
         raise
     comm.bcast({"config": config_mod.to_toml(setup.cfg), "owners": owners}, root=0)
-    failures = [f for f in comm.gather(None, root=0) if f]
+    reports = comm.gather((None, (0, 0.0)), root=0)[1:]
+    failures = [f for f, _ in reports if f]
     if failures:
         comm.bcast(False, root=0)
         on_error("; ".join(failures))
         return EXIT_BAD_INPUT
     comm.bcast(True, root=0)
+    experiment.note_warmup(setup, [w[0] for _, w in reports], [w[1] for _, w in reports], on_info)
     on_info(f"MPI: {comm.Get_size() - 1} device ranks; devices per rank "
             f"{np.bincount(owners, minlength=comm.Get_size())[1:].tolist()}")
     layout = Layout(setup.problem.n_devices, setup.model.dim, setup.model.dtype, setup.cfg.train.algorithm == "scaffold")
@@ -62,7 +65,7 @@ def run_device_rank(comm) -> int:
     info = comm.bcast(None, root=0)
     if "error" in info:
         return EXIT_BAD_INPUT
-    failure, transport = None, None
+    failure, transport, warm = None, None, (0, 0.0)
     try:
         cfg = config_mod.config_from_dict(config_mod.parse_toml(info["config"]))
         problem = build_problem(cfg)
@@ -70,12 +73,12 @@ def run_device_rank(comm) -> int:
         own = np.flatnonzero(info["owners"] == rank)
         core = (rank - 1) % (os.cpu_count() or 1) if cfg.participation.contention else None
         transport = experiment.local_transport(cfg, problem, model, device_ids=own, core=core)
-        transport.warmup(model.initial_params())
+        warm = transport.warmup()
     except EdgefedError as exc:
         failure = f"rank {rank}: {exc}"
     except BaseException as exc:  # noqa: BLE001 - reported through rank 0 rather than hanging the gather
         failure = f"rank {rank}: {type(exc).__name__}: {exc}"
-    comm.gather(failure, root=0)
+    comm.gather((failure, warm), root=0)
     if not comm.bcast(None, root=0):
         if transport is not None:
             transport.close()

@@ -1,0 +1,169 @@
+"""Hardware profiles: what a board is and how fast edgefed's kernels run on it.
+
+A profile is a TOML file (format 1): `[machine]` facts, `[recommend]`ed settings, `[[speed]]` entries of
+local SGD steps per second (model, parameter count, batch), and, when `edgefed profile` wrote it, start-up
+times, per-rank memory and MPI collective times. The boards edgefed knows ship in edgefed/hw_profiles/
+(the repository's hw_profiles/ links there); `[device] profile = "pi4b"` names one of them, a path names any
+other file. Deadlines derived from a profile (`deadline_s = "auto"` or `"1.5x"`) use its `[[speed]]`
+entries: the time of K steps at the board's speed, times the factor.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+import re
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from edgefed.errors import ConfigError
+
+FORMAT = 1
+SHIPPED = Path(__file__).resolve().parent / "hw_profiles"
+AUTO_FACTOR = 1.1  # "auto": as `trace record`, so an unloaded board just completes its budget
+MODELS = ("logreg", "mlp", "cnn")
+_FACTOR = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*x\s*$")
+
+
+@dataclass(frozen=True)
+class Speed:
+    model: str
+    params: int
+    batch: int
+    steps_per_s: float
+
+
+@dataclass(frozen=True)
+class Profile:
+    name: str
+    source: str  # file it came from
+    measured: bool  # written by `edgefed profile` on the board itself (else: estimates with sources)
+    machine: dict
+    recommend: dict
+    speeds: tuple[Speed, ...]
+    extra: dict = field(default_factory=dict)  # startup, memory, mpi: reported, not used by the runtime
+
+    def step_seconds(self, model: str, batch: int, params: int) -> float:
+        """Seconds per local step of `model` with `params` parameters at `batch`, from this board's speeds.
+
+        The measured entry of that model at that batch, scaled by parameter count (a step's work is
+        proportional to it); between or beyond measured batches the time per step is taken as linear in
+        the batch (fixed cost + per-sample cost), through the two nearest; with one entry, proportional.
+        """
+        entries = sorted((s for s in self.speeds if s.model == model), key=lambda s: s.batch)
+        if not entries:
+            known = ", ".join(sorted({s.model for s in self.speeds})) or "none"
+            raise ConfigError(f"hardware profile {self.source} has no speed for model {model!r} (it has: {known}); "
+                              f"run `edgefed profile --out FILE` on that board")
+        times = [(s.batch, 1.0 / s.steps_per_s / s.params) for s in entries]  # seconds per step per parameter
+        batches = [b for b, _ in times]
+        if batch in batches:
+            per_param = times[batches.index(batch)][1]
+        elif len(times) == 1:
+            per_param = times[0][1] * batch / times[0][0]
+        else:
+            i = min(max(bisect.bisect_left(batches, batch), 1), len(times) - 1)
+            (b0, t0), (b1, t1) = times[i - 1], times[i]
+            per_param = t0 + (t1 - t0) * (batch - b0) / (b1 - b0)
+            if per_param <= 0:  # extrapolated below the fixed cost: fall back to proportional
+                per_param = t0 * batch / b0
+        return per_param * params
+
+
+def parse_deadline(value) -> float | None:
+    """The factor of a profile-derived deadline ("auto" or "1.5x"), or None for a fixed number of seconds."""
+    if not isinstance(value, str):
+        return None
+    if value.strip() == "auto":
+        return AUTO_FACTOR
+    m = _FACTOR.match(value)
+    if not m or not float(m.group(1)) > 0:
+        raise ConfigError(f'config: participation.deadline_s = {value!r}; give seconds (0.05), "auto" or a '
+                          f'multiple of the profiled time like "1.5x"')
+    return float(m.group(1))
+
+
+def resolve_path(name: str) -> Path:
+    """A shipped profile's name ("pi4b"), or a path to a profile file."""
+    if name.endswith(".toml") or "/" in name or "\\" in name:
+        return Path(name)
+    return SHIPPED / f"{name}.toml"
+
+
+def shipped_names() -> list[str]:
+    return sorted(p.stem for p in SHIPPED.glob("*.toml"))
+
+
+def load_profile(name: str) -> Profile:
+    path = resolve_path(name)
+    if not path.is_file():
+        hint = "" if path.parent != SHIPPED else f" (shipped: {', '.join(shipped_names())})"
+        raise ConfigError(f"hardware profile {name!r} not found at {path}{hint}; "
+                          f"name a shipped one or write one with `edgefed profile --out {path}`")
+    try:
+        raw = tomllib.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
+        raise ConfigError(f"hardware profile {path} cannot be read ({exc}); regenerate it with edgefed profile") from None
+    return profile_from_dict(raw, str(path))
+
+
+def profile_from_dict(raw: dict, source: str) -> Profile:
+    def bad(key, why):
+        return ConfigError(f"hardware profile {source}: {key} {why}")
+
+    if raw.get("format") != FORMAT:
+        raise bad("format", f"must be {FORMAT}, found {raw.get('format')!r}")
+    for key in ("name",):
+        if not isinstance(raw.get(key), str):
+            raise bad(key, "must be a string")
+    machine, recommend = raw.get("machine", {}), raw.get("recommend", {})
+    if not isinstance(machine, dict) or not isinstance(recommend, dict):
+        raise bad("[machine]/[recommend]", "must be tables")
+    for key in ("arch", "cores", "memory_mb"):
+        if key not in machine:
+            raise bad(f"machine.{key}", "is missing")
+    speeds = []
+    for i, entry in enumerate(raw.get("speed", [])):
+        where = f"speed[{i}]"
+        if not isinstance(entry, dict):
+            raise bad(where, "must be a table ([[speed]])")
+        model, params, batch, sps = (entry.get(k) for k in ("model", "params", "batch", "steps_per_s"))
+        if model not in MODELS:
+            raise bad(f"{where}.model", f"must be one of {', '.join(MODELS)}, found {model!r}")
+        for key, value in (("params", params), ("batch", batch)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise bad(f"{where}.{key}", f"must be a positive integer, found {value!r}")
+        if not isinstance(sps, (int, float)) or isinstance(sps, bool) or not sps > 0 or not math.isfinite(sps):
+            raise bad(f"{where}.steps_per_s", f"must be a positive number, found {sps!r}")
+        speeds.append(Speed(model, params, batch, float(sps)))
+    extra = {k: raw[k] for k in ("startup", "memory", "mpi") if k in raw}
+    return Profile(raw["name"], source, bool(raw.get("measured", False)), machine, recommend, tuple(speeds), extra)
+
+
+def to_toml(data: dict, comment: str = "") -> str:
+    """A profile dict as TOML in the shipped profiles' layout (tables after plain keys, speeds last)."""
+    from edgefed.config import _toml_value
+
+    lines = [f"# {line}" if line else "#" for line in comment.splitlines()]
+    lines += [f"{k} = {_toml_value(v)}" for k, v in data.items() if not isinstance(v, (dict, list))]
+    for name, table in data.items():
+        if isinstance(table, dict):
+            lines.append(f"\n[{name}]")
+            for k, v in table.items():
+                if isinstance(v, dict):
+                    inner = ", ".join(f"{ik} = {_toml_value(iv)}" for ik, iv in v.items())
+                    lines.append(f"{k} = {{ {inner} }}")
+                elif not (isinstance(v, list) and v and isinstance(v[0], dict)):
+                    lines.append(f"{k} = {_toml_value(v)}")
+            for k, v in table.items():
+                if isinstance(v, list) and v and isinstance(v[0], dict):
+                    for entry in v:
+                        lines.append(f"\n[[{name}.{k}]]")
+                        lines.extend(f"{ik} = {_toml_value(iv)}" for ik, iv in entry.items())
+    for name, entries in data.items():
+        if isinstance(entries, list):
+            for entry in entries:
+                lines.append(f"\n[[{name}]]")
+                lines.extend(f"{k} = {_toml_value(v)}" for k, v in entry.items())
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,220 @@
+"""`edgefed warmup` and `edgefed profile`: fill the kernel cache, and measure the machine a run will use.
+
+Warm-up calls every kernel entry point a run can reach (local steps with and without SCAFFOLD's
+correction, a single oracle call, full loss and gradient, evaluation) for each model and dtype, so Numba
+compiles them into its on-disk cache once per board instead of inside a round's deadline.
+
+A profile (hwprofile.py's format) measures, on this machine: local SGD steps per second of every model at
+its usual batch sizes (one thread, float32), the start-up of a fresh process that builds a device and takes
+its first step with an empty cache (cold: Numba compiles) and with a filled one (warm), that process's
+resident memory, and, under `mpirun`, the broadcast and gather of each model's parameters.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+from edgefed import __version__
+from edgefed.kernels import jit_compilations
+from edgefed.models import CNN, MLP, LogReg, Quadratic
+from edgefed.problems import ClassificationData, QuadraticData
+from edgefed.rng import Purpose, kernel_state
+
+# (model, build arguments, batch sizes measured): the papers' models at their usual batches.
+BENCH_MODELS = {
+    "logreg": (20,),
+    "mlp": (10, 64),
+    "cnn": (10,),
+}
+RECOMMENDED_BATCH = {"logreg": 20, "mlp": 10, "cnn": 10}
+
+
+def build(kind: str, dtype: str = "float32", n: int = 200):
+    """A model of `kind` at its paper size and n random samples for one device."""
+    g = np.random.default_rng(0)
+    dt = np.dtype(dtype)
+    if kind == "quadratic":
+        d = 16
+        model = Quadratic(d, np.zeros(d), dt)
+        return model, QuadraticData(np.ones(d, dt), np.zeros(d, dt), 0.0)
+    features, classes = (60, 10) if kind == "logreg" else (784, 10)
+    model = LogReg(features, classes, dt) if kind == "logreg" else (
+        MLP((784, 200, 200, 10), dt, 0) if kind == "mlp" else CNN(784, 10, dt, 0))
+    X = g.random((n, features), dtype=np.float64).astype(dt)
+    y = g.integers(0, classes, n).astype(np.int64)
+    return model, ClassificationData(X, y, X[:20].copy(), y[:20].copy())
+
+
+def warm_model(model, data, batch_size) -> None:
+    """Call every kernel a round can reach, compiling (or loading) each for this model's dtype."""
+    x = model.initial_params()
+    y, grad = x.copy(), np.zeros_like(x)
+    run = model.begin(data, kernel_state(0, Purpose.LOCAL, 0, 0))
+    model.local_steps(y, data, run, 1, batch_size, 0.0)
+    model.local_steps(y, data, run, 1, batch_size, 0.0, np.zeros_like(x))
+    model.oracle_grad(x, data, run, batch_size, grad)
+    model.loss_grad(x, data, grad)
+    model.train_loss(x, data)
+
+
+def warmup(kinds=("logreg", "mlp", "cnn", "quadratic"), dtypes=("float32", "float64"), out=print) -> int:
+    """Compile every kernel of these models and dtypes into the cache; returns how many were compiled."""
+    total = 0
+    for kind in kinds:
+        for dtype in dtypes:
+            model, data = build(kind, dtype, n=40)
+            before, t0 = jit_compilations(), time.perf_counter()
+            warm_model(model, data, 10)
+            compiled = jit_compilations() - before
+            total += compiled
+            state = f"compiled {compiled} kernels" if compiled else "already cached"
+            out(f"warmup {kind:9s} {dtype}: {state} in {time.perf_counter() - t0:.1f} s")
+    return total
+
+
+# ----------------------------------------------------------------------------------------------- speed
+def steps_per_second(kind: str, batch: int, min_time_s: float = 0.5) -> tuple[int, float]:
+    """(parameters, local SGD steps per second) of one thread, after a warm-up; calls of K steps, as a round."""
+    model, data = build(kind, "float32", n=max(200, 4 * batch))
+    x = model.initial_params()
+    run = model.begin(data, kernel_state(0, Purpose.LOCAL, 1, 0))
+    model.local_steps(x, data, run, 1, batch, 0.001)
+    k, best = 1, np.inf
+    t0 = time.perf_counter()
+    while True:
+        t = time.perf_counter()
+        model.local_steps(x, data, run, k, batch, 0.001)
+        per_step = (time.perf_counter() - t) / k
+        best = min(best, per_step)
+        if time.perf_counter() - t0 > min_time_s:
+            break
+        k = min(max(1, int(0.05 / per_step)), 1000)  # calls of ~50 ms, as a round's local work
+    return model.dim, 1.0 / best
+
+
+def first_step_report(kind: str) -> dict:
+    """In a fresh process: build one device of `kind` and run every kernel once; its resident memory."""
+    import psutil
+
+    model, data = build(kind, "float32", n=600)
+    warm_model(model, data, RECOMMENDED_BATCH[kind])
+    return {"rss_mb": psutil.Process().memory_info().rss / 2**20}
+
+
+def startup(kind: str, cache_dir: str | None) -> dict:
+    """Wall time from a fresh interpreter to one device's first step, and its RSS (cache_dir: Numba's)."""
+    env = dict(os.environ)
+    if cache_dir is not None:
+        env["NUMBA_CACHE_DIR"] = cache_dir
+    code = f"import json; from edgefed.profiling import first_step_report; print(json.dumps(first_step_report({kind!r})))"
+    t0 = time.perf_counter()
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=3600)
+    wall = time.perf_counter() - t0
+    if done.returncode != 0:
+        raise RuntimeError(f"profiling the start-up of {kind} failed: {done.stderr.strip().splitlines()[-1:]}")
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    report["wall_s"] = wall
+    return report
+
+
+# ------------------------------------------------------------------------------------------------ machine
+def machine_facts() -> dict:
+    import numba
+    import psutil
+
+    cpu = platform.processor() or platform.machine()
+    board = None
+    try:
+        for line in open("/proc/cpuinfo", encoding="utf-8", errors="replace"):
+            key, _, value = line.partition(":")
+            key = key.strip().lower()
+            if key == "model name" and cpu in (platform.processor(), platform.machine()):
+                cpu = value.strip()
+            elif key == "model":
+                board = value.strip() or board  # a Raspberry Pi names itself here
+    except OSError:
+        pass
+    facts = {"arch": platform.machine(), "cpu": cpu, "cores": psutil.cpu_count(logical=False) or os.cpu_count(),
+             "logical_cores": os.cpu_count(), "memory_mb": int(psutil.virtual_memory().total / 2**20),
+             "python": platform.python_version(), "numpy": np.__version__, "numba": numba.__version__,
+             "edgefed": __version__}
+    if board and not board.isdigit():
+        facts["board"] = board
+    return facts
+
+
+def measure(kinds=tuple(BENCH_MODELS), cold: bool = True, out=print) -> dict:
+    """Everything `edgefed profile` measures on this machine, as a profile dict (no [mpi] table)."""
+    facts = machine_facts()
+    name = facts.get("board") or f"{facts['cpu']} ({facts['arch']})"
+    speeds, cold_s, warm_s, rss = [], {}, {}, {}
+    for kind in kinds:
+        if cold:
+            with tempfile.TemporaryDirectory(prefix="edgefed-cold-") as empty:
+                cold_s[kind] = round(startup(kind, empty)["wall_s"], 2)
+            out(f"{kind}: cold start (empty kernel cache) {cold_s[kind]:.1f} s")
+        warm_model(*build(kind, "float32", n=40), 10)  # fills this machine's cache for the warm start
+        report = startup(kind, None)
+        warm_s[kind], rss[kind] = round(report["wall_s"], 2), round(report["rss_mb"], 1)
+        out(f"{kind}: warm start {warm_s[kind]:.2f} s, one device's process {rss[kind]:.0f} MB resident")
+        for batch in BENCH_MODELS[kind]:
+            params, sps = steps_per_second(kind, batch)
+            speeds.append({"model": kind, "params": params, "batch": batch, "steps_per_s": float(f"{sps:.4g}")})
+            out(f"{kind}: batch {batch}: {sps:,.1f} steps/s ({1e3 / sps:.3f} ms per step)")
+    profile = {
+        "format": 1, "name": name, "measured": True,
+        "machine": facts,
+        "recommend": {"dtype": "float32", "threads": 1, "device_ranks": facts["cores"],
+                      "batch": {k: RECOMMENDED_BATCH[k] for k in kinds}},
+        "startup": {"warm_s": warm_s, **({"cold_s": cold_s} if cold else {})},
+        "memory": {"rank_rss_mb": rss},
+        "speed": speeds,
+    }
+    return profile
+
+
+def mpi_collectives(comm, kinds=tuple(BENCH_MODELS), repeats: int = 20) -> list[dict]:
+    """Median milliseconds of a broadcast of each model's parameters from rank 0 (as edgefed's Ibcast and
+    poll) and of a gather of one such vector from every rank, on rank 0; every rank must call this."""
+    from edgefed.runtime.mpi import wait
+
+    out = []
+    for kind in kinds:
+        dim = {"logreg": 610, "mlp": 199210, "cnn": 1663370}[kind]
+        buf = np.zeros(dim, np.float32)
+        gathered = np.zeros((comm.Get_size(), dim), np.float32) if comm.Get_rank() == 0 else None
+        bcast, gather = [], []
+        for _ in range(repeats):
+            comm.Barrier()
+            t = time.perf_counter()
+            wait(comm.Ibcast(buf, root=0), 0.001)
+            bcast.append(time.perf_counter() - t)
+            comm.Barrier()
+            t = time.perf_counter()
+            comm.Gather(buf, gathered, root=0)
+            gather.append(time.perf_counter() - t)
+        out.append({"model": kind, "params": dim, "bytes": dim * 4,
+                    "bcast_ms": round(float(np.median(bcast)) * 1e3, 3),
+                    "gather_ms": round(float(np.median(gather)) * 1e3, 3)})
+    return out
+
+
+def header_comment(profile: dict) -> str:
+    m = profile["machine"]
+    return (f"Measured by `edgefed profile` (edgefed {__version__}) on {time.strftime('%Y-%m-%d')}: "
+            f"{m['cpu']}, {m['arch']}, {m['cores']} cores, {m['memory_mb']} MB.\n"
+            "speed: local SGD steps per second, one thread, float32 (calls of ~50 ms, as a round's work).\n"
+            "startup: seconds from a fresh interpreter to one device's first step; cold = empty Numba cache.")
+
+
+def host_name() -> str:
+    return socket.gethostname().split(".")[0] or "host"
