@@ -40,10 +40,16 @@ compare with a runtime that runs two workers. Fractional values (e.g. 0.5 -> 4 a
 the 2 cores. object_store_memory is capped at 256 MB (the default reserves 30% of RAM on a shared machine;
 the model is 2.4 KB). Flower's telemetry and Ray's usage stats are switched off (no network here).
 
-Known property of this Flower version: the ServerApp's InMemoryGrid.send_and_receive polls for replies with
-a fixed `pull_interval` of 0.1 s, so a round whose clients are not done at the first poll costs a whole
-number of 0.1 s sleeps; per_round_ms sits just above 100 ms for short rounds. This script leaves that
-default alone (it is what a Flower user gets); `--pull-interval` overrides it, for a floor measurement only.
+Known properties of this Flower version that shape the numbers:
+  * Rounds are quantised to ~100 ms. The ServerApp's InMemoryGrid.send_and_receive polls for replies every
+    `pull_interval` = 0.1 s, and the Simulation Engine's own thread that hands queued messages to the Ray
+    workers (vce_api.add_messages_to_queue) also polls every 0.1 s. A round costs 1, 2 or 3 poll periods
+    (~105, ~207, ~310 ms) depending on whether dispatch + the N Ray calls fit in the first period. This
+    script leaves those defaults alone (they are what a Flower user gets); `--pull-interval` overrides the
+    ServerApp's interval only, for a floor measurement.
+  * Start-up: the ServerApp's node sampling sleeps 1 s while the nodes register, and the Ray backend
+    (ray.init with a runtime_env, then the actor pool importing flwr in each worker) starts inside round 1,
+    so start_to_first_round_s is dominated by Ray's start-up and grows quickly with CPU contention.
 
 Output: Flower's and Ray's console output goes to stderr (file descriptor 1 is pointed at 2 for the run),
 and exactly one JSON line is written to the real stdout at the end.

@@ -117,9 +117,11 @@ for f in /etc/pip.conf /etc/xdg/pip/pip.conf /etc/xdg/pip/constraints.txt "$HOME
 done
 # Local wheel folders and file:// indexes named in pip's configuration or environment are bind-mounted
 # read-only at the same path so the copied config stays valid (their x86 wheels are simply not picked
-# for aarch64; anything else pip takes from the registry).
+# for aarch64, but pure-Python wheels are, and anything else pip takes from the registry). A file://
+# index's pages link to their files by relative paths (../../files/x.whl), so for an index folder
+# .../simple the folder above it is mounted.
 local_dirs=$( { pip3 config list 2>/dev/null || true; env | grep '^PIP_' || true; } |
-    grep -oE "(file://)?/[A-Za-z0-9_.-][^' ]*" | sed 's|^file://||' | sort -u)
+    grep -oE "(file://)?/[A-Za-z0-9_.-][^' ]*" | sed -e 's|^file://||' -e 's|/simple/*$||' | sort -u)
 for d in $local_dirs; do
     [ -d "$d" ] && bind "$d" "$d" ro
 done

