@@ -8,6 +8,8 @@ from enum import IntEnum
 
 import numpy as np
 
+from edgefed.kernels.random import seed_sequence_state
+
 
 class Purpose(IntEnum):
     """What a stream is for; the value is part of the key, so never renumber."""
@@ -36,8 +38,24 @@ def generator(seed: int, purpose: Purpose, round_idx: int = 0, device_id: int | 
 
 
 def kernel_state(seed: int, purpose: Purpose, round_idx: int, device_id: int) -> np.ndarray:
-    """A fresh xoshiro256** state (4 x uint64) for the in-kernel generator of one stream."""
-    state = seed_sequence(seed, purpose, round_idx, device_id).generate_state(4, np.uint64)
+    """A fresh xoshiro256** state (4 x uint64) for the in-kernel generator of one stream: the words
+    seed_sequence(seed, purpose, round, device).generate_state(4, uint64) gives, computed in a kernel."""
+    run = _words(int(seed))
+    spawn = _words(int(purpose)) + _words(int(round_idx)) + _words(int(device_id) + 1)
+    state = np.zeros(4, np.uint64)
+    seed_sequence_state(np.array(run + [0] * (4 - len(run)) + spawn, np.uint64), state)
     if not state.any():  # xoshiro's one forbidden state; SeedSequence makes it astronomically unlikely
         state[0] = 1
     return state
+
+
+def _words(n: int) -> list[int]:
+    """n as little-endian 32-bit words, as SeedSequence reads an integer (0 is one zero word)."""
+    if n < 0:
+        raise ValueError("stream keys are non-negative")
+    out = [n & 0xFFFFFFFF]
+    n >>= 32
+    while n:
+        out.append(n & 0xFFFFFFFF)
+        n >>= 32
+    return out

@@ -2,6 +2,8 @@
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from edgefed.kernels import random as krandom
 from edgefed.models import LogReg, Quadratic
@@ -190,3 +192,12 @@ def test_logreg_oracle_gradient_is_one_minibatch():
     model.oracle_grad(x, data, model.begin(data, state), None, out)
     model.loss_grad(x, data, full)
     np.testing.assert_allclose(out, full, rtol=1e-12, atol=1e-15)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(0, 2**80), st.sampled_from(list(Purpose)), st.integers(0, 2**40), st.integers(0, 2**33))
+def test_kernel_state_is_numpys_seed_sequence(seed, purpose, round_idx, device):
+    """The in-kernel SeedSequence gives NumPy's words for every key (multi-word ones included)."""
+    expected = np.random.SeedSequence(entropy=seed, spawn_key=(int(purpose), round_idx, device + 1))
+    np.testing.assert_array_equal(kernel_state(seed, purpose, round_idx, device),
+                                  expected.generate_state(4, np.uint64))

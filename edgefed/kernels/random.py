@@ -69,3 +69,54 @@ def draw_batch(state, perm, n, b):
         tmp = perm[i]
         perm[i] = perm[j]
         perm[j] = tmp
+
+
+_M32 = np.uint64(0xFFFFFFFF)
+
+
+@njit(**JIT)
+def _hashmix(value, h):
+    value ^= h
+    h = (h * np.uint64(0x931E8875)) & _M32
+    value = (value * h) & _M32
+    return value ^ (value >> np.uint64(16)), h
+
+
+@njit(**JIT)
+def _mix(x, y):
+    r = (np.uint64(0xCA01F9DD) * x - np.uint64(0x4973F715) * y) & _M32
+    return r ^ (r >> np.uint64(16))
+
+
+@njit(**JIT)
+def seed_sequence_state(entropy, out):
+    """out (uint64[n]) <- numpy's SeedSequence(...).generate_state(n, uint64) for the assembled entropy words
+    (uint64 holding uint32 values: the run entropy zero-padded to 4 words, then the spawn key's words).
+
+    NumPy's own SeedSequence costs ~40 us per stream, a fifth of a simulated round of ten devices; this is
+    its algorithm (pool of 4, hashmix / mix constants of numpy.random.bit_generator) at ~1 us, checked
+    against NumPy in the tests.
+    """
+    pool = np.zeros(4, np.uint64)
+    h = np.uint64(0x43B0D7E5)
+    for i in range(4):
+        pool[i], h = _hashmix(entropy[i] if i < entropy.shape[0] else np.uint64(0), h)
+    for i_src in range(4):
+        for i_dst in range(4):
+            if i_src != i_dst:
+                v, h = _hashmix(pool[i_src], h)
+                pool[i_dst] = _mix(pool[i_dst], v)
+    for i_src in range(4, entropy.shape[0]):
+        for i_dst in range(4):
+            v, h = _hashmix(entropy[i_src], h)
+            pool[i_dst] = _mix(pool[i_dst], v)
+    h = np.uint64(0x8B51F9DD)
+    for i in range(out.shape[0]):
+        words = np.uint64(0)
+        for half in range(2):
+            v = pool[(2 * i + half) % 4] ^ h
+            h = (h * np.uint64(0x58F38DED)) & _M32
+            v = (v * h) & _M32
+            v ^= v >> np.uint64(16)
+            words |= v << np.uint64(32 * half)
+        out[i] = words
