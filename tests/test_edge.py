@@ -230,3 +230,17 @@ def test_pi_cluster_launcher_runs_a_deadline_run_on_local_boards(tmp_path):
     fast = hwprofile.load_profile("x86-64-laptop").step_seconds("logreg", 20, 610)
     slow = hwprofile.load_profile("pi4b").step_seconds("logreg", 20, 610)
     np.testing.assert_allclose(deadlines[:4], 1.5 * 200 * np.array([fast, slow, fast, slow]))
+
+
+def test_board_readings_come_from_sysfs_like_a_pis(tmp_path):
+    from edgefed.runtime.deadline import BoardReadings
+
+    freq = tmp_path / "devices/system/cpu/cpu2/cpufreq/scaling_cur_freq"
+    temp = tmp_path / "class/thermal/thermal_zone0/temp"
+    for path, value in ((freq, "1500000\n"), (temp, "48312\n")):
+        path.parent.mkdir(parents=True)
+        path.write_text(value)
+    board = BoardReadings(core=2, sys_root=str(tmp_path))
+    assert board.frequency_mhz() == 1500.0 and board.temperature_c() == pytest.approx(48.312)
+    freq.write_text("600000\n")  # throttled: read anew every time
+    assert board.frequency_mhz() == 600.0

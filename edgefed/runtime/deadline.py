@@ -52,12 +52,14 @@ class DeadlineRunner:
 class BoardReadings:
     """CPU frequency (MHz) and temperature (deg C) where the board reports them; NaN where it does not."""
 
-    def __init__(self, core: int | None = None):
+    def __init__(self, core: int | None = None, sys_root: str = "/sys"):
         self.core = core
-        self._temp_key = self._find_sensor()
-        sysfs = Path(f"/sys/devices/system/cpu/cpu{core or 0}/cpufreq/scaling_cur_freq")
+        sysfs = Path(sys_root, f"devices/system/cpu/cpu{core or 0}/cpufreq/scaling_cur_freq")
         self._freq_file = sysfs if sysfs.is_file() else None
-        self._fallback = (-math.inf, math.nan)  # (when read, MHz)
+        zone = Path(sys_root, "class/thermal/thermal_zone0/temp")  # a Pi's SoC sensor (cpu-thermal)
+        self._temp_file = zone if zone.is_file() else None
+        self._temp_key = None if self._temp_file else self._find_sensor()
+        self._fallback = {"freq": (-math.inf, math.nan), "temp": (-math.inf, math.nan)}  # (when read, value)
 
     @staticmethod
     def _find_sensor():
@@ -73,19 +75,30 @@ class BoardReadings:
     def frequency_mhz(self) -> float:
         """The core's current frequency: one sysfs read (~10 us) on boards with cpufreq, as every Pi has.
 
-        Without it psutil parses /proc/cpuinfo (~0.15 ms, a tenth of a simulated round), so that value
-        is read at most once a second.
+        Without it psutil parses /proc/cpuinfo (~0.15 ms, a tenth of a simulated round), so that value is
+        read at most once a second; so is psutil's temperature, which walks every hwmon sensor.
         """
         if self._freq_file is not None:
             try:
                 return int(self._freq_file.read_bytes()) / 1000.0
             except (OSError, ValueError):
                 self._freq_file = None
-        when, value = self._fallback
+        return self._cached("freq", self._psutil_frequency)
+
+    def temperature_c(self) -> float:
+        if self._temp_file is not None:
+            try:
+                return int(self._temp_file.read_bytes()) / 1000.0
+            except (OSError, ValueError):
+                self._temp_file = None
+        return self._cached("temp", self._psutil_temperature)
+
+    def _cached(self, what: str, read) -> float:
+        when, value = self._fallback[what]
         now = time.monotonic()
         if now - when >= 1.0:
-            value = self._psutil_frequency()
-            self._fallback = (now, value)
+            value = read()
+            self._fallback[what] = (now, value)
         return value
 
     def _psutil_frequency(self) -> float:
@@ -98,7 +111,7 @@ class BoardReadings:
         entry = freqs[self.core] if self.core is not None and self.core < len(freqs) else freqs[0]
         return float(entry.current) if entry.current else math.nan
 
-    def temperature_c(self) -> float:
+    def _psutil_temperature(self) -> float:
         if self._temp_key is None:
             return math.nan
         try:
