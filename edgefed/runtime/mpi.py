@@ -19,6 +19,7 @@ from __future__ import annotations
 import math
 import os
 import sys
+import threading
 import time
 from dataclasses import dataclass
 
@@ -71,27 +72,33 @@ class Backoff:
     The brief spin matters: a large non-blocking broadcast only advances when it is tested.
     """
 
-    def __init__(self, poll_max_s: float = POLL_MAX_S):
+    def __init__(self, poll_max_s: float = POLL_MAX_S, wake: threading.Event | None = None):
         self.poll_max_s = poll_max_s
         self.start = time.perf_counter()
         self.sleep = 20e-6
+        self.wake = wake  # set by another thread to end a sleep early (a device's work finished)
 
     def elapsed(self) -> float:
         return time.perf_counter() - self.start
 
     def pause(self) -> None:
         if self.elapsed() > SPIN_S:
-            time.sleep(self.sleep)
+            if self.wake is None:
+                time.sleep(self.sleep)
+            elif self.wake.wait(self.sleep):
+                self.wake.clear()
+                self.sleep = 20e-6
+                return
             self.sleep = min(self.sleep * 2, self.poll_max_s)
 
     def reset(self) -> None:
         self.sleep = 20e-6
 
 
-def wait(req, poll_max_s: float = POLL_MAX_S, also=None) -> None:
+def wait(req, poll_max_s: float = POLL_MAX_S, also=None, wake: threading.Event | None = None) -> None:
     """Wait for a request without burning a core; `also()` runs between polls (a device rank sends finished
-    work while it waits for the next command)."""
-    backoff = Backoff(poll_max_s)
+    work while it waits for the next command), at once when `wake` is set."""
+    backoff = Backoff(poll_max_s, wake)
     while not req.Test():
         if also is not None:
             also()
@@ -307,6 +314,7 @@ class DeviceServer:
         self._send_req = [None, None]
         self._next = 0
         self._future = None  # (round, Future) of the work in progress
+        self._done = threading.Event()  # the worker finished: report now rather than after the next sleep
 
     def _records(self, tag: int, n: int) -> np.ndarray:
         """n zeroed records to fill, living in the next free send buffer (no allocation per round)."""
@@ -346,7 +354,7 @@ class DeviceServer:
         self._mpi_byte = MPI.BYTE
         n, d = self.layout.n_devices, self.layout.dim
         while True:
-            wait(self.comm.Ibcast(self.ctrl, root=0), self.poll, also=self._report_finished_work)
+            wait(self.comm.Ibcast(self.ctrl, root=0), self.poll, also=self._report_finished_work, wake=self._done)
             ctrl = self.ctrl
             cmd, round_idx = int(ctrl[0]), int(ctrl[1])
             if ctrl[5] >= 0:
@@ -360,7 +368,7 @@ class DeviceServer:
                     wait(self.comm.Irecv(rows, source=0, tag=TAG_LOAD), self.poll)
                 self.transport.load_controls(rows)
                 continue
-            wait(self.comm.Ibcast(self.xbuf, root=0), self.poll, also=self._report_finished_work)
+            wait(self.comm.Ibcast(self.xbuf, root=0), self.poll, also=self._report_finished_work, wake=self._done)
             x = self.xbuf[:d].copy()
             c = self.xbuf[d:].copy() if self.layout.scaffold else None
             if cmd == CMD_ROUND:
@@ -398,7 +406,9 @@ class DeviceServer:
             records["meta"][:, 0], records["meta"][:, 1], records["meta"][:, 7] = round_idx, ids, 1
             self._send_records(TAG_WORK, records)
             return
-        self._future = (round_idx, self.transport.submit(plan, x, c), ids)
+        future = self.transport.submit(plan, x, c)
+        future.add_done_callback(lambda _: self._done.set())
+        self._future = (round_idx, future, ids)
 
     def _evaluate(self, x) -> None:
         ev = self.transport.evaluate(x)
