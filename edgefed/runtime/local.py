@@ -52,7 +52,6 @@ class LocalTransport:
         if hasattr(problem, "host"):
             problem.host(self.device_ids)
         self._devices = {}
-        self._worked = set()  # devices that already worked in this process: only a first round can compile
         self._faults = {(f.device, f.round): f for f in faults}
         self.controls = None  # (hosted devices, d) SCAFFOLD controls c_k, in device_ids order
         self._pending = None  # (round, device ids, Delta c rows) until the coordinator accepts them
@@ -140,8 +139,7 @@ class LocalTransport:
             if self.client.needs_control_stream:
                 control_run = self.model.begin(data, kernel_state(self.seed, Purpose.CONTROL, plan.round_idx, k))
             c_k = None if self.controls is None else self.controls[self._row[k]]
-            first = k not in self._worked
-            compiled_before = jit_compilations() if first else 0
+            compiled_before = jit_compilations()
             wall0, cpu0 = time.perf_counter(), time.thread_time()
             self._inject_fault(k, plan.round_idx)
             runner = run_all if plan.deadline_s is None else DeadlineRunner(float(plan.deadline_s[i]))
@@ -149,9 +147,7 @@ class LocalTransport:
                                                 self.batch_size, plan.lr, x, c, c_k, deltas[i],
                                                 None if delta_c is None else delta_c[i])
             wall = time.perf_counter() - wall0
-            if first:
-                self._worked.add(k)
-                compiled[i] = jit_compilations() > compiled_before
+            compiled[i] = jit_compilations() > compiled_before
             elapsed[i] = wall
             cpu[i] = 100.0 * (time.thread_time() - cpu0) / wall if wall > 0 else math.nan
             freq[i], temp[i] = self.readings.frequency_mhz(), self.readings.temperature_c()
