@@ -42,7 +42,27 @@ def accumulate_product(A, W, Z, b, din, dout):
                 z2[j] += a2 * x
                 z3[j] += a3 * x
         r0 += 4
-    for r in range(r0, b):  # the last rows one at a time, still four rows of W per store
+    if r0 + 2 <= b:  # two leftover rows as a half tile (b = 10: measured +10-20 % on the 2NN's first layer)
+        z0, z1 = Z[r0], Z[r0 + 1]
+        k = 0
+        while k + 4 <= din:
+            w0, w1, w2, w3 = W[k], W[k + 1], W[k + 2], W[k + 3]
+            a00, a01, a02, a03 = A[r0, k], A[r0, k + 1], A[r0, k + 2], A[r0, k + 3]
+            a10, a11, a12, a13 = A[r0 + 1, k], A[r0 + 1, k + 1], A[r0 + 1, k + 2], A[r0 + 1, k + 3]
+            for j in range(dout):
+                x0, x1, x2, x3 = w0[j], w1[j], w2[j], w3[j]
+                z0[j] += (a00 * x0 + a01 * x1) + (a02 * x2 + a03 * x3)
+                z1[j] += (a10 * x0 + a11 * x1) + (a12 * x2 + a13 * x3)
+            k += 4
+        for kk in range(k, din):
+            w = W[kk]
+            a0, a1 = A[r0, kk], A[r0 + 1, kk]
+            for j in range(dout):
+                x = w[j]
+                z0[j] += a0 * x
+                z1[j] += a1 * x
+        r0 += 2
+    for r in range(r0, b):  # the last row alone, still four rows of W per store
         z = Z[r]
         k = 0
         while k + 4 <= din:
