@@ -167,10 +167,11 @@ def prepare(cfg: Config, log_path: Path, *, resume_point=None, force: bool = Fal
     return Setup(cfg, problem, model, header, trace)
 
 
-def device_deadlines(setup: Setup, owners: np.ndarray | None = None, on_info=None) -> Setup:
+def device_deadlines(setup: Setup, owners: np.ndarray | None = None, on_info=None, n_ranks: int = 0) -> Setup:
     """Setup with each device's deadline: the configured seconds, or a multiple of the time its budget of
-    K_k steps takes on its board, by the hardware profile of the rank hosting it (owners; None: this
-    process hosts every device, on [device] profile's board). The deadlines go into the log's attributes."""
+    K_k steps takes on its board, by the hardware profile of the rank hosting it (owners, among n_ranks
+    device ranks; None: this process hosts every device, on [device] profile's board). The deadlines go
+    into the log's attributes."""
     cfg, p = setup.cfg, setup.cfg.participation
     if p.mode != "deadline":
         return setup
@@ -186,9 +187,8 @@ def device_deadlines(setup: Setup, owners: np.ndarray | None = None, on_info=Non
                                   "to its hardware profile (device.boards applies under mpirun)")
             names = [dev.profile] * n
         else:
-            ranks = int(owners.max(initial=0))
-            if len(dev.boards) != ranks:
-                raise ConfigError(f"config: device.boards names {len(dev.boards)} boards, but this run has {ranks} "
+            if len(dev.boards) != n_ranks:
+                raise ConfigError(f"config: device.boards names {len(dev.boards)} boards, but this run has {n_ranks} "
                                   "device ranks; give one profile per device rank (entry i is rank i + 1)")
             names = [dev.boards[int(r) - 1] for r in owners]
         profiles = {name: hwprofile.load_profile(name) for name in dict.fromkeys(names)}

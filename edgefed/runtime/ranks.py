@@ -26,7 +26,7 @@ def run_coordinator(comm, resolve, force: bool, on_round, on_info, on_error) -> 
         cfg, point, path = resolve()
         setup = experiment.prepare(cfg, path, resume_point=point, force=force, on_info=on_info)
         owners = device_owners(setup.problem.n_devices, comm.Get_size(), setup.cfg.mpi.device_ranks)
-        setup = experiment.device_deadlines(setup, owners, on_info)
+        setup = experiment.device_deadlines(setup, owners, on_info, comm.Get_size() - 1)
     except EdgefedError as exc:
         comm.bcast({"error": str(exc)}, root=0)
         on_error(str(exc))
