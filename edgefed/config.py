@@ -575,12 +575,21 @@ def to_dict(cfg: Config) -> dict:
 
 
 def to_toml(cfg: Config) -> str:
-    data = to_dict(cfg)
+    return toml_text(to_dict(cfg))
+
+
+def toml_text(data: dict) -> str:
+    """Plain keys, then tables (a dict inside a table is written inline), then arrays of tables, as TOML."""
     lines = [f"{k} = {_toml_value(v)}" for k, v in data.items() if not isinstance(v, (dict, list))]
     for name, table in data.items():
         if isinstance(table, dict):
             lines.append(f"\n[{name}]")
-            lines.extend(f"{k} = {_toml_value(v)}" for k, v in table.items() if not _is_tables(v))
+            for k, v in table.items():
+                if isinstance(v, dict):
+                    inner = ", ".join(f"{ik} = {_toml_value(iv)}" for ik, iv in v.items())
+                    lines.append(f"{k} = {{ {inner} }}")
+                elif not _is_tables(v):
+                    lines.append(f"{k} = {_toml_value(v)}")
             for key, tables in table.items():
                 if _is_tables(tables):
                     for sub in tables:

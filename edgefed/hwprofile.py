@@ -142,28 +142,7 @@ def profile_from_dict(raw: dict, source: str) -> Profile:
 
 
 def to_toml(data: dict, comment: str = "") -> str:
-    """A profile dict as TOML in the shipped profiles' layout (tables after plain keys, speeds last)."""
-    from edgefed.config import _toml_value
+    """A profile dict as TOML, under a comment (its sources or how it was measured)."""
+    from edgefed.config import toml_text
 
-    lines = [f"# {line}" if line else "#" for line in comment.splitlines()]
-    lines += [f"{k} = {_toml_value(v)}" for k, v in data.items() if not isinstance(v, (dict, list))]
-    for name, table in data.items():
-        if isinstance(table, dict):
-            lines.append(f"\n[{name}]")
-            for k, v in table.items():
-                if isinstance(v, dict):
-                    inner = ", ".join(f"{ik} = {_toml_value(iv)}" for ik, iv in v.items())
-                    lines.append(f"{k} = {{ {inner} }}")
-                elif not (isinstance(v, list) and v and isinstance(v[0], dict)):
-                    lines.append(f"{k} = {_toml_value(v)}")
-            for k, v in table.items():
-                if isinstance(v, list) and v and isinstance(v[0], dict):
-                    for entry in v:
-                        lines.append(f"\n[[{name}.{k}]]")
-                        lines.extend(f"{ik} = {_toml_value(iv)}" for ik, iv in entry.items())
-    for name, entries in data.items():
-        if isinstance(entries, list):
-            for entry in entries:
-                lines.append(f"\n[[{name}]]")
-                lines.extend(f"{k} = {_toml_value(v)}" for k, v in entry.items())
-    return "\n".join(lines) + "\n"
+    return "".join(f"# {line}\n" if line else "#\n" for line in comment.splitlines()) + toml_text(data)

@@ -54,11 +54,10 @@ class BoardReadings:
 
     def __init__(self, core: int | None = None, sys_root: str = "/sys"):
         self.core = core
-        sysfs = Path(sys_root, f"devices/system/cpu/cpu{core or 0}/cpufreq/scaling_cur_freq")
-        self._freq_file = sysfs if sysfs.is_file() else None
+        freq = Path(sys_root, f"devices/system/cpu/cpu{core or 0}/cpufreq/scaling_cur_freq")
         zone = Path(sys_root, "class/thermal/thermal_zone0/temp")  # a Pi's SoC sensor (cpu-thermal)
-        self._temp_file = zone if zone.is_file() else None
-        self._temp_key = None if self._temp_file else self._find_sensor()
+        self._files = {"freq": freq if freq.is_file() else None, "temp": zone if zone.is_file() else None}
+        self._temp_key = None if self._files["temp"] else self._find_sensor()
         self._fallback = {"freq": (-math.inf, math.nan), "temp": (-math.inf, math.nan)}  # (when read, value)
 
     @staticmethod
@@ -78,26 +77,23 @@ class BoardReadings:
         Without it psutil parses /proc/cpuinfo (~0.15 ms, a tenth of a simulated round), so that value is
         read at most once a second; so is psutil's temperature, which walks every hwmon sensor.
         """
-        if self._freq_file is not None:
-            try:
-                return int(self._freq_file.read_bytes()) / 1000.0
-            except (OSError, ValueError):
-                self._freq_file = None
-        return self._cached("freq", self._psutil_frequency)
+        return self._read("freq", self._psutil_frequency)
 
     def temperature_c(self) -> float:
-        if self._temp_file is not None:
-            try:
-                return int(self._temp_file.read_bytes()) / 1000.0
-            except (OSError, ValueError):
-                self._temp_file = None
-        return self._cached("temp", self._psutil_temperature)
+        return self._read("temp", self._psutil_temperature)
 
-    def _cached(self, what: str, read) -> float:
+    def _read(self, what: str, fallback) -> float:
+        """The sysfs file's value (kHz or millidegrees, so / 1000), else psutil's at most once a second."""
+        path = self._files[what]
+        if path is not None:
+            try:
+                return int(path.read_bytes()) / 1000.0
+            except (OSError, ValueError):
+                self._files[what] = None
         when, value = self._fallback[what]
         now = time.monotonic()
         if now - when >= 1.0:
-            value = read()
+            value = fallback()
             self._fallback[what] = (now, value)
         return value
 
