@@ -68,7 +68,8 @@ class PeakMemory:
                     if "python" not in p.name():
                         continue
                     env = p.environ()
-                    key = f"rank {env['PMI_RANK']}" if "PMI_RANK" in env else "process"
+                    rank = env.get("PMI_RANK", env.get("OMPI_COMM_WORLD_RANK"))
+                    key = "process" if rank is None else f"rank {rank}"
                     rss, private = self.peak.get(key, (0.0, 0.0))
                     self.peak[key] = (max(rss, p.memory_info().rss / 2**20), max(private, anon_mb(p.pid)))
                 except (psutil.NoSuchProcess, psutil.AccessDenied):
@@ -86,17 +87,19 @@ def timed_run(args: list[str], ranks: int | None = None) -> dict:
     cmd = [sys.executable, "-m", "edgefed", "run", *args]
     if ranks:
         cmd = [MPIEXEC, "-n", str(ranks), *cmd]
-    t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=clean_env())
-    memory = PeakMemory(proc.pid)
-    stamps = {}
-    for line in proc.stdout:
-        if line.startswith("round "):
-            stamps[int(line.split()[1].split("/")[0])] = time.perf_counter() - t0
-    proc.wait()
-    peak = memory.stop()
-    if proc.returncode:
-        raise RuntimeError(f"{' '.join(cmd)} failed: {proc.stderr.read()[-2000:]}")
+    with tempfile.TemporaryFile("w+") as errors:  # a file, not a pipe: a chatty stderr cannot block the run
+        t0 = time.perf_counter()
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=errors, text=True, env=clean_env())
+        memory = PeakMemory(proc.pid)
+        stamps = {}
+        for line in proc.stdout:
+            if line.startswith("round "):
+                stamps[int(line.split()[1].split("/")[0])] = time.perf_counter() - t0
+        proc.wait()
+        peak = memory.stop()
+        if proc.returncode:
+            errors.seek(0)
+            raise RuntimeError(f"{' '.join(cmd)} failed: {errors.read()[-2000:]}")
     rounds = sorted(stamps)
     gaps = np.diff([stamps[r] for r in rounds if r >= 1])
     return {"first_round_s": stamps[1], "per_round_ms": float(np.mean(gaps[1:] if gaps.size > 1 else gaps)) * 1e3,
@@ -140,7 +143,11 @@ def main():
     parser.add_argument("--flower-python", help="python of a venv with flwr[simulation] (optional)")
     parser.add_argument("--flower-rounds", type=int, default=30)
     args = parser.parse_args()
-    tmp = Path(tempfile.mkdtemp(prefix="edgefed-e2e-"))
+    with tempfile.TemporaryDirectory(prefix="edgefed-e2e-") as folder:
+        measure(args, Path(folder))
+
+
+def measure(args, tmp: Path) -> None:
     print(f"# {platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}; "
           f"load average before: {os.getloadavg()[0]:.2f}")
     subprocess.run([sys.executable, "-m", "edgefed", "warmup", "--models", "logreg,mlp", "--dtypes", "float32"],
@@ -183,7 +190,7 @@ def main():
                          "--set", 'model.kind="mlp"', "--set", "rounds=3", "--set", 'train.clients_per_round="all"',
                          "--out", str(tmp / "mlp.h5"), "--force"], ranks=2)
         print("\n## Resident memory with the 2NN (mpiexec -n 2: coordinator + one device rank hosting 10 devices, "
-              f"8,000 images; RSS and, in brackets, private memory: RSS less mapped library code)\n\n"
+              "8,000 images; RSS and, in brackets, private memory: RSS less mapped library code)\n\n"
               + ", ".join(f"{k}: {v[0]:.0f} MB ({v[1]:.0f} MB)" for k, v in sorted(mlp["peak_mb"].items())))
 
     print("\n## Simulated devices: every device every round, 5 logistic-regression steps, 20 rounds\n")
@@ -196,7 +203,6 @@ def main():
         print(f"| {n} | {r['first_round_s']:.2f} | {r['per_round_ms']:.1f} | {r['per_round_ms'] / n:.3f} | "
               f"{r['peak_mb']['process'][0]:.0f} ({r['peak_mb']['process'][1]:.0f}) |")
     print(f"\n# load average after: {os.getloadavg()[0]:.2f}")
-    shutil.rmtree(tmp, ignore_errors=True)
 
 
 if __name__ == "__main__":

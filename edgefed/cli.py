@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import sys
+import tomllib
 from pathlib import Path
 
 from edgefed import __version__
@@ -280,51 +282,92 @@ def cmd_profile(args) -> int:
     from edgefed import hwprofile, profiling
     from edgefed.runtime import mpi
 
-    models = _names(args.models, hwprofile.MODELS, "models")
     comm = mpi.world()
     rank = 0 if comm is None else comm.Get_rank()
-    if args.out and rank == 0 and Path(args.out).exists() and not args.force and "{host}" not in args.out:
-        raise EdgefedError(f"{args.out} already exists; pass --force to replace it or choose another --out")
     host = profiling.host_name()
     hosts = [host] if comm is None else comm.allgather(host)
-    leader = hosts.index(host) == rank  # one rank per host measures it, the others stay idle meanwhile
-    say = print if leader else (lambda line: None)
-    if rank != 0:
-        say = (lambda line: print(f"[{host}] {line}", flush=True)) if leader else say
-    measured = profiling.measure(models, cold=not args.no_cold, out=say) if leader else None
+    names = list(dict.fromkeys(hosts))
+    error, models, targets = None, [], []
+    if rank == 0:  # the head node checks the inputs and the files it will write, before anything is measured
+        try:
+            models = _names(args.models, hwprofile.MODELS, "models")
+            targets = _profile_targets(args, names)
+        except EdgefedError as exc:
+            error = str(exc)
     if comm is not None:
-        measured = comm.gather(measured, root=0)
+        error, models = comm.bcast((error, models), root=0)
+    if error:
+        if rank == 0:
+            raise EdgefedError(error)
+        return EXIT_BAD_INPUT
+    leader = hosts.index(host) == rank  # one rank per host measures it; the others wait, sleeping
+    say = print if rank == 0 else (lambda line: print(f"[{host}] {line}", flush=True))
+    result = (None, None)
+    if leader:
+        try:
+            result = (None, profiling.measure(models, cold=not args.no_cold, out=say))
+        except Exception as exc:  # noqa: BLE001 - reported by rank 0, so no rank waits forever
+            result = (f"{host}: {type(exc).__name__}: {exc}", None)
+    if comm is None:
+        results = [result]
+    else:
+        mpi.wait(comm.Ibarrier())
+        results = comm.gather(result, root=0)
+        errors = comm.bcast([e for e, _ in results if e] if rank == 0 else None, root=0)
+        if errors:
+            if rank == 0:
+                raise EdgefedError("profiling failed on " + "; ".join(errors))
+            return EXIT_BAD_INPUT
         collectives = profiling.mpi_collectives(comm, models)
         if rank != 0:
             return 0
-        measured = [m for m in measured if m is not None]
-        for m in measured:
-            m["mpi"] = {"ranks": comm.Get_size(), "hosts": len(set(hosts)), "collective": collectives}
-    else:
-        measured = [measured]
-    names = list(dict.fromkeys(hosts))
-    if len(measured) > 1 and (not args.out or "{host}" not in args.out):
-        raise EdgefedError(f"profiled {len(measured)} hosts; give --out with {{host}} in it, "
-                           "e.g. --out hw_profiles/{host}.toml")
-    for host_name, profile in zip(names, measured):
+        for _, m in results:
+            if m is not None:
+                m["mpi"] = {"ranks": comm.Get_size(), "hosts": len(names), "collective": collectives}
+    for (host_name, path), profile in zip(targets, [m for _, m in results if m is not None]):
         if args.name:
-            profile["name"] = args.name
+            profile["name"] = args.name.replace("{host}", host_name)
         text = hwprofile.to_toml(profile, profiling.header_comment(profile))
-        hwprofile.profile_from_dict(profile, "the measured profile")  # what we write must load back
-        if not args.out:
+        hwprofile.profile_from_dict(tomllib.loads(text), f"the profile measured on {host_name}")  # loads back
+        if path is None:
             print(text, end="")
             continue
-        path = Path(args.out.replace("{host}", host_name))
-        path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".{path.name}.tmp")
-        tmp.write_text(text, encoding="utf-8")
-        tmp.replace(path)
+        try:
+            tmp.write_text(text, encoding="utf-8")
+            tmp.replace(path)
+        except OSError as exc:
+            tmp.unlink(missing_ok=True)
+            raise EdgefedError(f"cannot write profile {path} ({exc}); choose another --out") from None
         print(f"profile of {host_name} written to {path}")
     return 0
 
 
+def _profile_targets(args, hosts: list[str]) -> list[tuple[str, Path | None]]:
+    """(host, file) of every profile to write, checked before anything is measured."""
+    if not args.out:
+        if len(hosts) > 1:
+            raise EdgefedError(f"profiling {len(hosts)} hosts; give --out with {{host}} in it, "
+                               "e.g. --out hw_profiles/{host}.toml")
+        return [(hosts[0], None)]
+    if len(hosts) > 1 and "{host}" not in args.out:
+        raise EdgefedError(f"profiling {len(hosts)} hosts; put {{host}} in --out, e.g. --out hw_profiles/{{host}}.toml")
+    targets = [(h, Path(args.out.replace("{host}", h))) for h in hosts]
+    for _, path in targets:
+        if path.exists() and not args.force:
+            raise EdgefedError(f"{path} already exists; pass --force to replace it or choose another --out")
+        folder = next((p for p in (path.parent, *path.parent.parents) if p.exists()), Path.cwd())
+        if not folder.is_dir() or not os.access(folder, os.W_OK):
+            raise EdgefedError(f"cannot write profile {path}: {folder} is not a writable folder; choose another --out")
+    for _, path in targets:
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise EdgefedError(f"cannot write profile {path} ({exc}); choose another --out") from None
+    return targets
+
+
 def cmd_contend(args) -> int:
-    import os
     import time
 
     from edgefed.runtime.contention import duty_cycle, pin

@@ -133,6 +133,8 @@ class MpiConfig:
 class DeviceConfig:
     profile: str | None = None  # hardware profile of the boards: a name in hw_profiles/ or a .toml file
     boards: tuple[str, ...] = ()  # under MPI, each device rank's board (entry i: rank i + 1), overriding profile
+    contention: tuple[float, ...] = ()  # under MPI, the CPU competitor load on each device rank's board
+    # (entry i: rank i + 1), for every device it hosts; overrides participation.contention there
 
 
 @dataclass(frozen=True)
@@ -368,6 +370,9 @@ def validate(cfg: Config) -> Config:
 
 
 def _validate_device(dev: DeviceConfig, p: ParticipationConfig) -> None:
+    for i, load in enumerate(dev.contention):
+        if not 0 <= load < 1:
+            raise ConfigError(f"config: device.contention[{i}] = {load} must lie in [0, 1) (a CPU share)")
     for i, name in enumerate(dev.boards):
         if not name.strip():
             raise ConfigError(f"config: device.boards[{i}] is empty; name a hardware profile (e.g. \"pi4b\")")

@@ -167,19 +167,25 @@ def prepare(cfg: Config, log_path: Path, *, resume_point=None, force: bool = Fal
     return Setup(cfg, problem, model, header, trace)
 
 
-def device_deadlines(setup: Setup, owners: np.ndarray | None = None, on_info=None, n_ranks: int = 0) -> Setup:
+def device_deadlines(setup: Setup, owners: np.ndarray | None = None, on_info=None, resume_point=None) -> Setup:
     """Setup with each device's deadline: the configured seconds, or a multiple of the time its budget of
-    K_k steps takes on its board, by the hardware profile of the rank hosting it (owners, among n_ranks
-    device ranks; None: this process hosts every device, on [device] profile's board). The deadlines go
-    into the log's attributes."""
+    K_k steps takes on its board, by the hardware profile of the rank hosting it (owners; None: this
+    process hosts every device, on [device] profile's board). The deadlines go into the log's attributes;
+    a resumed run keeps the ones its log holds, whatever its profiles say now."""
     cfg, p = setup.cfg, setup.cfg.participation
     if p.mode != "deadline":
         return setup
     n = setup.problem.n_devices
     factor = hwprofile.parse_deadline(p.deadline_s)
-    if factor is None:
+    logged = None if resume_point is None else resume_point.attrs.get("deadline_s")
+    if logged is not None and np.shape(logged) == (n,):
+        deadlines = np.asarray(logged, np.float64)
+    elif factor is None:
         deadlines = np.full(n, float(p.deadline_s))
     else:
+        if setup.model.kind not in hwprofile.MODELS:
+            raise ConfigError(f"config: participation.deadline_s = {p.deadline_s!r} needs a profiled model "
+                              f"({', '.join(hwprofile.MODELS)}); give the {setup.model.kind} model's deadline in seconds")
         dev = cfg.device
         if owners is None or not dev.boards:
             if dev.profile is None:
@@ -187,9 +193,6 @@ def device_deadlines(setup: Setup, owners: np.ndarray | None = None, on_info=Non
                                   "to its hardware profile (device.boards applies under mpirun)")
             names = [dev.profile] * n
         else:
-            if len(dev.boards) != n_ranks:
-                raise ConfigError(f"config: device.boards names {len(dev.boards)} boards, but this run has {n_ranks} "
-                                  "device ranks; give one profile per device rank (entry i is rank i + 1)")
             names = [dev.boards[int(r) - 1] for r in owners]
         profiles = {name: hwprofile.load_profile(name) for name in dict.fromkeys(names)}
         budgets = local_budgets(cfg, setup.problem.n_train)
@@ -209,11 +212,21 @@ def device_deadlines(setup: Setup, owners: np.ndarray | None = None, on_info=Non
     return dataclasses.replace(setup, deadlines=deadlines)
 
 
-def local_transport(cfg: Config, problem, model, device_ids=None, core=None) -> LocalTransport:
-    """The devices this process hosts (all of them in the simulator)."""
+def local_transport(cfg: Config, problem, model, device_ids=None, core=None, contention=None) -> LocalTransport:
+    """The devices this process hosts (all of them in the simulator); contention: the competitor loads
+    (cycled over devices), by default participation.contention."""
     batch = None if cfg.train.batch_size == "full" else cfg.train.batch_size
+    loads = cfg.participation.contention if contention is None else contention
     return LocalTransport(problem, model, client_algorithm(cfg, batch), cfg.seed, batch, device_ids,
-                          cfg.fault, cfg.participation.contention, core)
+                          cfg.fault, loads, core)
+
+
+def check_device_ranks(cfg: Config, n_ranks: int) -> None:
+    """[device] lists that name one entry per device rank must match this run's number of device ranks."""
+    for key, values, what in (("boards", cfg.device.boards, "boards"), ("contention", cfg.device.contention, "loads")):
+        if values and len(values) != n_ranks:
+            raise ConfigError(f"config: device.{key} names {len(values)} {what}, but this run has {n_ranks} device "
+                              f"ranks; give one per device rank (entry i is rank i + 1)")
 
 
 def note_warmup(setup: Setup, compiled: list[int], seconds: list[float], on_info) -> None:
@@ -262,7 +275,7 @@ def run(cfg: Config, log_path: Path, *, resume_point=None, force: bool = False, 
         on_info=None) -> RunResult:
     """One run in this process (the simulator)."""
     setup = prepare(cfg, log_path, resume_point=resume_point, force=force, on_info=on_info)
-    setup = device_deadlines(setup, None, on_info)
+    setup = device_deadlines(setup, None, on_info, resume_point)
     transport = local_transport(setup.cfg, setup.problem, setup.model)
     compiled, seconds = transport.warmup()
     note_warmup(setup, [compiled], [seconds], on_info or (lambda line: None))

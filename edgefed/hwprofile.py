@@ -136,6 +136,8 @@ def profile_from_dict(raw: dict, source: str) -> Profile:
                 raise bad(f"{where}.{key}", f"must be a positive integer, found {value!r}")
         if not isinstance(sps, (int, float)) or isinstance(sps, bool) or not sps > 0 or not math.isfinite(sps):
             raise bad(f"{where}.steps_per_s", f"must be a positive number, found {sps!r}")
+        if any(s.model == model and s.batch == batch for s in speeds):
+            raise bad(where, f"repeats model {model!r} at batch {batch}; keep one entry per model and batch")
         speeds.append(Speed(model, params, batch, float(sps)))
     extra = {k: raw[k] for k in ("startup", "memory", "mpi") if k in raw}
     return Profile(raw["name"], source, bool(raw.get("measured", False)), machine, recommend, tuple(speeds), extra)

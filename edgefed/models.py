@@ -14,7 +14,7 @@ from edgefed.kernels import logreg as _logreg
 from edgefed.kernels import mlp as _mlp
 from edgefed.kernels import quadratic as _quad
 from edgefed.problems import ClassificationData, QuadraticData
-from edgefed.rng import Purpose, generator
+from edgefed.rng import Purpose, generator, kernel_state
 
 _EMPTY = {np.dtype(np.float32): np.zeros(0, np.float32), np.dtype(np.float64): np.zeros(0, np.float64)}
 
@@ -329,3 +329,15 @@ def build_model(kind: str, problem, dtype: str, hidden=(200, 200), seed: int = 0
     if kind == "quadratic":
         return Quadratic(problem.dim, problem.x0, np.dtype(dtype))
     raise ValueError(f"unknown model kind {kind!r}")
+
+
+def warm_model(model, data, batch_size) -> None:
+    """Call every kernel a round can reach, compiling (or loading from the cache) each for this model's dtype."""
+    x = model.initial_params()
+    y, grad = x.copy(), np.zeros_like(x)
+    run = model.begin(data, kernel_state(0, Purpose.LOCAL, 0, 0))
+    model.local_steps(y, data, run, 1, batch_size, 0.0)
+    model.local_steps(y, data, run, 1, batch_size, 0.0, np.zeros_like(x))
+    model.oracle_grad(x, data, run, batch_size, grad)
+    model.loss_grad(x, data, grad)
+    model.train_loss(x, data)

@@ -25,7 +25,7 @@ import numpy as np
 
 from edgefed import __version__
 from edgefed.kernels import jit_compilations
-from edgefed.models import CNN, MLP, LogReg, Quadratic
+from edgefed.models import CNN, MLP, LogReg, Quadratic, warm_model
 from edgefed.problems import ClassificationData, QuadraticData
 from edgefed.rng import Purpose, kernel_state
 
@@ -52,18 +52,6 @@ def build(kind: str, dtype: str = "float32", n: int = 200):
     X = g.random((n, features), dtype=np.float64).astype(dt)
     y = g.integers(0, classes, n).astype(np.int64)
     return model, ClassificationData(X, y, X[:20].copy(), y[:20].copy())
-
-
-def warm_model(model, data, batch_size) -> None:
-    """Call every kernel a round can reach, compiling (or loading) each for this model's dtype."""
-    x = model.initial_params()
-    y, grad = x.copy(), np.zeros_like(x)
-    run = model.begin(data, kernel_state(0, Purpose.LOCAL, 0, 0))
-    model.local_steps(y, data, run, 1, batch_size, 0.0)
-    model.local_steps(y, data, run, 1, batch_size, 0.0, np.zeros_like(x))
-    model.oracle_grad(x, data, run, batch_size, grad)
-    model.loss_grad(x, data, grad)
-    model.train_loss(x, data)
 
 
 def warmup(kinds=("logreg", "mlp", "cnn", "quadratic"), dtypes=("float32", "float64"), out=print) -> int:
@@ -189,7 +177,7 @@ def mpi_collectives(comm, kinds=tuple(BENCH_MODELS), repeats: int = 20) -> list[
 
     out = []
     for kind in kinds:
-        dim = {"logreg": 610, "mlp": 199210, "cnn": 1663370}[kind]
+        dim = build(kind, "float32", n=2)[0].dim
         buf = np.zeros(dim, np.float32)
         gathered = np.zeros((comm.Get_size(), dim), np.float32) if comm.Get_rank() == 0 else None
         bcast, gather = [], []

@@ -247,6 +247,12 @@ def _write_resume_point(f: h5py.File, point: "ResumePoint") -> None:
         ds.resize(data.shape[0], axis=0)
         if data.shape[0]:
             ds[...] = data
+
+    def pad(name, obj):  # a column the resumed log's version did not write: its completed rounds hold the fill
+        if isinstance(obj, h5py.Dataset) and "rows" in obj.attrs and name not in point.prefix and point.limits:
+            obj.resize(point.limits[obj.attrs["rows"]], axis=0)
+
+    f.visititems(pad)
     slots = f["state"].attrs["slots"].split(",")
     for name, value in point.state.items():
         if name in slots:
@@ -340,6 +346,8 @@ class ResumePoint:
     state: dict
     prefix: dict
     complete: bool
+    limits: dict = field(default_factory=dict)  # rows kept per row mapping ("round", "round+1", "stored")
+    attrs: dict = field(default_factory=dict)  # the log's root attributes (e.g. the deadlines it ran with)
 
 
 def read_resume_point(path: str | Path) -> ResumePoint:
@@ -372,7 +380,8 @@ def read_resume_point(path: str | Path) -> ResumePoint:
                 count = int(st["undo/count"][0])
                 rows[st["undo/ids"][:count]] = st[f"undo/{name}"][:count]
             state[name] = rows
-        return ResumePoint(str(f.attrs["config"]), done, state, prefix, f.attrs.get("status") == "complete")
+        return ResumePoint(str(f.attrs["config"]), done, state, prefix, f.attrs.get("status") == "complete",
+                           limits, dict(f.attrs))
 
 
 @dataclass(frozen=True)

@@ -7,9 +7,8 @@
 #   launch/pi-cluster.sh run     BOARDS CONFIG [edgefed run options...]
 #
 # BOARDS is a board list like launch/hostfile.example (host, profile, contention per line). `run` passes each
-# board's profile as [device] boards and its load as [participation] contention, so a config with
-# `deadline_s = "auto"` gets per-board deadlines. Devices go round-robin over the boards (device k on board
-# k mod B), so contention entry k mod B is the load of device k's own board.
+# board's profile as [device] boards and its load as [device] contention (a competitor beside every device
+# the board hosts), so a config with `deadline_s = "auto"` gets per-board deadlines.
 #
 # Environment:
 #   VENV     the virtualenv, at the same path on every board (default: this checkout's .venv)
@@ -37,7 +36,8 @@ case "$MPI" in openmpi|mpich) ;; *) echo "pi-cluster.sh: MPI=$MPI; use openmpi o
 
 # Parse the board list: skip comments and blank lines; line 1 is the head node.
 hosts=() profiles=() loads=()
-while read -r host role load _; do
+while read -r host role load _ || [ -n "${host:-}" ]; do  # also a last line without a newline
+    host=${host%$'\r'} role=${role%$'\r'} load=${load%$'\r'}  # a board list saved on Windows
     case "$host" in ''|'#'*) continue ;; esac
     hosts+=("$host")
     if [ ${#hosts[@]} -gt 1 ]; then
@@ -98,7 +98,7 @@ run)
     shift
     sets=(--set "device.boards=$(toml_list '"' "${profiles[@]}")")
     if printf '%s\n' "${loads[@]}" | grep -qv '^0*\.\?0*$'; then  # any board under load
-        sets+=(--set "participation.contention=$(toml_list '' "${loads[@]}")")
+        sets+=(--set "device.contention=$(toml_list '' "${loads[@]}")")
     fi
     run "${launch[@]}" "$python" -m edgefed run "$config" "${sets[@]}" "$@"
     ;;

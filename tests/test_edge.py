@@ -60,6 +60,7 @@ def test_step_seconds_scales_by_parameters_and_is_linear_in_the_batch(tmp_path):
     ('format = 1\nname = "x"\n[machine]\narch = "a"\ncores = 1', "machine.memory_mb is missing"),
     (profile_text([("mlp", 10, 10, -1.0)]), r"speed\[0\].steps_per_s must be a positive number"),
     (profile_text([("rnn", 10, 10, 1.0)]), r"speed\[0\].model must be one of logreg, mlp, cnn"),
+    (profile_text([("mlp", 10, 10, 1.0), ("mlp", 10, 10, 2.0)]), r"speed\[1\] repeats model 'mlp' at batch 10"),
     ("format = ", "cannot be read"),
 ])
 def test_a_bad_profile_is_named_with_its_key(tmp_path, body, message):
@@ -138,14 +139,14 @@ def test_warmup_fills_the_cache_so_a_run_compiles_nothing(tmp_path):
         "edgefed: error: --models 'rnn': choose from logreg, mlp, cnn, quadratic"
 
 
-def test_a_round_that_compiled_is_noted(monkeypatch):
+def test_a_round_that_compiled_is_noted(monkeypatch, tmp_path):
     """The bookkeeping: a device whose work included a compilation is flagged, the others not."""
     from edgefed import experiment
     from edgefed.runtime import local
     from edgefed.runtime.messages import RoundPlan
 
     cfg = load_config(None, ["data.clients=3", "train.local_steps=2", "train.clients_per_round=2"])
-    setup = experiment.prepare(cfg, __import__("pathlib").Path("/nonexistent/never-written.h5"), force=True)
+    setup = experiment.prepare(cfg, tmp_path / "never-written.h5")
     transport = experiment.local_transport(setup.cfg, setup.problem, setup.model)
     counts = iter([0, 3, 3, 3, 3, 3, 3, 4])  # before/after each device: device 0 compiles, then device 2
     monkeypatch.setattr(local, "jit_compilations", lambda: next(counts))
@@ -169,11 +170,19 @@ def test_boards_give_each_rank_its_own_deadline_under_mpi(tmp_path):
     # devices round-robin over ranks 1, 2: 0 and 2 on the fast board, 1 and 3 on the slow one
     np.testing.assert_allclose(read_run(tmp_path / "r.h5")["attrs"]["deadline_s"],
                                1.5 * 20 * np.array([1 / 20000, 1 / 5000, 1 / 20000, 1 / 5000]))
+    # and the device ranks work to them: a board "profiled" at 1e9 steps/s gets ~30 ns and completes nothing
+    absurd = tmp_path / "absurd.toml"
+    absurd.write_text(profile_text([("logreg", 610, 20, 1e9)], "absurd"))
+    cfg = write(tmp_path, "a.toml", base + f'[device]\nboards = ["{slow}", "{absurd}"]\n')
+    done = edgefed(["run", cfg, "--out", str(tmp_path / "a.h5"), "--quiet"], 3)
+    assert done.returncode == 0, done.stderr
+    steps = read_run(tmp_path / "a.h5")["participation/steps"]
+    assert (steps[:, [0, 2]] == 20).all() and (steps[:, [1, 3]] == 0).all()
     wrong = write(tmp_path, "w.toml", base + f'[device]\nboards = ["{fast}"]\n')
     done = edgefed(["run", wrong, "--out", str(tmp_path / "w.h5")], 3)
     assert done.returncode == 2
     assert done.stderr.strip() == ("edgefed: error: config: device.boards names 1 boards, but this run has 2 device "
-                                   "ranks; give one profile per device rank (entry i is rank i + 1)")
+                                   "ranks; give one per device rank (entry i is rank i + 1)")
     assert not (tmp_path / "w.h5").exists()
 
 
@@ -203,16 +212,16 @@ def launcher(tmp_path, boards, *args, **env):
 
 
 def test_pi_cluster_launcher_builds_each_mpi_flavours_command(tmp_path):
-    boards = "# head first\nhead coordinator\npi-a pi4b 0.0\n\npi-b pi-zero-2w 0.9\n"
+    boards = "# head first\nhead coordinator\npi-a pi4b 0.0\n\npi-b pi-zero-2w 0.9"  # no newline at the end
     done = launcher(tmp_path, boards, "run", "c.toml", "--out", "r.h5", DRY_RUN="1", MPI="openmpi", MPIRUN="mpirun")
     assert done.returncode == 0, done.stderr
     cmd = done.stdout.split()
     assert cmd[:3] == ["mpirun", "--hostfile", cmd[2]] and cmd[3:7] == ["--map-by", "slot", "-np", "3"]
     assert cmd[7].endswith("/python") and cmd[8:12] == ["-m", "edgefed", "run", "c.toml"]
     assert 'device.boards=\\[\\"pi4b\\"\\,\\ \\"pi-zero-2w\\"\\]' in done.stdout
-    assert "participation.contention=\\[0.0\\,\\ 0.9\\] --out r.h5" in done.stdout
-    mpich = launcher(tmp_path, boards.replace("0.9", "0"), "run", "c.toml", DRY_RUN="1", MPI="mpich",
-                     MPIRUN="mpiexec")
+    assert "device.contention=\\[0.0\\,\\ 0.9\\] --out r.h5" in done.stdout
+    mpich = launcher(tmp_path, boards.replace("0.9", "0").replace("\n", "\r\n"), "run", "c.toml", DRY_RUN="1",
+                     MPI="mpich", MPIRUN="mpiexec")  # saved with Windows line ends
     assert mpich.stdout.split()[:5] == ["mpiexec", "-f", mpich.stdout.split()[2], "-n", "3"]
     assert "contention" not in mpich.stdout  # no board under load: no competitors
     bad = launcher(tmp_path, "head coordinator\npi-a\n", "run", "c.toml", DRY_RUN="1")
@@ -244,3 +253,55 @@ def test_board_readings_come_from_sysfs_like_a_pis(tmp_path):
     assert board.frequency_mhz() == 1500.0 and board.temperature_c() == pytest.approx(48.312)
     freq.write_text("600000\n")  # throttled: read anew every time
     assert board.frequency_mhz() == 600.0
+
+
+def test_a_resumed_deadline_run_keeps_the_deadlines_it_started_with(tmp_path):
+    from edgefed import experiment
+
+    profile = tmp_path / "board.toml"
+    profile.write_text(profile_text([("logreg", 610, 20, 2000.0)]))
+    cfg = load_config(None, ["rounds=4", "data.clients=3", 'train.clients_per_round="all"', "train.local_steps=4",
+                             'participation.mode="deadline"', 'participation.deadline_s="auto"',
+                             f'device.profile="{profile}"'])
+    path = tmp_path / "run.h5"
+
+    def stop(summary):
+        if summary.round_idx == 2:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        experiment.run(cfg, path, on_round=stop)
+    profile.write_text(profile_text([("logreg", 610, 20, 100.0)]))  # the board re-profiled in between
+    _, point = experiment.resolve_config(None, [], str(path))
+    experiment.run(cfg, path, resume_point=point)
+    np.testing.assert_allclose(read_run(path)["attrs"]["deadline_s"], [1.1 * 4 / 2000.0] * 3)
+
+
+def test_resuming_a_log_without_a_newer_column_pads_its_completed_rounds(tmp_path):
+    """A log written before `participation/compiled` existed resumes with that column aligned to the rounds."""
+    import h5py
+
+    from edgefed import experiment
+
+    cfg = load_config(None, ["rounds=4", "data.clients=3", "train.clients_per_round=2", "train.local_steps=2"])
+    path = tmp_path / "old.h5"
+
+    def stop(summary):
+        if summary.round_idx == 2:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        experiment.run(cfg, path, on_round=stop)
+    with h5py.File(path, "r+") as f:
+        del f["participation/compiled"]
+    _, point = experiment.resolve_config(None, [], str(path))
+    experiment.run(cfg, path, resume_point=point)
+    log = read_run(path)
+    assert log["participation/compiled"].shape == log["participation/steps"].shape == (4, 3)
+
+
+def test_auto_deadline_needs_a_profiled_model(run_experiment):
+    with pytest.raises(ConfigError, match=r"needs a profiled model \(logreg, mlp, cnn\); give the quadratic "
+                                          r"model's deadline in seconds"):
+        run_experiment({"data.kind": "quadratic", "participation.mode": "deadline", "participation.deadline_s": "auto",
+                        "device.profile": "pi4b"})

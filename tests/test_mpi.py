@@ -154,9 +154,12 @@ def test_deadline_run_with_a_hung_device_replays_as_a_trace(tmp_path):
         assert np.array_equal(again["participation/steps"], steps)
 
 
-def test_contention_costs_steps(tmp_path):
-    cfg = write(tmp_path, "c.toml", DEADLINE.replace("rounds = 5", "rounds = 4")
-                + "contention = [0.0, 0.9]\n[mpi]\ndevice_ranks = [1, 1, 2, 2]\n")
+@pytest.mark.parametrize("where", [
+    "contention = [0.0, 0.9]\n[mpi]\ndevice_ranks = [1, 1, 2, 2]\n",  # per device, cycled: devices 1 and 3
+    "[mpi]\ndevice_ranks = [1, 2, 1, 2]\n[device]\ncontention = [0.0, 0.9]\n",  # per board: rank 2's devices
+])
+def test_contention_costs_steps(tmp_path, where):
+    cfg = write(tmp_path, "c.toml", DEADLINE.replace("rounds = 5", "rounds = 4") + where)
     out = tmp_path / "c.h5"
     done = edgefed(["run", cfg, "--out", str(out), "--quiet"], 3)
     assert done.returncode == 0, done.stderr
@@ -207,3 +210,12 @@ def test_image_models_under_mpi_match_the_simulator(tmp_path, model):
     assert sim["trajectory/x"].shape == (3, 199210 if model == "mlp" else 1663370)
     assert same_datasets(sim, mpi) == []
     assert not np.array_equal(sim["trajectory/x"][0], sim["trajectory/x"][-1])
+
+
+def test_a_deadline_round_that_selects_nobody_under_mpi(tmp_path):
+    """Every device departed: the round plans no work, and waiting for no rank must not fail."""
+    cfg = write(tmp_path, "e.toml", DEADLINE.replace("clients = 4", "clients = 2").replace("rounds = 5", "rounds = 3")
+                + "[[dynamics.depart]]\ndevice = 0\nround = 2\n[[dynamics.depart]]\ndevice = 1\nround = 2\n")
+    done = edgefed(["run", cfg, "--out", str(tmp_path / "e.h5"), "--quiet"], 3)
+    assert done.returncode == 0, done.stderr
+    assert read_run(tmp_path / "e.h5")["participation/selected"][1:].sum() == 0

@@ -19,7 +19,7 @@ import numpy as np
 from edgefed.algorithms import scaffold
 from edgefed.errors import EdgefedError
 from edgefed.kernels import jit_compilations
-from edgefed.profiling import warm_model
+from edgefed.models import warm_model
 from edgefed.rng import Purpose, kernel_state
 from edgefed.runtime.contention import Competitor, pin
 from edgefed.runtime.deadline import BoardReadings, DeadlineRunner, run_all

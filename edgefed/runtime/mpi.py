@@ -223,7 +223,7 @@ class MpiTransport:
         ranks = np.unique(owners)
         timeout = None
         if plan.deadline_s is not None:  # a rank runs its devices one after another
-            timeout = max(float(plan.deadline_s[owners == r].sum()) for r in ranks) + plan.grace_s
+            timeout = max((float(plan.deadline_s[owners == r].sum()) for r in ranks), default=0.0) + plan.grace_s
         got = self._collect(TAG_WORK, plan.round_idx, ranks, timeout)
         d, n_sel = self.layout.dim, plan.device_ids.size
         row = {int(k): i for i, k in enumerate(plan.device_ids)}

@@ -26,7 +26,8 @@ def run_coordinator(comm, resolve, force: bool, on_round, on_info, on_error) -> 
         cfg, point, path = resolve()
         setup = experiment.prepare(cfg, path, resume_point=point, force=force, on_info=on_info)
         owners = device_owners(setup.problem.n_devices, comm.Get_size(), setup.cfg.mpi.device_ranks)
-        setup = experiment.device_deadlines(setup, owners, on_info, comm.Get_size() - 1)
+        experiment.check_device_ranks(setup.cfg, comm.Get_size() - 1)
+        setup = experiment.device_deadlines(setup, owners, on_info, point)
     except EdgefedError as exc:
         comm.bcast({"error": str(exc)}, root=0)
         on_error(str(exc))
@@ -71,8 +72,12 @@ def run_device_rank(comm) -> int:
         problem = build_problem(cfg)
         model = build_model(cfg.model.kind, problem, cfg.model.dtype, cfg.model.hidden, cfg.seed)
         own = np.flatnonzero(info["owners"] == rank)
-        core = (rank - 1) % (os.cpu_count() or 1) if cfg.participation.contention else None
-        transport = experiment.local_transport(cfg, problem, model, device_ids=own, core=core)
+        loads = cfg.participation.contention
+        if cfg.device.contention:  # this board's own load, beside each of its devices
+            load = cfg.device.contention[rank - 1]
+            loads = (load,) if load > 0 else ()
+        core = (rank - 1) % (os.cpu_count() or 1) if loads else None
+        transport = experiment.local_transport(cfg, problem, model, device_ids=own, core=core, contention=loads)
         warm = transport.warmup()
     except EdgefedError as exc:
         failure = f"rank {rank}: {exc}"
