@@ -171,24 +171,30 @@ def measure(kinds=tuple(BENCH_MODELS), cold: bool = True, out=print) -> dict:
 
 
 def mpi_collectives(comm, kinds=tuple(BENCH_MODELS), repeats: int = 20) -> list[dict]:
-    """Median milliseconds of a broadcast of each model's parameters from rank 0 (as edgefed's Ibcast and
-    poll) and of a gather of one such vector from every rank, on rank 0; every rank must call this."""
+    """Median milliseconds, on rank 0, of moving each model's parameters as a round does: down, a
+    non-blocking broadcast waited on with edgefed's sleeping poll; up, one point-to-point message from
+    every other rank, received as they arrive. Every rank must call this."""
     from edgefed.runtime.mpi import wait
 
+    rank, size = comm.Get_rank(), comm.Get_size()
     out = []
     for kind in kinds:
         dim = build(kind, "float32", n=2)[0].dim
         buf = np.zeros(dim, np.float32)
-        gathered = np.zeros((comm.Get_size(), dim), np.float32) if comm.Get_rank() == 0 else None
+        inbox = np.zeros((size, dim), np.float32) if rank == 0 else None
         bcast, gather = [], []
         for _ in range(repeats):
-            comm.Barrier()
+            wait(comm.Ibarrier())
             t = time.perf_counter()
-            wait(comm.Ibcast(buf, root=0), 0.001)
+            wait(comm.Ibcast(buf, root=0))
             bcast.append(time.perf_counter() - t)
-            comm.Barrier()
+            wait(comm.Ibarrier())
             t = time.perf_counter()
-            comm.Gather(buf, gathered, root=0)
+            if rank == 0:
+                for req in [comm.Irecv(inbox[r], source=r, tag=7) for r in range(1, size)]:
+                    wait(req)
+            else:
+                wait(comm.Isend(buf, dest=0, tag=7))
             gather.append(time.perf_counter() - t)
         out.append({"model": kind, "params": dim, "bytes": dim * 4,
                     "bcast_ms": round(float(np.median(bcast)) * 1e3, 3),
