@@ -18,18 +18,24 @@ def assert_same_logs(a: dict, b: dict) -> None:
         assert value.tobytes() == b[name].tobytes(), name
 
 
-def interrupted_then_resumed(cfg, tmp_path, stop_round: int):
-    """Run cfg whole, and again stopped by Ctrl-C after stop_round and resumed; returns both logs."""
-    whole, part = tmp_path / "whole.h5", tmp_path / "part.h5"
-    experiment.run(cfg, whole)
+def run_until(cfg, path, stop_round: int):
+    """Run cfg into path, stopped by Ctrl-C after stop_round; returns the log's resume point."""
 
     def stop(summary):
         if summary.round_idx == stop_round:
             raise KeyboardInterrupt
 
     with pytest.raises(KeyboardInterrupt):
-        experiment.run(cfg, part, on_round=stop)
-    _, point = experiment.resolve_config(None, [], str(part))
+        experiment.run(cfg, path, on_round=stop)
+    _, point = experiment.resolve_config(None, [], str(path))
     assert point.rounds_done == stop_round
+    return point
+
+
+def interrupted_then_resumed(cfg, tmp_path, stop_round: int):
+    """Run cfg whole, and again stopped by Ctrl-C after stop_round and resumed; returns both logs."""
+    whole, part = tmp_path / "whole.h5", tmp_path / "part.h5"
+    experiment.run(cfg, whole)
+    point = run_until(cfg, part, stop_round)
     experiment.run(cfg, part, resume_point=point)
     return read_run(whole), read_run(part)

@@ -12,6 +12,7 @@ from edgefed import hwprofile
 from edgefed.config import load_config
 from edgefed.errors import ConfigError
 from edgefed.runlog import read_run
+from helpers import run_until
 from test_mpi import MPIEXEC, edgefed, write
 
 BOARDS = {"pi-zero-2w", "pi3b-plus", "pi4b", "pi5", "x86-64-laptop"}
@@ -265,15 +266,8 @@ def test_a_resumed_deadline_run_keeps_the_deadlines_it_started_with(tmp_path):
                              'participation.mode="deadline"', 'participation.deadline_s="auto"',
                              f'device.profile="{profile}"'])
     path = tmp_path / "run.h5"
-
-    def stop(summary):
-        if summary.round_idx == 2:
-            raise KeyboardInterrupt
-
-    with pytest.raises(KeyboardInterrupt):
-        experiment.run(cfg, path, on_round=stop)
+    point = run_until(cfg, path, 2)
     profile.write_text(profile_text([("logreg", 610, 20, 100.0)]))  # the board re-profiled in between
-    _, point = experiment.resolve_config(None, [], str(path))
     experiment.run(cfg, path, resume_point=point)
     np.testing.assert_allclose(read_run(path)["attrs"]["deadline_s"], [1.1 * 4 / 2000.0] * 3)
 
@@ -286,13 +280,7 @@ def test_resuming_a_log_without_a_newer_column_pads_its_completed_rounds(tmp_pat
 
     cfg = load_config(None, ["rounds=4", "data.clients=3", "train.clients_per_round=2", "train.local_steps=2"])
     path = tmp_path / "old.h5"
-
-    def stop(summary):
-        if summary.round_idx == 2:
-            raise KeyboardInterrupt
-
-    with pytest.raises(KeyboardInterrupt):
-        experiment.run(cfg, path, on_round=stop)
+    run_until(cfg, path, 2)
     with h5py.File(path, "r+") as f:
         del f["participation/compiled"]
     _, point = experiment.resolve_config(None, [], str(path))

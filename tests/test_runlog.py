@@ -11,7 +11,7 @@ import pytest
 from edgefed import config as config_mod
 from edgefed import experiment
 from edgefed.runlog import open_run, read_run
-from helpers import assert_same_logs, compared, interrupted_then_resumed
+from helpers import assert_same_logs, compared, interrupted_then_resumed, run_until
 
 SMALL = {"rounds": 12, "data.clients": 8, "train.clients_per_round": 3, "train.local_steps": 4,
          "data.samples": "pareto", "log.every": 5, "log.eval_every": 4}
@@ -126,14 +126,7 @@ def test_a_resume_that_fails_leaves_a_resumable_log(tmp_path, monkeypatch):
 
     monkeypatch.setattr(RoundEngine, "resume", fails_once)
     part = tmp_path / "part.h5"
-
-    def stop_at_5(summary):
-        if summary.round_idx == 5:
-            raise KeyboardInterrupt
-
-    with pytest.raises(KeyboardInterrupt):
-        experiment.run(cfg, part, on_round=stop_at_5)
-    _, point = experiment.resolve_config(None, [], str(part))
+    point = run_until(cfg, part, 5)
     with pytest.raises(RuntimeError):
         experiment.run(cfg, part, resume_point=point)
     _, point = experiment.resolve_config(None, [], str(part))  # the log is still resumable, at the same round
