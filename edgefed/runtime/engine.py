@@ -100,7 +100,8 @@ class RoundEngine:
         """(train objective, test loss, test accuracy) over the federation, reduced in ascending device id."""
         active_ids = np.flatnonzero(self.active)
         weights = schemes.objective_weights(self.cfg.train.weighting, active_ids, self.n_train)
-        train = float(np.dot(weights, ev.train_loss[active_ids]))
+        # math.fsum, not np.dot: BLAS's ddot sums in a CPU-dependent order (aarch64 and x86-64 differed by 2 ULPs)
+        train = math.fsum(weights * ev.train_loss[active_ids])
         n_test = int(ev.n_test[active_ids].sum())
         if n_test == 0:
             return train, math.nan, math.nan
