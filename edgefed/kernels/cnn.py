@@ -39,8 +39,12 @@ def layout(side: int, n_classes: int):
 
 
 @njit(**JIT)
-def _im2col(inp, side, cin, cols):
-    """cols (side*side, K*K*cin) <- every output pixel's 5x5 input window, zero outside the map."""
+def _windows(fmap, side, cin, cols, fold):
+    """Every output pixel's 5x5 window of fmap (side, side, cin), one row of cols (side*side, K*K*cin) each.
+
+    fold False (im2col): cols <- the windows, zero outside the map. fold True (col2im, the adjoint):
+    fmap += each row of cols put back onto its window, the part outside the map dropped.
+    """
     for y in range(side):
         for x in range(side):
             row = cols[y * side + x]
@@ -49,13 +53,19 @@ def _im2col(inp, side, cin, cols):
                 for kx in range(K):
                     xx = x + kx - PAD
                     base = (ky * K + kx) * cin
-                    if yy < 0 or yy >= side or xx < 0 or xx >= side:
-                        for ci in range(cin):
-                            row[base + ci] = 0
-                    else:
-                        src = inp[yy, xx]
+                    inside = 0 <= yy < side and 0 <= xx < side
+                    if fold:
+                        if inside:
+                            dst = fmap[yy, xx]
+                            for ci in range(cin):
+                                dst[ci] += row[base + ci]
+                    elif inside:
+                        src = fmap[yy, xx]
                         for ci in range(cin):
                             row[base + ci] = src[ci]
+                    else:
+                        for ci in range(cin):
+                            row[base + ci] = 0
 
 
 @njit(**JIT)
@@ -67,7 +77,7 @@ def _conv_forward(inp, W, bias, out, side, cin, cout, scratch):
     """
     n, depth = side * side, K * K * cin
     cols = scratch[:n * depth].reshape((n, depth))
-    _im2col(inp, side, cin, cols)
+    _windows(inp, side, cin, cols, False)
     out2 = out.reshape((n, cout))
     for r in range(n):
         for co in range(cout):
@@ -159,7 +169,7 @@ def _conv_backward(inp, W, dout, gW, gb, dinp, side, cin, cout, need_dinp, scrat
     """
     n, depth = side * side, K * K * cin
     cols = scratch[:n * depth].reshape((n, depth))
-    _im2col(inp, side, cin, cols)
+    _windows(inp, side, cin, cols, False)
     d2 = dout.reshape((n, cout))
     for r in range(n):
         for co in range(cout):
@@ -176,21 +186,7 @@ def _conv_backward(inp, W, dout, gW, gb, dinp, side, cin, cout, need_dinp, scrat
     dcols[:] = 0
     accumulate_product(d2, WT, dcols, n, cout, depth)
     dinp[:] = 0
-    for y in range(side):
-        for x in range(side):
-            row = dcols[y * side + x]
-            for ky in range(K):
-                yy = y + ky - PAD
-                if yy < 0 or yy >= side:
-                    continue
-                for kx in range(K):
-                    xx = x + kx - PAD
-                    if xx < 0 or xx >= side:
-                        continue
-                    base = (ky * K + kx) * cin
-                    dst = dinp[yy, xx]
-                    for ci in range(cin):
-                        dst[ci] += row[base + ci]
+    _windows(dinp, side, cin, dcols, True)
 
 
 @njit(**JIT)
