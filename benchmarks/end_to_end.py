@@ -109,9 +109,9 @@ def timed_run(args: list[str], ranks: int | None = None) -> dict:
 def flower_data(folder: Path) -> Path:
     """The workload's devices' training data as flower_baseline.py reads it."""
     from edgefed.config import load_config
-    from edgefed.problems import build_problem
+    from edgefed.orchestration.run import problem_and_model
 
-    problem = build_problem(load_config(None, WORKLOAD))
+    problem, _ = problem_and_model(load_config(None, WORKLOAD))
     arrays = {"n_classes": np.int64(problem.n_classes), "dim": np.int64(problem.n_features)}
     for k in range(problem.n_devices):
         d = problem.device(k)

@@ -19,9 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from edgefed import config as config_mod
-from edgefed import experiment
-from edgefed.models import build_model
-from edgefed.problems import build_problem
+from edgefed.orchestration import run as runs
 from edgefed.runlog import read_run
 
 COMMON = ['train.clients_per_round="all"', "train.local_steps=20", "train.batch_size=20", "train.lr_local=1.0",
@@ -32,7 +30,7 @@ DATASETS = {"SYNTHETIC(1,1)": ["data.alpha=1.0", "data.beta=1.0"], "SYNTHETIC(0,
 def run(overrides, folder: Path, name: str) -> dict:
     cfg = config_mod.load_config(None, COMMON + overrides)
     path = folder / f"{name}.h5"
-    experiment.run(cfg, path, force=True)
+    runs.run(cfg, path, force=True)
     return read_run(path)
 
 
@@ -115,8 +113,7 @@ def departure(args, folder):
 def remaining_test_loss(overrides, trajectory, devices) -> np.ndarray:
     """Held-out loss of every stored model on the given devices' test data."""
     cfg = config_mod.load_config(None, COMMON + overrides)
-    problem = build_problem(cfg)
-    model = build_model(cfg.model.kind, problem, cfg.model.dtype)
+    problem, model = runs.problem_and_model(cfg)
     data = [problem.device(k) for k in devices]
     n = sum(d.y_test.size for d in data)
     return np.array([sum(model.loss_correct(x, d.X_test, d.y_test)[0] for d in data) / n for x in trajectory])

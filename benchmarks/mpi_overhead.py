@@ -19,7 +19,7 @@ import time
 import numpy as np
 from mpi4py import MPI
 
-from edgefed.runtime.mpi import wait
+from edgefed.runtime.mpi.comm import wait
 
 SIZES = {"logreg 60x10": 610, "2NN 784-200-200-10": 199_210, "CNN (McMahan)": 1_663_370}
 

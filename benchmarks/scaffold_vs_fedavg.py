@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from edgefed import config as config_mod
-from edgefed import experiment
+from edgefed.orchestration import run as runs
 from edgefed.runlog import read_run
 
 VARIANTS = {"FedAvg": ["train.algorithm=\"fedavg\""],
@@ -33,7 +33,7 @@ def one_run(variant: str, lr: float, seed: int, rounds: int, folder: Path):
         "log.every=1000"])
     path = folder / f"{variant}-{lr}-{seed}.h5"
     wall = time.perf_counter()
-    experiment.run(cfg, path)
+    runs.run(cfg, path)
     wall = time.perf_counter() - wall
     log = read_run(path)
     return log["metrics/train_loss"], log["metrics/test_accuracy"], wall

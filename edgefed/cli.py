@@ -6,7 +6,6 @@ import argparse
 import math
 import os
 import sys
-import tomllib
 from pathlib import Path
 
 from edgefed import __version__
@@ -96,15 +95,15 @@ def progress_line(s) -> str:
 
 
 def _resolve(args):
-    from edgefed import experiment
+    from edgefed.orchestration import run
 
     if args.resume and args.out and Path(args.out) != Path(args.resume):
         raise EdgefedError("--resume continues the log in place; drop --out (or make it the same file)")
-    cfg, point = experiment.resolve_config(args.config, args.overrides, args.resume)
+    cfg, point = run.resolve_config(args.config, args.overrides, args.resume)
     if args.resume:
         path = Path(args.resume)
     else:
-        path = Path(args.out or cfg.log.path or experiment.default_log_path(args.config))
+        path = Path(args.out or cfg.log.path or run.default_log_path(args.config))
     return cfg, point, path
 
 
@@ -116,33 +115,14 @@ def _error(message: str) -> None:
     print(f"edgefed: error: {message}", file=sys.stderr, flush=True)
 
 
-def execute(resolve, force: bool, quiet: bool):
-    """Run an experiment in this process or, under mpirun, across the ranks.
-
-    `resolve()` gives (config, resume point, log path). Returns the RunResult on the process that wrote the
-    log, or an exit code (device ranks, bad input, interruption).
-    """
-    from edgefed import experiment
-    from edgefed.runtime import mpi
-
-    on_round = None if quiet else (lambda s: print(progress_line(s), flush=True))
-    comm = mpi.world()
-    if comm is not None:
-        from edgefed.runtime import ranks
-
-        if comm.Get_rank() != 0:
-            return ranks.run_device_rank(comm)
-        return ranks.run_coordinator(comm, resolve, force, on_round, _info, _error)
-    cfg, point, path = resolve()
-    try:
-        return experiment.run(cfg, path, resume_point=point, force=force, on_round=on_round, on_info=_info)
-    except KeyboardInterrupt:
-        print(f"edgefed: interrupted; continue with: edgefed run --resume {path}", file=sys.stderr)
-        return 130
+def _progress(quiet: bool):
+    return None if quiet else (lambda s: print(progress_line(s), flush=True))
 
 
 def cmd_run(args) -> int:
-    result = execute(lambda: _resolve(args), args.force, args.quiet)
+    from edgefed.orchestration.ranks import execute
+
+    result = execute(lambda: _resolve(args), args.force, _progress(args.quiet), _info, _error)
     if isinstance(result, int):
         return result
     path = result.path
@@ -158,19 +138,9 @@ def cmd_run(args) -> int:
 
 
 def cmd_trace_record(args) -> int:
-    import datetime
-    import os
-    import platform
     import shlex
-    import tempfile
 
-    import numpy as np
-
-    from edgefed import config as config_mod
-    from edgefed.hwprofile import AUTO_FACTOR
-    from edgefed.participation.traces import write_trace_file
-    from edgefed.rng import Purpose, generator
-    from edgefed.runlog import read_run
+    from edgefed.orchestration.trace_record import record_traces
 
     names = [n.strip() for n in args.names.split(",") if n.strip()]
 
@@ -189,65 +159,18 @@ def cmd_trace_record(args) -> int:
     loads, drops = per_trace(args.contention, "contention"), per_trace(args.drop, "drop")
     if not names or args.rounds < 1 or args.local_steps < 1 or (args.deadline_s is not None and not args.deadline_s > 0):
         raise EdgefedError("trace record needs --names, and positive --rounds, --local-steps and --deadline-s")
-    from edgefed.runtime import mpi
-
-    comm = mpi.world()
-    coordinator = comm is None or comm.Get_rank() == 0  # device ranks get the config from rank 0
-    if args.deadline_s is None and coordinator:  # so a free device just completes K, a loaded one shows its loss
-        args.deadline_s = round(AUTO_FACTOR * unloaded_seconds(args.local_steps, args.overrides), 5)
-        print(f"deadline: {args.deadline_s * 1e3:.2f} ms ({AUTO_FACTOR} x the time of {args.local_steps} steps measured here)")
-    tmp = tempfile.TemporaryDirectory()
-    log_path = Path(tmp.name) / "record.h5"
-    overrides = [f"seed={args.seed}", f"rounds={args.rounds}", f"data.clients={len(names)}",
-                 'train.clients_per_round="all"', f"train.local_steps={args.local_steps}",
-                 'participation.mode="deadline"', f"participation.deadline_s={args.deadline_s}",
-                 f"participation.contention={loads}", f"log.eval_every={args.rounds}", *args.overrides]
-    resolve = lambda: (config_mod.load_config(None, overrides), None, log_path)  # noqa: E731
-    result = execute(resolve, False, args.quiet)
-    if isinstance(result, int):
-        return result
-    log = read_run(log_path)
-    steps, budget = log["participation/steps"], log["participation/budget"]
-    fractions = steps / np.maximum(budget, 1)
-    for k, p in enumerate(drops):  # an upload lost on a weak link: the round counts as inactive
-        lost = np.array([generator(args.seed, Purpose.TRACE_DROP, r + 1, k).random() < p for r in range(args.rounds)])
-        fractions[lost, k] = 0.0
-    meta = {"recorded": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "command": "edgefed " + shlex.join(sys.argv[1:]), "machine": f"{platform.machine()}, {os.cpu_count()} cores",
-            "local_steps": args.local_steps, "deadline_s": args.deadline_s,
-            "contention": ",".join(map(str, loads)), "drop": ",".join(map(str, drops))}
-    write_trace_file(args.out, names, fractions, meta)
+    code = record_traces(args.out, names, loads, drops, rounds=args.rounds, local_steps=args.local_steps,
+                         deadline_s=args.deadline_s, seed=args.seed, overrides=args.overrides,
+                         command="edgefed " + shlex.join(sys.argv[1:]), on_round=_progress(args.quiet),
+                         on_info=_info, on_error=_error)
+    if code is not None:
+        return code
     print(f"wrote {args.out}: {len(names)} traces x {args.rounds} rounds")
     return cmd_trace_show(argparse.Namespace(file=args.out))
 
 
-def unloaded_seconds(n_steps: int, overrides) -> float:
-    """Median wall time of n_steps local steps of device 0 of the recording's model, on this core, unloaded."""
-    import time
-
-    from edgefed import config as config_mod
-    from edgefed.models import build_model
-    from edgefed.problems import build_problem
-    from edgefed.rng import Purpose, kernel_state
-
-    cfg = config_mod.load_config(None, ['train.clients_per_round="all"', "data.clients=1", *overrides])
-    problem = build_problem(cfg)
-    model = build_model(cfg.model.kind, problem, cfg.model.dtype, cfg.model.hidden, cfg.seed)
-    data = problem.device(0)
-    batch = None if cfg.train.batch_size == "full" else cfg.train.batch_size
-    times = []
-    for i in range(7):
-        x = model.initial_params()
-        run = model.begin(data, kernel_state(cfg.seed, Purpose.LOCAL, 1, 0))
-        start = time.perf_counter()
-        model.local_steps(x, data, run, n_steps, batch, cfg.train.lr_local)
-        if i:  # the first call compiles or loads the kernels
-            times.append(time.perf_counter() - start)
-    return float(sorted(times)[len(times) // 2])
-
-
 def cmd_trace_show(args) -> int:
-    from edgefed.participation.traces import BUILTIN, read_trace_file
+    from edgefed.tracefiles import BUILTIN, read_trace_file
 
     file = read_trace_file(BUILTIN if args.file == "builtin" else args.file)
     for key in ("command", "recorded", "local_steps", "deadline_s"):
@@ -269,7 +192,7 @@ def _names(text: str, known, what: str) -> list[str]:
 
 
 def cmd_warmup(args) -> int:
-    from edgefed.profiling import warmup
+    from edgefed.orchestration.profiling import warmup
 
     models = _names(args.models, ("logreg", "mlp", "cnn", "quadratic"), "models")
     dtypes = _names(args.dtypes, ("float32", "float64"), "dtypes")
@@ -279,92 +202,24 @@ def cmd_warmup(args) -> int:
 
 
 def cmd_profile(args) -> int:
-    from edgefed import hwprofile, profiling
-    from edgefed.runtime import mpi
+    from edgefed import hwprofile
+    from edgefed.orchestration import profiling
+    from edgefed.runtime.mpi.comm import world
 
-    comm = mpi.world()
-    rank = 0 if comm is None else comm.Get_rank()
-    host = profiling.host_name()
-    hosts = [host] if comm is None else comm.allgather(host)
-    names = list(dict.fromkeys(hosts))
-    error, models, targets = None, [], []
-    if rank == 0:  # the head node checks the inputs and the files it will write, before anything is measured
-        try:
-            models = _names(args.models, hwprofile.MODELS, "models")
-            targets = _profile_targets(args, names)
-        except EdgefedError as exc:
-            error = str(exc)
-    if comm is not None:
-        error, models = comm.bcast((error, models), root=0)
-    if error:
-        if rank == 0:
-            raise EdgefedError(error)
-        return EXIT_BAD_INPUT
-    leader = hosts.index(host) == rank  # one rank per host measures it; the others wait, sleeping
-    say = print if rank == 0 else (lambda line: print(f"[{host}] {line}", flush=True))
-    result = (None, None)
-    if leader:
-        try:
-            result = (None, profiling.measure(models, cold=not args.no_cold, out=say))
-        except Exception as exc:  # noqa: BLE001 - reported by rank 0, so no rank waits forever
-            result = (f"{host}: {type(exc).__name__}: {exc}", None)
-    if comm is None:
-        results = [result]
-    else:
-        mpi.wait(comm.Ibarrier())
-        results = comm.gather(result, root=0)
-        errors = comm.bcast([e for e, _ in results if e] if rank == 0 else None, root=0)
-        if errors:
-            if rank == 0:
-                raise EdgefedError("profiling failed on " + "; ".join(errors))
-            return EXIT_BAD_INPUT
-        collectives = profiling.mpi_collectives(comm, models)
-        if rank != 0:
-            return 0
-        for _, m in results:
-            if m is not None:
-                m["mpi"] = {"ranks": comm.Get_size(), "hosts": len(names), "collective": collectives}
-    for (host_name, path), profile in zip(targets, [m for _, m in results if m is not None]):
-        if args.name:
-            profile["name"] = args.name.replace("{host}", host_name)
-        text = hwprofile.to_toml(profile, profiling.header_comment(profile))
-        hwprofile.profile_from_dict(tomllib.loads(text), f"the profile measured on {host_name}")  # loads back
+    def prepare(hosts):
+        return _names(args.models, hwprofile.MODELS, "models"), profiling.profile_targets(args.out, hosts, args.force)
+
+    measured = profiling.profile_hosts(world(), prepare, not args.no_cold, lambda line: print(line, flush=True))
+    if isinstance(measured, int):
+        return measured
+    for (host, path), profile in measured:
+        text = profiling.profile_text(profile, host, args.name)
         if path is None:
             print(text, end="")
             continue
-        tmp = path.with_name(f".{path.name}.tmp")
-        try:
-            tmp.write_text(text, encoding="utf-8")
-            tmp.replace(path)
-        except OSError as exc:
-            tmp.unlink(missing_ok=True)
-            raise EdgefedError(f"cannot write profile {path} ({exc}); choose another --out") from None
-        print(f"profile of {host_name} written to {path}")
+        profiling.write_profile(path, text)
+        print(f"profile of {host} written to {path}")
     return 0
-
-
-def _profile_targets(args, hosts: list[str]) -> list[tuple[str, Path | None]]:
-    """(host, file) of every profile to write, checked before anything is measured."""
-    if not args.out:
-        if len(hosts) > 1:
-            raise EdgefedError(f"profiling {len(hosts)} hosts; give --out with {{host}} in it, "
-                               "e.g. --out hw_profiles/{host}.toml")
-        return [(hosts[0], None)]
-    if len(hosts) > 1 and "{host}" not in args.out:
-        raise EdgefedError(f"profiling {len(hosts)} hosts; put {{host}} in --out, e.g. --out hw_profiles/{{host}}.toml")
-    targets = [(h, Path(args.out.replace("{host}", h))) for h in hosts]
-    for _, path in targets:
-        if path.exists() and not args.force:
-            raise EdgefedError(f"{path} already exists; pass --force to replace it or choose another --out")
-        folder = next((p for p in (path.parent, *path.parent.parents) if p.exists()), Path.cwd())
-        if not folder.is_dir() or not os.access(folder, os.W_OK):
-            raise EdgefedError(f"cannot write profile {path}: {folder} is not a writable folder; choose another --out")
-    for _, path in targets:
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-        except OSError as exc:
-            raise EdgefedError(f"cannot write profile {path} ({exc}); choose another --out") from None
-    return targets
 
 
 def cmd_contend(args) -> int:

@@ -17,6 +17,8 @@ import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import tomli_w
+
 from edgefed.errors import ConfigError
 
 FORMAT = 1
@@ -145,6 +147,4 @@ def profile_from_dict(raw: dict, source: str) -> Profile:
 
 def to_toml(data: dict, comment: str = "") -> str:
     """A profile dict as TOML, under a comment (its sources or how it was measured)."""
-    from edgefed.config import toml_text
-
-    return "".join(f"# {line}\n" if line else "#\n" for line in comment.splitlines()) + toml_text(data)
+    return "".join(f"# {line}\n" if line else "#\n" for line in comment.splitlines()) + tomli_w.dumps(data)

@@ -13,7 +13,7 @@ from edgefed.kernels import cnn as _cnn
 from edgefed.kernels import logreg as _logreg
 from edgefed.kernels import mlp as _mlp
 from edgefed.kernels import quadratic as _quad
-from edgefed.problems import ClassificationData, QuadraticData
+from edgefed.problems.data import ClassificationData, QuadraticData
 from edgefed.rng import Purpose, generator, kernel_state
 
 _EMPTY = {np.dtype(np.float32): np.zeros(0, np.float32), np.dtype(np.float64): np.zeros(0, np.float64)}
@@ -319,16 +319,18 @@ class Quadratic:
         return self.loss_grad(params, data, np.empty_like(params))
 
 
-def build_model(kind: str, problem, dtype: str, hidden=(200, 200), seed: int = 0):
-    if kind == "logreg":
-        return LogReg(problem.n_features, problem.n_classes, np.dtype(dtype))
-    if kind == "mlp":
-        return MLP((problem.n_features, *hidden, problem.n_classes), np.dtype(dtype), seed)
-    if kind == "cnn":
-        return CNN(problem.n_features, problem.n_classes, np.dtype(dtype), seed)
-    if kind == "quadratic":
-        return Quadratic(problem.dim, problem.x0, np.dtype(dtype))
-    raise ValueError(f"unknown model kind {kind!r}")
+def build_model(model, problem, seed: int = 0):
+    """The model a validated [model] table names (kind, dtype, hidden widths), sized by the problem."""
+    dtype = np.dtype(model.dtype)
+    if model.kind == "logreg":
+        return LogReg(problem.n_features, problem.n_classes, dtype)
+    if model.kind == "mlp":
+        return MLP((problem.n_features, *model.hidden, problem.n_classes), dtype, seed)
+    if model.kind == "cnn":
+        return CNN(problem.n_features, problem.n_classes, dtype, seed)
+    if model.kind == "quadratic":
+        return Quadratic(problem.dim, problem.x0, dtype)
+    raise ValueError(f"unknown model kind {model.kind!r}")
 
 
 def warm_model(model, data, batch_size) -> None:

@@ -2,7 +2,7 @@ import numpy as np
 import pytest
 
 from edgefed import config as config_mod
-from edgefed import experiment
+from edgefed.orchestration import run as runs
 from edgefed.runlog import read_run
 
 
@@ -29,22 +29,18 @@ def run_experiment(tmp_path):
     counter = iter(range(10**6))
 
     def go(overrides: dict, name=None):
-        items = [f"{k}={_toml(v)}" for k, v in overrides.items() if v is not None]
-        cfg = config_mod.load_config(None, items)
+        cfg = config_with(overrides)
         path = tmp_path / (name or f"run{next(counter)}.h5")
-        experiment.run(cfg, path)
+        runs.run(cfg, path)
         return read_run(path)
 
     return go
 
 
-def _toml(v):
-    if isinstance(v, list) and v and isinstance(v[0], dict):
-        return "[" + ", ".join("{" + ", ".join(f"{k} = {_toml(x)}" for k, x in item.items()) + "}" for item in v) + "]"
-    if isinstance(v, list):
-        return "[" + ", ".join(_toml(x) for x in v) + "]"
-    if isinstance(v, str):
-        return f'"{v}"'
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    return repr(v)
+def config_with(overrides: dict):
+    """The default config with these `table.key: value` overrides (None: leave the default)."""
+    raw = {}
+    for key, value in overrides.items():
+        if value is not None:
+            config_mod.set_key(raw, key, value)
+    return config_mod.config_from_dict(raw)

@@ -2,8 +2,14 @@
 
 import pytest
 
-from edgefed import experiment
+from edgefed.orchestration import run as runs
+from edgefed.problems import build_problem
 from edgefed.runlog import MEASURED, read_run
+
+
+def problem_of(cfg):
+    """The problem a config describes, as every process builds it."""
+    return build_problem(cfg.data, cfg.seed, cfg.model.dtype)
 
 
 def compared(log: dict) -> dict:
@@ -26,8 +32,8 @@ def run_until(cfg, path, stop_round: int):
             raise KeyboardInterrupt
 
     with pytest.raises(KeyboardInterrupt):
-        experiment.run(cfg, path, on_round=stop)
-    _, point = experiment.resolve_config(None, [], str(path))
+        runs.run(cfg, path, on_round=stop)
+    _, point = runs.resolve_config(None, [], str(path))
     assert point.rounds_done == stop_round
     return point
 
@@ -35,7 +41,7 @@ def run_until(cfg, path, stop_round: int):
 def interrupted_then_resumed(cfg, tmp_path, stop_round: int):
     """Run cfg whole, and again stopped by Ctrl-C after stop_round and resumed; returns both logs."""
     whole, part = tmp_path / "whole.h5", tmp_path / "part.h5"
-    experiment.run(cfg, whole)
+    runs.run(cfg, whole)
     point = run_until(cfg, part, stop_round)
-    experiment.run(cfg, part, resume_point=point)
+    runs.run(cfg, part, resume_point=point)
     return read_run(whole), read_run(part)

@@ -143,20 +143,21 @@ def test_warmup_fills_the_cache_so_a_run_compiles_nothing(tmp_path):
 
 def test_a_round_that_compiled_is_noted(monkeypatch, tmp_path):
     """The bookkeeping: a device whose work included a compilation is flagged, the others not."""
-    from edgefed import experiment
+    from edgefed.algorithms.base import ServerState
+    from edgefed.orchestration import run as runs
     from edgefed.runtime import local
-    from edgefed.runtime.messages import RoundPlan
+    from edgefed.transport import RoundPlan
 
     cfg = load_config(None, ["data.clients=3", "train.local_steps=2", "train.clients_per_round=2"])
-    setup = experiment.prepare(cfg, tmp_path / "never-written.h5")
-    transport = experiment.local_transport(setup.cfg, setup.problem, setup.model)
+    setup = runs.prepare(cfg, tmp_path / "never-written.h5")
+    transport = runs.local_transport(setup.cfg, setup.problem, setup.model)
     counts = iter([0, 3, 3, 3, 3, 3, 3, 4])  # before/after each device: device 0 compiles, then device 2
     monkeypatch.setattr(local, "jit_compilations", lambda: next(counts))
     x = setup.model.initial_params()
     plan = RoundPlan(1, np.array([0, 2]), np.array([2, 2], np.int32), 0.1)
-    assert transport.work(plan, x, None).compiled.tolist() == [True, False]
+    assert transport.work(plan, ServerState(x)).compiled.tolist() == [True, False]
     plan = RoundPlan(2, np.array([1, 2]), np.array([2, 2], np.int32), 0.1)
-    assert transport.work(plan, x, None).compiled.tolist() == [False, True]
+    assert transport.work(plan, ServerState(x)).compiled.tolist() == [False, True]
 
 
 @pytest.mark.skipif(MPIEXEC is None, reason="no mpiexec: pip install 'edgefed[mpi]'")
@@ -258,7 +259,7 @@ def test_board_readings_come_from_sysfs_like_a_pis(tmp_path):
 
 
 def test_a_resumed_deadline_run_keeps_the_deadlines_it_started_with(tmp_path):
-    from edgefed import experiment
+    from edgefed.orchestration import run as runs
 
     profile = tmp_path / "board.toml"
     profile.write_text(profile_text([("logreg", 610, 20, 2000.0)]))
@@ -268,7 +269,7 @@ def test_a_resumed_deadline_run_keeps_the_deadlines_it_started_with(tmp_path):
     path = tmp_path / "run.h5"
     point = run_until(cfg, path, 2)
     profile.write_text(profile_text([("logreg", 610, 20, 100.0)]))  # the board re-profiled in between
-    experiment.run(cfg, path, resume_point=point)
+    runs.run(cfg, path, resume_point=point)
     np.testing.assert_allclose(read_run(path)["attrs"]["deadline_s"], [1.1 * 4 / 2000.0] * 3)
 
 
@@ -276,15 +277,15 @@ def test_resuming_a_log_without_a_newer_column_pads_its_completed_rounds(tmp_pat
     """A log written before `participation/compiled` existed resumes with that column aligned to the rounds."""
     import h5py
 
-    from edgefed import experiment
+    from edgefed.orchestration import run as runs
 
     cfg = load_config(None, ["rounds=4", "data.clients=3", "train.clients_per_round=2", "train.local_steps=2"])
     path = tmp_path / "old.h5"
     run_until(cfg, path, 2)
     with h5py.File(path, "r+") as f:
         del f["participation/compiled"]
-    _, point = experiment.resolve_config(None, [], str(path))
-    experiment.run(cfg, path, resume_point=point)
+    _, point = runs.resolve_config(None, [], str(path))
+    runs.run(cfg, path, resume_point=point)
     log = read_run(path)
     assert log["participation/compiled"].shape == log["participation/steps"].shape == (4, 3)
 

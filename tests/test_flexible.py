@@ -7,11 +7,11 @@ import numpy as np
 import pytest
 
 from edgefed import config as config_mod
-from edgefed import experiment
+from edgefed.orchestration import run as runs
 from edgefed.errors import ConfigError
 from edgefed.participation.dynamics import Dynamics
-from edgefed.participation.traces import BUILTIN, read_trace_file, sampled_traces, write_trace_file
-from conftest import _toml
+from edgefed.tracefiles import BUILTIN, read_trace_file, sampled_traces, write_trace_file
+from conftest import config_with
 from helpers import assert_same_logs, interrupted_then_resumed
 
 
@@ -168,8 +168,7 @@ def test_scaffold_invariant_holds_across_shifts(tmp_path, run_experiment, select
         np.testing.assert_allclose(log["scaffold/c"][r], members.mean(axis=0), rtol=1e-12, atol=1e-14)
     assert not np.array_equal(log["scaffold/c_clients"][2, 1], log["scaffold/c_clients"][3, 1])  # fresh control
     # and a run stopped in the arrival round resumes to the same log
-    items = [f"{k}={_toml(v)}" for k, v in overrides.items()]
-    whole, resumed = interrupted_then_resumed(config_mod.load_config(None, items), tmp_path, 3)
+    whole, resumed = interrupted_then_resumed(config_with(overrides), tmp_path, 3)
     assert_same_logs(whole, resumed)
 
 
@@ -218,4 +217,4 @@ def test_dynamics_device_ids_are_checked_against_the_problem_files_n(quad_file):
     cfg = config_mod.load_config(None, ['data.kind="quadratic"', f'data.path="{path}"',
                                         'train.clients_per_round="all"', "dynamics.arrive=[{device = 5, round = 2}]"])
     with pytest.raises(ConfigError, match=r"dynamics.arrive\[0\].device = 5 is not a device id"):
-        experiment.run(cfg, path.parent / "r.h5")
+        runs.run(cfg, path.parent / "r.h5")

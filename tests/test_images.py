@@ -11,10 +11,11 @@ import pytest
 from edgefed.config import load_config
 from edgefed.errors import ConfigError, ProblemFileError
 from edgefed.models import MLP
-from edgefed.problems import ClassificationData, build_problem
+from edgefed.problems import ClassificationData
 from edgefed.problems import idx
 from edgefed.problems.partition import partition
 from edgefed.rng import Purpose, kernel_state
+from helpers import problem_of
 from naive import Xoshiro
 
 T10K = Path(__file__).resolve().parents[2] / "shared" / "data" / "mnist-t10k"
@@ -105,7 +106,7 @@ def test_mnist_problem_holds_out_the_end_and_builds_one_device(tmp_path):
     cfg = load_config(None, ['data.kind="mnist"', f'data.path="{T10K}"', "data.clients=10", 'data.partition="label"',
                              'train.clients_per_round="all"'])
     assert cfg.model.kind == "mlp"
-    p = build_problem(cfg)
+    p = problem_of(cfg)
     assert p.n_train.sum() <= 8000 and sum(r.size for r in p.test_rows) == 2000
     assert max(r.max() for r in p.train_rows) < 8000 and min(r.min() for r in p.test_rows) >= 8000
     d = p.device(3)
@@ -270,14 +271,14 @@ def test_emnist_letters_are_upright_and_zero_based(tmp_path):
     cfg = load_config(None, ['data.kind="emnist"', f'data.path="{tmp_path}"', 'data.split="letters"',
                              "data.clients=4", 'train.clients_per_round="all"', 'model.dtype="float64"'])
     assert cfg.model.kind == "cnn"
-    p = build_problem(cfg)
+    p = problem_of(cfg)
     assert p.n_classes == 26 and p.n_train.sum() == 240 and sum(r.size for r in p.test_rows) == 60
     d = p.device(2)
     rows = p.train_rows[2]
     np.testing.assert_array_equal(d.y_train, labels[rows] - 1)
     np.testing.assert_allclose(d.X_train, images[rows].transpose(0, 2, 1).reshape(-1, 784) / 255)
     with pytest.raises(ProblemFileError, match="holds no emnist files"):
-        build_problem(load_config(None, ['data.kind="emnist"', f'data.path="{tmp_path}"', 'data.split="digits"',
+        problem_of(load_config(None, ['data.kind="emnist"', f'data.path="{tmp_path}"', 'data.split="digits"',
                                          "data.clients=4", 'train.clients_per_round="all"']))
 
 

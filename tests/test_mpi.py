@@ -173,7 +173,7 @@ def test_contention_costs_steps(tmp_path, where):
 
 def test_missing_mpi_names_the_fix(monkeypatch):
     from edgefed.errors import EdgefedError
-    from edgefed.runtime import mpi
+    from edgefed.runtime.mpi import comm as mpi
 
     monkeypatch.setenv("PMI_SIZE", "3")
     monkeypatch.setitem(sys.modules, "mpi4py", None)

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from edgefed import config as config_mod
-from edgefed import experiment
+from edgefed.orchestration import run as runs
 from edgefed.runlog import open_run, read_run
 from helpers import assert_same_logs, compared, interrupted_then_resumed, run_until
 
@@ -111,7 +111,7 @@ def test_killed_run_resumes_byte_identical(tmp_path):
 
 
 def test_a_resume_that_fails_leaves_a_resumable_log(tmp_path, monkeypatch):
-    from edgefed.runtime.engine import RoundEngine
+    from edgefed.engine.rounds import RoundEngine
 
     overrides = [f"{k}={v!r}" if not isinstance(v, str) else f'{k}="{v}"' for k, v in SMALL.items()]
     cfg = config_mod.load_config(None, overrides + ['train.algorithm="scaffold"', "log.client_controls=true"])
@@ -128,10 +128,10 @@ def test_a_resume_that_fails_leaves_a_resumable_log(tmp_path, monkeypatch):
     part = tmp_path / "part.h5"
     point = run_until(cfg, part, 5)
     with pytest.raises(RuntimeError):
-        experiment.run(cfg, part, resume_point=point)
-    _, point = experiment.resolve_config(None, [], str(part))  # the log is still resumable, at the same round
+        runs.run(cfg, part, resume_point=point)
+    _, point = runs.resolve_config(None, [], str(part))  # the log is still resumable, at the same round
     assert point.rounds_done == 5
-    experiment.run(cfg, part, resume_point=point)
-    experiment.run(cfg, tmp_path / "whole.h5")
+    runs.run(cfg, part, resume_point=point)
+    runs.run(cfg, tmp_path / "whole.h5")
     assert calls == [5, 5]
     assert_same_logs(read_run(tmp_path / "whole.h5"), read_run(part))

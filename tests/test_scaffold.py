@@ -6,16 +6,17 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from edgefed import config as config_mod
-from edgefed import experiment
+from edgefed.orchestration import run as runs
 from edgefed.algorithms import scaffold
-from edgefed.algorithms.scaffold import ScaffoldClient
+from edgefed.algorithms.base import LocalTask
+from edgefed.algorithms.scaffold import Scaffold
 from edgefed.errors import ResourceError
 from edgefed.models import Quadratic
 from edgefed.problems import QuadraticData
 from edgefed.rng import Purpose, kernel_state
 from edgefed.runlog import read_run
 from edgefed.runtime.deadline import run_all
-from helpers import assert_same_logs, interrupted_then_resumed
+from helpers import assert_same_logs, interrupted_then_resumed, problem_of
 from naive import scaffold_quadratic
 
 
@@ -137,15 +138,20 @@ def test_gradient_init_is_the_local_gradient_at_x0(quad_file, run_experiment):
     np.testing.assert_allclose(log["scaffold/c"][0], (A * (x0 - b)).mean(axis=0), rtol=1e-15)
 
 
+def _task(model, data, x, c, c_k, n_steps, lr=0.1):
+    """One device's round as the client update sees it: every step, the full gradient, streams of round 1."""
+    return LocalTask(x, {"c": c}, {"c_clients": c_k}, n_steps, lr, None, run_all,
+                     lambda purpose: model.begin(data, kernel_state(0, purpose, 1, 0)))
+
+
 def _client_round(option, n_steps, c_k, c):
     data = QuadraticData(np.array([1.0, 2.0]), np.array([3.0, -1.0]), 0.0)
     model = Quadratic(2, np.zeros(2), np.float64)
     x = np.array([0.5, 0.5])
     dx, dc = np.zeros(2), np.zeros(2)
     before = c_k.copy()
-    steps = ScaffoldClient(option, None).local_update(
-        model, data, model.begin(data, kernel_state(0, Purpose.LOCAL, 1, 0)), None, run_all, n_steps, None, 0.1,
-        x, c, c_k, dx, dc)
+    steps = Scaffold(option, control_gradient="full").client_update(
+        model, data, _task(model, data, x, c, c_k, n_steps), {"delta_x": dx, "delta_c": dc})
     return steps, x, dx, dc, before
 
 
@@ -164,8 +170,8 @@ def test_correction_has_the_seed_sign():
     data = QuadraticData(np.array([1.0]), np.array([0.0]), 0.0)
     model = Quadratic(1, np.zeros(1), np.float64)
     dx, dc = np.zeros(1), np.zeros(1)
-    ScaffoldClient("II", None).local_update(model, data, model.begin(data, kernel_state(0, Purpose.LOCAL, 1, 0)),
-                                            None, run_all, 1, None, 0.1, np.zeros(1), np.zeros(1), np.ones(1), dx, dc)
+    Scaffold("II").client_update(model, data, _task(model, data, np.zeros(1), np.zeros(1), np.ones(1), 1),
+                                 {"delta_x": dx, "delta_c": dc})
     assert dx[0] == pytest.approx(0.1)
 
 
@@ -194,17 +200,16 @@ def test_known_slips_are_caught(quad_file, run_experiment, monkeypatch):
         return max(np.abs(log["trajectory/x"] - xs).max(), np.abs(log["scaffold/c"] - cs).max()), log
 
     assert deviation()[0] < 1e-12
-    honest_update = ScaffoldClient.local_update
+    honest_update = Scaffold.client_update
 
-    def sends_c_k(self, model, data, run, control_run, runner, n_steps, batch, lr, x, c, c_k, out_dx, out_dc):
-        steps = honest_update(self, model, data, run, control_run, runner, n_steps, batch, lr, x, c, c_k, out_dx,
-                              out_dc)
-        out_dc[:] = c_k
+    def sends_c_k(self, model, data, task, out):
+        steps = honest_update(self, model, data, task, out)
+        out["delta_c"][:] = task.own["c_clients"]
         return steps
 
-    monkeypatch.setattr(ScaffoldClient, "local_update", sends_c_k)
+    monkeypatch.setattr(Scaffold, "client_update", sends_c_k)
     assert deviation()[0] > 1e-3
-    monkeypatch.setattr(ScaffoldClient, "local_update", honest_update)
+    monkeypatch.setattr(Scaffold, "client_update", honest_update)
     honest_server = scaffold.server_control_update
     monkeypatch.setattr(scaffold, "server_control_update", lambda c, ids, dcs, n: honest_server(c, ids, dcs, len(ids)))
     gap, log = deviation()
@@ -227,7 +232,7 @@ def test_a_kill_between_stage_and_commit_rolls_the_controls_back(tmp_path, quad_
     cfg = config_mod.load_config(None, [
         'data.kind="quadratic"', f'data.path="{path}"', 'train.algorithm="scaffold"', "train.clients_per_round=3",
         "rounds=5", "log.client_controls=true", 'scaffold.init="gradient"'])
-    experiment.run(cfg, tmp_path / "whole.h5")
+    runs.run(cfg, tmp_path / "whole.h5")
     full = read_run(tmp_path / "whole.h5")
     honest_commit = RunLogWriter.commit
 
@@ -238,7 +243,7 @@ def test_a_kill_between_stage_and_commit_rolls_the_controls_back(tmp_path, quad_
 
     monkeypatch.setattr(RunLogWriter, "commit", dies_in_round_4)
     with pytest.raises(KeyboardInterrupt):
-        experiment.run(cfg, tmp_path / "killed.h5")
+        runs.run(cfg, tmp_path / "killed.h5")
     point = read_resume_point(tmp_path / "killed.h5")
     raw = read_run(tmp_path / "killed.h5")
     changed = np.flatnonzero(full["participation/selected"][3])
@@ -256,28 +261,27 @@ def test_controls_that_cannot_fit_are_refused(tmp_path, monkeypatch):
     class Tiny:
         available = 50_000
 
-    monkeypatch.setattr(experiment.psutil, "virtual_memory", lambda: Tiny)
+    monkeypatch.setattr(runs.psutil, "virtual_memory", lambda: Tiny)
     with pytest.raises(ResourceError, match="SCAFFOLD's controls need 71.5 KB but only 48.8 KB"):
-        experiment.run(cfg, tmp_path / "r.h5")
+        runs.run(cfg, tmp_path / "r.h5")
     assert not (tmp_path / "r.h5").exists()
     monkeypatch.undo()
-    monkeypatch.setattr(experiment.shutil, "disk_usage", lambda p: type("U", (), {"free": 1000})())
+    monkeypatch.setattr(runs.shutil, "disk_usage", lambda p: type("U", (), {"free": 1000})())
     cfg = config_mod.load_config(None, ['train.algorithm="scaffold"', "rounds=2", "log.client_controls=true"])
     with pytest.raises(ResourceError, match="log fewer rounds"):
-        experiment.run(cfg, tmp_path / "r.h5")
+        runs.run(cfg, tmp_path / "r.h5")
     lines = []
     monkeypatch.undo()
-    experiment.run(cfg, tmp_path / "ok.h5", on_info=lines.append)
+    runs.run(cfg, tmp_path / "ok.h5", on_info=lines.append)
     assert "SCAFFOLD controls: 30 x 610 float32 = 71.5 KB in memory" in lines[1]
 
 
 def test_devices_hold_exactly_the_controls_the_log_tracks(tmp_path, quad_file):
     """Device-side c_k (in the transport) and the log's copy agree bit for bit, also when a report is dropped."""
-    from edgefed.experiment import client_algorithm, scaffold_log_layout
+    from edgefed.algorithms import build_algorithm
+    from edgefed.engine.rounds import RoundEngine
     from edgefed.models import build_model
-    from edgefed.problems import build_problem
     from edgefed.runlog import Header, RunLogWriter
-    from edgefed.runtime.engine import RoundEngine
     from edgefed.runtime.local import LocalTransport
 
     A = np.array([[1.0, 2.0], [0.5, 1.0], [1e10, 1.0], [1.5, 0.7]])  # device 2 overflows: dropped every round
@@ -286,19 +290,19 @@ def test_devices_hold_exactly_the_controls_the_log_tracks(tmp_path, quad_file):
                                         'train.algorithm="scaffold"', 'train.clients_per_round="all"',
                                         "train.lr_local=0.5", "rounds=4", 'scaffold.init="gradient"'])
     cfg = config_mod.with_clients(cfg, 4)
-    problem = build_problem(cfg)
-    model = build_model("quadratic", problem, "float32")
-    transport = LocalTransport(problem, model, client_algorithm(cfg, None), cfg.seed, None)
+    problem = problem_of(cfg)
+    model = build_model(cfg.model, problem)
+    algorithm = build_algorithm(cfg)
+    transport = LocalTransport(problem, model, algorithm, cfg.seed, None)
     header = Header(config_mod.to_toml(cfg), 0, 4, 4, 2, model.dtype, problem.n_train,
-                    **scaffold_log_layout(cfg, 4, 2, model.dtype))
+                    **runs.log_layout(algorithm, cfg.log.client_controls, 4, 2, model.dtype))
     log = RunLogWriter.create(tmp_path / "run.h5", header)
-    engine = RoundEngine(cfg, problem.n_train, transport, log)
+    engine = RoundEngine(cfg, algorithm, problem.n_train, transport, log)
     engine.start(model.initial_params())
-    x = model.initial_params()
     for r in range(1, 5):
-        x = engine.round(r, x)
+        engine.round(r)
     tracked = log.rows("c_clients")
     log.close()
-    assert transport.controls.tobytes() == tracked.tobytes()
+    assert transport.vectors["c_clients"].tobytes() == tracked.tobytes()
     assert read_run(tmp_path / "run.h5")["participation/nonfinite"][:, 2].all()
     np.testing.assert_array_equal(tracked[2], A[2].astype(np.float32) * -1)  # kept its initial control

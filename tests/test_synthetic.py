@@ -4,12 +4,12 @@ import numpy as np
 import pytest
 
 from edgefed.config import load_config
-from edgefed.problems import build_problem
 from edgefed.problems.synthetic import N_CLASSES, N_FEATURES, SyntheticProblem
+from helpers import problem_of
 
 
 def problem(*overrides, seed=0):
-    return build_problem(load_config(None, [f"seed={seed}", ALL, *overrides]))
+    return problem_of(load_config(None, [f"seed={seed}", ALL, *overrides]))
 
 
 ALL = "train.clients_per_round=\"all\""
@@ -54,7 +54,7 @@ def test_pareto_counts_have_floor_cap_and_index_one_half():
 def test_features_have_the_generator_covariance_and_labels_its_argmax():
     cfg = load_config(None, [ALL, "data.samples=20000", "data.clients=2", "data.alpha=0.0", "data.beta=0.0",
                              "model.dtype=\"float64\""])
-    p = build_problem(cfg)
+    p = problem_of(cfg)
     X, y = p.generate(1)
     var = X.var(axis=0)
     np.testing.assert_allclose(var, np.arange(1, 61) ** -1.2, rtol=0.05)
@@ -65,7 +65,7 @@ def test_features_have_the_generator_covariance_and_labels_its_argmax():
 
 def test_mean_of_device_features_spreads_with_beta():
     def spread(beta):
-        p = build_problem(load_config(None, [ALL, "data.samples=300", "data.clients=60", f"data.beta={beta}"]))
+        p = problem_of(load_config(None, [ALL, "data.samples=300", "data.clients=60", f"data.beta={beta}"]))
         means = [p.generate(k)[0].mean() for k in range(60)]  # ~ B_k, since v_k ~ N(B_k, 1)
         return np.std(means)
 
@@ -73,7 +73,7 @@ def test_mean_of_device_features_spreads_with_beta():
 
 
 def test_iid_variant_shares_one_model_and_centres_features():
-    p = build_problem(load_config(None, [ALL, "data.iid=true", "data.samples=3000", "data.clients=3",
+    p = problem_of(load_config(None, [ALL, "data.iid=true", "data.samples=3000", "data.clients=3",
                                          "model.dtype=\"float64\""]))
     W, b = p._global_model()
     for k in range(3):
@@ -83,7 +83,7 @@ def test_iid_variant_shares_one_model_and_centres_features():
 
 
 def test_non_iid_labels_come_from_the_devices_own_model():
-    p = build_problem(load_config(None, [ALL, "data.samples=500", "data.clients=2"]))
+    p = problem_of(load_config(None, [ALL, "data.samples=500", "data.clients=2"]))
     W, b = p._global_model()
     X, y = p.generate(0)
     assert not np.array_equal(y, np.argmax(X @ W + b, axis=1))

@@ -2,28 +2,28 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 
+from edgefed.algorithms.base import DELTA_X, Algorithm, ServerState
+from edgefed.rng import Purpose
 
-@dataclass(frozen=True)
-class FedAvgClient:
-    """The device side of FedAvg: plain local SGD, no state kept between rounds."""
+
+class FedAvg(Algorithm):
+    """Plain local SGD on the device, no state kept between rounds; the weighted sum on the server."""
 
     name = "fedavg"
-    needs_control_stream = False
+    default_weighting = "count_selected"
 
-    def local_update(self, model, data, run, control_run, runner, n_steps, batch_size, lr, x, c, c_k, out_dx,
-                     out_dc):
-        """Local SGD from x for up to n_steps (`runner` decides how many); out_dx <- Delta_k = y_{k,s} - x.
-
-        Returns the steps taken.
-        """
-        y = x.copy()
-        steps = runner(lambda n: model.local_steps(y, data, run, n, batch_size, lr), n_steps)
-        np.subtract(y, x, out=out_dx)
+    def client_update(self, model, data, task, out):
+        y = task.x.copy()
+        run = task.stream(Purpose.LOCAL)
+        steps = task.runner(lambda n: model.local_steps(y, data, run, n, task.batch_size, task.lr), task.n_steps)
+        np.subtract(y, task.x, out=out[DELTA_X])
         return steps
+
+    def server_update(self, state, reports):
+        return ServerState(server_update(state.x, reports.device_ids, reports.vectors[DELTA_X], reports.coeffs,
+                                         reports.lr_global))
 
 
 def ascending(device_ids: np.ndarray) -> np.ndarray:

@@ -16,40 +16,69 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from edgefed.algorithms.fedavg import ascending
+from edgefed.algorithms.base import DELTA_X, Algorithm, DeviceVector, ServerState, ServerVector
+from edgefed.algorithms.fedavg import ascending, server_update
+from edgefed.rng import Purpose
+
+OPTIONS = ("I", "II")
+INITS = ("zero", "gradient")
+CONTROL_GRADIENTS = ("oracle", "full")
 
 
 @dataclass(frozen=True)
-class ScaffoldClient:
-    option: str  # "I" or "II"
-    control_batch: int | None  # option I's oracle batch; None: the full local gradient
+class Scaffold(Algorithm):
+    option: str = "II"  # "I" or "II"
+    init: str = "zero"  # c_k^0: "zero", or "gradient" (the full local gradient at x_0)
+    control_gradient: str = "oracle"  # option I's g_k(x): one minibatch ("oracle") or the full gradient
 
     name = "scaffold"
+    default_weighting = "uniform"  # seed 002's 1/S
+    server_vectors = (ServerVector("c", "scaffold/c", "server control c after those rounds"),)
+    device_vectors = (DeviceVector("c_clients", "scaffold/c_clients", "device controls c_k (row k)", "delta_c",
+                                   "SCAFFOLD", "controls"),)
+    report_vectors = ("delta_c",)
 
-    @property
-    def needs_control_stream(self) -> bool:
-        return self.option == "I" and self.control_batch is not None
+    @classmethod
+    def from_config(cls, cfg) -> "Scaffold":
+        s = cfg.scaffold
+        return cls(s.option, s.init, s.control_gradient)
 
-    def local_update(self, model, data, run, control_run, runner, n_steps, batch_size, lr, x, c, c_k, out_dx,
-                     out_dc):
-        """Corrected local SGD from x; out_dx <- Delta x_k, out_dc <- Delta c_k (c_k itself is not touched)."""
+    def client_update(self, model, data, task, out):
+        """Corrected local SGD from x; Delta x_k and Delta c_k out (c_k itself is not touched)."""
+        x, c, c_k = task.x, task.server["c"], task.own["c_clients"]
         y = x.copy()
         correction = c - c_k
-        steps = runner(lambda n: model.local_steps(y, data, run, n, batch_size, lr, correction), n_steps)
-        np.subtract(y, x, out=out_dx)
+        run = task.stream(Purpose.LOCAL)
+        steps = task.runner(lambda n: model.local_steps(y, data, run, n, task.batch_size, task.lr, correction),
+                            task.n_steps)
+        np.subtract(y, x, out=out[DELTA_X])
+        out_dc = out["delta_c"]
         out_dc[:] = 0
         if steps == 0:
             return 0
         if self.option == "I":
             c_new = np.empty_like(x)
-            if self.control_batch is None:
+            if self.control_gradient == "full" or task.batch_size is None:
                 model.loss_grad(x, data, c_new)
             else:
-                model.oracle_grad(x, data, control_run, self.control_batch, c_new)
+                model.oracle_grad(x, data, task.stream(Purpose.CONTROL), task.batch_size, c_new)
         else:
-            c_new = c_k - c + (x - y) / x.dtype.type(steps * lr)
+            c_new = c_k - c + (x - y) / x.dtype.type(steps * task.lr)
         np.subtract(c_new, c_k, out=out_dc)
         return steps
+
+    def server_update(self, state, reports):
+        x = server_update(state.x, reports.device_ids, reports.vectors[DELTA_X], reports.coeffs, reports.lr_global)
+        ok = reports.reported
+        c = server_control_update(state.vectors["c"], reports.device_ids[ok], reports.vectors["delta_c"][ok],
+                                  reports.n_federation)
+        return ServerState(x, {"c": c})
+
+    def device_start(self, model, data, x):
+        return {"c_clients": initial_controls(model, data, x, self.init)}
+
+    def server_vectors_of(self, member_rows, dtype):
+        return {"c": mean_control(member_rows["c_clients"], dtype)}
 
 
 def initial_controls(model, data, x0: np.ndarray, init: str) -> np.ndarray:

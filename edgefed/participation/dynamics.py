@@ -13,11 +13,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from edgefed.config import DynamicsConfig
-
 
 class Dynamics:
-    def __init__(self, cfg: DynamicsConfig, n_devices: int):
+    def __init__(self, cfg, n_devices: int):
+        """cfg: the [dynamics] table (arrive, depart, fast_reboot, boost)."""
         self.cfg = cfg
         self.n = n_devices
         self.arrival = {e.device: e.round for e in cfg.arrive}

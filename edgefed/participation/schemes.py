@@ -5,9 +5,19 @@ federation; `count_selected` n_k / sum over the selected devices.
 m_k, the scheme multiplier (`participation.scheme`), from the steps s_k done of the budget K_k:
 A: [s_k = K_k] * |S_r| / K_r with K_r the number of complete devices (all zero when K_r = 0);
 B: 1; C: K_k / s_k, and 0 when s_k = 0.
+
+`SCHEMES` is the registry the config is checked against: a rule maps the base weights, steps and budgets
+of the selected devices to their coefficients, so a rule that is not a multiplier (one that renormalizes
+over the devices that reported, say) is one more entry here and nothing else.
 """
 
+from __future__ import annotations
+
+from typing import Callable
+
 import numpy as np
+
+WEIGHTINGS = ("uniform", "count_global", "count_selected")
 
 
 def base_weights(weighting: str, selected: np.ndarray, active: np.ndarray, n_train: np.ndarray) -> np.ndarray:
@@ -22,29 +32,52 @@ def base_weights(weighting: str, selected: np.ndarray, active: np.ndarray, n_tra
     raise ValueError(f"unknown weighting {weighting!r}")
 
 
+def _complete_only(steps: np.ndarray, budgets: np.ndarray) -> np.ndarray:
+    complete = (steps == budgets) & (budgets > 0)
+    n_complete = int(complete.sum())
+    if n_complete == 0:
+        return np.zeros(steps.size)
+    return complete * (steps.size / n_complete)
+
+
+def _unit(steps: np.ndarray, budgets: np.ndarray) -> np.ndarray:
+    return np.ones(steps.size)
+
+
+def _scaled_by_work(steps: np.ndarray, budgets: np.ndarray) -> np.ndarray:
+    out = np.zeros(steps.size)
+    done = steps > 0
+    out[done] = budgets[done] / steps[done]
+    return out
+
+
+MULTIPLIERS = {"A": _complete_only, "B": _unit, "C": _scaled_by_work}
+
+
+def _scheme(multiplier) -> Callable:
+    def rule(weights: np.ndarray, steps: np.ndarray, budgets: np.ndarray) -> np.ndarray:
+        return weights * multiplier(steps, budgets)
+
+    return rule
+
+
+# participation.scheme -> rule(base weights, steps, budgets) -> coefficients of the selected devices
+SCHEMES: dict[str, Callable] = {name: _scheme(m) for name, m in MULTIPLIERS.items()}
+
+
 def scheme_multipliers(scheme: str, steps: np.ndarray, budgets: np.ndarray) -> np.ndarray:
     """m_k for the selected devices from their completed steps and budgets."""
-    steps = np.asarray(steps, dtype=np.int64)
-    budgets = np.asarray(budgets, dtype=np.int64)
-    if scheme == "A":
-        complete = (steps == budgets) & (budgets > 0)
-        n_complete = int(complete.sum())
-        if n_complete == 0:
-            return np.zeros(steps.size)
-        return complete * (steps.size / n_complete)
-    if scheme == "B":
-        return np.ones(steps.size)
-    if scheme == "C":
-        out = np.zeros(steps.size)
-        done = steps > 0
-        out[done] = budgets[done] / steps[done]
-        return out
-    raise ValueError(f"unknown scheme {scheme!r}")
+    if scheme not in MULTIPLIERS:
+        raise ValueError(f"unknown scheme {scheme!r}")
+    return MULTIPLIERS[scheme](np.asarray(steps, dtype=np.int64), np.asarray(budgets, dtype=np.int64))
 
 
 def coefficients(weighting: str, scheme: str, selected, active, n_train, steps, budgets) -> np.ndarray:
-    """p_k = w_k * m_k for the selected devices."""
-    return base_weights(weighting, selected, active, n_train) * scheme_multipliers(scheme, steps, budgets)
+    """p_k for the selected devices: the scheme's rule over their base weights."""
+    if scheme not in SCHEMES:
+        raise ValueError(f"unknown scheme {scheme!r}")
+    return SCHEMES[scheme](base_weights(weighting, selected, active, n_train), np.asarray(steps, dtype=np.int64),
+                           np.asarray(budgets, dtype=np.int64))
 
 
 def objective_weights(weighting: str, active: np.ndarray, n_train: np.ndarray) -> np.ndarray:

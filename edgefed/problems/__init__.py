@@ -6,46 +6,24 @@ builds a device's samples only when `device(k)` is called, so an MPI rank builds
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 
-from edgefed.config import Config
+from edgefed.problems.data import ClassificationData, QuadraticData
+
+__all__ = ["ClassificationData", "QuadraticData", "build_problem"]
 
 
-@dataclass(frozen=True)
-class ClassificationData:
-    """One device's samples: float features (n, f) in the model dtype, int64 labels."""
-
-    X_train: np.ndarray
-    y_train: np.ndarray
-    X_test: np.ndarray
-    y_test: np.ndarray
-
-    @property
-    def n_train(self) -> int:
-        return self.X_train.shape[0]
-
-
-@dataclass(frozen=True)
-class QuadraticData:
-    """One device's quadratic f_k(x) = 1/2 sum_j a_j (x_j - b_j)^2, arrays in the model dtype."""
-
-    a: np.ndarray
-    b: np.ndarray
-    noise_std: float
-
-
-def build_problem(cfg: Config):
-    """The problem a validated config describes (a quadratic file is opened and checked here)."""
-    if cfg.data.kind == "synthetic":
+def build_problem(data, seed: int, dtype: str):
+    """The problem a validated [data] table describes (a quadratic file is opened and checked here)."""
+    dtype = np.dtype(dtype)
+    if data.kind == "synthetic":
         from edgefed.problems.synthetic import SyntheticProblem
 
-        return SyntheticProblem(cfg.data, cfg.seed, np.dtype(cfg.model.dtype))
-    if cfg.data.kind in ("mnist", "emnist"):
+        return SyntheticProblem(data, seed, dtype)
+    if data.kind in ("mnist", "emnist"):
         from edgefed.problems.images import ImageProblem
 
-        return ImageProblem(cfg.data, cfg.seed, np.dtype(cfg.model.dtype))
+        return ImageProblem(data, seed, dtype)
     from edgefed.problems.quadratic import QuadraticProblem
 
-    return QuadraticProblem.from_config(cfg.data, cfg.seed, np.dtype(cfg.model.dtype))
+    return QuadraticProblem.from_config(data, seed, dtype)

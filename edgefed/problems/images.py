@@ -11,10 +11,9 @@ from pathlib import Path
 
 import numpy as np
 
-from edgefed.config import PARETO_DEFAULT_MAX, DataConfig
 from edgefed.errors import ConfigError
-from edgefed.problems import ClassificationData
-from edgefed.problems import idx
+from edgefed.problems.data import PARETO_DEFAULT_MAX, PARETO_INDEX, ClassificationData
+import edgefed.problems.idx as idx
 from edgefed.problems.partition import partition
 from edgefed.rng import Purpose, generator
 
@@ -22,7 +21,7 @@ from edgefed.rng import Purpose, generator
 class ImageProblem:
     has_test = True
 
-    def __init__(self, cfg: DataConfig, seed: int, dtype: np.dtype):
+    def __init__(self, cfg, seed: int, dtype: np.dtype):
         self.cfg, self.seed, self.dtype = cfg, seed, dtype
         self.n_devices = cfg.clients
         files = idx.dataset_files(cfg.kind, cfg.path, cfg.split)
@@ -74,7 +73,7 @@ class ImageProblem:
     def _pareto_sizes(self, pool: int) -> np.ndarray:
         cap = self.cfg.samples_max or PARETO_DEFAULT_MAX
         draws = np.array([min(self.cfg.samples_min * (1.0 + generator(self.seed, Purpose.DATA_COUNT, device_id=k)
-                                                      .pareto(0.5)), cap) for k in range(self.n_devices)])
+                                                      .pareto(PARETO_INDEX)), cap) for k in range(self.n_devices)])
         sizes = np.maximum(np.floor(draws / draws.sum() * pool), 2).astype(np.int64)
         return sizes if sizes.sum() <= pool else np.maximum(np.floor(sizes * pool / sizes.sum()), 2).astype(np.int64)
 

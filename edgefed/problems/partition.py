@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from edgefed.config import PARTITIONS
 from edgefed.errors import ConfigError
 from edgefed.rng import Purpose, generator
+
+PARTITIONS = ("iid", "label", "shards", "dirichlet")  # data.partition
 
 
 def partition(kind: str, labels: np.ndarray, n_devices: int, seed: int, n_classes: int, alpha: float = 0.5,

@@ -12,9 +12,8 @@ from pathlib import Path
 
 import numpy as np
 
-from edgefed.config import DataConfig
 from edgefed.errors import ProblemFileError
-from edgefed.problems import QuadraticData
+from edgefed.problems.data import QuadraticData
 from edgefed.rng import Purpose, generator
 
 
@@ -73,7 +72,7 @@ class QuadraticProblem:
         self.source = source
 
     @classmethod
-    def from_config(cls, cfg: DataConfig, seed: int, dtype: np.dtype) -> "QuadraticProblem":
+    def from_config(cls, cfg, seed: int, dtype: np.dtype) -> "QuadraticProblem":
         if cfg.path is not None:
             A, b, n, x0 = load_quadratic_file(cfg.path)
             return cls(A, b, n, x0, cfg.noise_std, dtype, str(cfg.path))

@@ -13,17 +13,15 @@ from __future__ import annotations
 
 import numpy as np
 
-from edgefed.config import PARETO_DEFAULT_MAX, DataConfig
-from edgefed.problems import ClassificationData
+from edgefed.problems.data import PARETO_DEFAULT_MAX, PARETO_INDEX, ClassificationData
 from edgefed.rng import Purpose, generator
 
 N_FEATURES = 60
 N_CLASSES = 10
-PARETO_INDEX = 0.5
 _SIGMA_SQRT = np.arange(1, N_FEATURES + 1, dtype=np.float64) ** (-1.2 / 2)
 
 
-def total_samples(cfg: DataConfig, seed: int, device_id: int) -> int:
+def total_samples(cfg, seed: int, device_id: int) -> int:
     """Samples (train + test) of one device, from its own stream."""
     if not isinstance(cfg.samples, str):
         return int(cfg.samples)
@@ -48,7 +46,7 @@ class SyntheticProblem:
     n_classes = N_CLASSES
     has_test = True
 
-    def __init__(self, cfg: DataConfig, seed: int, dtype: np.dtype):
+    def __init__(self, cfg, seed: int, dtype: np.dtype):
         self.cfg = cfg
         self.seed = seed
         self.dtype = dtype

@@ -1,9 +1,10 @@
 """Devices hosted in this process: the simulator's transport, and the worker behind every MPI device rank.
 
 A `LocalTransport` hosts some devices (all of them in the simulator, its own share on an MPI rank): it
-builds their data when first used, keeps their SCAFFOLD controls, runs the client algorithm for each
-selected device (all K steps, a trace's steps, or as many as fit in the deadline), injects configured
-faults, drives the CPU competitor, and measures what each device's work cost.
+builds their data when first used, keeps the vectors the algorithm gives each device (SCAFFOLD's
+controls), runs the algorithm's client update for each selected device (all K steps, a trace's steps, or
+as many as fit in the deadline), injects configured faults, drives the CPU competitor, and measures what
+each device's work cost.
 """
 
 from __future__ import annotations
@@ -16,14 +17,14 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-from edgefed.algorithms import scaffold
+from edgefed.algorithms.base import LocalTask
 from edgefed.errors import EdgefedError
 from edgefed.kernels import jit_compilations
 from edgefed.models import warm_model
-from edgefed.rng import Purpose, kernel_state
+from edgefed.rng import kernel_state
 from edgefed.runtime.contention import Competitor, pin
 from edgefed.runtime.deadline import BoardReadings, DeadlineRunner, run_all
-from edgefed.runtime.messages import Evaluation, LocalResults, RoundPlan
+from edgefed.transport import Evaluation, LocalResults, RoundPlan
 
 
 class InjectedFault(EdgefedError):
@@ -41,9 +42,9 @@ def _lowest_priority() -> None:
 
 
 class LocalTransport:
-    def __init__(self, problem, model, client, seed: int, batch_size: int | None, device_ids=None,
+    def __init__(self, problem, model, algorithm, seed: int, batch_size: int | None, device_ids=None,
                  faults=(), contention=(), core: int | None = None):
-        self.problem, self.model, self.client = problem, model, client
+        self.problem, self.model, self.algorithm = problem, model, algorithm
         self.eval_model = model.clone()  # evaluation may run while a late worker still computes
         self.seed, self.batch_size = seed, batch_size
         n = problem.n_devices
@@ -53,8 +54,8 @@ class LocalTransport:
             problem.host(self.device_ids)
         self._devices = {}
         self._faults = {(f.device, f.round): f for f in faults}
-        self.controls = None  # (hosted devices, d) SCAFFOLD controls c_k, in device_ids order
-        self._pending = None  # (round, device ids, Delta c rows) until the coordinator accepts them
+        self.vectors = None  # {device vector: (hosted devices, d) rows in device_ids order}, e.g. SCAFFOLD's c_k
+        self._pending = None  # (round, device ids, {delta name: rows}) until the coordinator accepts them
         self.readings = BoardReadings(core)
         self.contention = tuple(contention)
         self.competitor = None
@@ -81,50 +82,52 @@ class LocalTransport:
         warm_model(self.model, self.data(int(self.device_ids[0])), self.batch_size)
         return jit_compilations() - before, time.perf_counter() - t0
 
-    # -- SCAFFOLD controls -------------------------------------------------------------------------------
-    def init_controls(self, x0: np.ndarray, init: str) -> np.ndarray:
-        """The hosted devices' c_k^0; each device keeps its own, the coordinator gets a copy for the log."""
-        self.controls = np.stack([scaffold.initial_controls(self.eval_model, self.data(int(k)), x0, init)
-                                  for k in self.device_ids]) if self.device_ids.size else np.zeros((0, x0.size))
-        return self.controls.copy()
-
-    def reset_controls(self, x: np.ndarray, init: str, device_ids: np.ndarray) -> np.ndarray:
-        """Fresh controls for these (hosted) devices, e.g. on arrival; returns their rows."""
-        rows = np.stack([scaffold.initial_controls(self.eval_model, self.data(int(k)), x, init) for k in device_ids])
-        for k, row in zip(device_ids, rows):
-            self.controls[self._row[int(k)]] = row
+    # -- device vectors (SCAFFOLD's controls) ------------------------------------------------------------
+    def start_devices(self, x: np.ndarray, device_ids: np.ndarray) -> dict[str, np.ndarray]:
+        """Fresh vectors for these (hosted) devices, joining at x; each device keeps its own, the caller gets
+        a copy of their rows (in device_ids order) for the log."""
+        vectors = self.algorithm.device_vectors
+        if self.vectors is None:
+            self.vectors = {v.name: np.zeros((self.device_ids.size, x.size), x.dtype) for v in vectors}
+        fresh = [self.algorithm.device_start(self.eval_model, self.data(int(k)), x) for k in device_ids]
+        rows = {v.name: np.stack([f[v.name] for f in fresh]) if fresh else np.zeros((0, x.size), x.dtype)
+                for v in vectors}
+        for name, values in rows.items():
+            for k, row in zip(device_ids, values):
+                self.vectors[name][self._row[int(k)]] = row
         return rows
 
-    def load_controls(self, controls: np.ndarray) -> None:
-        """Restore the hosted devices' controls (rows in device_ids order)."""
-        self.controls = np.array(controls, dtype=self.model.dtype)
+    def load_devices(self, rows: dict[str, np.ndarray]) -> None:
+        """Restore the hosted devices' vectors (rows in device_ids order; in the simulator, every device)."""
+        self.vectors = {name: np.array(values, dtype=self.model.dtype) for name, values in rows.items()}
 
     def accept(self, round_idx: int, device_ids: np.ndarray) -> None:
-        """The coordinator kept these devices' reports of round_idx: they apply their Delta c_k."""
+        """The coordinator kept these devices' reports of round_idx: they add their Deltas to their vectors."""
         if self._pending is None or self._pending[0] != round_idx:
             return  # nothing pending, or a late round the coordinator dropped
-        _, ids, delta_c = self._pending
+        _, ids, deltas = self._pending
         for i in np.flatnonzero(np.isin(ids, device_ids)):
-            self.controls[self._row[int(ids[i])]] += delta_c[i]
+            for v in self.algorithm.device_vectors:
+                self.vectors[v.name][self._row[int(ids[i])]] += deltas[v.delta][i]
         self._pending = None
 
     # -- local work --------------------------------------------------------------------------------------
-    def local_work(self, plan: RoundPlan, x: np.ndarray, c: np.ndarray | None = None) -> LocalResults:
+    def local_work(self, plan: RoundPlan, state) -> LocalResults:
         if self._pool is None:
-            return self.work(plan, x, c)
-        return self._pool.submit(self.work, plan, x, c).result()
+            return self.work(plan, state)
+        return self._pool.submit(self.work, plan, state).result()
 
-    def submit(self, plan: RoundPlan, x: np.ndarray, c: np.ndarray | None):
+    def submit(self, plan: RoundPlan, state):
         """Start the round's work on the worker thread (MPI device ranks); returns a Future."""
         if self._pool is None:
             self._pool = ThreadPoolExecutor(1)
-        return self._pool.submit(self.work, plan, x, c)
+        return self._pool.submit(self.work, plan, state)
 
-    def work(self, plan: RoundPlan, x: np.ndarray, c: np.ndarray | None) -> LocalResults:
-        """Run the selected (hosted) devices of the plan one after the other, each from x."""
+    def work(self, plan: RoundPlan, state) -> LocalResults:
+        """Run the selected (hosted) devices of the plan one after the other, each from the server state."""
+        x, algo = state.x, self.algorithm
         n_sel, d = plan.device_ids.size, x.shape[0]
-        deltas = np.zeros((n_sel, d), dtype=x.dtype)
-        delta_c = np.zeros((n_sel, d), dtype=x.dtype) if self.controls is not None else None
+        out = {name: np.zeros((n_sel, d), dtype=x.dtype) for name in algo.reports}
         steps = np.zeros(n_sel, np.int32)
         elapsed, cpu = np.zeros(n_sel, np.float32), np.full(n_sel, np.nan, np.float32)
         freq, temp = np.full(n_sel, np.nan, np.float32), np.full(n_sel, np.nan, np.float32)
@@ -134,18 +137,14 @@ class LocalTransport:
             data = self.data(k)
             if self.competitor is not None:
                 self.competitor.set_load(self.contention[k % len(self.contention)])
-            run = self.model.begin(data, kernel_state(self.seed, Purpose.LOCAL, plan.round_idx, k))
-            control_run = None
-            if self.client.needs_control_stream:
-                control_run = self.model.begin(data, kernel_state(self.seed, Purpose.CONTROL, plan.round_idx, k))
-            c_k = None if self.controls is None else self.controls[self._row[k]]
+            own = {} if self.vectors is None else {name: rows[self._row[k]] for name, rows in self.vectors.items()}
             compiled_before = jit_compilations()
             wall0, cpu0 = time.perf_counter(), time.thread_time()
             self._inject_fault(k, plan.round_idx)
             runner = run_all if plan.deadline_s is None else DeadlineRunner(float(plan.deadline_s[i]))
-            steps[i] = self.client.local_update(self.model, data, run, control_run, runner, plan.steps_to_run(i),
-                                                self.batch_size, plan.lr, x, c, c_k, deltas[i],
-                                                None if delta_c is None else delta_c[i])
+            task = LocalTask(x, state.vectors, own, plan.steps_to_run(i), plan.lr, self.batch_size, runner,
+                             self._streams(data, plan.round_idx, k))
+            steps[i] = algo.client_update(self.model, data, task, {name: rows[i] for name, rows in out.items()})
             wall = time.perf_counter() - wall0
             compiled[i] = jit_compilations() > compiled_before
             elapsed[i] = wall
@@ -154,14 +153,17 @@ class LocalTransport:
             if plan.deadline_s is not None and wall > plan.deadline_s[i] + plan.grace_s:
                 late[i] = True  # in one process a hung device is only noticed afterwards; its work is dropped
                 steps[i] = 0
-                deltas[i] = 0
-                if delta_c is not None:
-                    delta_c[i] = 0
+                for rows in out.values():
+                    rows[i] = 0
         if self.competitor is not None:
             self.competitor.set_load(0.0)
-        if delta_c is not None:
-            self._pending = (plan.round_idx, plan.device_ids.copy(), delta_c)
-        return LocalResults(deltas, steps, elapsed, cpu, delta_c, late, freq, temp, compiled)
+        if algo.device_vectors:
+            self._pending = (plan.round_idx, plan.device_ids.copy(), {v.delta: out[v.delta] for v in algo.device_vectors})
+        return LocalResults(out, steps, elapsed, cpu, late, freq, temp, compiled)
+
+    def _streams(self, data, round_idx: int, device_id: int):
+        """stream(purpose): the model's generator workspace on (seed, purpose, round, device)."""
+        return lambda purpose: self.model.begin(data, kernel_state(self.seed, purpose, round_idx, device_id))
 
     def _inject_fault(self, device_id: int, round_idx: int) -> None:
         fault = self._faults.get((device_id, round_idx))

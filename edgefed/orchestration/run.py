@@ -1,8 +1,11 @@
-"""One run from a validated config: build the problem, model and transport, open the log, drive the engine."""
+"""What a run is: resolve its config, prepare everything that can be checked before a log is touched,
+then drive the engine over a transport and close the log; `run` does all of it in this process.
+
+Under MPI, ranks.py gives rank 0 the same `prepare` and `drive` around an MPI transport.
+"""
 
 from __future__ import annotations
 
-import dataclasses
 import datetime
 import math
 import os
@@ -15,17 +18,18 @@ import numpy as np
 import psutil
 
 from edgefed import config as config_mod
-from edgefed import hwprofile
+from edgefed.algorithms import Algorithm, build_algorithm
 from edgefed.config import Config
-from edgefed.algorithms.fedavg import FedAvgClient
-from edgefed.algorithms.scaffold import ScaffoldClient
-from edgefed.errors import ConfigError, ResourceError, RunLogError
+from edgefed.engine.rounds import RoundEngine
+from edgefed.errors import ResourceError, RunLogError
 from edgefed.models import build_model
+from edgefed.orchestration.deadlines import device_deadlines
+from edgefed.participation.budgets import local_budgets
+from edgefed.participation.traces import ReplayTrace
 from edgefed.problems import build_problem
-from edgefed.participation.traces import ReplayTrace, sampled_traces
 from edgefed.runlog import Column, Header, RunLogWriter, read_participation, read_resume_point, read_run
-from edgefed.runtime.engine import RoundEngine, local_budgets
 from edgefed.runtime.local import LocalTransport
+from edgefed.tracefiles import sampled_traces
 
 
 @dataclass(frozen=True)
@@ -73,40 +77,45 @@ def resolve_config(config_path: str | None, overrides, resume: str | None):
     return logged, point
 
 
-def client_algorithm(cfg: Config, batch: int | None):
-    if cfg.train.algorithm == "scaffold":
-        return ScaffoldClient(cfg.scaffold.option, None if cfg.scaffold.control_gradient == "full" else batch)
-    return FedAvgClient()
+def problem_and_model(cfg: Config):
+    """The problem a config describes and the model that trains on it (every process builds them alike)."""
+    problem = build_problem(cfg.data, cfg.seed, cfg.model.dtype)
+    return problem, build_model(cfg.model, problem, cfg.seed)
 
 
-def scaffold_log_layout(cfg: Config, n: int, d: int, dtype) -> dict:
-    """The run-log columns and resume state SCAFFOLD adds to FedAvg's."""
-    columns = [Column("scaffold/c", (d,), dtype, "stored", "server control c after those rounds")]
-    if cfg.log.client_controls:
-        columns.append(Column("scaffold/c_clients", (n, d), dtype, "stored", "device controls c_k (row k)"))
-    return {"extra_columns": tuple(columns), "slots": (("c", (d,), dtype),),
-            "row_states": (("c_clients", (n, d), dtype),)}
+def log_layout(algorithm: Algorithm, device_columns: bool, n: int, d: int, dtype) -> dict:
+    """The run-log columns and resume state an algorithm's vectors add to FedAvg's (Header fields)."""
+    columns = [Column(v.column, (d,), dtype, "stored", v.meaning) for v in algorithm.server_vectors]
+    if device_columns:
+        columns += [Column(v.column, (n, d), dtype, "stored", v.meaning) for v in algorithm.device_vectors]
+    return {"extra_columns": tuple(columns), "slots": tuple((v.name, (d,), dtype) for v in algorithm.server_vectors),
+            "row_states": tuple((v.name, (n, d), dtype) for v in algorithm.device_vectors)}
 
 
 def stored_rounds(cfg: Config) -> int:
     return len({0, cfg.rounds} | set(range(cfg.log.every, cfg.rounds + 1, cfg.log.every)))
 
 
-def check_control_memory(cfg: Config, n: int, d: int, dtype, log_path: Path, on_info) -> None:
-    """Report what SCAFFOLD's N x d controls take, and refuse when memory or disk cannot hold them."""
+def check_device_memory(algorithm: Algorithm, cfg: Config, n: int, d: int, dtype, log_path: Path, on_info) -> None:
+    """Report what the devices' vectors (SCAFFOLD's N x d controls) take, and refuse when memory or disk
+    cannot hold them."""
+    vectors = algorithm.device_vectors
+    if not vectors:
+        return
+    owner, noun = vectors[0].owner, " and ".join(dict.fromkeys(v.noun for v in vectors))
     item = np.dtype(dtype).itemsize
-    in_memory = n * d * item
+    in_memory = len(vectors) * n * d * item
     on_disk = 2 * in_memory + (stored_rounds(cfg) * in_memory if cfg.log.client_controls else 0)
-    on_info(f"SCAFFOLD controls: {n} x {d} {np.dtype(dtype).name} = {_size(in_memory)} in memory, "
+    on_info(f"{owner} {noun}: {n} x {d} {np.dtype(dtype).name} = {_size(in_memory)} in memory, "
             f"{_size(on_disk)} in the run log")
     available = psutil.virtual_memory().available
     if in_memory > 0.8 * available:
         hint = "" if np.dtype(dtype) == np.float32 else 'model.dtype = "float32" halves it, or '
-        raise ResourceError(f"SCAFFOLD's controls need {_size(in_memory)} but only {_size(available)} of memory "
+        raise ResourceError(f"{owner}'s {noun} need {_size(in_memory)} but only {_size(available)} of memory "
                             f"is available; {hint}use fewer devices (data.clients)")
     free = shutil.disk_usage(log_path.parent if log_path.parent.exists() else Path.cwd()).free
     if on_disk > free:
-        raise ResourceError(f"the run log would need {_size(on_disk)} for SCAFFOLD's controls but the disk has "
+        raise ResourceError(f"the run log would need {_size(on_disk)} for {owner}'s {noun} but the disk has "
                             f"{_size(free)} free; log fewer rounds (log.every), set log.client_controls = false, "
                             'or use model.dtype = "float32"')
 
@@ -124,17 +133,29 @@ class Setup:
     """Everything the coordinator decides before the first round."""
 
     cfg: Config
+    algorithm: Algorithm
     problem: object
     model: object
     header: Header
-    trace: ReplayTrace | None
+    trace: object | None  # trace mode: a ReplayTrace or SampledTraces
     deadlines: np.ndarray | None = None  # deadline mode: each device's wall-clock budget per round, s
+
+
+def _trace(cfg: Config, problem):
+    spec = cfg.participation.trace
+    if cfg.participation.mode != "trace":
+        return None
+    if isinstance(spec, str) and spec.endswith((".h5", ".hdf5")):
+        recorded = read_participation(spec)
+        return ReplayTrace.checked(recorded.selected, recorded.steps, recorded.budget, spec, problem.n_devices,
+                                   cfg.rounds, local_budgets(cfg.train, problem.n_train))
+    return sampled_traces(spec, cfg.seed, problem.n_devices)
 
 
 def prepare(cfg: Config, log_path: Path, *, resume_point=None, force: bool = False, on_info=None) -> Setup:
     """Check everything that can be checked before a log is touched; build the problem and the log header."""
     on_info = on_info or (lambda line: None)
-    problem = build_problem(cfg)
+    problem = build_problem(cfg.data, cfg.seed, cfg.model.dtype)
     cfg = config_mod.with_clients(cfg, problem.n_devices)
     if resume_point is None and log_path.exists() and not force:
         raise RunLogError(f"run log {log_path} already exists; use --resume {log_path} to continue it, "
@@ -142,74 +163,21 @@ def prepare(cfg: Config, log_path: Path, *, resume_point=None, force: bool = Fal
     folder = next((p for p in (log_path.parent, *log_path.parent.parents) if p.exists()), Path.cwd())
     if not folder.is_dir() or not os.access(folder, os.W_OK):
         raise RunLogError(f"cannot write run log {log_path}: {folder} is not a writable folder; choose another --out")
-    model = build_model(cfg.model.kind, problem, cfg.model.dtype, cfg.model.hidden, cfg.seed)
-    trace = None
-    spec = cfg.participation.trace
-    if cfg.participation.mode == "trace" and isinstance(spec, str) and spec.endswith((".h5", ".hdf5")):
-        recorded = read_participation(spec)
-        trace = ReplayTrace.checked(recorded.selected, recorded.steps, recorded.budget, spec,
-                                    problem.n_devices, cfg.rounds, local_budgets(cfg, problem.n_train))
-    elif cfg.participation.mode == "trace":
-        trace = sampled_traces(spec, cfg.seed, problem.n_devices)
+    model = build_model(cfg.model, problem, cfg.seed)
+    trace = _trace(cfg, problem)
+    algorithm = build_algorithm(cfg)
     on_info(f"{problem.describe()}; model {model.kind}, d = {model.dim} {model.dtype.name}; "
             f"{cfg.train.algorithm}, {cfg.rounds} rounds")
-    layout = {}
-    if cfg.train.algorithm == "scaffold":
-        layout = scaffold_log_layout(cfg, problem.n_devices, model.dim, model.dtype)
-        check_control_memory(cfg, problem.n_devices, model.dim, model.dtype, log_path, on_info)
+    check_device_memory(algorithm, cfg, problem.n_devices, model.dim, model.dtype, log_path, on_info)
     header = Header(
         config_toml=resume_point.config_toml if resume_point else config_mod.to_toml(cfg),
         seed=cfg.seed, rounds=cfg.rounds, n_devices=problem.n_devices, dim=model.dim, dtype=model.dtype,
-        n_train=problem.n_train, **layout,
+        n_train=problem.n_train,
+        **log_layout(algorithm, cfg.log.client_controls, problem.n_devices, model.dim, model.dtype),
         attrs={"problem": problem.describe(), "model": model.kind,
                "train_objective": "(1/N_r) sum_k f_k" if cfg.train.weighting == "uniform" else "sum_k n_k/n F_k"},
     )
-    return Setup(cfg, problem, model, header, trace)
-
-
-def device_deadlines(setup: Setup, owners: np.ndarray | None = None, on_info=None, resume_point=None) -> Setup:
-    """Setup with each device's deadline: the configured seconds, or a multiple of the time its budget of
-    K_k steps takes on its board, by the hardware profile of the rank hosting it (owners; None: this
-    process hosts every device, on [device] profile's board). The deadlines go into the log's attributes;
-    a resumed run keeps the ones its log holds, whatever its profiles say now."""
-    cfg, p = setup.cfg, setup.cfg.participation
-    if p.mode != "deadline":
-        return setup
-    n = setup.problem.n_devices
-    factor = hwprofile.parse_deadline(p.deadline_s)
-    logged = None if resume_point is None else resume_point.attrs.get("deadline_s")
-    if logged is not None and np.shape(logged) == (n,):
-        deadlines = np.asarray(logged, np.float64)
-    elif factor is None:
-        deadlines = np.full(n, float(p.deadline_s))
-    else:
-        if setup.model.kind not in hwprofile.MODELS:
-            raise ConfigError(f"config: participation.deadline_s = {p.deadline_s!r} needs a profiled model "
-                              f"({', '.join(hwprofile.MODELS)}); give the {setup.model.kind} model's deadline in seconds")
-        dev = cfg.device
-        if owners is None or not dev.boards:
-            if dev.profile is None:
-                raise ConfigError("config: the simulator runs every device on this machine; set [device] profile "
-                                  "to its hardware profile (device.boards applies under mpirun)")
-            names = [dev.profile] * n
-        else:
-            names = [dev.boards[int(r) - 1] for r in owners]
-        profiles = {name: hwprofile.load_profile(name) for name in dict.fromkeys(names)}
-        budgets = local_budgets(cfg, setup.problem.n_train)
-        batches = setup.problem.n_train if cfg.train.batch_size == "full" else np.minimum(cfg.train.batch_size,
-                                                                                          setup.problem.n_train)
-        model = setup.model
-        deadlines = np.array([factor * budgets[k] * profiles[names[k]].step_seconds(model.kind, int(batches[k]),
-                                                                                      model.dim) for k in range(n)])
-        if on_info is not None:
-            parts = []
-            for name, prof in profiles.items():
-                mine = deadlines[[k for k in range(n) if names[k] == name]]
-                estimated = "" if prof.measured else ", estimated speeds"
-                parts.append(f"{prof.name} ({name}{estimated}): {mine.min() * 1e3:.1f}..{mine.max() * 1e3:.1f} ms")
-            on_info(f"deadlines {factor:g}x the profiled time of each device's steps: " + "; ".join(parts))
-    setup.header.attrs["deadline_s"] = deadlines
-    return dataclasses.replace(setup, deadlines=deadlines)
+    return Setup(cfg, algorithm, problem, model, header, trace)
 
 
 def local_transport(cfg: Config, problem, model, device_ids=None, core=None, contention=None) -> LocalTransport:
@@ -217,16 +185,7 @@ def local_transport(cfg: Config, problem, model, device_ids=None, core=None, con
     (cycled over devices), by default participation.contention."""
     batch = None if cfg.train.batch_size == "full" else cfg.train.batch_size
     loads = cfg.participation.contention if contention is None else contention
-    return LocalTransport(problem, model, client_algorithm(cfg, batch), cfg.seed, batch, device_ids,
-                          cfg.fault, loads, core)
-
-
-def check_device_ranks(cfg: Config, n_ranks: int) -> None:
-    """[device] lists that name one entry per device rank must match this run's number of device ranks."""
-    for key, values, what in (("boards", cfg.device.boards, "boards"), ("contention", cfg.device.contention, "loads")):
-        if values and len(values) != n_ranks:
-            raise ConfigError(f"config: device.{key} names {len(values)} {what}, but this run has {n_ranks} device "
-                              f"ranks; give one per device rank (entry i is rank i + 1)")
+    return LocalTransport(problem, model, build_algorithm(cfg), cfg.seed, batch, device_ids, cfg.fault, loads, core)
 
 
 def note_warmup(setup: Setup, compiled: list[int], seconds: list[float], on_info) -> None:
@@ -251,15 +210,15 @@ def drive(setup: Setup, transport, log_path: Path, *, resume_point=None, on_roun
         transport.close(failed=True)
         raise
     try:
-        engine = RoundEngine(cfg, setup.problem.n_train, transport, log, on_round, setup.trace, setup.deadlines)
+        engine = RoundEngine(cfg, setup.algorithm, setup.problem.n_train, transport, log, on_round, setup.trace,
+                             setup.deadlines)
         if resume_point is None:
-            x = setup.model.initial_params()
-            engine.start(x)
+            engine.start(setup.model.initial_params())
             done = 0
         else:
             done = resume_point.rounds_done
-            x = engine.resume(resume_point.state, done)
-        engine.run(x, done)
+            engine.resume(resume_point.state, done)
+        engine.run(done)
     except BaseException:
         log.close()  # the log stays valid up to the last completed round, ready for --resume
         transport.close(failed=True)

@@ -2,24 +2,27 @@
 
 The engine owns the server state and the order of operations; the transport only carries the local work
 (in this process or across MPI ranks) and never does math on models; the math lives in `algorithms/` and
-`participation/`. Rounds are 1-based; round 0 is the initial model.
+`participation/`. What an algorithm adds to FedAvg (vectors sent down, sent back, kept per device, logged)
+the engine reads from the algorithm's declarations. Rounds are 1-based; round 0 is the initial model.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from dataclasses import dataclass
 
 import numpy as np
 
-from edgefed.algorithms import fedavg, scaffold
+from edgefed.algorithms.base import Algorithm, RoundReports, ServerState
 from edgefed.config import Config
 from edgefed.participation import schemes
+from edgefed.participation.budgets import local_budgets
 from edgefed.participation.dynamics import Dynamics
 from edgefed.participation.sampling import select_devices
 from edgefed.participation.traces import ReplayTrace
-from edgefed.runtime.messages import Evaluation, RoundPlan
+from edgefed.transport import Evaluation, RoundPlan
 
 
 @dataclass(frozen=True)
@@ -41,18 +44,11 @@ class RoundSummary:
     n_applied: int = 0
 
 
-def local_budgets(cfg: Config, n_train: np.ndarray) -> np.ndarray:
-    """K_k for every device: K, or ceil(E * n_k / B) local steps for E epochs of batch B."""
-    t = cfg.train
-    if t.local_epochs is None:
-        return np.full(n_train.size, t.local_steps, dtype=np.int32)
-    batch = n_train if t.batch_size == "full" else np.minimum(t.batch_size, n_train)
-    return np.array([math.ceil(t.local_epochs * n / b - 1e-9) for n, b in zip(n_train, batch)], np.int32)
-
-
 class RoundEngine:
-    def __init__(self, cfg: Config, n_train: np.ndarray, transport, log, on_round=None, trace=None, deadlines=None):
+    def __init__(self, cfg: Config, algorithm: Algorithm, n_train: np.ndarray, transport, log, on_round=None,
+                 trace=None, deadlines=None):
         self.cfg = cfg
+        self.algorithm = algorithm
         self.trace = trace  # trace mode: a ReplayTrace (selections and steps) or SampledTraces (steps)
         self.n_train = np.asarray(n_train, dtype=np.int64)
         self.n_devices = self.n_train.size
@@ -61,10 +57,9 @@ class RoundEngine:
         self.on_round = on_round or (lambda summary: None)
         self.dynamics = Dynamics(cfg.dynamics, self.n_devices)
         self.active = self.dynamics.active(0)
-        self._budgets = local_budgets(cfg, self.n_train)
+        self._budgets = local_budgets(cfg.train, self.n_train)
         self._deadlines = None if deadlines is None else np.asarray(deadlines, np.float64)
-        self.scaffold = cfg.train.algorithm == "scaffold"
-        self.c = None  # SCAFFOLD's server control
+        self.state: ServerState | None = None
 
     # -- planning ----------------------------------------------------------------------------------------
     def learning_rate(self, round_idx: int, shift_round: int = 0) -> float:
@@ -113,104 +108,117 @@ class RoundEngine:
         last = round_idx == self.cfg.rounds
         return (last or round_idx % self.cfg.log.eval_every == 0, last or round_idx % self.cfg.log.every == 0)
 
+    # -- device vectors (SCAFFOLD's controls): kept on the devices, mirrored in the log -------------------------
+    def _members(self, rows: dict) -> dict:
+        active_ids = np.flatnonzero(self.active)
+        return {name: r[active_ids] for name, r in rows.items()}
+
+    def _device_rows(self) -> dict:
+        return {v.name: self.log.rows(v.name) for v in self.algorithm.device_vectors}
+
     # -- the loop ----------------------------------------------------------------------------------------
-    def start(self, x0: np.ndarray) -> None:
-        """Log round 0: the initial model (and controls) and its metrics."""
-        if self.scaffold:
-            controls = self.transport.init_controls(x0, self.cfg.scaffold.init)
-            self.c = scaffold.mean_control(controls[np.flatnonzero(self.active)], x0.dtype)
-            self.log.set_rows("c_clients", controls)
+    def start(self, x0: np.ndarray) -> ServerState:
+        """Log round 0: the initial model (and the devices' vectors) and its metrics."""
+        rows = {}
+        if self.algorithm.device_vectors:
+            rows = self.transport.start_devices(x0, np.arange(self.n_devices))
+            for name, values in rows.items():
+                self.log.set_rows(name, values)
+        self.state = ServerState(x0, self.algorithm.server_vectors_of(self._members(rows), x0.dtype))
         train, test_loss, test_acc = self.metrics(self.transport.evaluate(x0))
         self.log.append({"metrics/train_loss": train, "metrics/test_loss": test_loss,
                          "metrics/test_accuracy": test_acc})
-        self._stage_and_commit(0, x0, np.zeros(0, np.int64), None, store=True)
+        self._stage_and_commit(0, None, store=True)
         self.on_round(RoundSummary(0, self.cfg.rounds, train, test_loss, test_acc, 0, int(self.active.sum()), 0, 0.0))
+        return self.state
 
-    def resume(self, state: dict, done: int) -> np.ndarray:
-        """Restore the server state (and the devices' controls) of a resume point; returns x."""
+    def resume(self, state: dict, done: int) -> ServerState:
+        """Restore the server state (and the devices' vectors) of a resume point."""
         self.active = self.dynamics.active(done)
-        if self.scaffold:
-            self.c = state["c"]
-            self.transport.load_controls(state["c_clients"])
-        return state["x"]
+        algo = self.algorithm
+        self.state = ServerState(state["x"], {v.name: state[v.name] for v in algo.server_vectors})
+        if algo.device_vectors:
+            self.transport.load_devices({v.name: state[v.name] for v in algo.device_vectors})
+        return self.state
 
-    def run(self, x: np.ndarray, done: int = 0) -> np.ndarray:
-        """Rounds done+1 .. R from server model x (the model after round `done`)."""
+    def run(self, done: int = 0) -> ServerState:
+        """Rounds done+1 .. R from the current state (the one after round `done`)."""
         for round_idx in range(done + 1, self.cfg.rounds + 1):
-            x = self.round(round_idx, x)
-        return x
+            self.round(round_idx)
+        return self.state
 
-    def _shift(self, round_idx: int, x: np.ndarray):
-        """Membership of round round_idx; on an objective shift SCAFFOLD's c is re-averaged over it.
+    def _shift(self, round_idx: int):
+        """Membership of round round_idx; on an objective shift the server vectors are re-derived from the
+        members' device vectors (SCAFFOLD: c = mean c_k).
 
-        An arriving device first gets a fresh control (zero, or its full local gradient at x). Returns the
-        (ids, rows) of such new controls, which the round's checkpoint writes to the log.
+        An arriving device first gets fresh vectors (SCAFFOLD: zero, or its full local gradient at x).
+        Returns {name: (ids, rows)} of such new rows, which the round's checkpoint writes to the log.
         """
         self.active = self.dynamics.active(round_idx)
-        if not (self.scaffold and self.dynamics.shifts_at(round_idx)):
+        if not (self.algorithm.device_vectors and self.dynamics.shifts_at(round_idx)):
             return None
         arriving = self.dynamics.arriving(round_idx)
-        controls = self.log.rows("c_clients")
+        rows = self._device_rows()
         sets = None
         if arriving.size:
-            rows = self.transport.reset_controls(x, self.cfg.scaffold.init, arriving)
-            controls[arriving] = rows
-            sets = (arriving, rows)
-        self.c = scaffold.mean_control(controls[np.flatnonzero(self.active)], x.dtype)
+            fresh = self.transport.start_devices(self.state.x, arriving)
+            for name, values in fresh.items():
+                rows[name][arriving] = values
+            sets = {name: (arriving, values) for name, values in fresh.items()}
+        vectors = {**self.state.vectors, **self.algorithm.server_vectors_of(self._members(rows), self.state.x.dtype)}
+        self.state = dataclasses.replace(self.state, vectors=vectors)
         return sets
 
-    def round(self, round_idx: int, x: np.ndarray) -> np.ndarray:
+    def round(self, round_idx: int) -> ServerState:
         wall0 = time.perf_counter()
         t = self.cfg.train
-        control_sets = self._shift(round_idx, x)
+        sets = self._shift(round_idx)
         plan = self.plan(round_idx)
-        res = self.transport.local_work(plan, x, self.c)
+        res = self.transport.local_work(plan, self.state)
 
         # A non-finite update is dropped (counted, logged), never averaged in: it weighs as a device that did
         # nothing, as does a late one (its steps arrive as 0).
-        nonfinite = ~np.isfinite(res.deltas).all(axis=1)
-        if res.delta_c is not None:
-            nonfinite |= ~np.isfinite(res.delta_c).all(axis=1)
-        late = np.zeros(plan.device_ids.size, bool) if res.late is None else res.late
+        nonfinite = np.zeros(plan.device_ids.size, bool)
+        for values in res.vectors.values():
+            nonfinite |= ~np.isfinite(values).all(axis=1)
+        late = res.late
         counted_steps = np.where(nonfinite | late, 0, res.steps)
         active_ids = np.flatnonzero(self.active)
         coeffs = schemes.coefficients(t.weighting, self.cfg.participation.scheme, plan.device_ids,
                                       active_ids, self.n_train, counted_steps, plan.budgets)
         coeffs *= self.dynamics.boost(plan.device_ids, round_idx)  # fast-reboot of arriving devices
         coeffs[counted_steps == 0] = 0.0  # nothing applied: log 0 (Scheme B's w_k would multiply a zero update)
-        x = fedavg.server_update(x, plan.device_ids, res.deltas, coeffs, t.lr_global)
         reported = counted_steps > 0
+        self.state = self.algorithm.server_update(
+            self.state, RoundReports(plan.device_ids, res.vectors, coeffs, reported, t.lr_global, active_ids.size))
         self.transport.accept(round_idx, plan.device_ids[reported])
-        if self.scaffold:
-            self.c = scaffold.server_control_update(self.c, plan.device_ids[reported], res.delta_c[reported],
-                                                    active_ids.size)
 
         evaluate, store = self._due(round_idx)
-        metrics = self.metrics(self.transport.evaluate(x)) if evaluate else (math.nan,) * 3
+        metrics = self.metrics(self.transport.evaluate(self.state.x)) if evaluate else (math.nan,) * 3
         elapsed = time.perf_counter() - wall0
         self.log.append(self._round_row(plan, res, coeffs, nonfinite, late, metrics, elapsed))
-        self._stage_and_commit(round_idx, x, plan.device_ids[reported],
-                               None if res.delta_c is None else res.delta_c[reported], store, control_sets)
+        changes = {v.name: (plan.device_ids[reported], res.vectors[v.delta][reported])
+                   for v in self.algorithm.device_vectors}
+        self._stage_and_commit(round_idx, changes, store, sets)
         self.on_round(RoundSummary(round_idx, self.cfg.rounds, *metrics, int(np.count_nonzero(counted_steps)),
                                    int(self.active.sum()), int(nonfinite.sum()), elapsed, int(late.sum()),
                                    int(np.sum(res.steps[~late & ~nonfinite])), int(plan.budgets.sum()),
                                    int(np.count_nonzero(coeffs))))
-        return x
+        return self.state
 
-    def _stage_and_commit(self, round_idx, x, reported_ids, delta_c, store: bool, control_sets=None) -> None:
-        """Resume state, the stored trajectory rows, then the round marker (last)."""
-        slots, rows, sets, stored = {"x": x}, None, None, {"trajectory/round": round_idx, "trajectory/x": x}
-        if self.scaffold:
-            slots["c"] = self.c
-            if delta_c is not None:
-                rows = {"c_clients": (reported_ids, delta_c)}
-            if control_sets is not None:
-                sets = {"c_clients": control_sets}
-            stored["scaffold/c"] = self.c
-        self.log.stage(round_idx, slots, rows, sets)
+    def _stage_and_commit(self, round_idx, changes, store: bool, sets=None) -> None:
+        """Resume state, the stored trajectory rows, then the round marker (last).
+
+        changes: {device vector: (reporting ids, their Deltas)} of the round (None at the start).
+        """
+        state, algo = self.state, self.algorithm
+        slots = {"x": state.x, **{v.name: state.vectors[v.name] for v in algo.server_vectors}}
+        stored = {"trajectory/round": round_idx, "trajectory/x": state.x,
+                  **{v.column: state.vectors[v.name] for v in algo.server_vectors}}
+        self.log.stage(round_idx, slots, changes or None, sets)
         if store:
-            if self.scaffold and self.cfg.log.client_controls:
-                stored["scaffold/c_clients"] = self.log.rows("c_clients")
+            if self.cfg.log.client_controls:
+                stored.update({v.column: self.log.rows(v.name) for v in algo.device_vectors})
             self.log.append(stored)
         self.log.commit(round_idx)
 
@@ -231,10 +239,10 @@ class RoundEngine:
             "participation/nonfinite": scatter(nonfinite, np.bool_, False),
             "participation/elapsed_s": scatter(res.elapsed_s, np.float32),
             "participation/cpu_percent": scatter(res.cpu_percent, np.float32, np.nan),
-            "participation/cpu_freq_mhz": scatter(_or_nan(res.cpu_freq_mhz), np.float32, np.nan),
-            "participation/temperature_c": scatter(_or_nan(res.temperature_c), np.float32, np.nan),
+            "participation/cpu_freq_mhz": scatter(res.cpu_freq_mhz, np.float32, np.nan),
+            "participation/temperature_c": scatter(res.temperature_c, np.float32, np.nan),
             "participation/late": scatter(late, np.bool_, False),
-            "participation/compiled": scatter(False if res.compiled is None else res.compiled, np.bool_, False),
+            "participation/compiled": scatter(res.compiled, np.bool_, False),
             "metrics/lr": plan.lr,
             "metrics/n_applied": int(np.count_nonzero(coeffs)),
             "metrics/round_elapsed_s": elapsed,
@@ -242,7 +250,3 @@ class RoundEngine:
             "metrics/test_loss": metrics[1],
             "metrics/test_accuracy": metrics[2],
         }
-
-
-def _or_nan(values):
-    return np.nan if values is None else values

@@ -1,4 +1,4 @@
-"""`edgefed warmup` and `edgefed profile`: fill the kernel cache, and measure the machine a run will use.
+"""`edgefed warmup` and `edgefed profile`: fill the kernel cache, and measure the machines a run will use.
 
 Warm-up calls every kernel entry point a run can reach (local steps with and without SCAFFOLD's
 correction, a single oracle call, full loss and gradient, evaluation) for each model and dtype, so Numba
@@ -7,7 +7,9 @@ compiles them into its on-disk cache once per board instead of inside a round's 
 A profile (hwprofile.py's format) measures, on this machine: local SGD steps per second of every model at
 its usual batch sizes (one thread, float32), the start-up of a fresh process that builds a device and takes
 its first step with an empty cache (cold: Numba compiles) and with a filled one (warm), that process's
-resident memory, and, under `mpirun`, the broadcast and gather of each model's parameters.
+resident memory, and, under `mpirun`, the broadcast and gather of each model's parameters. Under `mpirun`
+one leader rank per host measures it while the others sleep; rank 0 checks every input and target file
+before anything is measured, and any failure ends every rank (exit 2), so no rank waits forever.
 """
 
 from __future__ import annotations
@@ -20,14 +22,18 @@ import subprocess
 import sys
 import tempfile
 import time
+import tomllib
+from pathlib import Path
 
 import numpy as np
 
-from edgefed import __version__
+from edgefed import __version__, hwprofile
+from edgefed.errors import EXIT_BAD_INPUT, EdgefedError
 from edgefed.kernels import jit_compilations
 from edgefed.models import CNN, MLP, LogReg, Quadratic, warm_model
-from edgefed.problems import ClassificationData, QuadraticData
+from edgefed.problems.data import ClassificationData, QuadraticData
 from edgefed.rng import Purpose, kernel_state
+from edgefed.runtime.mpi.comm import wait
 
 # The batch sizes each model is measured at: the papers' usual ones (and 64 for the 2NN).
 BENCH_MODELS = {
@@ -103,7 +109,7 @@ def startup(kind: str, cache_dir: str | None) -> dict:
     env = dict(os.environ)
     if cache_dir is not None:
         env["NUMBA_CACHE_DIR"] = cache_dir
-    code = f"import json; from edgefed.profiling import first_step_report; print(json.dumps(first_step_report({kind!r})))"
+    code = f"import json; from edgefed.orchestration.profiling import first_step_report; print(json.dumps(first_step_report({kind!r})))"
     t0 = time.perf_counter()
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=3600)
     wall = time.perf_counter() - t0
@@ -174,8 +180,6 @@ def mpi_collectives(comm, kinds=tuple(BENCH_MODELS), repeats: int = 20) -> list[
     """Median milliseconds, on rank 0, of moving each model's parameters as a round does: down, a
     non-blocking broadcast waited on with edgefed's sleeping poll; up, one point-to-point message from
     every other rank, received as they arrive. Every rank must call this."""
-    from edgefed.runtime.mpi import wait
-
     rank, size = comm.Get_rank(), comm.Get_size()
     out = []
     for kind in kinds:
@@ -212,3 +216,98 @@ def header_comment(profile: dict) -> str:
 
 def host_name() -> str:
     return socket.gethostname().split(".")[0] or "host"
+
+
+# ------------------------------------------------------------------------------------------------ a cluster
+def profile_hosts(comm, prepare, cold: bool, say):
+    """Measure every host once and, under MPI (comm not None), the collectives between the ranks.
+
+    prepare(host names) -> (models, targets) runs on rank 0 before anything is measured (an EdgefedError
+    there ends every rank). Returns [(target, profile dict)] on rank 0, one per host in target order, and
+    an exit code on the other ranks.
+    """
+    rank = 0 if comm is None else comm.Get_rank()
+    host = host_name()
+    hosts = [host] if comm is None else comm.allgather(host)
+    names = list(dict.fromkeys(hosts))
+    error, models, targets = None, [], []
+    if rank == 0:
+        try:
+            models, targets = prepare(names)
+        except EdgefedError as exc:
+            error = str(exc)
+    if comm is not None:
+        error, models = comm.bcast((error, models), root=0)
+    if error:
+        if rank == 0:
+            raise EdgefedError(error)
+        return EXIT_BAD_INPUT
+    leader = hosts.index(host) == rank  # one rank per host measures it; the others wait, sleeping
+    out = say if rank == 0 else (lambda line: say(f"[{host}] {line}"))
+    result = (None, None)
+    if leader:
+        try:
+            result = (None, measure(models, cold=cold, out=out))
+        except Exception as exc:  # noqa: BLE001 - reported by rank 0, so no rank waits forever
+            result = (f"{host}: {type(exc).__name__}: {exc}", None)
+    if comm is None:
+        results = [result]
+    else:
+        wait(comm.Ibarrier())
+        results = comm.gather(result, root=0)
+        errors = comm.bcast([e for e, _ in results if e] if rank == 0 else None, root=0)
+        if errors:
+            if rank == 0:
+                raise EdgefedError("profiling failed on " + "; ".join(errors))
+            return EXIT_BAD_INPUT
+        collectives = mpi_collectives(comm, models)
+        if rank != 0:
+            return 0
+        for _, m in results:
+            if m is not None:
+                m["mpi"] = {"ranks": comm.Get_size(), "hosts": len(names), "collective": collectives}
+    return list(zip(targets, [m for _, m in results if m is not None]))
+
+
+def profile_targets(out: str | None, hosts: list[str], force: bool) -> list[tuple[str, Path | None]]:
+    """(host, file) of every profile to write (None: print it), checked before anything is measured."""
+    if not out:
+        if len(hosts) > 1:
+            raise EdgefedError(f"profiling {len(hosts)} hosts; give --out with {{host}} in it, "
+                               "e.g. --out hw_profiles/{host}.toml")
+        return [(hosts[0], None)]
+    if len(hosts) > 1 and "{host}" not in out:
+        raise EdgefedError(f"profiling {len(hosts)} hosts; put {{host}} in --out, e.g. --out hw_profiles/{{host}}.toml")
+    targets = [(h, Path(out.replace("{host}", h))) for h in hosts]
+    for _, path in targets:
+        if path.exists() and not force:
+            raise EdgefedError(f"{path} already exists; pass --force to replace it or choose another --out")
+        folder = next((p for p in (path.parent, *path.parent.parents) if p.exists()), Path.cwd())
+        if not folder.is_dir() or not os.access(folder, os.W_OK):
+            raise EdgefedError(f"cannot write profile {path}: {folder} is not a writable folder; choose another --out")
+    for _, path in targets:
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise EdgefedError(f"cannot write profile {path} ({exc}); choose another --out") from None
+    return targets
+
+
+def profile_text(profile: dict, host: str, name: str | None = None) -> str:
+    """The profile as the TOML file `edgefed profile` writes, checked to load back."""
+    if name:
+        profile["name"] = name.replace("{host}", host)
+    text = hwprofile.to_toml(profile, header_comment(profile))
+    hwprofile.profile_from_dict(tomllib.loads(text), f"the profile measured on {host}")
+    return text
+
+
+def write_profile(path: Path, text: str) -> None:
+    """Write beside the target, then swap it in: a failed write leaves the old file whole."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        tmp.write_text(text, encoding="utf-8")
+        tmp.replace(path)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        raise EdgefedError(f"cannot write profile {path} ({exc}); choose another --out") from None

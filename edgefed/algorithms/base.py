@@ -1,0 +1,113 @@
+"""What an algorithm declares and what it provides, for every engine, transport and log to read.
+
+An algorithm is a small frozen object in the spirit of FedJAX's init/apply: it declares the vectors it adds
+to FedAvg's (kept by the server and sent down with x, sent back by a device beside Delta x, kept by each
+device between rounds) and provides the client update (a local task in, a report out), the server update
+(a state in, a new state out) and its devices' starting state. Nothing here knows about transports or
+files: the engine asks the declarations how many vectors move and what to log, so a new algorithm is a new
+module here and a line in the registry (algorithms/__init__.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Mapping
+
+import numpy as np
+
+DELTA_X = "delta_x"  # every report carries Delta x_k = y_{k,s_k} - x first
+
+
+@dataclass(frozen=True)
+class ServerVector:
+    """A vector of d the server keeps beside x and sends down with it every round (SCAFFOLD's c)."""
+
+    name: str  # its key in ServerState.vectors, and its resume slot state/{name} in the run log
+    column: str  # the run-log dataset that stores it at the stored rounds, e.g. "scaffold/c"
+    meaning: str
+
+
+@dataclass(frozen=True)
+class DeviceVector:
+    """A vector of d each device keeps between rounds (SCAFFOLD's c_k); the log mirrors every device's.
+
+    A device changes it only by adding its report's `delta` once the coordinator has accepted the report,
+    so the device, the server and the log apply the same Deltas and never disagree.
+    """
+
+    name: str  # its key in a device's `own` mapping, and the log's row state state/{name} (row k: device k)
+    column: str  # the run-log dataset of every device's row at the stored rounds ([log] client_controls)
+    meaning: str
+    delta: str  # the report vector added to it on acceptance
+    owner: str  # who keeps it, for messages about its memory: "SCAFFOLD"
+    noun: str  # what it is called there: "controls"
+
+
+@dataclass(frozen=True)
+class ServerState:
+    """The server's model and its other vectors after a round; each round makes a new one."""
+
+    x: np.ndarray
+    vectors: Mapping[str, np.ndarray] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class LocalTask:
+    """One selected device's work in one round, as its client update sees it."""
+
+    x: np.ndarray  # the server model y_{k,0} starts from
+    server: Mapping[str, np.ndarray]  # the server vectors sent with x
+    own: Mapping[str, np.ndarray]  # this device's vectors, read only (they change on acceptance)
+    n_steps: int  # steps asked: K_k, or exactly what a trace gives
+    lr: float
+    batch_size: int | None  # None: the full local gradient
+    runner: Callable  # runner(step_fn, n) -> steps taken: all n, or as many as fit the deadline
+    stream: Callable  # stream(purpose) -> the model's LocalRun on (seed, purpose, round, device)
+
+
+@dataclass(frozen=True)
+class RoundReports:
+    """What a server update sees: the selected devices' reports, a row each in plan order."""
+
+    device_ids: np.ndarray
+    vectors: Mapping[str, np.ndarray]  # DELTA_X and the algorithm's report vectors, (S, d) each
+    coeffs: np.ndarray  # p_k applied to Delta x_k; 0 where nothing is applied
+    reported: np.ndarray  # (S,) bool: the report counts (steps > 0, finite, on time)
+    lr_global: float
+    n_federation: int  # N_r, devices in the federation this round
+
+
+class Algorithm:
+    """The interface; FedAvg (fedavg.py) is the smallest algorithm that fills it."""
+
+    name: str
+    default_weighting: str
+    server_vectors: tuple[ServerVector, ...] = ()
+    device_vectors: tuple[DeviceVector, ...] = ()
+    report_vectors: tuple[str, ...] = ()  # sent back beside Delta x
+
+    @classmethod
+    def from_config(cls, cfg) -> "Algorithm":
+        """The algorithm with the settings of its own config table (FedAvg has none)."""
+        return cls()
+
+    @property
+    def reports(self) -> tuple[str, ...]:
+        """Every vector a report carries, Delta x first."""
+        return (DELTA_X, *self.report_vectors)
+
+    def client_update(self, model, data, task: LocalTask, out: Mapping[str, np.ndarray]) -> int:
+        """Run the local work; write each of `reports` into out[name] (zeros where none); return s_k."""
+        raise NotImplementedError
+
+    def server_update(self, state: ServerState, reports: RoundReports) -> ServerState:
+        raise NotImplementedError
+
+    def device_start(self, model, data, x: np.ndarray) -> dict[str, np.ndarray]:
+        """A device's vectors when it joins the federation at server model x."""
+        return {}
+
+    def server_vectors_of(self, member_rows: Mapping[str, np.ndarray], dtype) -> dict[str, np.ndarray]:
+        """The server vectors a federation implies whose members hold these device vectors (rows in
+        ascending device id); called at the start and whenever the federation changes."""
+        return {}

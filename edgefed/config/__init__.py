@@ -1,0 +1,18 @@
+"""TOML config -> frozen dataclasses, validated once, with messages that name the key and how to fix it.
+
+schema.py: the tables and their defaults (the keys are a contract); reading.py: files, `--set` overrides
+and types; validation.py: ranges, choices, and the defaults that depend on other keys; writing.py: the
+effective config as TOML (stored in every run log) and the comparison `--resume` makes.
+"""
+
+from edgefed.config.reading import apply_override, config_from_dict, load_config, parse_toml, read_toml, set_key
+from edgefed.config.schema import (ArrivalConfig, Config, DataConfig, DepartureConfig, DeviceConfig, DynamicsConfig,
+                                   FaultConfig, LogConfig, ModelConfig, MpiConfig, ParticipationConfig,
+                                   ScaffoldConfig, TrainConfig)
+from edgefed.config.validation import check_clients_per_round, validate, with_clients
+from edgefed.config.writing import same_experiment, to_dict, to_toml
+
+__all__ = ["ArrivalConfig", "Config", "DataConfig", "DepartureConfig", "DeviceConfig", "DynamicsConfig", "FaultConfig",
+           "LogConfig", "ModelConfig", "MpiConfig", "ParticipationConfig", "ScaffoldConfig", "TrainConfig",
+           "apply_override", "check_clients_per_round", "config_from_dict", "load_config", "parse_toml", "read_toml",
+           "same_experiment", "set_key", "to_dict", "to_toml", "validate", "with_clients"]

@@ -1,0 +1,157 @@
+"""TOML text -> a checked Config: files, `--set table.key=value` overrides, keys and types with fixes."""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import tomllib
+import types
+import typing
+from pathlib import Path
+
+from edgefed.config.schema import TABLES, TOP_KEYS, Config
+from edgefed.config.validation import validate
+from edgefed.errors import ConfigError
+
+
+def load_config(path: str | Path | None = None, overrides: typing.Sequence[str] = ()) -> Config:
+    """Read CONFIG.toml (None: the built-in default), apply `table.key=value` overrides, validate."""
+    raw = {} if path is None else read_toml(path)
+    for item in overrides:
+        apply_override(raw, item)
+    return config_from_dict(raw)
+
+
+def read_toml(path: str | Path) -> dict:
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ConfigError(f"config file {path} not found; give an existing TOML file or none for the default") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"config file {path} cannot be read ({exc}); give a UTF-8 TOML file") from None
+    return parse_toml(text, str(path))
+
+
+def parse_toml(text: str, source: str = "config") -> dict:
+    try:
+        return tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{source} is not valid TOML: {exc}") from None
+
+
+def apply_override(raw: dict, item: str) -> None:
+    """`train.local_steps=10`: the value is read as TOML, or taken as a bare string if it is not TOML."""
+    key, sep, text = item.partition("=")
+    key = key.strip()
+    if not sep or not key:
+        raise ConfigError(f"--set {item!r} is not KEY=VALUE; write it like --set train.local_steps=10")
+    try:
+        value = tomllib.loads(f"v = {text.strip()}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = text.strip()
+    set_key(raw, key, value)
+
+
+def set_key(raw: dict, key: str, value) -> None:
+    """raw[table][key] = value for a dotted `table.key` (a top-level key has no dot)."""
+    parts = key.split(".")
+    if len(parts) == 1:
+        raw[key] = value
+    elif len(parts) == 2:
+        table = raw.setdefault(parts[0], {})
+        if not isinstance(table, dict):
+            raise ConfigError(f"--set {key}: {parts[0]} is not a table in this config")
+        table[parts[1]] = value
+    else:
+        raise ConfigError(f"--set {key}: keys have the form table.key (e.g. train.local_steps)")
+
+
+def config_from_dict(raw: dict) -> Config:
+    _check_keys(raw, TOP_KEYS + tuple(TABLES), "")
+    tables = {}
+    for name, cls in TABLES.items():
+        sub = raw.get(name, {})
+        if not isinstance(sub, dict):
+            raise ConfigError(f"config: {name} must be a table ([{name}]), found {_describe(sub)}")
+        tables[name] = _build(cls, sub, name)
+    top = _build_fields(Config, {k: raw[k] for k in TOP_KEYS if k in raw}, "")
+    return validate(Config(**top, **tables))
+
+
+def _check_keys(raw: dict, known: typing.Sequence[str], table: str) -> None:
+    for key in raw:
+        if key not in known:
+            where = f"[{table}] " if table else ""
+            hint = difflib.get_close_matches(key, known, n=1)
+            fix = f"did you mean {hint[0]!r}?" if hint else f"known keys: {', '.join(known)}"
+            raise ConfigError(f"config: unknown key {where}{key!r}; {fix}")
+
+
+def _build(cls, raw: dict, table: str):
+    names = tuple(f.name for f in dataclasses.fields(cls))
+    _check_keys(raw, names, table)
+    return cls(**_build_fields(cls, raw, table))
+
+
+def _build_table(cls, raw: dict, where: str):
+    """One table of an array of tables: like _build, but every field without a default is required."""
+    required = [f.name for f in dataclasses.fields(cls)
+                if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+    missing = [name for name in required if name not in raw]
+    if missing:
+        raise ConfigError(f"config: {where} lacks {', '.join(missing)}")
+    return _build(cls, raw, where)
+
+
+def _build_fields(cls, raw: dict, table: str) -> dict:
+    hints = typing.get_type_hints(cls)
+    out = {}
+    for key, value in raw.items():
+        out[key] = _coerce(value, hints[key], f"{table}.{key}" if table else key)
+    return out
+
+
+def _coerce(value, hint, key: str):
+    """Check value against a field's type hint; ints are accepted where floats are expected.
+
+    `tuple[T, ...]` fields take TOML arrays (of values, or of tables when T is a dataclass).
+    """
+    if isinstance(hint, types.UnionType) and isinstance(value, list):
+        hint = next((alt for alt in typing.get_args(hint) if typing.get_origin(alt) is tuple), hint)
+    if typing.get_origin(hint) is tuple:
+        elem = typing.get_args(hint)[0]
+        if not isinstance(value, list):
+            raise ConfigError(f"config: {key} = {value!r} is {_describe(value)}; expected a list")
+        if dataclasses.is_dataclass(elem):
+            bad = [item for item in value if not isinstance(item, dict)]
+            if bad:
+                raise ConfigError(f"config: {key} must be a list of tables ([[{key}]]), found {_describe(bad[0])}")
+            return tuple(_build_table(elem, item, f"{key}[{i}]") for i, item in enumerate(value))
+        return tuple(_coerce(item, elem, f"{key}[{i}]") for i, item in enumerate(value))
+    allowed = typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
+    if isinstance(value, bool):
+        if bool in allowed:
+            return value
+    elif isinstance(value, int) and int in allowed:
+        return value
+    elif isinstance(value, (int, float)) and float in allowed:
+        return float(value)
+    elif isinstance(value, str) and str in allowed:
+        return value
+    expected = " or ".join(_TYPE_NAMES.get(t, "a list") for t in allowed if t is not type(None))
+    raise ConfigError(f"config: {key} = {value!r} is {_describe(value)}; expected {expected}")
+
+
+_TYPE_NAMES = {int: "an integer", float: "a number", str: "a string", bool: "true or false"}
+
+
+def _describe(value) -> str:
+    for t in (bool, int, float, str):
+        if isinstance(value, t):
+            return _TYPE_NAMES[t]
+    if isinstance(value, dict):
+        return "a table"
+    if isinstance(value, list):
+        return "a list"
+    return type(value).__name__

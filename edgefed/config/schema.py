@@ -1,0 +1,155 @@
+"""The config's schema: one frozen dataclass per TOML table, every key with its default.
+
+The keys are a contract (docs/design.md, "Config"): users' files and scripts name them exactly. Reading and
+coercion live in reading.py, the checks and the defaults that depend on other keys in validation.py, the
+TOML text and the comparison of two configs in writing.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+
+@dataclass(frozen=True)
+class DataConfig:
+    kind: str = "synthetic"
+    clients: int | None = None  # N; None: 30 for synthetic, the file's N for a quadratic file
+    path: str | None = None
+    alpha: float = 1.0
+    beta: float = 1.0
+    iid: bool = False
+    samples: str | int | None = None  # synthetic: "lognormal" (FedProx, default), "pareto" or a count;
+    # images: "partition" (default: as the partition gives) or "pareto" (with partition = "iid")
+    samples_min: int = 50  # Pareto scale (floor)
+    samples_max: int | None = None  # cap; None: uncapped for lognormal (as FedProx), 5000 for pareto
+    test_fraction: float = 0.1
+    noise_std: float = 0.0  # quadratic oracle noise
+    dim: int = 10  # generated quadratic (no path) only
+    split: str | None = None  # EMNIST split; None: "bymerge" (the flexible-participation paper's)
+    partition: str = "iid"  # images: "iid", "label", "shards", "dirichlet"
+    dirichlet_alpha: float = 0.5
+    holdout: int = 2000  # images held out for testing when data.path holds only the test files
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    kind: str | None = None  # None: the data's natural model
+    dtype: str = "float32"
+    hidden: tuple[int, ...] = (200, 200)  # mlp hidden layers (McMahan et al.'s 2NN)
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    algorithm: str = "fedavg"
+    weighting: str | None = None  # None: count_selected for fedavg, uniform for scaffold
+    clients_per_round: int | float | str = 10
+    local_steps: int | None = None  # K; None: 20 unless local_epochs is given
+    local_epochs: int | float | None = None  # E; K_k = ceil(E * n_k / B) per device
+    batch_size: int | str = 20
+    lr_local: float = 0.05
+    lr_global: float = 1.0
+    lr_schedule: str = "constant"
+
+
+@dataclass(frozen=True)
+class ScaffoldConfig:
+    option: str = "II"  # control update: "I" c_k+ = g_k(x), "II" c_k - c + (x - y_k) / (s_k lr)
+    init: str = "zero"  # "zero", or "gradient": c_k^0 = full local gradient at x_0 (the seed's rates)
+    control_gradient: str = "oracle"  # option I's g_k(x): "oracle" (one minibatch, as the seed) or "full"
+
+
+@dataclass(frozen=True)
+class ParticipationConfig:
+    mode: str = "full"  # "full": K steps; "trace": the steps a trace gives; "deadline": what fits in deadline_s
+    scheme: str = "B"
+    trace: str | tuple[str, ...] | None = None  # trace mode: "builtin[:k]", a trace file, a run log, or names
+    deadline_s: float | str | None = None  # deadline mode: seconds per device and round, or "auto" / "1.5x":
+    # that multiple of the time K steps take on the device's board ([device] profiles; "auto" = 1.1x)
+    grace_s: float = 1.0  # a device silent past deadline + grace is recorded inactive for the round
+    contention: tuple[float, ...] = ()  # CPU competitor load per device (cycled), as the paper's 0..0.9
+
+
+@dataclass(frozen=True)
+class ArrivalConfig:
+    device: int
+    round: int  # the first round the device is part of the federation
+
+
+@dataclass(frozen=True)
+class DepartureConfig:
+    device: int
+    round: int  # the first round the device is gone
+    policy: str = "exclude"  # "exclude": shift the objective; "include": keep it (the device just falls silent)
+
+
+@dataclass(frozen=True)
+class DynamicsConfig:
+    arrive: tuple[ArrivalConfig, ...] = ()
+    depart: tuple[DepartureConfig, ...] = ()
+    fast_reboot: bool = False  # boost an arriving device's coefficient by 1 + (b - 1) / (r - r0 + 1)^2
+    boost: float = 3.0  # b
+
+
+@dataclass(frozen=True)
+class MpiConfig:
+    device_ranks: tuple[int, ...] = ()  # rank hosting each device; empty: round-robin over ranks 1..P-1
+
+
+@dataclass(frozen=True)
+class DeviceConfig:
+    profile: str | None = None  # hardware profile of the boards: a name in hw_profiles/ or a .toml file
+    boards: tuple[str, ...] = ()  # under MPI, each device rank's board (entry i: rank i + 1), overriding profile
+    contention: tuple[float, ...] = ()  # under MPI, the CPU competitor load on each device rank's board
+    # (entry i: rank i + 1), for every device it hosts; overrides participation.contention there
+
+
+@dataclass(frozen=True)
+class FaultConfig:
+    """A fault injected into one device's local work in one round, to test what the runtime does."""
+
+    device: int
+    round: int
+    kind: str = "stall"  # "stall": sleep `seconds` (a hung device); "raise": fail with an error
+    seconds: float = 0.0
+
+
+@dataclass(frozen=True)
+class LogConfig:
+    path: str | None = None
+    every: int = 1
+    eval_every: int = 1
+    client_controls: bool = False  # also log every device's SCAFFOLD control at the stored rounds
+
+
+@dataclass(frozen=True)
+class Config:
+    seed: int = 0
+    rounds: int = 100
+    data: DataConfig = field(default_factory=DataConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    scaffold: ScaffoldConfig = field(default_factory=ScaffoldConfig)
+    participation: ParticipationConfig = field(default_factory=ParticipationConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+    dynamics: DynamicsConfig = field(default_factory=DynamicsConfig)
+    mpi: MpiConfig = field(default_factory=MpiConfig)
+    device: DeviceConfig = field(default_factory=DeviceConfig)
+    fault: tuple[FaultConfig, ...] = ()
+
+    @property
+    def n_clients(self) -> int:
+        return self.data.clients
+
+    def clients_per_round_count(self, n_clients: int) -> int:
+        """S for a federation of n_clients: a count, McMahan's max(ceil(C*N), 1), or all."""
+        s = self.train.clients_per_round
+        if s == "all":
+            return n_clients
+        if isinstance(s, float):
+            return max(math.ceil(s * n_clients - 1e-9), 1)  # 0.07 * 100 is 7.000000000000001 in floats
+        return s
+
+
+TABLES = {f.name: f.default_factory for f in dataclasses.fields(Config) if f.default_factory is not dataclasses.MISSING}
+TOP_KEYS = tuple(f.name for f in dataclasses.fields(Config) if f.name not in TABLES)  # seed, rounds, fault

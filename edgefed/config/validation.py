@@ -1,0 +1,263 @@
+"""Every config field checked once, and the defaults that depend on other fields resolved.
+
+The names a key may take come from where they are implemented: algorithms from the algorithm registry,
+schemes and weightings from participation/schemes.py, partitions and EMNIST splits from problems/. A
+message names the key, the value found and how to fix it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+
+from edgefed import hwprofile
+from edgefed.algorithms import ALGORITHMS
+from edgefed.algorithms import scaffold
+from edgefed.config.schema import (Config, DataConfig, DeviceConfig, DynamicsConfig, ModelConfig,
+                                   ParticipationConfig, TrainConfig)
+from edgefed.errors import ConfigError
+from edgefed.participation.schemes import SCHEMES, WEIGHTINGS
+from edgefed.problems.idx import EMNIST_SPLITS
+from edgefed.problems.partition import PARTITIONS
+
+DATA_KINDS = ("synthetic", "quadratic", "mnist", "emnist")
+MODEL_KINDS = ("logreg", "mlp", "cnn", "quadratic")
+MODELS_FOR_DATA = {"synthetic": ("logreg", "mlp"), "quadratic": ("quadratic",), "mnist": ("mlp", "cnn", "logreg"),
+                   "emnist": ("cnn", "mlp", "logreg")}
+DTYPES = ("float32", "float64")
+LR_SCHEDULES = ("constant", "staircase")
+SAMPLE_LAWS = ("lognormal", "pareto")
+PARTICIPATION_MODES = ("full", "trace", "deadline")
+FAULT_KINDS = ("stall", "raise")
+
+DEFAULT_CLIENTS = 30
+DEFAULT_LOCAL_STEPS = 20
+
+
+def _choice(value, choices, key: str) -> None:
+    if value not in choices:
+        hint = difflib.get_close_matches(str(value), [str(c) for c in choices], n=1)
+        fix = f"did you mean {hint[0]!r}?" if hint else f"choose one of {', '.join(map(repr, choices))}"
+        raise ConfigError(f"config: {key} = {value!r} is not known; {fix}")
+
+
+def _positive(value, key: str, example: str) -> None:
+    if not value > 0 or (isinstance(value, float) and not math.isfinite(value)):
+        raise ConfigError(f"config: {key} = {value!r} must be positive (e.g. {example})")
+
+
+def validate(cfg: Config) -> Config:
+    """Check every field and resolve the defaults that depend on other fields."""
+    if cfg.seed < 0:
+        raise ConfigError(f"config: seed = {cfg.seed} must be a non-negative integer")
+    _positive(cfg.rounds, "rounds", "rounds = 100")
+    data = _validate_data(cfg.data)
+    model = _validate_model(cfg.model, data)
+    train = _validate_train(cfg.train, data)
+    _choice(cfg.scaffold.option, scaffold.OPTIONS, "scaffold.option")
+    _choice(cfg.scaffold.init, scaffold.INITS, "scaffold.init")
+    _choice(cfg.scaffold.control_gradient, scaffold.CONTROL_GRADIENTS, "scaffold.control_gradient")
+    _validate_participation(cfg.participation)
+    _validate_device(cfg.device, cfg.participation)
+    _validate_dynamics(cfg.dynamics, cfg.data.clients, cfg.rounds)
+    for i, fault in enumerate(cfg.fault):
+        _choice(fault.kind, FAULT_KINDS, f"fault[{i}].kind")
+        if fault.device < 0 or (cfg.data.clients is not None and fault.device >= cfg.data.clients):
+            raise ConfigError(f"config: fault[{i}].device = {fault.device} is not a device id (0-based)")
+        if not 1 <= fault.round <= cfg.rounds:
+            raise ConfigError(f"config: fault[{i}].round = {fault.round} is not a round (1..{cfg.rounds})")
+    _positive(cfg.log.every, "log.every", "every = 10")
+    _positive(cfg.log.eval_every, "log.eval_every", "eval_every = 5")
+    return dataclasses.replace(cfg, data=data, model=model, train=train)
+
+
+def _validate_device(dev: DeviceConfig, p: ParticipationConfig) -> None:
+    for i, load in enumerate(dev.contention):
+        if not 0 <= load < 1:
+            raise ConfigError(f"config: device.contention[{i}] = {load} must lie in [0, 1) (a CPU share)")
+    for i, name in enumerate(dev.boards):
+        if not name.strip():
+            raise ConfigError(f"config: device.boards[{i}] is empty; name a hardware profile (e.g. \"pi4b\")")
+    if dev.profile is not None and not dev.profile.strip():
+        raise ConfigError('config: device.profile is empty; name a hardware profile (e.g. "pi4b") or a .toml file')
+    if isinstance(p.deadline_s, str) and dev.profile is None and not dev.boards:
+        raise ConfigError(f"config: participation.deadline_s = {p.deadline_s!r} derives each deadline from the "
+                          "board's hardware profile; set [device] profile = \"NAME\" (shipped: "
+                          f"{', '.join(hwprofile.shipped_names())}) or write one with `edgefed profile --out FILE`")
+
+
+def _validate_participation(p: ParticipationConfig) -> None:
+    _choice(p.mode, PARTICIPATION_MODES, "participation.mode")
+    _choice(p.scheme, tuple(SCHEMES), "participation.scheme")
+    if p.mode == "deadline":
+        if p.deadline_s is None:
+            raise ConfigError('config: participation.mode = "deadline" needs participation.deadline_s (e.g. 0.05)')
+        if isinstance(p.deadline_s, str):
+            hwprofile.parse_deadline(p.deadline_s)
+        else:
+            _positive(p.deadline_s, "participation.deadline_s", "deadline_s = 0.05")
+    elif p.deadline_s is not None:
+        raise ConfigError(f'config: participation.deadline_s applies to mode = "deadline", not {p.mode!r}')
+    if p.mode == "trace" and not p.trace:
+        raise ConfigError('config: participation.mode = "trace" needs participation.trace: "builtin", "builtin:k", '
+                          "a trace file, a run log to replay, or a list of trace names")
+    if p.mode != "trace" and p.trace is not None:
+        raise ConfigError(f'config: participation.trace applies to mode = "trace", not {p.mode!r}')
+    if not (p.grace_s >= 0 and math.isfinite(p.grace_s)):
+        raise ConfigError(f"config: participation.grace_s = {p.grace_s} must be a finite number >= 0")
+    for i, load in enumerate(p.contention):
+        if not 0 <= load < 1:
+            raise ConfigError(f"config: participation.contention[{i}] = {load} must lie in [0, 1) (a CPU share)")
+
+
+def _validate_dynamics(dyn: DynamicsConfig, n_clients: int | None, rounds: int) -> None:
+    for kind, events in (("arrive", dyn.arrive), ("depart", dyn.depart)):
+        seen = set()
+        for i, e in enumerate(events):
+            key = f"dynamics.{kind}[{i}]"
+            if e.device < 0 or (n_clients is not None and e.device >= n_clients):
+                raise ConfigError(f"config: {key}.device = {e.device} is not a device id (0-based)")
+            if not 1 <= e.round <= rounds:
+                raise ConfigError(f"config: {key}.round = {e.round} is not a round (1..{rounds})")
+            if e.device in seen:
+                raise ConfigError(f"config: {key}: device {e.device} can {kind} only once")
+            seen.add(e.device)
+            if kind == "depart":
+                _choice(e.policy, ("include", "exclude"), f"{key}.policy")
+    arrivals = {e.device: e.round for e in dyn.arrive}
+    for i, e in enumerate(dyn.depart):
+        if e.device in arrivals and e.round <= arrivals[e.device]:
+            raise ConfigError(f"config: dynamics.depart[{i}]: device {e.device} departs in round {e.round}, "
+                              f"not after it arrives (round {arrivals[e.device]})")
+    if not (dyn.boost >= 1 and math.isfinite(dyn.boost)):
+        raise ConfigError(f"config: dynamics.boost = {dyn.boost} must be a finite number >= 1 (the paper uses 3)")
+
+
+def _validate_data(d: DataConfig) -> DataConfig:
+    _choice(d.kind, DATA_KINDS, "data.kind")
+    if d.clients is not None:
+        _positive(d.clients, "data.clients", "clients = 30")
+    if d.kind in ("mnist", "emnist"):
+        if d.path is None:
+            raise ConfigError(f"config: data.kind = {d.kind!r} needs data.path, the folder of its IDX files "
+                              "(nothing is downloaded)")
+        _choice(d.partition, PARTITIONS, "data.partition")
+        samples = "partition" if d.samples is None else d.samples
+        if samples not in ("partition", "pareto"):
+            raise ConfigError(f'config: data.samples = {samples!r} for images: "partition" or "pareto"')
+        if samples == "pareto" and d.partition != "iid":
+            raise ConfigError('config: data.samples = "pareto" sizes an "iid" partition; drop it or use partition = "iid"')
+        split = d.split or ("bymerge" if d.kind == "emnist" else None)
+        if d.kind == "emnist":
+            _choice(split, tuple(EMNIST_SPLITS), "data.split")
+        elif split is not None:
+            raise ConfigError("config: data.split applies to kind = \"emnist\"; remove it")
+        _positive(d.dirichlet_alpha, "data.dirichlet_alpha", "dirichlet_alpha = 0.5")
+        _positive(d.holdout, "data.holdout", "holdout = 2000")
+        d = dataclasses.replace(d, samples=samples, split=split, clients=d.clients or 100)
+    if d.kind == "synthetic":
+        if d.samples is None:
+            d = dataclasses.replace(d, samples="lognormal")
+        if d.path is not None:
+            raise ConfigError("config: data.path does not apply to kind = \"synthetic\" (it is generated); remove it")
+        for key in ("alpha", "beta"):
+            value = getattr(d, key)
+            if not (value >= 0 and math.isfinite(value)):
+                raise ConfigError(f"config: data.{key} = {value} must be a finite number >= 0")
+        if isinstance(d.samples, str):
+            _choice(d.samples, SAMPLE_LAWS, "data.samples")
+        elif d.samples < 2:
+            raise ConfigError(f"config: data.samples = {d.samples}; a device needs at least 2 samples (one to train, "
+                              'one to test), e.g. samples = 200, or "lognormal" / "pareto"')
+        if d.samples_min < 2:
+            raise ConfigError(f"config: data.samples_min = {d.samples_min}; a device needs at least 2 samples")
+        if d.samples_max is not None and d.samples_max < d.samples_min:
+            raise ConfigError(f"config: data.samples_max = {d.samples_max} is below samples_min = {d.samples_min}")
+        if not 0 < d.test_fraction < 1:
+            raise ConfigError(f"config: data.test_fraction = {d.test_fraction} must lie in (0, 1), e.g. 0.1")
+        if d.clients is None:
+            d = dataclasses.replace(d, clients=DEFAULT_CLIENTS)
+    if d.kind == "quadratic":
+        if not (d.noise_std >= 0 and math.isfinite(d.noise_std)):
+            raise ConfigError(f"config: data.noise_std = {d.noise_std} must be a finite number >= 0")
+        _positive(d.dim, "data.dim", "dim = 10")
+        if d.path is None and d.clients is None:
+            d = dataclasses.replace(d, clients=DEFAULT_CLIENTS)
+    return d
+
+
+def _validate_model(m: ModelConfig, data: DataConfig) -> ModelConfig:
+    fits = MODELS_FOR_DATA[data.kind]
+    if m.kind is None:
+        m = dataclasses.replace(m, kind=fits[0])
+    _choice(m.kind, MODEL_KINDS, "model.kind")
+    if m.kind not in fits:
+        raise ConfigError(
+            f"config: model.kind = {m.kind!r} does not fit data.kind = {data.kind!r}; use {' or '.join(map(repr, fits))}"
+        )
+    _choice(m.dtype, DTYPES, "model.dtype")
+    if not m.hidden or any(h < 1 for h in m.hidden):
+        raise ConfigError(f"config: model.hidden = {list(m.hidden)} must list positive layer widths, e.g. [200, 200]")
+    return m
+
+
+def _validate_train(t: TrainConfig, data: DataConfig) -> TrainConfig:
+    _choice(t.algorithm, tuple(ALGORITHMS), "train.algorithm")
+    if t.weighting is None:
+        t = dataclasses.replace(t, weighting=ALGORITHMS[t.algorithm].default_weighting)
+    _choice(t.weighting, WEIGHTINGS, "train.weighting")
+    _choice(t.lr_schedule, LR_SCHEDULES, "train.lr_schedule")
+    _positive(t.lr_local, "train.lr_local", "lr_local = 0.05")
+    _positive(t.lr_global, "train.lr_global", "lr_global = 1.0")
+    s = t.clients_per_round
+    if isinstance(s, str):
+        if s != "all":
+            raise ConfigError(
+                f"config: train.clients_per_round = {s!r}; give a count (10), a fraction in (0, 1] (0.1) or \"all\""
+            )
+    elif isinstance(s, float):
+        if not 0 < s <= 1:
+            raise ConfigError(
+                f"config: train.clients_per_round = {s} is a fraction and must lie in (0, 1]; "
+                "write an integer for a count"
+            )
+    elif s < 1:
+        raise ConfigError(f"config: train.clients_per_round = {s} must be at least 1")
+    if data.clients is not None:
+        check_clients_per_round(t, data.clients)
+    if isinstance(t.batch_size, str):
+        if t.batch_size != "full":
+            raise ConfigError(f"config: train.batch_size = {t.batch_size!r}; give a positive integer or \"full\"")
+    else:
+        _positive(t.batch_size, "train.batch_size", "batch_size = 20, or \"full\"")
+    if t.local_steps is not None and t.local_epochs is not None:
+        raise ConfigError("config: give train.local_steps or train.local_epochs, not both")
+    if t.local_epochs is not None:
+        _positive(t.local_epochs, "train.local_epochs", "local_epochs = 1")
+    elif t.local_steps is None:
+        t = dataclasses.replace(t, local_steps=DEFAULT_LOCAL_STEPS)
+    elif t.local_steps < 1:
+        raise ConfigError(f"config: train.local_steps = {t.local_steps}; K must be at least 1 (e.g. local_steps = 20)")
+    return t
+
+
+def check_clients_per_round(t: TrainConfig, n_clients: int) -> None:
+    s = t.clients_per_round
+    if isinstance(s, int) and s > n_clients:
+        raise ConfigError(
+            f"config: train.clients_per_round = {s} exceeds the {n_clients} devices (data.clients); "
+            f"use at most {n_clients} or \"all\""
+        )
+
+
+def with_clients(cfg: Config, n_clients: int) -> Config:
+    """The config once the problem has fixed N (a quadratic file decides it)."""
+    if cfg.data.clients is not None and cfg.data.clients != n_clients:
+        raise ConfigError(
+            f"config: data.clients = {cfg.data.clients} but the problem file {cfg.data.path} has {n_clients} devices; "
+            "remove data.clients or make them agree"
+        )
+    check_clients_per_round(cfg.train, n_clients)
+    cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, clients=n_clients))
+    return validate(cfg)  # device ids in [[dynamics.*]] and [[fault]] now checked against this N

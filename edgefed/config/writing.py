@@ -1,0 +1,49 @@
+"""A Config back to TOML (the run log stores that text; device ranks rebuild the config from it), and the
+comparison `--resume` makes between two configs."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import tomli_w
+
+from edgefed.config.schema import Config
+
+
+def to_dict(cfg: Config) -> dict:
+    """The config as plain TOML-able data; None fields are left out (they mean "default")."""
+    out = {}
+    for f in dataclasses.fields(cfg):
+        value = getattr(cfg, f.name)
+        if dataclasses.is_dataclass(value):
+            out[f.name] = {k: list(v) if isinstance(v, tuple) else v
+                           for k, v in dataclasses.asdict(value).items() if v is not None}
+        elif isinstance(value, tuple):
+            if value:
+                out[f.name] = [dataclasses.asdict(item) for item in value]
+        elif value is not None:
+            out[f.name] = value
+    return out
+
+
+def to_toml(cfg: Config) -> str:
+    return tomli_w.dumps(to_dict(cfg))
+
+
+def same_experiment(a: Config, b: Config) -> list[str]:
+    """Keys (table.key) where two configs differ, ignoring where the log is written."""
+    da, db = to_dict(a), to_dict(b)
+    for d in (da, db):
+        d.get("log", {}).pop("path", None)
+    diffs = []
+    for key in sorted(set(da) | set(db)):
+        va, vb = da.get(key), db.get(key)
+        if key == "participation":  # a replay may name its trace by another path; the trace itself is checked
+            for d in (va, vb):
+                (d or {}).pop("trace", None)
+        if isinstance(va, dict) or isinstance(vb, dict):
+            va, vb = va or {}, vb or {}
+            diffs += [f"{key}.{k}" for k in sorted(set(va) | set(vb)) if va.get(k) != vb.get(k)]
+        elif va != vb:
+            diffs.append(key)
+    return diffs

@@ -1,0 +1,138 @@
+"""Rank roles of a run: in one process (the simulator), or rank 0 coordinating and ranks 1..P-1 hosting devices.
+
+Setup is the only place small Python objects travel (pickled `bcast`/`gather`): rank 0 resolves and checks
+the config (a bad one ends every rank with exit 2 and one line from rank 0), device ranks build only their
+own devices' data and report whether they could. After that only buffers move (runtime/mpi/).
+"""
+
+from __future__ import annotations
+
+import os
+import traceback
+
+import numpy as np
+
+from edgefed import config as config_mod
+from edgefed.algorithms import Algorithm, build_algorithm
+from edgefed.errors import EXIT_BAD_INPUT, ConfigError, EdgefedError
+from edgefed.orchestration import run as run_mod
+from edgefed.orchestration.deadlines import device_deadlines
+from edgefed.runtime.mpi.comm import abort_with, world
+from edgefed.runtime.mpi.coordinator import MpiTransport
+from edgefed.runtime.mpi.device_server import DeviceServer
+from edgefed.runtime.mpi.placement import device_owners
+from edgefed.runtime.mpi.protocol import Wire
+
+EXIT_INTERRUPTED = 130
+
+
+def execute(resolve, force: bool, on_round, on_info, on_error):
+    """Run an experiment in this process or, under mpirun, across the ranks.
+
+    `resolve()` gives (config, resume point, log path). Returns the RunResult on the process that wrote the
+    log, or an exit code (device ranks, bad input, interruption).
+    """
+    comm = world()
+    if comm is not None:
+        if comm.Get_rank() != 0:
+            return run_device_rank(comm)
+        return run_coordinator(comm, resolve, force, on_round, on_info, on_error)
+    cfg, point, path = resolve()
+    try:
+        return run_mod.run(cfg, path, resume_point=point, force=force, on_round=on_round, on_info=on_info)
+    except KeyboardInterrupt:
+        on_error(f"interrupted; continue with: edgefed run --resume {path}")
+        return EXIT_INTERRUPTED
+
+
+def wire_for(algorithm: Algorithm, n_devices: int, model) -> Wire:
+    """The MPI records of a run: the same on every rank, since every rank builds them from the same config."""
+    return Wire(n_devices, model.dim, model.dtype, algorithm.reports, len(algorithm.server_vectors),
+                tuple(v.name for v in algorithm.device_vectors))
+
+
+def check_device_ranks(cfg, n_ranks: int) -> None:
+    """[device] lists that name one entry per device rank must match this run's number of device ranks."""
+    for key, values, what in (("boards", cfg.device.boards, "boards"), ("contention", cfg.device.contention, "loads")):
+        if values and len(values) != n_ranks:
+            raise ConfigError(f"config: device.{key} names {len(values)} {what}, but this run has {n_ranks} device "
+                              f"ranks; give one per device rank (entry i is rank i + 1)")
+
+
+def run_coordinator(comm, resolve, force: bool, on_round, on_info, on_error) -> int:
+    """Rank 0. `resolve()` returns (config, resume point, log path) or raises EdgefedError."""
+    try:
+        cfg, point, path = resolve()
+        setup = run_mod.prepare(cfg, path, resume_point=point, force=force, on_info=on_info)
+        owners = device_owners(setup.problem.n_devices, comm.Get_size(), setup.cfg.mpi.device_ranks)
+        check_device_ranks(setup.cfg, comm.Get_size() - 1)
+        setup = device_deadlines(setup, owners, on_info, point)
+    except EdgefedError as exc:
+        comm.bcast({"error": str(exc)}, root=0)
+        on_error(str(exc))
+        return EXIT_BAD_INPUT
+    except BaseException as exc:  # a bug: the device ranks must not wait for a config that never comes
+        comm.bcast({"error": f"{type(exc).__name__}: {exc}"}, root=0)
+        raise
+    comm.bcast({"config": config_mod.to_toml(setup.cfg), "owners": owners}, root=0)
+    reports = comm.gather((None, (0, 0.0)), root=0)[1:]
+    failures = [f for f, _ in reports if f]
+    if failures:
+        comm.bcast(False, root=0)
+        on_error("; ".join(failures))
+        return EXIT_BAD_INPUT
+    comm.bcast(True, root=0)
+    run_mod.note_warmup(setup, [w[0] for _, w in reports], [w[1] for _, w in reports], on_info)
+    on_info(f"MPI: {comm.Get_size() - 1} device ranks; devices per rank "
+            f"{np.bincount(owners, minlength=comm.Get_size())[1:].tolist()}")
+    transport = MpiTransport(comm, wire_for(setup.algorithm, setup.problem.n_devices, setup.model), owners)
+    try:
+        result = run_mod.drive(setup, transport, path, resume_point=point, on_round=on_round)
+    except KeyboardInterrupt:
+        abort_with(comm, f"interrupted; continue with: edgefed run --resume {path}", EXIT_INTERRUPTED)
+    except EdgefedError as exc:
+        hint = f" (the log {path} holds every completed round; --resume continues it)" if path.exists() else ""
+        abort_with(comm, f"{exc}{hint}", EXIT_BAD_INPUT)
+    except BaseException as exc:  # noqa: BLE001 - any failure must take the world down, not hang it
+        abort_with(comm, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}", 1)
+    return result
+
+
+def run_device_rank(comm) -> int:
+    """Ranks 1..P-1: build the devices this rank hosts, then serve the coordinator until it says stop."""
+    rank = comm.Get_rank()
+    info = comm.bcast(None, root=0)
+    if "error" in info:
+        return EXIT_BAD_INPUT
+    failure, transport, warm = None, None, (0, 0.0)
+    try:
+        cfg = config_mod.config_from_dict(config_mod.parse_toml(info["config"]))
+        problem, model = run_mod.problem_and_model(cfg)
+        own = np.flatnonzero(info["owners"] == rank)
+        loads = cfg.participation.contention
+        if cfg.device.contention:  # this board's own load, beside each of its devices
+            load = cfg.device.contention[rank - 1]
+            loads = (load,) if load > 0 else ()
+        core = (rank - 1) % (os.cpu_count() or 1) if loads else None
+        transport = run_mod.local_transport(cfg, problem, model, device_ids=own, core=core, contention=loads)
+        warm = transport.warmup()
+    except EdgefedError as exc:
+        failure = f"rank {rank}: {exc}"
+    except BaseException as exc:  # noqa: BLE001 - reported through rank 0 rather than hanging the gather
+        failure = f"rank {rank}: {type(exc).__name__}: {exc}"
+    comm.gather((failure, warm), root=0)
+    if not comm.bcast(None, root=0):
+        if transport is not None:
+            transport.close()
+        return EXIT_BAD_INPUT
+    algorithm = build_algorithm(cfg)
+    server = DeviceServer(comm, wire_for(algorithm, problem.n_devices, model), transport,
+                          tuple(v.name for v in algorithm.server_vectors))
+    try:
+        server.serve()
+    except BaseException as exc:  # noqa: BLE001
+        transport.close()
+        message = str(exc) if isinstance(exc, EdgefedError) else f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"
+        abort_with(comm, message, 1)
+    transport.close()
+    return 0

@@ -1,0 +1,132 @@
+"""A device rank: waits for commands, runs its devices' work on a worker thread, reports back.
+
+The worker thread keeps the main thread free to serve MPI while a device works or hangs: a finished round
+is reported at once (the worker wakes the polling main thread), and a round that arrives while an older
+one still runs is answered at once with late records, so the coordinator never waits on a hung device.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+
+from edgefed.algorithms.base import ServerState
+from edgefed.runtime.mpi import protocol as wire_
+from edgefed.runtime.mpi.comm import POLL_MAX_S, wait
+from edgefed.runtime.mpi.protocol import Wire
+
+
+class DeviceServer:
+    def __init__(self, comm, wire: Wire, transport, server_names: tuple[str, ...], poll_max_s: float = POLL_MAX_S):
+        self.comm, self.wire, self.transport, self.poll = comm, wire, transport, poll_max_s
+        self.server_names = server_names  # the algorithm's server vectors, in the order they travel
+        self.command = wire.command_buffer()
+        self.state = wire.state_buffer()
+        self.own = transport.device_ids
+        nbytes = max(self.own.size, 1) * wire.record_bytes()
+        self._send = [np.zeros(nbytes, np.uint8), np.zeros(nbytes, np.uint8)]  # double-buffered
+        self._send_req = [None, None]
+        self._next = 0
+        self._future = None  # (round, Future, device ids) of the work in progress
+        self._done = threading.Event()  # the worker finished: report now rather than after the next sleep
+
+    def _records(self, tag: int, n: int) -> np.ndarray:
+        """n zeroed records to fill, living in the next free send buffer (no allocation per round)."""
+        i = self._next
+        if self._send_req[i] is not None:
+            wait(self._send_req[i], self.poll)
+            self._send_req[i] = None
+        record = self.wire.tags[tag]
+        buf = self._send[i][: n * record.itemsize]
+        buf[:] = 0
+        return buf.view(record)
+
+    def _send_records(self, tag: int, records: np.ndarray) -> None:
+        i = self._next
+        self._next = 1 - i
+        self._send_req[i] = self.comm.Isend([self._send[i][: records.nbytes], self._mpi_byte], dest=0, tag=tag)
+
+    def _report_finished_work(self) -> None:
+        if self._future is None or not self._future[1].done():
+            return
+        round_idx, future, ids = self._future
+        self._future = None
+        res = future.result()  # re-raises a device's error here, on the main thread
+        records = self._records(wire_.TAG_WORK, ids.size)
+        self.wire.pack_work(records, round_idx, ids, res)
+        self._send_records(wire_.TAG_WORK, records)
+
+    def _wait_broadcast(self, buf) -> None:
+        wait(self.comm.Ibcast(buf, root=0), self.poll, also=self._report_finished_work, wake=self._done)
+
+    def serve(self) -> None:
+        from mpi4py import MPI
+
+        self._mpi_byte = MPI.BYTE
+        while True:
+            self._wait_broadcast(self.command.view(np.uint8))
+            command = int(self.command[0]["command"])
+            accepted = self.wire.accepted(self.command)
+            if accepted is not None:
+                self.transport.accept(*accepted)
+            if command == wire_.STOP:
+                self._goodbye()
+                break
+            if command == wire_.LOAD_DEVICES:
+                self._load_devices()
+                continue
+            self._wait_broadcast(self.state)
+            x, vectors = self.wire.unpack_state(self.state)
+            if command == wire_.ROUND:
+                self._start_work(ServerState(x, dict(zip(self.server_names, vectors))))
+            elif command == wire_.EVAL:
+                self._evaluate(x)
+            elif command == wire_.START_DEVICES:
+                self._start_devices(x)
+
+    def _goodbye(self) -> None:
+        """Finish (and drop) work still running, then say goodbye; the coordinator drains until it hears it."""
+        if self._future is not None:
+            self._future[1].exception()  # waits for the worker; a late result is of no use any more
+            self._future = None
+        records = self._records(wire_.TAG_BYE, 1)
+        records["rank"] = self.comm.Get_rank()
+        self._send_records(wire_.TAG_BYE, records)
+        for req in self._send_req:
+            if req is not None:
+                wait(req, self.poll)
+
+    def _start_work(self, state: ServerState) -> None:
+        plan = self.wire.decode_plan(self.command, self.own)
+        if plan is None:
+            return
+        if self._future is not None:  # still on an older round: these devices cannot start in time
+            records = self._records(wire_.TAG_WORK, plan.device_ids.size)
+            self.wire.pack_work(records, plan.round_idx, plan.device_ids, None)
+            self._send_records(wire_.TAG_WORK, records)
+            return
+        future = self.transport.submit(plan, state)
+        future.add_done_callback(lambda _: self._done.set())
+        self._future = (plan.round_idx, future, plan.device_ids)
+
+    def _evaluate(self, x) -> None:
+        ev = self.transport.evaluate(x)
+        records = self._records(wire_.TAG_EVAL, self.own.size)
+        self.wire.pack_evaluation(records, self.own, ev)
+        self._send_records(wire_.TAG_EVAL, records)
+
+    def _start_devices(self, x) -> None:
+        ids = self.wire.addressed(self.command, self.own)
+        if ids.size == 0:
+            return
+        rows = self.transport.start_devices(x, ids)
+        records = self._records(wire_.TAG_ROWS, ids.size)
+        self.wire.pack_rows(records, ids, rows)
+        self._send_records(wire_.TAG_ROWS, records)
+
+    def _load_devices(self) -> None:
+        records = np.zeros(self.own.size, self.wire.rows)
+        if self.own.size:
+            wait(self.comm.Irecv(records.view(np.uint8), source=0, tag=wire_.TAG_LOAD), self.poll)
+        self.transport.load_devices(self.wire.unpack_rows([records], self.own))

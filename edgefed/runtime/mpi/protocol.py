@@ -1,0 +1,215 @@
+"""The MPI wire format: every message a NumPy structured record with named fields, owned by this module.
+
+Both sides build the same `Wire` from the same config (rank 0 sends it to every rank at setup), so a field
+cannot be written under one name and read under another, and the whole protocol can be checked in one
+process: `encode_*` / `pack_*` write what a sender puts in its buffer, `decode_*` / `unpack_*` what the
+receiver makes of it. The buffers themselves are allocated once (in the coordinator and device server) and
+travel as bytes with the buffer collectives; nothing on the per-round path is pickled.
+
+Per round: down, a command record (Ibcast) and then the server state (Ibcast, x and the algorithm's server
+vectors as rows of one array); up, one message per device rank holding a work record per device it ran.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from edgefed.transport import Evaluation, LocalResults, RoundPlan
+
+# Commands (the command record's `command`), and the tags of the messages that answer them.
+STOP, ROUND, EVAL, START_DEVICES, LOAD_DEVICES = range(5)
+TAG_WORK, TAG_EVAL, TAG_ROWS, TAG_LOAD, TAG_BYE = 11, 12, 13, 14, 15
+NO_ROUND = -1
+
+
+class Wire:
+    """The record types of one run, identical on every rank.
+
+    n_devices, dim, dtype: the federation and the model; reports: the names of the vectors a work report
+    carries (Delta x first); server: how many vectors travel down beside x; device: the names of the
+    vectors each device keeps (sent up when they start, down when a resumed run restores them).
+    """
+
+    def __init__(self, n_devices: int, dim: int, dtype, reports: tuple[str, ...], server: int = 0,
+                 device: tuple[str, ...] = ()):
+        self.n_devices, self.dim, self.dtype = n_devices, dim, np.dtype(dtype)
+        self.reports, self.n_server, self.device = tuple(reports), server, tuple(device)
+        n = n_devices
+        self.command = np.dtype([
+            ("command", "<i8"),
+            ("round", "<i8"),
+            ("lr", "<f8"),
+            ("grace_s", "<f8"),
+            ("accepted_round", "<i8"),  # the round whose reports `accepted` names; NO_ROUND: none
+            ("devices", "?", (n,)),  # the devices the command is for (ROUND: the selected ones)
+            ("budget", "<i4", (n,)),  # K_k of the selected devices
+            ("steps", "<i4", (n,)),  # trace mode: the exact steps; -1: all of the budget, or what fits
+            ("deadline_s", "<f8", (n,)),  # NaN: no deadline
+            ("accepted", "?", (n,)),  # the coordinator applied these devices' reports of accepted_round
+        ], align=True)
+        self.work = np.dtype([
+            ("round", "<i8"),
+            ("device", "<i8"),
+            ("steps", "<i4"),
+            ("late", "?"),
+            ("compiled", "?"),
+            ("elapsed_s", "<f4"),
+            ("cpu_percent", "<f4"),
+            ("cpu_freq_mhz", "<f4"),
+            ("temperature_c", "<f4"),
+            ("vectors", self.dtype, (len(self.reports), dim)),
+        ], align=True)
+        self.evaluation = np.dtype([("device", "<i8"), ("train_loss", "<f8"), ("test_loss_sum", "<f8"),
+                                    ("test_correct", "<i8"), ("n_test", "<i8")], align=True)
+        self.rows = np.dtype([("device", "<i8"), ("vectors", self.dtype, (len(self.device), dim))], align=True)
+        self.bye = np.dtype([("rank", "<i8")])
+        self.tags = {TAG_WORK: self.work, TAG_EVAL: self.evaluation, TAG_ROWS: self.rows, TAG_LOAD: self.rows,
+                     TAG_BYE: self.bye}
+
+    def record_bytes(self) -> int:
+        """The largest record of any upward message: a device rank's send buffers hold that per device."""
+        return max(dt.itemsize for dt in self.tags.values())
+
+    def state_buffer(self) -> np.ndarray:
+        """The broadcast buffer of the server state: x, then the server vectors, one row each."""
+        return np.zeros((1 + self.n_server, self.dim), self.dtype)
+
+    def command_buffer(self) -> np.ndarray:
+        return np.zeros(1, self.command)
+
+    # -- down: commands --------------------------------------------------------------------------------
+    def encode_command(self, buf: np.ndarray, command: int, plan: RoundPlan | None = None,
+                       devices: np.ndarray | None = None, accepted: tuple[int, np.ndarray] | None = None) -> None:
+        """Fill the command record: a round's plan, or the devices a command is for, and the reports of the
+        previous round the coordinator applied."""
+        rec = buf[0]
+        buf.view(np.uint8)[:] = 0
+        rec["command"] = command
+        rec["round"] = 0 if plan is None else plan.round_idx
+        rec["accepted_round"] = NO_ROUND
+        rec["steps"] = -1
+        rec["deadline_s"] = math.nan
+        if accepted is not None:
+            rec["accepted_round"], rec["accepted"][accepted[1]] = accepted[0], True
+        if devices is not None:
+            rec["devices"][devices] = True
+        if plan is not None:
+            ids = plan.device_ids
+            rec["lr"], rec["grace_s"] = plan.lr, plan.grace_s
+            rec["devices"][ids] = True
+            rec["budget"][ids] = plan.budgets
+            if plan.steps is not None:
+                rec["steps"][ids] = plan.steps
+            if plan.deadline_s is not None:
+                rec["deadline_s"][ids] = plan.deadline_s
+
+    @staticmethod
+    def accepted(buf: np.ndarray) -> tuple[int, np.ndarray] | None:
+        """(round, device ids) of the reports the coordinator applied, if the command names any."""
+        rec = buf[0]
+        if rec["accepted_round"] == NO_ROUND:
+            return None
+        return int(rec["accepted_round"]), np.flatnonzero(rec["accepted"])
+
+    @staticmethod
+    def addressed(buf: np.ndarray, own: np.ndarray) -> np.ndarray:
+        """Which of `own` (ascending device ids) the command is for."""
+        return own[buf[0]["devices"][own]]
+
+    def decode_plan(self, buf: np.ndarray, own: np.ndarray) -> RoundPlan | None:
+        """The part of a ROUND command's plan for the devices in `own`; None when none of them is selected."""
+        rec = buf[0]
+        ids = self.addressed(buf, own)
+        if ids.size == 0:
+            return None
+        steps, deadlines = rec["steps"][ids], rec["deadline_s"][ids]
+        return RoundPlan(int(rec["round"]), ids, rec["budget"][ids].astype(np.int32), float(rec["lr"]),
+                         steps=None if steps[0] < 0 else steps.astype(np.int32),
+                         deadline_s=None if np.isnan(deadlines).all() else deadlines.astype(np.float64),
+                         grace_s=float(rec["grace_s"]))
+
+    # -- down: the server state ------------------------------------------------------------------------
+    @staticmethod
+    def pack_state(buf: np.ndarray, x: np.ndarray, vectors=()) -> None:
+        """x and the server vectors (in declaration order) into the broadcast buffer; zeros for missing ones."""
+        buf[0] = x
+        buf[1:] = 0
+        for i, value in enumerate(vectors):
+            buf[1 + i] = value
+
+    @staticmethod
+    def unpack_state(buf: np.ndarray) -> tuple[np.ndarray, list[np.ndarray]]:
+        """(x, server vectors) as copies: the buffer is reused by the next broadcast."""
+        return buf[0].copy(), [row.copy() for row in buf[1:]]
+
+    # -- up: work reports ------------------------------------------------------------------------------
+    def pack_work(self, records: np.ndarray, round_idx: int, ids: np.ndarray, res: LocalResults | None) -> None:
+        """One record per device; res None: the devices could not start in time (late, no work)."""
+        records["round"], records["device"] = round_idx, ids
+        if res is None:
+            records["late"] = True
+            return
+        records["steps"], records["late"], records["compiled"] = res.steps, res.late, res.compiled
+        records["elapsed_s"], records["cpu_percent"] = res.elapsed_s, res.cpu_percent
+        records["cpu_freq_mhz"], records["temperature_c"] = res.cpu_freq_mhz, res.temperature_c
+        for j, name in enumerate(self.reports):
+            records["vectors"][:, j] = res.vectors[name]
+
+    def unpack_work(self, plan: RoundPlan, messages) -> LocalResults:
+        """The round's LocalResults from the work records received; a device without one is late."""
+        n_sel = plan.device_ids.size
+        row = {int(k): i for i, k in enumerate(plan.device_ids)}
+        vectors = {name: np.zeros((n_sel, self.dim), self.dtype) for name in self.reports}
+        steps = np.zeros(n_sel, np.int32)
+        late = np.ones(n_sel, bool)  # until its report arrives
+        compiled = np.zeros(n_sel, bool)
+        measured = {name: np.full(n_sel, np.nan, np.float32)
+                    for name in ("elapsed_s", "cpu_percent", "cpu_freq_mhz", "temperature_c")}
+        for records in messages:
+            for rec in records:
+                i = row[int(rec["device"])]
+                late[i], compiled[i] = rec["late"], rec["compiled"]
+                steps[i] = 0 if rec["late"] else rec["steps"]
+                for name, values in measured.items():
+                    values[i] = rec[name]
+                if not rec["late"]:
+                    for j, name in enumerate(self.reports):
+                        vectors[name][i] = rec["vectors"][j]
+        return LocalResults(vectors, steps, measured["elapsed_s"], measured["cpu_percent"], late,
+                            measured["cpu_freq_mhz"], measured["temperature_c"], compiled)
+
+    # -- up: evaluation --------------------------------------------------------------------------------
+    @staticmethod
+    def pack_evaluation(records: np.ndarray, ids: np.ndarray, ev: Evaluation) -> None:
+        records["device"] = ids
+        records["train_loss"], records["test_loss_sum"] = ev.train_loss[ids], ev.test_loss_sum[ids]
+        records["test_correct"], records["n_test"] = ev.test_correct[ids], ev.n_test[ids]
+
+    def unpack_evaluation(self, messages) -> Evaluation:
+        n = self.n_devices
+        ev = Evaluation(np.full(n, np.nan), np.zeros(n), np.zeros(n, np.int64), np.zeros(n, np.int64))
+        for records in messages:
+            k = records["device"]
+            ev.train_loss[k], ev.test_loss_sum[k] = records["train_loss"], records["test_loss_sum"]
+            ev.test_correct[k], ev.n_test[k] = records["test_correct"], records["n_test"]
+        return ev
+
+    # -- both ways: device vectors ---------------------------------------------------------------------
+    def pack_rows(self, records: np.ndarray, ids: np.ndarray, rows: dict[str, np.ndarray]) -> None:
+        """Devices' vectors, a record per device: rows[name] holds one row per id, in ids order."""
+        records["device"] = ids
+        for j, name in enumerate(self.device):
+            records["vectors"][:, j] = rows[name]
+
+    def unpack_rows(self, messages, device_ids: np.ndarray) -> dict[str, np.ndarray]:
+        """{name: rows of device_ids, in that order} from the records received."""
+        at = {int(k): i for i, k in enumerate(device_ids)}
+        out = {name: np.zeros((len(device_ids), self.dim), self.dtype) for name in self.device}
+        for records in messages:
+            for rec in records:
+                i = at[int(rec["device"])]
+                for j, name in enumerate(self.device):
+                    out[name][i] = rec["vectors"][j]
+        return out

@@ -1,0 +1,76 @@
+"""The interface between an engine and a transport: what a round asks of the devices and what comes back.
+
+An engine (engine/) plans and aggregates; a transport (runtime/: in this process, or across MPI ranks)
+carries the plan to the devices that host the selected ones and brings their reports back. Neither imports
+the other: both speak through the plain arrays below, and an engine drives any object with the methods of
+`Transport`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Mapping, Protocol
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class RoundPlan:
+    """Who works this round, how many steps each may take, and with which learning rate."""
+
+    round_idx: int
+    device_ids: np.ndarray  # selected devices, ascending
+    budgets: np.ndarray  # int32, steps asked of each selected device (K_k)
+    lr: float
+    steps: np.ndarray | None = None  # trace mode: int32, the exact steps each device takes
+    deadline_s: np.ndarray | None = None  # deadline mode: (S,) float64, each device's wall-clock budget
+    grace_s: float = 0.0  # past deadline + grace a device's report is late and dropped
+
+    def steps_to_run(self, i: int) -> int:
+        return int(self.budgets[i] if self.steps is None else self.steps[i])
+
+
+@dataclass(frozen=True)
+class LocalResults:
+    """What the selected devices report, one row per device in plan order."""
+
+    vectors: Mapping[str, np.ndarray]  # the algorithm's report vectors (Delta x first), (S, d) model dtype
+    steps: np.ndarray  # (S,) int32
+    elapsed_s: np.ndarray  # (S,) float32
+    cpu_percent: np.ndarray  # (S,) float32, NaN where unmeasured
+    late: np.ndarray  # (S,) bool: answered after deadline + grace (or never); dropped
+    cpu_freq_mhz: np.ndarray  # (S,) float32, NaN where the board does not say
+    temperature_c: np.ndarray  # (S,) float32, NaN where the board does not say
+    compiled: np.ndarray  # (S,) bool: the work included Numba compilation (a cold cache)
+
+
+@dataclass(frozen=True)
+class Evaluation:
+    """Per-device evaluation at one server model, indexed by device id."""
+
+    train_loss: np.ndarray  # (N,) F_k(x), mean over the device's training samples
+    test_loss_sum: np.ndarray  # (N,) summed held-out loss
+    test_correct: np.ndarray  # (N,) correct held-out predictions
+    n_test: np.ndarray  # (N,) held-out samples
+
+
+class Transport(Protocol):
+    """What an engine calls; `state` is the algorithm's ServerState (x and the vectors sent with it)."""
+
+    def local_work(self, plan: RoundPlan, state) -> LocalResults:
+        """Run the plan on the devices hosting the selected ones."""
+
+    def accept(self, round_idx: int, device_ids: np.ndarray) -> None:
+        """These devices' reports of round_idx were applied: they update their own vectors."""
+
+    def evaluate(self, x: np.ndarray) -> Evaluation:
+        """Every device's train loss and held-out counts at x."""
+
+    def start_devices(self, x: np.ndarray, device_ids: np.ndarray) -> dict[str, np.ndarray]:
+        """Fresh device vectors for these devices (joining at x); returns their rows, in their order."""
+
+    def load_devices(self, rows: Mapping[str, np.ndarray]) -> None:
+        """Restore every device's vectors (row k: device k), e.g. on --resume."""
+
+    def close(self, failed: bool = False) -> None:
+        """End the devices' work (and, under MPI, the device ranks)."""
