@@ -13,10 +13,9 @@ from edgefed.kernels import cnn as _cnn
 from edgefed.kernels import logreg as _logreg
 from edgefed.kernels import mlp as _mlp
 from edgefed.kernels import quadratic as _quad
+from edgefed.kernels.sgd import step_terms
 from edgefed.problems.data import ClassificationData, QuadraticData
 from edgefed.rng import Purpose, generator, kernel_state
-
-_EMPTY = {np.dtype(np.float32): np.zeros(0, np.float32), np.dtype(np.float64): np.zeros(0, np.float64)}
 
 
 class GrowingRows:
@@ -77,11 +76,14 @@ class Classifier:
         return X, y, b, t(1.0) / t(b)
 
     def local_steps(self, params, data: ClassificationData, run: LocalRun, n_steps: int, batch_size, lr: float,
-                    correction: np.ndarray | None = None) -> int:
-        """n_steps of minibatch SGD on params in place; batch_size None means the full local gradient."""
+                    terms: tuple | None = None) -> int:
+        """n_steps of minibatch SGD on params in place; batch_size None means the full local gradient.
+
+        terms: what the algorithm adds to each step's gradient (kernels/sgd.py's step_terms), none by default.
+        """
         X, y, b, inv_b = self._checked(params, data, batch_size)
-        corr = _EMPTY[self.dtype] if correction is None else correction
-        return self._sgd(params, X, y, int(n_steps), b, self.dtype.type(lr), inv_b, run, corr)
+        terms = step_terms(self.dtype) if terms is None else terms
+        return self._sgd(params, X, y, int(n_steps), b, self.dtype.type(lr), inv_b, run, terms)
 
     def oracle_grad(self, params, data: ClassificationData, run: LocalRun, batch_size, grad_out) -> None:
         """grad_out <- one stochastic gradient g_k(params): a minibatch drawn from run (None: the full batch)."""
@@ -130,9 +132,9 @@ class LogReg(Classifier):
         """The same model with its own workspaces (for a second thread)."""
         return LogReg(self.n_features, self.n_classes, self.dtype)
 
-    def _sgd(self, params, X, y, n_steps, b, lr, inv_b, run, corr):
+    def _sgd(self, params, X, y, n_steps, b, lr, inv_b, run, terms):
         Z, Xb = self._work.take(b)
-        return _logreg._sgd_steps(params, X, y, self.n_classes, n_steps, b, lr, inv_b, run.rng, run.perm, corr,
+        return _logreg._sgd_steps(params, X, y, self.n_classes, n_steps, b, lr, inv_b, run.rng, run.perm, terms,
                                   self._grad, Z, Xb, self._grad_t)
 
     def _minibatch(self, params, X, y, b, inv_b, run, grad_out):
@@ -194,10 +196,10 @@ class MLP(Classifier):
     def clone(self) -> "MLP":
         return MLP(self.sizes, self.dtype, self.seed)
 
-    def _sgd(self, params, X, y, n_steps, b, lr, inv_b, run, corr):
+    def _sgd(self, params, X, y, n_steps, b, lr, inv_b, run, terms):
         acts, deltas, a_offs = self.workspace(b)
         return _mlp._sgd_steps(params, self.sizes, self.offsets, a_offs, X, y, n_steps, b, lr, inv_b, run.rng,
-                               run.perm, corr, self._grad, acts, deltas, self._wt)
+                               run.perm, terms, self._grad, acts, deltas, self._wt)
 
     def _minibatch(self, params, X, y, b, inv_b, run, grad_out):
         acts, deltas, a_offs = self.workspace(b)
@@ -258,10 +260,10 @@ class CNN(Classifier):
     def clone(self) -> "CNN":
         return CNN(self.n_features, self.n_classes, self.dtype, self.seed)
 
-    def _sgd(self, params, X, y, n_steps, b, lr, inv_b, run, corr):
+    def _sgd(self, params, X, y, n_steps, b, lr, inv_b, run, terms):
         acts, deltas, args = self._work.take(b)
         return _cnn._sgd_steps(params, self.offsets, self.side, self.n_classes, X, y, n_steps, b, lr, inv_b,
-                               run.rng, run.perm, corr, self._grad, acts, deltas, args, self._scratch, self._wt)
+                               run.rng, run.perm, terms, self._grad, acts, deltas, args, self._scratch, self._wt)
 
     def _minibatch(self, params, X, y, b, inv_b, run, grad_out):
         acts, deltas, args = self._work.take(b)
@@ -302,10 +304,10 @@ class Quadratic:
         return LocalRun(rng_state, 0)
 
     def local_steps(self, params, data: QuadraticData, run: LocalRun, n_steps: int, batch_size, lr: float,
-                    correction: np.ndarray | None = None) -> int:
-        corr = _EMPTY[self.dtype] if correction is None else correction
+                    terms: tuple | None = None) -> int:
+        terms = step_terms(self.dtype) if terms is None else terms
         return _quad._sgd_steps(params, data.a, data.b, int(n_steps), self.dtype.type(lr), float(data.noise_std),
-                                run.rng, corr)
+                                run.rng, terms)
 
     def oracle_grad(self, params, data: QuadraticData, run: LocalRun, batch_size, grad_out) -> None:
         """grad_out <- g_k(params), with the oracle's noise if the problem has any."""
@@ -339,7 +341,7 @@ def warm_model(model, data, batch_size) -> None:
     y, grad = x.copy(), np.zeros_like(x)
     run = model.begin(data, kernel_state(0, Purpose.LOCAL, 0, 0))
     model.local_steps(y, data, run, 1, batch_size, 0.0)
-    model.local_steps(y, data, run, 1, batch_size, 0.0, np.zeros_like(x))
+    model.local_steps(y, data, run, 1, batch_size, 0.0, step_terms(model.dtype, np.zeros_like(x)))
     model.oracle_grad(x, data, run, batch_size, grad)
     model.loss_grad(x, data, grad)
     model.train_loss(x, data)

@@ -10,6 +10,7 @@ import pytest
 
 from edgefed.config import load_config
 from edgefed.errors import ConfigError, ProblemFileError
+from edgefed.kernels.sgd import step_terms
 from edgefed.models import MLP
 from edgefed.problems import ClassificationData
 from edgefed.problems import idx
@@ -163,7 +164,7 @@ def test_mlp_steps_match_numpy(dtype, tol, batch):
         expect = naive_mlp_steps(x0, sizes, X.astype(np.float64), y, 9, batch, 0.2, state.copy(),
                                  None if correction is None else correction.astype(np.float64))
         x = x0.copy()
-        model.local_steps(x, data, model.begin(data, state.copy()), 9, batch, 0.2, correction)
+        model.local_steps(x, data, model.begin(data, state.copy()), 9, batch, 0.2, step_terms(dtype, correction))
         np.testing.assert_allclose(x, expect, rtol=tol, atol=tol)
 
 
@@ -258,7 +259,7 @@ def test_cnn_matches_its_definition_and_finite_differences():
     model.loss_grad(x, sub, sub_grad)
     corr = 0.001 * g.normal(size=model.dim)
     stepped = x.copy()
-    model.local_steps(stepped, data, model.begin(data, state), 1, 10, 0.1, corr)
+    model.local_steps(stepped, data, model.begin(data, state), 1, 10, 0.1, step_terms(np.float64, corr))
     np.testing.assert_allclose(stepped, x - 0.1 * (sub_grad + corr), rtol=1e-10, atol=1e-13)
 
 

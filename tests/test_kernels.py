@@ -6,6 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from edgefed.kernels import random as krandom
+from edgefed.kernels.sgd import step_terms
 from edgefed.models import LogReg, Quadratic
 from edgefed.problems import ClassificationData, QuadraticData
 from edgefed.rng import Purpose, kernel_state
@@ -174,7 +175,7 @@ def test_logreg_scaffold_correction_matches_reference(dtype, tol):
     expect = logreg_sgd(x0, data.X_train.astype(np.float64), data.y_train, 4, 9, 8, 0.2, state.copy(),
                         correction=corr.astype(np.float64))
     x = x0.copy()
-    model.local_steps(x, data, model.begin(data, state), 9, 8, 0.2, correction=corr)
+    model.local_steps(x, data, model.begin(data, state), 9, 8, 0.2, step_terms(dtype, correction=corr))
     np.testing.assert_allclose(x, expect, rtol=tol, atol=tol)
 
 

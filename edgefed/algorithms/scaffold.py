@@ -18,6 +18,7 @@ import numpy as np
 
 from edgefed.algorithms.base import DELTA_X, Algorithm, DeviceVector, ServerState, ServerVector
 from edgefed.algorithms.fedavg import ascending, server_update
+from edgefed.kernels.sgd import step_terms
 from edgefed.rng import Purpose
 
 OPTIONS = ("I", "II")
@@ -47,9 +48,9 @@ class Scaffold(Algorithm):
         """Corrected local SGD from x; Delta x_k and Delta c_k out (c_k itself is not touched)."""
         x, c, c_k = task.x, task.server["c"], task.own["c_clients"]
         y = x.copy()
-        correction = c - c_k
+        terms = step_terms(x.dtype, correction=c - c_k)
         run = task.stream(Purpose.LOCAL)
-        steps = task.runner(lambda n: model.local_steps(y, data, run, n, task.batch_size, task.lr, correction),
+        steps = task.runner(lambda n: model.local_steps(y, data, run, n, task.batch_size, task.lr, terms),
                             task.n_steps)
         np.subtract(y, x, out=out[DELTA_X])
         out_dc = out["delta_c"]

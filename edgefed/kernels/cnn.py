@@ -271,12 +271,12 @@ def _batch_grad(params, offsets, side, n_classes, X, y, idx, b, scale, grad, act
 
 
 @njit(**JIT)
-def _sgd_steps(params, offsets, side, n_classes, X, y, n_steps, b, lr, inv_b, rng, perm, correction, grad, acts,
+def _sgd_steps(params, offsets, side, n_classes, X, y, n_steps, b, lr, inv_b, rng, perm, terms, grad, acts,
                deltas, args, scratch, wt):
     for _ in range(n_steps):
         _minibatch_grad(params, offsets, side, n_classes, X, y, b, inv_b, rng, perm, grad, acts, deltas, args,
                         scratch, wt)
-        apply_step(params, grad, lr, correction)
+        apply_step(params, grad, lr, terms)
     return n_steps
 
 

@@ -84,16 +84,16 @@ def _minibatch_grad(params, X, y, n_classes, b, inv_b, rng, perm, grad, Z, Xb, G
 
 
 @njit(**JIT)
-def _sgd_steps(params, X, y, n_classes, n_steps, b, lr, inv_b, rng, perm, correction, grad, Z, Xb, GT):
-    """n_steps of params <- params - lr * (mean minibatch gradient + correction).
+def _sgd_steps(params, X, y, n_classes, n_steps, b, lr, inv_b, rng, perm, terms, grad, Z, Xb, GT):
+    """n_steps of params <- params - lr * (mean minibatch gradient + the algorithm's terms, sgd.py).
 
     A minibatch is a uniform b-subset (b <= n) of the n samples, drawn anew each step; b = n is the full
-    gradient, summed in perm order. `correction` is empty (plain SGD) or holds SCAFFOLD's c - c_k.
+    gradient, summed in perm order.
     lr and inv_b = 1/b come in the parameter dtype.
     """
     for _ in range(n_steps):
         _minibatch_grad(params, X, y, n_classes, b, inv_b, rng, perm, grad, Z, Xb, GT)
-        apply_step(params, grad, lr, correction)
+        apply_step(params, grad, lr, terms)
     return n_steps
 
 

@@ -122,12 +122,12 @@ def _minibatch_grad(params, sizes, offsets, a_offs, X, y, b, inv_b, rng, perm, g
 
 
 @njit(**JIT)
-def _sgd_steps(params, sizes, offsets, a_offs, X, y, n_steps, b, lr, inv_b, rng, perm, correction, grad, acts,
+def _sgd_steps(params, sizes, offsets, a_offs, X, y, n_steps, b, lr, inv_b, rng, perm, terms, grad, acts,
                deltas, wt):
-    """n_steps of params <- params - lr * (mean minibatch gradient + correction)."""
+    """n_steps of params <- params - lr * (mean minibatch gradient + the algorithm's terms, sgd.py)."""
     for _ in range(n_steps):
         _minibatch_grad(params, sizes, offsets, a_offs, X, y, b, inv_b, rng, perm, grad, acts, deltas, wt)
-        apply_step(params, grad, lr, correction)
+        apply_step(params, grad, lr, terms)
     return n_steps
 
 

@@ -5,22 +5,21 @@ from numba import njit
 
 from edgefed.kernels import JIT
 from edgefed.kernels.random import normal
+from edgefed.kernels.sgd import step_coordinate
 
 
 @njit(**JIT)
-def _sgd_steps(x, a, b, n_steps, lr, noise_std, rng, correction):
-    """n_steps of x <- x - lr * (g(x) + correction); the gradient is separable, so coordinates update in place."""
+def _sgd_steps(x, a, b, n_steps, lr, noise_std, rng, terms):
+    """n_steps of x <- x - lr * (g(x) + the algorithm's terms); the gradient is separable, so coordinates
+    update in place."""
     d = x.shape[0]
-    corrected = correction.shape[0] == d
     noisy = noise_std > 0
     for _ in range(n_steps):
         for j in range(d):
             g = a[j] * (x[j] - b[j])
             if noisy:
                 g += noise_std * normal(rng)
-            if corrected:
-                g += correction[j]
-            x[j] -= lr * g
+            step_coordinate(x, j, g, lr, terms)
     return n_steps
 
 
