@@ -107,7 +107,10 @@ class Algorithm:
         """A device's vectors when it joins the federation at server model x."""
         return {}
 
-    def server_vectors_of(self, member_rows: Mapping[str, np.ndarray], dtype) -> dict[str, np.ndarray]:
-        """The server vectors a federation implies whose members hold these device vectors (rows in
-        ascending device id); called at the start and whenever the federation changes."""
+    def server_start(self, x0: np.ndarray, member_rows: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """The server vectors at round 0, given the members' device vectors (rows in ascending device id)."""
         return {}
+
+    def federation_changed(self, state: ServerState, member_rows: Mapping[str, np.ndarray]) -> ServerState:
+        """The server state once devices joined or left the objective (member_rows as in server_start)."""
+        return state

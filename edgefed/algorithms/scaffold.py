@@ -78,8 +78,12 @@ class Scaffold(Algorithm):
     def device_start(self, model, data, x):
         return {"c_clients": initial_controls(model, data, x, self.init)}
 
-    def server_vectors_of(self, member_rows, dtype):
-        return {"c": mean_control(member_rows["c_clients"], dtype)}
+    def server_start(self, x0, member_rows):
+        return {"c": mean_control(member_rows["c_clients"], x0.dtype)}
+
+    def federation_changed(self, state, member_rows):
+        """c re-averaged over the new federation, so c = mean c_k holds across the shift."""
+        return ServerState(state.x, {**state.vectors, "c": mean_control(member_rows["c_clients"], state.x.dtype)})
 
 
 def initial_controls(model, data, x0: np.ndarray, init: str) -> np.ndarray:

@@ -8,7 +8,6 @@ the engine reads from the algorithm's declarations. Rounds are 1-based; round 0 
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import time
 from dataclasses import dataclass
@@ -124,7 +123,7 @@ class RoundEngine:
             rows = self.transport.start_devices(x0, np.arange(self.n_devices))
             for name, values in rows.items():
                 self.log.set_rows(name, values)
-        self.state = ServerState(x0, self.algorithm.server_vectors_of(self._members(rows), x0.dtype))
+        self.state = ServerState(x0, self.algorithm.server_start(x0, self._members(rows)))
         train, test_loss, test_acc = self.metrics(self.transport.evaluate(x0))
         self.log.append({"metrics/train_loss": train, "metrics/test_loss": test_loss,
                          "metrics/test_accuracy": test_acc})
@@ -148,25 +147,25 @@ class RoundEngine:
         return self.state
 
     def _shift(self, round_idx: int):
-        """Membership of round round_idx; on an objective shift the server vectors are re-derived from the
-        members' device vectors (SCAFFOLD: c = mean c_k).
+        """Membership of round round_idx; on an objective shift the algorithm adapts its server state to the
+        new federation (SCAFFOLD: c = mean c_k over the members).
 
         An arriving device first gets fresh vectors (SCAFFOLD: zero, or its full local gradient at x).
         Returns {name: (ids, rows)} of such new rows, which the round's checkpoint writes to the log.
         """
         self.active = self.dynamics.active(round_idx)
-        if not (self.algorithm.device_vectors and self.dynamics.shifts_at(round_idx)):
+        if not self.dynamics.shifts_at(round_idx):
             return None
+        rows, sets = {}, None
         arriving = self.dynamics.arriving(round_idx)
-        rows = self._device_rows()
-        sets = None
-        if arriving.size:
-            fresh = self.transport.start_devices(self.state.x, arriving)
-            for name, values in fresh.items():
-                rows[name][arriving] = values
-            sets = {name: (arriving, values) for name, values in fresh.items()}
-        vectors = {**self.state.vectors, **self.algorithm.server_vectors_of(self._members(rows), self.state.x.dtype)}
-        self.state = dataclasses.replace(self.state, vectors=vectors)
+        if self.algorithm.device_vectors:
+            rows = self._device_rows()
+            if arriving.size:
+                fresh = self.transport.start_devices(self.state.x, arriving)
+                for name, values in fresh.items():
+                    rows[name][arriving] = values
+                sets = {name: (arriving, values) for name, values in fresh.items()}
+        self.state = self.algorithm.federation_changed(self.state, self._members(rows))
         return sets
 
     def round(self, round_idx: int) -> ServerState:

@@ -7,6 +7,7 @@ never touches MPI.
 
 from __future__ import annotations
 
+import importlib
 import os
 import sys
 import threading
@@ -43,6 +44,12 @@ def world():
                            "install it with pip install 'edgefed[mpi]' (or your system's MPI and mpi4py)") from None
     comm = MPI.COMM_WORLD
     return comm if comm.Get_size() > 1 else None
+
+
+def mpi_of(comm):
+    """The MPI module a communicator comes from: mpi4py.MPI, or a test's in-process world (the runtime uses
+    only its BYTE, ANY_SOURCE, ANY_TAG and Status beside the communicator's own methods)."""
+    return importlib.import_module(type(comm).__module__)
 
 
 class Backoff:

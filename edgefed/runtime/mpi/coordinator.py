@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 
 from edgefed.runtime.mpi import protocol as wire_
-from edgefed.runtime.mpi.comm import POLL_MAX_S, Backoff, wait
+from edgefed.runtime.mpi.comm import POLL_MAX_S, Backoff, mpi_of, wait
 from edgefed.runtime.mpi.protocol import Wire
 from edgefed.transport import Evaluation, LocalResults, RoundPlan
 
@@ -20,9 +20,7 @@ from edgefed.transport import Evaluation, LocalResults, RoundPlan
 class MpiTransport:
     def __init__(self, comm, wire: Wire, owners: np.ndarray, poll_max_s: float = POLL_MAX_S):
         self.comm, self.wire, self.owners, self.poll = comm, wire, owners, poll_max_s
-        from mpi4py import MPI
-
-        self.MPI = MPI
+        self.MPI = MPI = mpi_of(comm)
         self.command = wire.command_buffer()
         self.state = wire.state_buffer()
         self.hosted = {r: np.flatnonzero(owners == r) for r in range(1, comm.Get_size())}

@@ -13,7 +13,7 @@ import numpy as np
 
 from edgefed.algorithms.base import ServerState
 from edgefed.runtime.mpi import protocol as wire_
-from edgefed.runtime.mpi.comm import POLL_MAX_S, wait
+from edgefed.runtime.mpi.comm import POLL_MAX_S, mpi_of, wait
 from edgefed.runtime.mpi.protocol import Wire
 
 
@@ -61,9 +61,7 @@ class DeviceServer:
         wait(self.comm.Ibcast(buf, root=0), self.poll, also=self._report_finished_work, wake=self._done)
 
     def serve(self) -> None:
-        from mpi4py import MPI
-
-        self._mpi_byte = MPI.BYTE
+        self._mpi_byte = mpi_of(self.comm).BYTE
         while True:
             self._wait_broadcast(self.command.view(np.uint8))
             command = int(self.command[0]["command"])
