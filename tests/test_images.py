@@ -19,9 +19,12 @@ from edgefed.rng import Purpose, kernel_state
 from helpers import problem_of
 from naive import Xoshiro
 
-T10K = Path(__file__).resolve().parents[2] / "shared" / "data" / "mnist-t10k"
+# The real t10k files: the example's data/mnist/ in the checkout, else a shared data folder beside it.
+_ROOT = Path(__file__).resolve().parents[1]
+T10K = next((p for p in (_ROOT / "data" / "mnist", _ROOT.parent / "shared" / "data" / "mnist-t10k")
+             if (p / "t10k-images-idx3-ubyte.gz").is_file()), _ROOT / "data" / "mnist")
 needs_t10k = pytest.mark.skipif(not (T10K / "t10k-images-idx3-ubyte.gz").is_file(),
-                                reason="the real MNIST t10k files (../shared/data/mnist-t10k) are not in this checkout")
+                                reason="the real MNIST t10k files are not in data/mnist/ of this checkout")
 
 
 def write_idx(folder: Path, stem: str, images: np.ndarray, labels: np.ndarray, gz: bool = True):
