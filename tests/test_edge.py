@@ -19,10 +19,9 @@ BOARDS = {"pi-zero-2w", "pi3b-plus", "pi4b", "pi5", "x86-64-laptop"}
 
 
 def profile_text(speeds, name="test board", measured=True):
-    entries = "".join(f'\n[[speed]]\nmodel = "{m}"\nparams = {p}\nbatch = {b}\nsteps_per_s = {s}\n'
-                      for m, p, b, s in speeds)
-    return (f'format = 1\nname = "{name}"\nmeasured = {"true" if measured else "false"}\n'
-            f'[machine]\narch = "aarch64"\ncores = 4\nmemory_mb = 1024\n{entries}')
+    return hwprofile.to_toml({"format": 1, "name": name, "measured": measured,
+                              "machine": {"arch": "aarch64", "cores": 4, "memory_mb": 1024},
+                              "speed": [{"model": m, "params": p, "batch": b, "steps_per_s": s} for m, p, b, s in speeds]})
 
 
 def test_shipped_profiles_load_and_describe_their_boards():
