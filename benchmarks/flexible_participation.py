@@ -1,4 +1,4 @@
-"""The shape of the flexible-participation paper's experiments (seed 003), on SYNTHETIC with logistic regression.
+"""The shape of the flexible-participation paper's experiments (Ruan et al.), on SYNTHETIC with logistic regression.
 
     python benchmarks/flexible_participation.py schemes    [--seeds 0 1]   # (1) A/B/C vs number of traces
     python benchmarks/flexible_participation.py reboot     [--seeds 0 1 2] # (2) fast-reboot after an arrival

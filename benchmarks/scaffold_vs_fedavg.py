@@ -1,7 +1,7 @@
 """FedAvg vs SCAFFOLD (options I and II) on SYNTHETIC(1,1): rounds to reach a target training loss.
 
 Same data, same device samples and minibatch streams for every algorithm (one seed keys them all), uniform
-weighting (seed 002's) for all three so the objective is the same, several local learning rates and seeds.
+weighting (SCAFFOLD's) for all three so the objective is the same, several local learning rates and seeds.
 
     python benchmarks/scaffold_vs_fedavg.py [--rounds 200] [--seeds 0 1 2] [--target 0.5]
 """

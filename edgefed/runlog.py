@@ -1,4 +1,4 @@
-"""The HDF5 run log of DESIGN 3.4: writer, reader and resume.
+"""The HDF5 run log of docs/design.md 3.4: writer, reader and resume.
 
 Written only by the coordinator, in HDF5's single-writer/multiple-reader (SWMR) mode so the log stays
 consistent and readable while the run goes on and after a kill: open it with `open_run` (or

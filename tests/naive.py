@@ -68,7 +68,7 @@ def logreg_sgd(params, X, y, n_classes, n_steps, batch, lr, rng_state, correctio
 
 
 def fedavg_quadratic(A, b, x0, rounds, K, S, lr_l, lr_g, weighting, n, selections):
-    """DESIGN section 2 / seed 000 on f_k = 1/2 sum A_k (x - b_k)^2 with exact gradients, in float64.
+    """docs/design.md section 2 (FedAvg) on f_k = 1/2 sum A_k (x - b_k)^2 with exact gradients, in float64.
 
     `selections[r]` is the selected set of round r+1 (taken from the run, since sampling is tested apart).
     """

@@ -1,4 +1,4 @@
-"""Config: the keys of DESIGN 3.2, overrides, errors that name the key, and the TOML round trip."""
+"""Config: the keys of docs/design.md 3.2, overrides, errors that name the key, and the TOML round trip."""
 
 import pytest
 

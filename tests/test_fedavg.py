@@ -1,4 +1,4 @@
-"""FedAvg on quadratics whose answers are known: DESIGN section 2 to float64 precision."""
+"""FedAvg on quadratics whose answers are known: docs/design.md section 2 to float64 precision."""
 
 import numpy as np
 import pytest

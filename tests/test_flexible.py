@@ -1,4 +1,4 @@
-"""Flexible participation (seed 003): schemes on traced rounds, traces, replay, arrivals and departures."""
+"""Flexible participation (Ruan et al.): schemes on traced rounds, traces, replay, arrivals and departures."""
 
 import subprocess
 import sys

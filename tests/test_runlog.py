@@ -1,4 +1,4 @@
-"""The run log: schema of DESIGN 3.4, determinism, readers during a run, resume after a kill."""
+"""The run log: schema of docs/design.md 3.4, determinism, readers during a run, resume after a kill."""
 
 import signal
 import subprocess

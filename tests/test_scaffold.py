@@ -1,4 +1,4 @@
-"""SCAFFOLD against seed 002 on quadratics, its invariant, option I vs II, controls in the log and on resume."""
+"""SCAFFOLD against its paper's algorithm on quadratics, its invariant, option I vs II, controls in the log and on resume."""
 
 import numpy as np
 import pytest
@@ -189,7 +189,7 @@ def test_server_control_update_ignores_device_order(n_rep, n_fed, seed):
 
 
 def test_known_slips_are_caught(quad_file, run_experiment, monkeypatch):
-    """Sending c_k instead of Delta c_k, or dividing by |S| instead of N, must fail the seed comparison."""
+    """Sending c_k instead of Delta c_k, or dividing by |S| instead of N, must fail the comparison with the reference."""
     A, b, path = het_quadratic(quad_file, N=6, d=3, seed=2)
     x0 = np.load(path)["x0"]
 

@@ -1,4 +1,4 @@
-"""FedAvg (seed 000, DESIGN 2.2-2.4): K local steps from the server model, then x + eta_g * sum p_k Delta_k."""
+"""FedAvg (McMahan et al., docs/design.md 2.2-2.4): K local steps from the server model, then x + eta_g * sum p_k Delta_k."""
 
 from __future__ import annotations
 

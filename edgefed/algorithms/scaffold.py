@@ -1,4 +1,4 @@
-"""SCAFFOLD (seed 002, DESIGN 2.5): control variates c_k on the devices, c on the server.
+"""SCAFFOLD (Karimireddy et al., ICML 2020; docs/design.md 2.5): control variates c_k on the devices, c on the server.
 
 Local step: y <- y - lr * (g_k(y) - c_k + c), done inside the model's kernel with correction = c - c_k.
 Control update after s_k > 0 steps: option I c_k+ = g_k(x) (one more oracle call at the round-start model,
@@ -33,7 +33,7 @@ class Scaffold(Algorithm):
     control_gradient: str = "oracle"  # option I's g_k(x): one minibatch ("oracle") or the full gradient
 
     name = "scaffold"
-    default_weighting = "uniform"  # seed 002's 1/S
+    default_weighting = "uniform"  # the paper's 1/S
     server_vectors = (ServerVector("c", "scaffold/c", "server control c after those rounds"),)
     device_vectors = (DeviceVector("c_clients", "scaffold/c_clients", "device controls c_k (row k)", "delta_c",
                                    "SCAFFOLD", "controls"),)
@@ -87,7 +87,7 @@ class Scaffold(Algorithm):
 
 
 def initial_controls(model, data, x0: np.ndarray, init: str) -> np.ndarray:
-    """c_k^0 of one device: zero, or its full local gradient at x0 (the initialization the seed's rates use)."""
+    """c_k^0 of one device: zero, or its full local gradient at x0 (the initialization the paper's rates use)."""
     c_k = np.zeros_like(x0)
     if init == "gradient":
         model.loss_grad(x0, data, c_k)

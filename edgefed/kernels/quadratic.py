@@ -1,4 +1,4 @@
-"""The quadratic oracle of DESIGN 3.3: f_k(x) = 1/2 sum_j a_j (x_j - b_j)^2, g_k(x) = a * (x - b) (+ noise)."""
+"""The quadratic oracle of docs/design.md 3.3: f_k(x) = 1/2 sum_j a_j (x_j - b_j)^2, g_k(x) = a * (x - b) (+ noise)."""
 
 import numpy as np
 from numba import njit

@@ -1,4 +1,4 @@
-"""Arrivals and departures (seed 003, DESIGN 2.6-2.7): who is in the federation, and objective shifts.
+"""Arrivals and departures (Ruan et al., docs/design.md 2.6-2.7): who is in the federation, and objective shifts.
 
 A device that arrives in round r0 is outside the federation before r0 (never selected, not in the
 objective) and inside from r0 on; its arrival shifts the objective: weights renormalize over the new

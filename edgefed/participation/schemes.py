@@ -1,4 +1,4 @@
-"""Aggregation coefficients p_k = w_k * m_k (DESIGN 2.3): the one place they are computed.
+"""Aggregation coefficients p_k = w_k * m_k (docs/design.md 2.3): the one place they are computed.
 
 w_k, the base weight (`train.weighting`): `uniform` 1/|S_r|; `count_global` n_k / sum over the active
 federation; `count_selected` n_k / sum over the selected devices.

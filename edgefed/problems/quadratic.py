@@ -1,4 +1,4 @@
-"""The quadratic problem of DESIGN 3.3, from a `.npz` file or generated from the seed.
+"""The quadratic problem of docs/design.md 3.3, from a `.npz` file or generated from the seed.
 
 File: `A` (N, d) and `b` (N, d), optional `n` (N,) record counts and `x0` (d,). Device k's objective is
 f_k(x) = 1/2 sum_j A[k, j] (x_j - b[k, j])^2. Without a file, A ~ U(0.5, 2) and b ~ N(0, 1) per device
