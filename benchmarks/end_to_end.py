@@ -1,6 +1,7 @@
 """End-to-end speed and footprint: edgefed's simulator and `mpirun` beside Flower's simulation, in one run.
 
     python benchmarks/end_to_end.py [--rounds 100] [--flower-python /path/to/flower-venv/bin/python]
+    python benchmarks/end_to_end.py --against OTHER_CHECKOUT [--repeats 5]   # round overhead, side by side
 
 Workload (the one the Flower reference numbers were measured on): SYNTHETIC(1,1) with 10 devices, every device
 every round, 5 local steps of logistic regression at batch 20, no evaluation until the last round (Flower's
@@ -11,7 +12,9 @@ baseline evaluates nothing). Each run is a fresh process, timed from its start:
 Then: the resident memory of a device rank with the 2NN (`mpiexec -n 2`, MNIST-sized images), and the
 simulator at 100, 300 and 1,000 devices (every device every round) for time per round and peak memory.
 Flower (optional, `--flower-python`: a separate venv with `flwr[simulation]`) runs benchmarks/flower_baseline.py
-on the same devices' data.
+on the same devices' data. `--against` instead times the round overhead of this checkout and another one (an
+older commit, say) in alternation, so a change that must not slow the round is measured on the same machine
+state: the median over the repeats of each one's per-round time, in the simulator and under `mpiexec -n 3`.
 """
 
 from __future__ import annotations
@@ -82,14 +85,18 @@ class PeakMemory:
         return self.peak
 
 
-def timed_run(args: list[str], ranks: int | None = None) -> dict:
-    """Run `edgefed run` fresh; timestamps of its round lines, peak memory per process."""
+def timed_run(args: list[str], ranks: int | None = None, tree: Path | None = None) -> dict:
+    """Run `edgefed run` fresh (of the checkout `tree`, default this one); timestamps of its round lines, peak
+    memory per process."""
     cmd = [sys.executable, "-m", "edgefed", "run", *args]
     if ranks:
         cmd = [MPIEXEC, "-n", str(ranks), *cmd]
+    env = clean_env()
+    if tree is not None:
+        env["PYTHONPATH"] = str(tree)
     with tempfile.TemporaryFile("w+") as errors:  # a file, not a pipe: a chatty stderr cannot block the run
         t0 = time.perf_counter()
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=errors, text=True, env=clean_env())
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=errors, text=True, env=env)
         memory = PeakMemory(proc.pid)
         stamps = {}
         for line in proc.stdout:
@@ -142,9 +149,41 @@ def main():
     parser.add_argument("--rounds", type=int, default=100)
     parser.add_argument("--flower-python", help="python of a venv with flwr[simulation] (optional)")
     parser.add_argument("--flower-rounds", type=int, default=30)
+    parser.add_argument("--against", type=Path, help="another checkout: time both round overheads side by side")
+    parser.add_argument("--repeats", type=int, default=5, help="with --against: runs of each checkout")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="edgefed-e2e-") as folder:
-        measure(args, Path(folder))
+        if args.against:
+            compare_trees(args, Path(folder))
+        else:
+            measure(args, Path(folder))
+
+
+def compare_trees(args, tmp: Path) -> None:
+    """Round overhead of this checkout and args.against, run in alternation."""
+    trees = {"this checkout": HERE.parent, str(args.against): args.against.resolve()}
+    print(f"# {platform.machine()}, {os.cpu_count()} cores; load average before: {os.getloadavg()[0]:.2f}")
+    for tree in trees.values():
+        env = {**clean_env(), "PYTHONPATH": str(tree)}
+        subprocess.run([sys.executable, "-m", "edgefed", "warmup", "--models", "logreg", "--dtypes", "float32"],
+                       check=True, capture_output=True, env=env)
+    common = [*sum((["--set", s] for s in WORKLOAD), []), "--set", f"rounds={args.rounds}",
+              "--set", f"log.eval_every={args.rounds}", "--force"]  # not --quiet: the round lines are the clock
+    modes = [("simulator", None)] + ([("mpirun -n 3", 3)] if MPIEXEC else [])
+    times = {(name, mode): [] for name in trees for mode, _ in modes}
+    for _ in range(args.repeats):
+        for mode, ranks in modes:
+            for name, tree in trees.items():
+                r = timed_run([*common, "--out", str(tmp / "r.h5")], ranks, tree)
+                times[(name, mode)].append(r["per_round_ms"])
+    print(f"\n## Round overhead, side by side: 10 devices x 5 logistic-regression steps, {args.rounds} rounds, "
+          f"median of {args.repeats} alternating runs (ms per round)\n")
+    names = list(trees)
+    print(f"| mode | {names[0]} | {names[1]} | ratio |\n| --- | --- | --- | --- |")
+    for mode, _ in modes:
+        a, b = (float(np.median(times[(n, mode)])) for n in names)
+        print(f"| {mode} | {a:.2f} | {b:.2f} | {a / b:.3f} |")
+    print(f"\n# load average after: {os.getloadavg()[0]:.2f}")
 
 
 def measure(args, tmp: Path) -> None:
