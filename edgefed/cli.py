@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 from edgefed import __version__
-from edgefed.errors import EXIT_BAD_INPUT, EdgefedError
+from edgefed.errors import EXIT_BAD_INPUT, EXIT_INTERRUPTED, EdgefedError, Interrupted
 
 
 class _Parser(argparse.ArgumentParser):
@@ -253,3 +253,6 @@ def main(argv=None) -> int:
     except EdgefedError as exc:
         _error(str(exc))
         return EXIT_BAD_INPUT
+    except Interrupted as exc:
+        print(f"edgefed: {exc}", file=sys.stderr, flush=True)
+        return EXIT_INTERRUPTED

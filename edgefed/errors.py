@@ -1,6 +1,7 @@
 """One error hierarchy; the CLI turns any of these into a one-line message and exit code 2."""
 
 EXIT_BAD_INPUT = 2
+EXIT_INTERRUPTED = 130  # as a shell reports a process ended by Ctrl-C
 
 
 class EdgefedError(Exception):
@@ -21,3 +22,11 @@ class RunLogError(EdgefedError):
 
 class ResourceError(EdgefedError):
     """The machine cannot hold what the run asks for."""
+
+
+class Interrupted(Exception):
+    """Ctrl-C during a run in this process; the log at `path` holds every completed round."""
+
+    def __init__(self, path):
+        super().__init__(f"interrupted; continue with: edgefed run --resume {path}")
+        self.path = path

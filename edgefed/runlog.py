@@ -64,6 +64,18 @@ class Header:
     row_states: tuple = ()  # (name, shape, dtype) of per-device state updated by rows, e.g. the c_k
     attrs: dict = field(default_factory=dict)
 
+    def __post_init__(self):
+        """An algorithm's names must not take the log's own: /state holds round, x and undo/, undo/ holds
+        round, count and ids beside a copy of each row state."""
+        taken = {"round", "x", "undo", "count", "ids"}
+        names = [name for name, _, _ in self.slots + self.row_states]
+        paths = [c.path for c in columns(self.n_devices, self.dim, self.dtype) + self.extra_columns]
+        clash = sorted(({*names} & taken) | {n for n in names if names.count(n) > 1}
+                       | {p for p in paths if paths.count(p) > 1})
+        if clash:
+            raise ValueError(f"run log: the names {clash} are taken twice (the log keeps state/round, state/x, "
+                             "state/undo/{round,count,ids} and its base columns); rename the algorithm's vectors")
+
 
 def columns(n: int, d: int, dtype) -> tuple[Column, ...]:
     return (

@@ -41,13 +41,15 @@ MIRROR=${DEBIAN_MIRROR:-}   # empty: debootstrap's default Debian mirror
 # emulated) and test_edge's board-profiling tests, which time the emulator rather than edgefed; its
 # warm-up test stays, since a Pi relies on `edgefed warmup`. Kept: the Numba kernels against the NumPy
 # references and finite differences (test_kernels, test_images' MLP), FedAvg's and SCAFFOLD's math
-# against hand computations and the seed rules (test_fedavg, test_scaffold, test_flexible), data and
+# against hand computations and the papers' rules (test_fedavg, test_scaffold, test_flexible, and a
+# test-only algorithm through every layer in test_algorithms), the MPI wire in one process (test_protocol), data and
 # participation (test_synthetic, test_participation), config, CLI and run log incl. kill and resume
 # (test_config, test_cli, test_runlog), and every non-CNN mpiexec test (test_mpi: the simulator's bytes
 # under 2, 3 and 5 ranks, SCAFFOLD with traces, a raising rank, deadlines with a hung device, contention).
 DEFAULT_TESTS="tests/test_kernels.py tests/test_fedavg.py tests/test_scaffold.py tests/test_synthetic.py
  tests/test_participation.py tests/test_config.py tests/test_cli.py tests/test_runlog.py tests/test_flexible.py
- tests/test_images.py tests/test_mpi.py tests/test_edge.py::test_warmup_fills_the_cache_so_a_run_compiles_nothing
+ tests/test_images.py tests/test_mpi.py tests/test_protocol.py tests/test_algorithms.py
+ tests/test_edge.py::test_warmup_fills_the_cache_so_a_run_compiles_nothing
  -k 'not cnn'"
 ARM_TESTS=${ARM_TESTS:-$DEFAULT_TESTS}
 ARM_TESTS=${ARM_TESTS//$'\n'/ }   # one line: it is eval'ed inside the chroot

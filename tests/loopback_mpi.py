@@ -2,9 +2,11 @@
 
 It implements what edgefed's runtime calls on a communicator (buffer Ibcast, Isend / Irecv / Iprobe /
 Recv, and the pickled bcast / gather of setup) with MPI's ordering rules: collectives match in call
-order, point-to-point messages between two ranks arrive in order. So the coordinator, the device servers
-and the rank roles run unchanged, and the wire protocol is tested without mpiexec. `mpi_of(comm)` finds
-BYTE, ANY_SOURCE, ANY_TAG and Status in this module.
+order, point-to-point messages between two ranks arrive in order. A sent buffer is read only when the
+receiver takes it, and the send completes only then, as MPI allows: a sender that reuses its buffer before
+its request completes sends what it wrote later. So the coordinator, the device servers and the rank roles
+run unchanged, and the wire protocol is tested without mpiexec. `mpi_of(comm)` finds BYTE, ANY_SOURCE,
+ANY_TAG and Status in this module.
 """
 
 from __future__ import annotations
@@ -51,16 +53,26 @@ class Aborted(Exception):
     pass
 
 
+class Message:
+    """A buffer on its way: read when taken, its send complete from then on."""
+
+    def __init__(self, source: int, tag: int, view: np.ndarray):
+        self.source, self.tag, self.view, self.taken = source, tag, view, False
+
+    def take_into(self, view: np.ndarray) -> None:
+        view[: self.view.size] = self.view
+        self.taken = True
+
+
 class World:
     def __init__(self, size: int):
         self.size = size
         self.lock = threading.Lock()
-        self.mail = [deque() for _ in range(size)]  # (source, tag, bytes) waiting at each rank
-        self.broadcasts = [deque() for _ in range(size)]  # the root's bytes, per receiving rank
+        self.mail = [deque() for _ in range(size)]  # Messages waiting at each rank
+        self.broadcasts = [deque() for _ in range(size)]  # the root's Messages, one per receiving rank
         self.objects = [deque() for _ in range(size)]  # pickled bcast payloads, per receiving rank
         self.gathered = deque()  # (rank, pickled) sent to the root
         self.aborted = None
-        self.sent_bytes = 0
 
     def comm(self, rank: int) -> "Comm":
         return Comm(self, rank)
@@ -115,46 +127,39 @@ class Comm:
     def Ibcast(self, buf, root=0):
         view, w = _view(buf), self.world
         if self.rank == root:
-            data = view.tobytes()
+            sent = [Message(root, 0, view) for r in range(w.size) if r != root]
             with w.lock:
-                for r in range(w.size):
-                    if r != root:
-                        w.broadcasts[r].append(data)
-            return Request()
+                for r, message in zip((r for r in range(w.size) if r != root), sent):
+                    w.broadcasts[r].append(message)
+            return Request(lambda: all(m.taken for m in sent))
 
         def poll():
             with w.lock:
                 if not w.broadcasts[self.rank]:
                     return False
-                data = w.broadcasts[self.rank].popleft()
-            view[:] = np.frombuffer(data, np.uint8)
+                w.broadcasts[self.rank].popleft().take_into(view)
             return True
 
         return Request(poll)
 
     def Isend(self, buf, dest, tag=0):
-        data = _view(buf).tobytes()
+        message = Message(self.rank, tag, _view(buf))
         with self.world.lock:
-            self.world.mail[dest].append((self.rank, tag, data))
-            self.world.sent_bytes += len(data)
-        return Request()
+            self.world.mail[dest].append(message)
+        return Request(lambda: message.taken)
 
     def _take(self, source, tag, into=None, status=None, remove=True):
         box = self.world.mail[self.rank]
         with self.world.lock:
-            for i, (src, t, data) in enumerate(box):
-                if source in (ANY_SOURCE, src) and tag in (ANY_TAG, t):
+            for i, message in enumerate(box):
+                if source in (ANY_SOURCE, message.source) and tag in (ANY_TAG, message.tag):
                     if status is not None:
-                        status.source, status.tag, status.count = src, t, len(data)
+                        status.source, status.tag, status.count = message.source, message.tag, message.view.size
                     if remove:
                         del box[i]
-                    break
-            else:
-                return False
-        if into is not None:
-            view = _view(into)
-            view[: len(data)] = np.frombuffer(data, np.uint8)
-        return True
+                        message.take_into(_view(into))
+                    return True
+            return False
 
     def Iprobe(self, source=ANY_SOURCE, tag=ANY_TAG, status=None):
         return self._take(source, tag, status=status, remove=False)

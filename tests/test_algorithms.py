@@ -13,7 +13,7 @@ from edgefed.algorithms.fedavg import FedAvg, server_update
 from edgefed.errors import ConfigError, ResourceError
 from edgefed.orchestration import run as runs
 from edgefed.participation import schemes
-from edgefed.runlog import read_run
+from edgefed.runlog import Header, read_run
 from conftest import config_with
 from helpers import assert_same_logs, interrupted_then_resumed
 from test_protocol import loopback_run
@@ -21,33 +21,39 @@ from test_protocol import loopback_run
 
 @dataclass(frozen=True)
 class MomentumWithMemory(FedAvg):
-    """Server momentum m <- beta m + sum_k p_k Delta_k, x <- x + eta_g m; each device sums its own accepted
-    updates into h_k (sent as a report vector of its own, so the device applies it only on acceptance)."""
+    """Server momentum m <- beta m + step, x <- x + eta_g m, with step = sum_k p_k Delta_k, and v <- v + step;
+    each device sums its own accepted updates into h_k and counts its accepted rounds in n_k (each sent as a
+    report vector of its own, so the device applies them only on acceptance). Two vectors of each kind, and
+    the server update names them out of declaration order."""
 
     beta: float = 0.5
 
-    name = "momentum-memory"
     default_weighting = "uniform"
-    server_vectors = (ServerVector("m", "toy/m", "server momentum after those rounds"),)
+    server_vectors = (ServerVector("m", "toy/m", "server momentum after those rounds"),
+                      ServerVector("v", "toy/v", "every applied step, summed"))
     device_vectors = (DeviceVector("h_clients", "toy/h_clients", "each device's accepted updates, summed", "delta_h",
-                                   "the toy algorithm", "memories"),)
-    report_vectors = ("delta_h",)
+                                   "the toy algorithm", "memories"),
+                      DeviceVector("n_clients", "toy/n_clients", "each device's accepted rounds", "delta_n",
+                                   "the toy algorithm", "counts"))
+    report_vectors = ("delta_h", "delta_n")
 
     def client_update(self, model, data, task, out):
         steps = super().client_update(model, data, task, out)
         out["delta_h"][:] = out[DELTA_X]
+        out["delta_n"][:] = 1
         return steps
 
     def server_update(self, state, reports):
         step = server_update(np.zeros_like(state.x), reports.device_ids, reports.vectors[DELTA_X], reports.coeffs, 1.0)
         m = (self.beta * state.vectors["m"] + step).astype(state.x.dtype)
-        return ServerState((state.x + reports.lr_global * m).astype(state.x.dtype), {"m": m})
+        v = state.vectors["v"] + step
+        return ServerState((state.x + reports.lr_global * m).astype(state.x.dtype), {"v": v, "m": m})
 
     def server_start(self, x0, member_rows):
-        return {"m": np.zeros_like(x0)}
+        return {"m": np.zeros_like(x0), "v": np.zeros_like(x0)}
 
     def device_start(self, model, data, x):
-        return {"h_clients": np.zeros_like(x)}
+        return {"h_clients": np.zeros_like(x), "n_clients": np.zeros_like(x)}
 
 
 @pytest.fixture
@@ -69,19 +75,22 @@ def test_a_new_algorithm_follows_its_own_rule_through_every_layer(toy, tmp_path,
     runs.run(cfg, tmp_path / "toy.h5")
     log = read_run(tmp_path / "toy.h5")
     # by hand: K exact gradient steps on f_k take y to b_k + (1 - lr a_k)^K (x - b_k)
-    x, m, h = x0.copy(), np.zeros(3), np.zeros((5, 3))
-    xs, ms, hs = [x], [m], [h.copy()]
+    x, m, v, h, n = x0.copy(), np.zeros(3), np.zeros(3), np.zeros((5, 3)), np.zeros((5, 3))
+    expect = {"trajectory/x": [x], "toy/m": [m], "toy/v": [v], "toy/h_clients": [h.copy()], "toy/n_clients": [n.copy()]}
     for selected in log["participation/selected"]:
         ids = np.flatnonzero(selected)
         deltas = b[ids] + (1 - 0.2 * A[ids]) ** 4 * (x - b[ids]) - x
         m = 0.5 * m + deltas.mean(axis=0)
+        v = v + deltas.mean(axis=0)
         x = x + 0.9 * m
         h[ids] += deltas
-        xs.append(x), ms.append(m), hs.append(h.copy())
-    np.testing.assert_allclose(log["trajectory/x"], xs, rtol=1e-12, atol=1e-14)
-    np.testing.assert_allclose(log["toy/m"], ms, rtol=1e-12, atol=1e-14)
-    np.testing.assert_allclose(log["toy/h_clients"], hs, rtol=1e-12, atol=1e-14)
-    assert log["state/m"].shape == (2, 3) and log["state/h_clients"].shape == (5, 3)
+        n[ids] += 1
+        for name, value in (("trajectory/x", x), ("toy/m", m), ("toy/v", v), ("toy/h_clients", h.copy()),
+                            ("toy/n_clients", n.copy())):
+            expect[name].append(value)
+    for name, values in expect.items():
+        np.testing.assert_allclose(log[name], values, rtol=1e-12, atol=1e-14, err_msg=name)
+    assert log["state/m"].shape == log["state/v"].shape == (2, 3) and log["state/n_clients"].shape == (5, 3)
     # under MPI (ranks as threads) the same bytes; stopped and resumed, the same log
     assert_same_logs(log, loopback_run(cfg, tmp_path / "mpi.h5", 3))
     assert_same_logs(*interrupted_then_resumed(cfg, tmp_path, 3))
@@ -91,9 +100,9 @@ def test_its_device_memory_is_sized_and_refused_by_its_own_names(toy, tmp_path, 
     path = quad_file(np.ones((4, 2)), np.zeros((4, 2)))
     lines = []
     runs.run(toy_config(path, rounds=1), tmp_path / "r.h5", on_info=lines.append)
-    assert "the toy algorithm memories: 4 x 2 float64 = 64 B in memory" in lines[1]
+    assert "the toy algorithm memories and counts: 2 x 4 x 2 float64 = 128 B in memory" in lines[1]
     monkeypatch.setattr(runs.psutil, "virtual_memory", lambda: type("M", (), {"available": 10})())
-    with pytest.raises(ResourceError, match="the toy algorithm's memories need 64 B"):
+    with pytest.raises(ResourceError, match="the toy algorithm's memories and counts need 128 B"):
         runs.run(toy_config(path, rounds=1), tmp_path / "s.h5")
 
 
@@ -104,6 +113,24 @@ def test_the_config_knows_what_the_registries_know(toy):
     with pytest.raises(ConfigError, match="participation.scheme = 'D' is not known"):
         config_with({"participation.scheme": "D"})
     assert set(schemes.SCHEMES) == {"A", "B", "C"} and set(algorithms.ALGORITHMS) >= {"fedavg", "scaffold"}
+
+
+def test_an_update_that_breaks_its_declarations_is_stopped(toy, tmp_path, quad_file, monkeypatch):
+    """A server update that returns an undeclared vector (or drops one) would travel and resume wrongly."""
+    honest = MomentumWithMemory.server_update
+    monkeypatch.setattr(MomentumWithMemory, "server_update",
+                        lambda self, state, reports: ServerState(honest(self, state, reports).x, {"m": state.x}))
+    with pytest.raises(TypeError, match=r"MomentumWithMemory.server_update gave server vectors \['m'\], but the "
+                                        r"algorithm declares \['m', 'v'\]"):
+        runs.run(toy_config(quad_file(np.ones((4, 2)), np.zeros((4, 2))), rounds=2), tmp_path / "r.h5")
+
+
+def test_vector_names_the_log_keeps_for_itself_are_refused():
+    for clash in (ServerVector("x", "toy/x", ""), ServerVector("m", "trajectory/x", "")):
+        algorithm = MomentumWithMemory()
+        object.__setattr__(algorithm, "server_vectors", (clash,))
+        with pytest.raises(ValueError, match="are taken twice"):
+            Header("", 0, 1, 4, 3, np.float32, np.ones(4), **runs.log_layout(algorithm, True, 4, 3, np.float32))
 
 
 def test_declarations_are_what_the_engine_reads():

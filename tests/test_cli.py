@@ -151,3 +151,36 @@ def test_entry_point_default_run_and_one_line_error(tmp_path):
     assert bad.returncode == 2 and "Traceback" not in bad.stderr and bad.stderr.count("\n") == 1
     usage = subprocess.run([sys.executable, "-m", "edgefed", "rn"], capture_output=True, text=True, timeout=300)
     assert usage.returncode == 2 and usage.stderr.count("\n") == 1
+
+
+def test_ctrl_c_names_the_log_to_resume_and_exits_130(tmp_path, capsys, monkeypatch):
+    from edgefed import cli
+
+    honest = cli.progress_line
+
+    def ctrl_c_after_round_2(s):
+        if s.round_idx == 3:
+            raise KeyboardInterrupt
+        return honest(s)
+
+    monkeypatch.setattr(cli, "progress_line", ctrl_c_after_round_2)
+    log = tmp_path / "r.h5"
+    code, _, err = run_cli(["run", "--set", "rounds=5", "--out", str(log)], capsys)
+    assert code == 130 and err == f"edgefed: interrupted; continue with: edgefed run --resume {log}\n"
+    assert read_run(log)["state/round"][0] == 3  # round 3 was logged before its progress line
+    monkeypatch.undo()
+    code, out, _ = run_cli(["run", "--resume", str(log), "--quiet"], capsys)
+    assert code == 0 and "done: 2 rounds" in out
+
+
+def test_a_failed_measurement_is_an_error_not_an_empty_profile(capsys, monkeypatch):
+    from edgefed.orchestration import profiling
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("no timer on this board")
+
+    monkeypatch.setattr(profiling, "measure", broken)
+    code, out, err = run_cli(["profile", "--models", "logreg", "--no-cold"], capsys)
+    assert code == 2 and out == ""
+    assert err.startswith("edgefed: error: profiling failed on ") and err.endswith(
+        ": RuntimeError: no timer on this board\n")

@@ -149,7 +149,7 @@ def test_a_round_that_compiled_is_noted(monkeypatch, tmp_path):
 
     cfg = load_config(None, ["data.clients=3", "train.local_steps=2", "train.clients_per_round=2"])
     setup = runs.prepare(cfg, tmp_path / "never-written.h5")
-    transport = runs.local_transport(setup.cfg, setup.problem, setup.model)
+    transport = runs.local_transport(setup.cfg, setup.algorithm, setup.problem, setup.model)
     counts = iter([0, 3, 3, 3, 3, 3, 3, 4])  # before/after each device: device 0 compiles, then device 2
     monkeypatch.setattr(local, "jit_compilations", lambda: next(counts))
     x = setup.model.initial_params()

@@ -122,3 +122,24 @@ def test_the_checker_sees_an_upward_import(tmp_path):
     found = imports("edgefed.algorithms.m", fake, {"edgefed.cli", "edgefed.config", "edgefed.algorithms"})
     assert found == {"edgefed.cli", "edgefed.config"}
     assert layer_of("edgefed.cli") > layer_of("edgefed.algorithms.m")
+
+
+def test_only_the_algorithms_and_the_config_know_which_algorithm_runs():
+    """Outside algorithms/ and config/ no code names an algorithm (a string "scaffold", an attribute
+    `.scaffold`): everything else reads the algorithm's declarations. Docstrings and comments may."""
+    names = {"fedavg", "scaffold"}
+    found = []
+    for name, path in modules().items():
+        if part(name) in ("algorithms", "config"):
+            continue
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        docstrings = {id(node.body[0].value) for node in ast.walk(tree)
+                      if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef)) and node.body
+                      and isinstance(node.body[0], ast.Expr) and isinstance(node.body[0].value, ast.Constant)}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings:
+                if any(n in node.value.lower().replace("-", " ").split() or node.value.lower() == n for n in names):
+                    found.append(f"{name}:{node.lineno} {node.value!r}")
+            elif isinstance(node, ast.Attribute) and node.attr in names:
+                found.append(f"{name}:{node.lineno} .{node.attr}")
+    assert found == []

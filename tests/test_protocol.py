@@ -13,12 +13,12 @@ from edgefed.runtime.mpi import protocol
 from edgefed.runtime.mpi.protocol import Wire
 from edgefed.transport import Evaluation, LocalResults, RoundPlan
 from conftest import config_with
-from helpers import compared
+from helpers import assert_same_logs, compared, run_until
 from loopback_mpi import World
 
 
 def test_a_round_plan_reaches_each_rank_as_its_own_share():
-    wire = Wire(6, 3, np.float32, ("delta_x", "delta_c"), server=1, device=("c_clients",))
+    wire = Wire(6, 3, np.float32, ("delta_x", "delta_c"), server=("c",), device=("c_clients",))
     plan = RoundPlan(7, np.array([1, 2, 4]), np.array([10, 20, 30], np.int32), 0.125,
                      steps=np.array([3, 0, 30], np.int32), deadline_s=np.array([0.5, 0.25, 2.0]), grace_s=1.5)
     buf = wire.command_buffer()
@@ -82,20 +82,20 @@ def test_evaluations_and_device_vectors_round_trip():
     np.testing.assert_array_equal(got["h"], rows["h"][::-1])
 
 
-def test_the_server_state_travels_as_rows():
-    wire = Wire(2, 3, np.float32, ("delta_x", "delta_c"), server=1)
+def test_the_server_state_travels_as_rows_in_declaration_order():
+    wire = Wire(2, 3, np.float32, ("delta_x",), server=("c", "m"))
     buf = wire.state_buffer()
-    wire.pack_state(buf, np.ones(3, np.float32), [np.full(3, 2.0, np.float32)])
-    x, (c,) = wire.unpack_state(buf)
-    assert x.tolist() == [1, 1, 1] and c.tolist() == [2, 2, 2]
+    wire.pack_state(buf, np.ones(3, np.float32), {"m": np.full(3, 3.0, np.float32), "c": np.full(3, 2.0, np.float32)})
+    x, vectors = wire.unpack_state(np.frombuffer(buf.tobytes(), np.float32).reshape(3, 3))
+    assert x.tolist() == [1, 1, 1] and vectors["c"].tolist() == [2, 2, 2] and vectors["m"].tolist() == [3, 3, 3]
     wire.pack_state(buf, np.zeros(3, np.float32))  # evaluation: x alone, the rest zeroed
     assert not buf.any()
 
 
-def loopback_run(cfg, path, size, on_info=None):
+def loopback_run(cfg, path, size, on_info=None, resume_point=None):
     """A distributed run with `size` ranks as threads of this process; returns the log."""
     errors = []
-    mains = {0: lambda comm: ranks.run_coordinator(comm, lambda: (cfg, None, path), False, None,
+    mains = {0: lambda comm: ranks.run_coordinator(comm, lambda: (cfg, resume_point, path), False, None,
                                                    on_info or (lambda line: None), errors.append)}
     mains.update({r: ranks.run_device_rank for r in range(1, size)})
     results = World(size).run(mains)
@@ -122,3 +122,17 @@ def test_ranks_over_the_loopback_world_write_the_simulators_bytes(tmp_path, over
     sim = read_run(tmp_path / "sim.h5")
     assert compared(mpi).keys() == compared(sim).keys()
     assert [k for k, v in compared(sim).items() if v.tobytes() != mpi[k].tobytes()] == []
+
+
+@pytest.mark.parametrize("size,device_ranks", [(3, None), (5, [1, 1, 2, 2, 3, 3, 1])])
+def test_a_run_stopped_in_one_process_resumes_across_ranks(tmp_path, size, device_ranks):
+    """--resume under MPI sends every device its vectors back (rank 4 of 5 hosts none)."""
+    overrides = {**SCAFFOLD, "rounds": 6}
+    if device_ranks:
+        overrides["mpi.device_ranks"] = device_ranks
+    cfg = config_with(overrides)
+    runs.run(cfg, tmp_path / "whole.h5")
+    point = run_until(cfg, tmp_path / "part.h5", 3)  # stopped just after the arrival of device 1
+    resumed = loopback_run(cfg, tmp_path / "part.h5", size, resume_point=point)
+    assert_same_logs(read_run(tmp_path / "whole.h5"), resumed)
+

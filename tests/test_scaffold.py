@@ -13,7 +13,7 @@ from edgefed.algorithms.scaffold import Scaffold
 from edgefed.errors import ResourceError
 from edgefed.models import Quadratic
 from edgefed.problems import QuadraticData
-from edgefed.rng import Purpose, kernel_state
+from edgefed.rng import kernel_state
 from edgefed.runlog import read_run
 from edgefed.runtime.deadline import run_all
 from helpers import assert_same_logs, interrupted_then_resumed, problem_of
@@ -165,7 +165,7 @@ def test_option_ii_uses_the_steps_actually_taken_and_zero_steps_keep_the_control
     assert steps == 0 and not dx.any() and not dc.any() and np.array_equal(c_k, before)
 
 
-def test_correction_has_the_seed_sign():
+def test_correction_has_the_papers_sign():
     # y <- y - lr (g(y) - c_k + c): with g = 0 at the optimum, c_k = 1, c = 0 the step moves up by lr.
     data = QuadraticData(np.array([1.0]), np.array([0.0]), 0.0)
     model = Quadratic(1, np.zeros(1), np.float64)

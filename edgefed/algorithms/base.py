@@ -55,8 +55,8 @@ class ServerState:
 class LocalTask:
     """One selected device's work in one round, as its client update sees it."""
 
-    x: np.ndarray  # the server model y_{k,0} starts from
-    server: Mapping[str, np.ndarray]  # the server vectors sent with x
+    x: np.ndarray  # the server model y_{k,0} starts from: never write into it (in the simulator it is the server's)
+    server: Mapping[str, np.ndarray]  # the server vectors sent with x, read only
     own: Mapping[str, np.ndarray]  # this device's vectors, read only (they change on acceptance)
     n_steps: int  # steps asked: K_k, or exactly what a trace gives
     lr: float
@@ -80,7 +80,6 @@ class RoundReports:
 class Algorithm:
     """The interface; FedAvg (fedavg.py) is the smallest algorithm that fills it."""
 
-    name: str
     default_weighting: str
     server_vectors: tuple[ServerVector, ...] = ()
     device_vectors: tuple[DeviceVector, ...] = ()

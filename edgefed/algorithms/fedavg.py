@@ -11,7 +11,6 @@ from edgefed.rng import Purpose
 class FedAvg(Algorithm):
     """Plain local SGD on the device, no state kept between rounds; the weighted sum on the server."""
 
-    name = "fedavg"
     default_weighting = "count_selected"
 
     def client_update(self, model, data, task, out):

@@ -32,7 +32,6 @@ class Scaffold(Algorithm):
     init: str = "zero"  # c_k^0: "zero", or "gradient" (the full local gradient at x_0)
     control_gradient: str = "oracle"  # option I's g_k(x): one minibatch ("oracle") or the full gradient
 
-    name = "scaffold"
     default_weighting = "uniform"  # the paper's 1/S
     server_vectors = (ServerVector("c", "scaffold/c", "server control c after those rounds"),)
     device_vectors = (DeviceVector("c_clients", "scaffold/c_clients", "device controls c_k (row k)", "delta_c",

@@ -56,7 +56,7 @@ class TrainConfig:
 class ScaffoldConfig:
     option: str = "II"  # control update: "I" c_k+ = g_k(x), "II" c_k - c + (x - y_k) / (s_k lr)
     init: str = "zero"  # "zero", or "gradient": c_k^0 = full local gradient at x_0 (what SCAFFOLD's rates assume)
-    control_gradient: str = "oracle"  # option I's g_k(x): "oracle" (one minibatch, as the seed) or "full"
+    control_gradient: str = "oracle"  # option I's g_k(x): "oracle" (one minibatch, as the paper's algorithm) or "full"
 
 
 @dataclass(frozen=True)

@@ -107,6 +107,15 @@ class RoundEngine:
         last = round_idx == self.cfg.rounds
         return (last or round_idx % self.cfg.log.eval_every == 0, last or round_idx % self.cfg.log.every == 0)
 
+    def _declared(self, state: ServerState, method: str) -> ServerState:
+        """The state, once it holds exactly the server vectors the algorithm declares: the transports send,
+        and the log stores, only those."""
+        declared = [v.name for v in self.algorithm.server_vectors]
+        if sorted(state.vectors) != sorted(declared):
+            raise TypeError(f"{type(self.algorithm).__name__}.{method} gave server vectors {sorted(state.vectors)}, "
+                            f"but the algorithm declares {sorted(declared)}")
+        return state
+
     # -- device vectors (SCAFFOLD's controls): kept on the devices, mirrored in the log -------------------------
     def _members(self, rows: dict) -> dict:
         active_ids = np.flatnonzero(self.active)
@@ -123,7 +132,7 @@ class RoundEngine:
             rows = self.transport.start_devices(x0, np.arange(self.n_devices))
             for name, values in rows.items():
                 self.log.set_rows(name, values)
-        self.state = ServerState(x0, self.algorithm.server_start(x0, self._members(rows)))
+        self.state = self._declared(ServerState(x0, self.algorithm.server_start(x0, self._members(rows))), "server_start")
         train, test_loss, test_acc = self.metrics(self.transport.evaluate(x0))
         self.log.append({"metrics/train_loss": train, "metrics/test_loss": test_loss,
                          "metrics/test_accuracy": test_acc})
@@ -165,7 +174,8 @@ class RoundEngine:
                 for name, values in fresh.items():
                     rows[name][arriving] = values
                 sets = {name: (arriving, values) for name, values in fresh.items()}
-        self.state = self.algorithm.federation_changed(self.state, self._members(rows))
+        self.state = self._declared(self.algorithm.federation_changed(self.state, self._members(rows)),
+                                    "federation_changed")
         return sets
 
     def round(self, round_idx: int) -> ServerState:
@@ -188,8 +198,9 @@ class RoundEngine:
         coeffs *= self.dynamics.boost(plan.device_ids, round_idx)  # fast-reboot of arriving devices
         coeffs[counted_steps == 0] = 0.0  # nothing applied: log 0 (Scheme B's w_k would multiply a zero update)
         reported = counted_steps > 0
-        self.state = self.algorithm.server_update(
-            self.state, RoundReports(plan.device_ids, res.vectors, coeffs, reported, t.lr_global, active_ids.size))
+        self.state = self._declared(self.algorithm.server_update(
+            self.state, RoundReports(plan.device_ids, res.vectors, coeffs, reported, t.lr_global, active_ids.size)),
+            "server_update")
         self.transport.accept(round_idx, plan.device_ids[reported])
 
         evaluate, store = self._due(round_idx)

@@ -251,6 +251,8 @@ def profile_hosts(comm, prepare, cold: bool, say):
         except Exception as exc:  # noqa: BLE001 - reported by rank 0, so no rank waits forever
             result = (f"{host}: {type(exc).__name__}: {exc}", None)
     if comm is None:
+        if result[0]:
+            raise EdgefedError(f"profiling failed on {result[0]}")
         results = [result]
     else:
         wait(comm.Ibarrier())

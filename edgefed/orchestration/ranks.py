@@ -14,7 +14,7 @@ import numpy as np
 
 from edgefed import config as config_mod
 from edgefed.algorithms import Algorithm, build_algorithm
-from edgefed.errors import EXIT_BAD_INPUT, ConfigError, EdgefedError
+from edgefed.errors import EXIT_BAD_INPUT, EXIT_INTERRUPTED, ConfigError, EdgefedError, Interrupted
 from edgefed.orchestration import run as run_mod
 from edgefed.orchestration.deadlines import device_deadlines
 from edgefed.runtime.mpi.comm import abort_with, world
@@ -23,14 +23,13 @@ from edgefed.runtime.mpi.device_server import DeviceServer
 from edgefed.runtime.mpi.placement import device_owners
 from edgefed.runtime.mpi.protocol import Wire
 
-EXIT_INTERRUPTED = 130
-
 
 def execute(resolve, force: bool, on_round, on_info, on_error):
     """Run an experiment in this process or, under mpirun, across the ranks.
 
     `resolve()` gives (config, resume point, log path). Returns the RunResult on the process that wrote the
-    log, or an exit code (device ranks, bad input, interruption).
+    log, or an exit code (device ranks, bad input, an interrupted MPI run); Ctrl-C in this process raises
+    Interrupted, naming the log to resume.
     """
     comm = world()
     if comm is not None:
@@ -41,13 +40,12 @@ def execute(resolve, force: bool, on_round, on_info, on_error):
     try:
         return run_mod.run(cfg, path, resume_point=point, force=force, on_round=on_round, on_info=on_info)
     except KeyboardInterrupt:
-        on_error(f"interrupted; continue with: edgefed run --resume {path}")
-        return EXIT_INTERRUPTED
+        raise Interrupted(path) from None
 
 
 def wire_for(algorithm: Algorithm, n_devices: int, model) -> Wire:
     """The MPI records of a run: the same on every rank, since every rank builds them from the same config."""
-    return Wire(n_devices, model.dim, model.dtype, algorithm.reports, len(algorithm.server_vectors),
+    return Wire(n_devices, model.dim, model.dtype, algorithm.reports, tuple(v.name for v in algorithm.server_vectors),
                 tuple(v.name for v in algorithm.device_vectors))
 
 
@@ -89,7 +87,7 @@ def run_coordinator(comm, resolve, force: bool, on_round, on_info, on_error) -> 
     try:
         result = run_mod.drive(setup, transport, path, resume_point=point, on_round=on_round)
     except KeyboardInterrupt:
-        abort_with(comm, f"interrupted; continue with: edgefed run --resume {path}", EXIT_INTERRUPTED)
+        abort_with(comm, str(Interrupted(path)), EXIT_INTERRUPTED)
     except EdgefedError as exc:
         hint = f" (the log {path} holds every completed round; --resume continues it)" if path.exists() else ""
         abort_with(comm, f"{exc}{hint}", EXIT_BAD_INPUT)
@@ -114,7 +112,8 @@ def run_device_rank(comm) -> int:
             load = cfg.device.contention[rank - 1]
             loads = (load,) if load > 0 else ()
         core = (rank - 1) % (os.cpu_count() or 1) if loads else None
-        transport = run_mod.local_transport(cfg, problem, model, device_ids=own, core=core, contention=loads)
+        transport = run_mod.local_transport(cfg, build_algorithm(cfg), problem, model, device_ids=own, core=core,
+                                            contention=loads)
         warm = transport.warmup()
     except EdgefedError as exc:
         failure = f"rank {rank}: {exc}"
@@ -125,9 +124,7 @@ def run_device_rank(comm) -> int:
         if transport is not None:
             transport.close()
         return EXIT_BAD_INPUT
-    algorithm = build_algorithm(cfg)
-    server = DeviceServer(comm, wire_for(algorithm, problem.n_devices, model), transport,
-                          tuple(v.name for v in algorithm.server_vectors))
+    server = DeviceServer(comm, wire_for(transport.algorithm, problem.n_devices, model), transport)
     try:
         server.serve()
     except BaseException as exc:  # noqa: BLE001

@@ -106,7 +106,8 @@ def check_device_memory(algorithm: Algorithm, cfg: Config, n: int, d: int, dtype
     item = np.dtype(dtype).itemsize
     in_memory = len(vectors) * n * d * item
     on_disk = 2 * in_memory + (stored_rounds(cfg) * in_memory if cfg.log.client_controls else 0)
-    on_info(f"{owner} {noun}: {n} x {d} {np.dtype(dtype).name} = {_size(in_memory)} in memory, "
+    shape = f"{n} x {d}" if len(vectors) == 1 else f"{len(vectors)} x {n} x {d}"
+    on_info(f"{owner} {noun}: {shape} {np.dtype(dtype).name} = {_size(in_memory)} in memory, "
             f"{_size(on_disk)} in the run log")
     available = psutil.virtual_memory().available
     if in_memory > 0.8 * available:
@@ -155,7 +156,7 @@ def _trace(cfg: Config, problem):
 def prepare(cfg: Config, log_path: Path, *, resume_point=None, force: bool = False, on_info=None) -> Setup:
     """Check everything that can be checked before a log is touched; build the problem and the log header."""
     on_info = on_info or (lambda line: None)
-    problem = build_problem(cfg.data, cfg.seed, cfg.model.dtype)
+    problem, model = problem_and_model(cfg)
     cfg = config_mod.with_clients(cfg, problem.n_devices)
     if resume_point is None and log_path.exists() and not force:
         raise RunLogError(f"run log {log_path} already exists; use --resume {log_path} to continue it, "
@@ -163,7 +164,6 @@ def prepare(cfg: Config, log_path: Path, *, resume_point=None, force: bool = Fal
     folder = next((p for p in (log_path.parent, *log_path.parent.parents) if p.exists()), Path.cwd())
     if not folder.is_dir() or not os.access(folder, os.W_OK):
         raise RunLogError(f"cannot write run log {log_path}: {folder} is not a writable folder; choose another --out")
-    model = build_model(cfg.model, problem, cfg.seed)
     trace = _trace(cfg, problem)
     algorithm = build_algorithm(cfg)
     on_info(f"{problem.describe()}; model {model.kind}, d = {model.dim} {model.dtype.name}; "
@@ -180,12 +180,13 @@ def prepare(cfg: Config, log_path: Path, *, resume_point=None, force: bool = Fal
     return Setup(cfg, algorithm, problem, model, header, trace)
 
 
-def local_transport(cfg: Config, problem, model, device_ids=None, core=None, contention=None) -> LocalTransport:
+def local_transport(cfg: Config, algorithm: Algorithm, problem, model, device_ids=None, core=None,
+                    contention=None) -> LocalTransport:
     """The devices this process hosts (all of them in the simulator); contention: the competitor loads
     (cycled over devices), by default participation.contention."""
     batch = None if cfg.train.batch_size == "full" else cfg.train.batch_size
     loads = cfg.participation.contention if contention is None else contention
-    return LocalTransport(problem, model, build_algorithm(cfg), cfg.seed, batch, device_ids, cfg.fault, loads, core)
+    return LocalTransport(problem, model, algorithm, cfg.seed, batch, device_ids, cfg.fault, loads, core)
 
 
 def note_warmup(setup: Setup, compiled: list[int], seconds: list[float], on_info) -> None:
@@ -235,7 +236,7 @@ def run(cfg: Config, log_path: Path, *, resume_point=None, force: bool = False, 
     """One run in this process (the simulator)."""
     setup = prepare(cfg, log_path, resume_point=resume_point, force=force, on_info=on_info)
     setup = device_deadlines(setup, None, on_info, resume_point)
-    transport = local_transport(setup.cfg, setup.problem, setup.model)
+    transport = local_transport(setup.cfg, setup.algorithm, setup.problem, setup.model)
     compiled, seconds = transport.warmup()
     note_warmup(setup, [compiled], [seconds], on_info or (lambda line: None))
     return drive(setup, transport, log_path, resume_point=resume_point, on_round=on_round)

@@ -41,6 +41,12 @@ def _lowest_priority() -> None:
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
 
 
+def _read_only(values: np.ndarray) -> np.ndarray:
+    view = values.view()
+    view.flags.writeable = False
+    return view
+
+
 class LocalTransport:
     def __init__(self, problem, model, algorithm, seed: int, batch_size: int | None, device_ids=None,
                  faults=(), contention=(), core: int | None = None):
@@ -125,7 +131,11 @@ class LocalTransport:
 
     def work(self, plan: RoundPlan, state) -> LocalResults:
         """Run the selected (hosted) devices of the plan one after the other, each from the server state."""
+        # In this process the devices read the server's own vectors and the engine reads the devices' reports
+        # as they are: read only both ways, so no algorithm changes in place what an MPI rank would only see a
+        # copy of. (x stays writable: the kernels are compiled for writable arrays; LocalTask says hands off.)
         x, algo = state.x, self.algorithm
+        server = {name: _read_only(value) for name, value in state.vectors.items()}
         n_sel, d = plan.device_ids.size, x.shape[0]
         out = {name: np.zeros((n_sel, d), dtype=x.dtype) for name in algo.reports}
         steps = np.zeros(n_sel, np.int32)
@@ -137,12 +147,13 @@ class LocalTransport:
             data = self.data(k)
             if self.competitor is not None:
                 self.competitor.set_load(self.contention[k % len(self.contention)])
-            own = {} if self.vectors is None else {name: rows[self._row[k]] for name, rows in self.vectors.items()}
+            own = {} if self.vectors is None else {name: _read_only(rows[self._row[k]])
+                                                   for name, rows in self.vectors.items()}
             compiled_before = jit_compilations()
             wall0, cpu0 = time.perf_counter(), time.thread_time()
             self._inject_fault(k, plan.round_idx)
             runner = run_all if plan.deadline_s is None else DeadlineRunner(float(plan.deadline_s[i]))
-            task = LocalTask(x, state.vectors, own, plan.steps_to_run(i), plan.lr, self.batch_size, runner,
+            task = LocalTask(x, server, own, plan.steps_to_run(i), plan.lr, self.batch_size, runner,
                              self._streams(data, plan.round_idx, k))
             steps[i] = algo.client_update(self.model, data, task, {name: rows[i] for name, rows in out.items()})
             wall = time.perf_counter() - wall0
@@ -159,7 +170,8 @@ class LocalTransport:
             self.competitor.set_load(0.0)
         if algo.device_vectors:
             self._pending = (plan.round_idx, plan.device_ids.copy(), {v.delta: out[v.delta] for v in algo.device_vectors})
-        return LocalResults(out, steps, elapsed, cpu, late, freq, temp, compiled)
+        return LocalResults({name: _read_only(rows) for name, rows in out.items()}, steps, elapsed, cpu, late, freq,
+                            temp, compiled)
 
     def _streams(self, data, round_idx: int, device_id: int):
         """stream(purpose): the model's generator workspace on (seed, purpose, round, device)."""

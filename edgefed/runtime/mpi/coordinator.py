@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from edgefed.runtime.mpi import protocol as wire_
+from edgefed.runtime.mpi import protocol
 from edgefed.runtime.mpi.comm import POLL_MAX_S, Backoff, mpi_of, wait
 from edgefed.runtime.mpi.protocol import Wire
 from edgefed.transport import Evaluation, LocalResults, RoundPlan
@@ -29,7 +29,7 @@ class MpiTransport:
         self._status = MPI.Status()
 
     # -- down ---------------------------------------------------------------------------------------------
-    def _command(self, command: int, plan: RoundPlan | None = None, devices=None, x=None, vectors=()) -> None:
+    def _command(self, command: int, plan: RoundPlan | None = None, devices=None, x=None, vectors=None) -> None:
         self.wire.encode_command(self.command, command, plan, devices, self._accepted)
         self._accepted = None
         wait(self.comm.Ibcast(self.command.view(np.uint8), root=0), self.poll)
@@ -63,13 +63,13 @@ class MpiTransport:
 
     # -- the transport interface --------------------------------------------------------------------------
     def local_work(self, plan: RoundPlan, state) -> LocalResults:
-        self._command(wire_.ROUND, plan, x=state.x, vectors=list(state.vectors.values()))
+        self._command(protocol.ROUND, plan, x=state.x, vectors=state.vectors)
         owners = self.owners[plan.device_ids]
         ranks = np.unique(owners)
         timeout = None
         if plan.deadline_s is not None:  # a rank runs its devices one after another
             timeout = max((float(plan.deadline_s[owners == r].sum()) for r in ranks), default=0.0) + plan.grace_s
-        got = self._collect(wire_.TAG_WORK, ranks, plan.round_idx, timeout)
+        got = self._collect(protocol.TAG_WORK, ranks, plan.round_idx, timeout)
         return self.wire.unpack_work(plan, got.values())
 
     def accept(self, round_idx: int, device_ids: np.ndarray) -> None:
@@ -77,25 +77,25 @@ class MpiTransport:
         self._accepted = (round_idx, np.asarray(device_ids))
 
     def evaluate(self, x: np.ndarray) -> Evaluation:
-        self._command(wire_.EVAL, x=x)
-        got = self._collect(wire_.TAG_EVAL, [r for r, ids in self.hosted.items() if ids.size])
+        self._command(protocol.EVAL, x=x)
+        got = self._collect(protocol.TAG_EVAL, [r for r, ids in self.hosted.items() if ids.size])
         return self.wire.unpack_evaluation(got.values())
 
     def start_devices(self, x: np.ndarray, device_ids: np.ndarray) -> dict[str, np.ndarray]:
         """Fresh device vectors for these devices, joining at x; returns their rows in device_ids order."""
         device_ids = np.asarray(device_ids)
-        self._command(wire_.START_DEVICES, devices=device_ids, x=x)
-        got = self._collect(wire_.TAG_ROWS, np.unique(self.owners[device_ids]))
+        self._command(protocol.START_DEVICES, devices=device_ids, x=x)
+        got = self._collect(protocol.TAG_ROWS, np.unique(self.owners[device_ids]))
         return self.wire.unpack_rows(got.values(), device_ids)
 
     def load_devices(self, rows: dict[str, np.ndarray]) -> None:
         """Every device's vectors (row k: device k) to the rank hosting it."""
-        self._command(wire_.LOAD_DEVICES)
+        self._command(protocol.LOAD_DEVICES)
         for rank, ids in self.hosted.items():
             if ids.size:
                 records = np.zeros(ids.size, self.wire.rows)
                 self.wire.pack_rows(records, ids, {name: values[ids] for name, values in rows.items()})
-                wait(self.comm.Isend(records.view(np.uint8), dest=rank, tag=wire_.TAG_LOAD), self.poll)
+                wait(self.comm.Isend(records.view(np.uint8), dest=rank, tag=protocol.TAG_LOAD), self.poll)
 
     def close(self, failed: bool = False) -> None:
         """Tell the device ranks to stop and drain what they still send until each says goodbye.
@@ -104,5 +104,5 @@ class MpiTransport:
         After a failure the caller aborts the world instead.
         """
         if not failed:
-            self._command(wire_.STOP)
-            self._collect(wire_.TAG_BYE, list(self.hosted))
+            self._command(protocol.STOP)
+            self._collect(protocol.TAG_BYE, list(self.hosted))

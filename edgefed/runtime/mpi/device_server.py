@@ -12,15 +12,14 @@ import threading
 import numpy as np
 
 from edgefed.algorithms.base import ServerState
-from edgefed.runtime.mpi import protocol as wire_
+from edgefed.runtime.mpi import protocol
 from edgefed.runtime.mpi.comm import POLL_MAX_S, mpi_of, wait
 from edgefed.runtime.mpi.protocol import Wire
 
 
 class DeviceServer:
-    def __init__(self, comm, wire: Wire, transport, server_names: tuple[str, ...], poll_max_s: float = POLL_MAX_S):
+    def __init__(self, comm, wire: Wire, transport, poll_max_s: float = POLL_MAX_S):
         self.comm, self.wire, self.transport, self.poll = comm, wire, transport, poll_max_s
-        self.server_names = server_names  # the algorithm's server vectors, in the order they travel
         self.command = wire.command_buffer()
         self.state = wire.state_buffer()
         self.own = transport.device_ids
@@ -53,9 +52,9 @@ class DeviceServer:
         round_idx, future, ids = self._future
         self._future = None
         res = future.result()  # re-raises a device's error here, on the main thread
-        records = self._records(wire_.TAG_WORK, ids.size)
+        records = self._records(protocol.TAG_WORK, ids.size)
         self.wire.pack_work(records, round_idx, ids, res)
-        self._send_records(wire_.TAG_WORK, records)
+        self._send_records(protocol.TAG_WORK, records)
 
     def _wait_broadcast(self, buf) -> None:
         wait(self.comm.Ibcast(buf, root=0), self.poll, also=self._report_finished_work, wake=self._done)
@@ -68,19 +67,19 @@ class DeviceServer:
             accepted = self.wire.accepted(self.command)
             if accepted is not None:
                 self.transport.accept(*accepted)
-            if command == wire_.STOP:
+            if command == protocol.STOP:
                 self._goodbye()
                 break
-            if command == wire_.LOAD_DEVICES:
+            if command == protocol.LOAD_DEVICES:
                 self._load_devices()
                 continue
             self._wait_broadcast(self.state)
             x, vectors = self.wire.unpack_state(self.state)
-            if command == wire_.ROUND:
-                self._start_work(ServerState(x, dict(zip(self.server_names, vectors))))
-            elif command == wire_.EVAL:
+            if command == protocol.ROUND:
+                self._start_work(ServerState(x, vectors))
+            elif command == protocol.EVAL:
                 self._evaluate(x)
-            elif command == wire_.START_DEVICES:
+            elif command == protocol.START_DEVICES:
                 self._start_devices(x)
 
     def _goodbye(self) -> None:
@@ -88,9 +87,9 @@ class DeviceServer:
         if self._future is not None:
             self._future[1].exception()  # waits for the worker; a late result is of no use any more
             self._future = None
-        records = self._records(wire_.TAG_BYE, 1)
+        records = self._records(protocol.TAG_BYE, 1)
         records["rank"] = self.comm.Get_rank()
-        self._send_records(wire_.TAG_BYE, records)
+        self._send_records(protocol.TAG_BYE, records)
         for req in self._send_req:
             if req is not None:
                 wait(req, self.poll)
@@ -99,10 +98,11 @@ class DeviceServer:
         plan = self.wire.decode_plan(self.command, self.own)
         if plan is None:
             return
+        self._report_finished_work()  # a late round that finished while the command was on its way is free
         if self._future is not None:  # still on an older round: these devices cannot start in time
-            records = self._records(wire_.TAG_WORK, plan.device_ids.size)
+            records = self._records(protocol.TAG_WORK, plan.device_ids.size)
             self.wire.pack_work(records, plan.round_idx, plan.device_ids, None)
-            self._send_records(wire_.TAG_WORK, records)
+            self._send_records(protocol.TAG_WORK, records)
             return
         future = self.transport.submit(plan, state)
         future.add_done_callback(lambda _: self._done.set())
@@ -110,21 +110,21 @@ class DeviceServer:
 
     def _evaluate(self, x) -> None:
         ev = self.transport.evaluate(x)
-        records = self._records(wire_.TAG_EVAL, self.own.size)
+        records = self._records(protocol.TAG_EVAL, self.own.size)
         self.wire.pack_evaluation(records, self.own, ev)
-        self._send_records(wire_.TAG_EVAL, records)
+        self._send_records(protocol.TAG_EVAL, records)
 
     def _start_devices(self, x) -> None:
         ids = self.wire.addressed(self.command, self.own)
         if ids.size == 0:
             return
         rows = self.transport.start_devices(x, ids)
-        records = self._records(wire_.TAG_ROWS, ids.size)
+        records = self._records(protocol.TAG_ROWS, ids.size)
         self.wire.pack_rows(records, ids, rows)
-        self._send_records(wire_.TAG_ROWS, records)
+        self._send_records(protocol.TAG_ROWS, records)
 
     def _load_devices(self) -> None:
         records = np.zeros(self.own.size, self.wire.rows)
         if self.own.size:
-            wait(self.comm.Irecv(records.view(np.uint8), source=0, tag=wire_.TAG_LOAD), self.poll)
+            wait(self.comm.Irecv(records.view(np.uint8), source=0, tag=protocol.TAG_LOAD), self.poll)
         self.transport.load_devices(self.wire.unpack_rows([records], self.own))

@@ -1,6 +1,6 @@
 """The MPI wire format: every message a NumPy structured record with named fields, owned by this module.
 
-Both sides build the same `Wire` from the same config (rank 0 sends it to every rank at setup), so a field
+Every rank builds the same `Wire` from the same config (rank 0 sends the config at setup), so a field
 cannot be written under one name and read under another, and the whole protocol can be checked in one
 process: `encode_*` / `pack_*` write what a sender puts in its buffer, `decode_*` / `unpack_*` what the
 receiver makes of it. The buffers themselves are allocated once (in the coordinator and device server) and
@@ -28,14 +28,15 @@ class Wire:
     """The record types of one run, identical on every rank.
 
     n_devices, dim, dtype: the federation and the model; reports: the names of the vectors a work report
-    carries (Delta x first); server: how many vectors travel down beside x; device: the names of the
-    vectors each device keeps (sent up when they start, down when a resumed run restores them).
+    carries (Delta x first); server: the names of the vectors that travel down beside x; device: the names
+    of the vectors each device keeps (sent up when they start, down when a resumed run restores them).
+    Vectors travel in these orders, whatever order a mapping holds them in.
     """
 
-    def __init__(self, n_devices: int, dim: int, dtype, reports: tuple[str, ...], server: int = 0,
+    def __init__(self, n_devices: int, dim: int, dtype, reports: tuple[str, ...], server: tuple[str, ...] = (),
                  device: tuple[str, ...] = ()):
         self.n_devices, self.dim, self.dtype = n_devices, dim, np.dtype(dtype)
-        self.reports, self.n_server, self.device = tuple(reports), server, tuple(device)
+        self.reports, self.server, self.device = tuple(reports), tuple(server), tuple(device)
         n = n_devices
         self.command = np.dtype([
             ("command", "<i8"),
@@ -74,7 +75,7 @@ class Wire:
 
     def state_buffer(self) -> np.ndarray:
         """The broadcast buffer of the server state: x, then the server vectors, one row each."""
-        return np.zeros((1 + self.n_server, self.dim), self.dtype)
+        return np.zeros((1 + len(self.server), self.dim), self.dtype)
 
     def command_buffer(self) -> np.ndarray:
         return np.zeros(1, self.command)
@@ -131,18 +132,17 @@ class Wire:
                          grace_s=float(rec["grace_s"]))
 
     # -- down: the server state ------------------------------------------------------------------------
-    @staticmethod
-    def pack_state(buf: np.ndarray, x: np.ndarray, vectors=()) -> None:
-        """x and the server vectors (in declaration order) into the broadcast buffer; zeros for missing ones."""
+    def pack_state(self, buf: np.ndarray, x: np.ndarray, vectors=None) -> None:
+        """x and the named server vectors into the broadcast buffer (vectors None: x alone, the rest zero)."""
         buf[0] = x
         buf[1:] = 0
-        for i, value in enumerate(vectors):
-            buf[1 + i] = value
+        if vectors is not None:
+            for i, name in enumerate(self.server):
+                buf[1 + i] = vectors[name]
 
-    @staticmethod
-    def unpack_state(buf: np.ndarray) -> tuple[np.ndarray, list[np.ndarray]]:
-        """(x, server vectors) as copies: the buffer is reused by the next broadcast."""
-        return buf[0].copy(), [row.copy() for row in buf[1:]]
+    def unpack_state(self, buf: np.ndarray) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+        """(x, {name: server vector}) as copies: the buffer is reused by the next broadcast."""
+        return buf[0].copy(), {name: buf[1 + i].copy() for i, name in enumerate(self.server)}
 
     # -- up: work reports ------------------------------------------------------------------------------
     def pack_work(self, records: np.ndarray, round_idx: int, ids: np.ndarray, res: LocalResults | None) -> None:
