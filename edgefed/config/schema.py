@@ -119,7 +119,7 @@ class LogConfig:
     path: str | None = None
     every: int = 1
     eval_every: int = 1
-    client_controls: bool = False  # also log every device's SCAFFOLD control at the stored rounds
+    client_controls: bool = False  # also log every device's own vectors (SCAFFOLD's c_k) at the stored rounds
 
 
 @dataclass(frozen=True)
