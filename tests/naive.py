@@ -51,8 +51,9 @@ def softmax_ce(W, b, X, y):
     return loss, X.T @ p / len(y), p.mean(axis=0)
 
 
-def logreg_sgd(params, X, y, n_classes, n_steps, batch, lr, rng_state, correction=None):
-    """Minibatch SGD on flat params (W row-major, then b) with the same minibatch draws as the kernel."""
+def logreg_sgd(params, X, y, n_classes, n_steps, batch, lr, rng_state, correction=None, mu=0.0, anchor=None):
+    """Minibatch SGD on flat params (W row-major, then b) with the same minibatch draws as the kernel; each
+    step adds `correction` and FedProx's mu (params - anchor) to the gradient where given."""
     f = X.shape[1]
     params = params.astype(np.float64).copy()
     rng = Xoshiro(rng_state)
@@ -63,7 +64,7 @@ def logreg_sgd(params, X, y, n_classes, n_steps, batch, lr, rng_state, correctio
         W = params[: f * n_classes].reshape(f, n_classes)
         _, gW, gb = softmax_ce(W, params[f * n_classes:], X[idx], y[idx])
         g = np.concatenate([gW.ravel(), gb])
-        params -= lr * (g if correction is None else g + correction)
+        params -= lr * (g + (0 if correction is None else correction) + (0 if anchor is None else mu * (params - anchor)))
     return params
 
 

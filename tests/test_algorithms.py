@@ -112,7 +112,8 @@ def test_the_config_knows_what_the_registries_know(toy):
         config_with({"train.algorithm": "scafold"})
     with pytest.raises(ConfigError, match="participation.scheme = 'D' is not known"):
         config_with({"participation.scheme": "D"})
-    assert set(schemes.SCHEMES) == {"A", "B", "C"} and set(algorithms.ALGORITHMS) >= {"fedavg", "scaffold"}
+    assert set(schemes.SCHEMES) == {"A", "B", "C", "fednova", "drop"}
+    assert set(algorithms.ALGORITHMS) >= {"fedavg", "fedprox", "scaffold"}
 
 
 def test_an_update_that_breaks_its_declarations_is_stopped(toy, tmp_path, quad_file, monkeypatch):

@@ -51,6 +51,12 @@ BAD_CONFIGS = {
     "batch <= 0": ("[train]\nbatch_size = -3\n", "train.batch_size = -3 must be positive"),
     "unknown kind": ("[model]\nkind = \"resnet\"\n", "model.kind = 'resnet' is not known"),
     "not TOML": ("[train\n", "is not valid TOML"),
+    "unknown rule": ("[participation]\nscheme = \"nova\"\n",
+                     "participation.scheme = 'nova' is not known; did you mean 'fednova'?"),
+    "mu < 0": ("[train]\nalgorithm = \"fedprox\"\n[fedprox]\nmu = -1\n", "fedprox.mu = -1.0 must be a finite number >= 0"),
+    "fedprox table alone": ("[fedprox]\nmu = 0.1\n",
+                            'fedprox.mu applies to train.algorithm = "fedprox", not \'fedavg\''),
+    "unknown algorithm": ("[train]\nalgorithm = \"fedpox\"\n", "did you mean 'fedprox'?"),
 }
 
 

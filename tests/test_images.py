@@ -118,14 +118,14 @@ def test_mnist_problem_holds_out_the_end_and_builds_one_device(tmp_path):
     assert d.X_train.max() <= 1.0 and np.unique(d.y_train).size == 1
 
 
-def naive_mlp_steps(params, sizes, X, y, n_steps, batch, lr, rng_state, correction=None):
+def naive_mlp_steps(params, sizes, X, y, n_steps, batch, lr, rng_state, correction=None, mu=0.0, anchor=None):
     params = params.astype(np.float64).copy()
     rng = Xoshiro(rng_state)
     perm = list(range(X.shape[0]))
     for _ in range(n_steps):
         idx_ = rng.batch(perm, batch) if batch < X.shape[0] else perm
         g = naive_mlp_grad(params, sizes, X[idx_], y[idx_])[1]
-        params -= lr * (g if correction is None else g + correction)
+        params -= lr * (g + (0 if correction is None else correction) + (0 if anchor is None else mu * (params - anchor)))
     return params
 
 

@@ -219,3 +219,31 @@ def test_a_deadline_round_that_selects_nobody_under_mpi(tmp_path):
     done = edgefed(["run", cfg, "--out", str(tmp_path / "e.h5"), "--quiet"], 3)
     assert done.returncode == 0, done.stderr
     assert read_run(tmp_path / "e.h5")["participation/selected"][1:].sum() == 0
+
+
+RULES = """rounds = 6
+[data]
+clients = 7
+samples = "pareto"
+[train]
+clients_per_round = 4
+local_steps = 10
+algorithm = "{algorithm}"
+[participation]
+mode = "trace"
+trace = {trace}
+scheme = "{scheme}"
+"""
+
+
+@pytest.mark.parametrize("algorithm,trace,scheme", [("fedprox", '"builtin"', "fednova"),
+                                                    ("scaffold", '["cpu30", "cpu90", "bw-low"]', "drop")])
+def test_new_rules_under_mpiexec_write_the_simulators_bytes(tmp_path, algorithm, trace, scheme):
+    cfg = write(tmp_path, "c.toml", RULES.format(algorithm=algorithm, trace=trace, scheme=scheme))
+    logs = []
+    for ranks, name in ((None, "sim.h5"), (3, "mpi.h5")):
+        done = edgefed(["run", cfg, "--out", str(tmp_path / name), "--quiet"], ranks)
+        assert done.returncode == 0, done.stderr
+        logs.append(read_run(tmp_path / name))
+    assert same_datasets(*logs) == []
+    assert (logs[0]["participation/steps"] < 10).any() and logs[0]["participation/coeff"].any()

@@ -5,9 +5,10 @@
 
 from edgefed.algorithms.base import Algorithm
 from edgefed.algorithms.fedavg import FedAvg
+from edgefed.algorithms.fedprox import FedProx
 from edgefed.algorithms.scaffold import Scaffold
 
-ALGORITHMS: dict[str, type[Algorithm]] = {"fedavg": FedAvg, "scaffold": Scaffold}
+ALGORITHMS: dict[str, type[Algorithm]] = {"fedavg": FedAvg, "fedprox": FedProx, "scaffold": Scaffold}
 
 
 def build_algorithm(cfg) -> Algorithm:

@@ -7,12 +7,12 @@ effective config as TOML (stored in every run log) and the comparison `--resume`
 
 from edgefed.config.reading import apply_override, config_from_dict, load_config, parse_toml, read_toml, set_key
 from edgefed.config.schema import (ArrivalConfig, Config, DataConfig, DepartureConfig, DeviceConfig, DynamicsConfig,
-                                   FaultConfig, LogConfig, ModelConfig, MpiConfig, ParticipationConfig,
+                                   FaultConfig, FedProxConfig, LogConfig, ModelConfig, MpiConfig, ParticipationConfig,
                                    ScaffoldConfig, TrainConfig)
 from edgefed.config.validation import check_clients_per_round, validate, with_clients
 from edgefed.config.writing import same_experiment, to_dict, to_toml
 
-__all__ = ["ArrivalConfig", "Config", "DataConfig", "DepartureConfig", "DeviceConfig", "DynamicsConfig", "FaultConfig",
+__all__ = ["ArrivalConfig", "Config", "DataConfig", "DepartureConfig", "DeviceConfig", "DynamicsConfig", "FaultConfig", "FedProxConfig",
            "LogConfig", "ModelConfig", "MpiConfig", "ParticipationConfig", "ScaffoldConfig", "TrainConfig",
            "apply_override", "check_clients_per_round", "config_from_dict", "load_config", "parse_toml", "read_toml",
            "same_experiment", "set_key", "to_dict", "to_toml", "validate", "with_clients"]

@@ -60,6 +60,11 @@ class ScaffoldConfig:
 
 
 @dataclass(frozen=True)
+class FedProxConfig:
+    mu: float | None = None  # the proximal weight; None: 0.01 with train.algorithm = "fedprox"
+
+
+@dataclass(frozen=True)
 class ParticipationConfig:
     mode: str = "full"  # "full": K steps; "trace": the steps a trace gives; "deadline": what fits in deadline_s
     scheme: str = "B"
@@ -130,6 +135,7 @@ class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     scaffold: ScaffoldConfig = field(default_factory=ScaffoldConfig)
+    fedprox: FedProxConfig = field(default_factory=FedProxConfig)
     participation: ParticipationConfig = field(default_factory=ParticipationConfig)
     log: LogConfig = field(default_factory=LogConfig)
     dynamics: DynamicsConfig = field(default_factory=DynamicsConfig)

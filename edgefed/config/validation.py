@@ -14,7 +14,7 @@ import math
 from edgefed import hwprofile
 from edgefed.algorithms import ALGORITHMS
 from edgefed.algorithms import scaffold
-from edgefed.config.schema import (Config, DataConfig, DeviceConfig, DynamicsConfig, ModelConfig,
+from edgefed.config.schema import (Config, DataConfig, DeviceConfig, DynamicsConfig, FedProxConfig, ModelConfig,
                                    ParticipationConfig, TrainConfig)
 from edgefed.errors import ConfigError
 from edgefed.participation.schemes import SCHEMES, WEIGHTINGS
@@ -33,6 +33,7 @@ FAULT_KINDS = ("stall", "raise")
 
 DEFAULT_CLIENTS = 30
 DEFAULT_LOCAL_STEPS = 20
+DEFAULT_MU = 0.01  # FedProx's proximal weight: the middle of the paper's {0.001, 0.01, 0.1, 1}
 
 
 def _choice(value, choices, key: str) -> None:
@@ -58,6 +59,7 @@ def validate(cfg: Config) -> Config:
     _choice(cfg.scaffold.option, scaffold.OPTIONS, "scaffold.option")
     _choice(cfg.scaffold.init, scaffold.INITS, "scaffold.init")
     _choice(cfg.scaffold.control_gradient, scaffold.CONTROL_GRADIENTS, "scaffold.control_gradient")
+    fedprox = _validate_fedprox(cfg.fedprox, train.algorithm)
     _validate_participation(cfg.participation)
     _validate_device(cfg.device, cfg.participation)
     _validate_dynamics(cfg.dynamics, cfg.data.clients, cfg.rounds)
@@ -69,7 +71,20 @@ def validate(cfg: Config) -> Config:
             raise ConfigError(f"config: fault[{i}].round = {fault.round} is not a round (1..{cfg.rounds})")
     _positive(cfg.log.every, "log.every", "every = 10")
     _positive(cfg.log.eval_every, "log.eval_every", "eval_every = 5")
-    return dataclasses.replace(cfg, data=data, model=model, train=train)
+    return dataclasses.replace(cfg, data=data, model=model, train=train, fedprox=fedprox)
+
+
+def _validate_fedprox(f: FedProxConfig, algorithm: str) -> FedProxConfig:
+    if algorithm != "fedprox":
+        if f.mu is not None:
+            raise ConfigError(f'config: fedprox.mu applies to train.algorithm = "fedprox", not {algorithm!r}; '
+                              'remove the [fedprox] table or set train.algorithm = "fedprox"')
+        return f
+    if f.mu is None:
+        return dataclasses.replace(f, mu=DEFAULT_MU)
+    if not (f.mu >= 0 and math.isfinite(f.mu)):
+        raise ConfigError(f"config: fedprox.mu = {f.mu} must be a finite number >= 0 (e.g. mu = 0.01; 0 is FedAvg)")
+    return f
 
 
 def _validate_device(dev: DeviceConfig, p: ParticipationConfig) -> None:

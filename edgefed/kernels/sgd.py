@@ -14,16 +14,27 @@ from edgefed.kernels import JIT
 _EMPTY = {np.dtype(np.float32): np.zeros(0, np.float32), np.dtype(np.float64): np.zeros(0, np.float64)}
 
 
-def step_terms(dtype, correction: np.ndarray | None = None) -> tuple:
-    """The terms of a local step in the kernels' form: (correction,), SCAFFOLD's c - c_k or empty."""
-    return (_EMPTY[np.dtype(dtype)] if correction is None else correction,)
+def step_terms(dtype, correction: np.ndarray | None = None, anchor: np.ndarray | None = None,
+               mu: float = 0.0) -> tuple:
+    """The terms of a local step in the kernels' form, (correction, anchor, [mu]): SCAFFOLD's c - c_k, and
+    FedProx's proximal pull mu (y - anchor) towards the round's server model; empty arrays where absent."""
+    empty = _EMPTY[np.dtype(dtype)]
+    return (empty if correction is None else correction, empty if anchor is None else anchor,
+            np.full(1, mu, np.dtype(dtype)))
 
 
 @njit(**JIT)
 def apply_step(params, grad, lr, terms):
-    """params <- params - lr * (grad + correction)."""
-    correction = terms[0]
-    if correction.shape[0] == params.shape[0]:
+    """params <- params - lr * (grad + mu (params - anchor) + correction), each term only where given."""
+    correction, anchor, mu = terms[0], terms[1], terms[2][0]
+    if anchor.shape[0] == params.shape[0]:
+        corrected = correction.shape[0] == params.shape[0]
+        for k in range(params.shape[0]):
+            g = grad[k] + mu * (params[k] - anchor[k])
+            if corrected:
+                g += correction[k]
+            params[k] -= lr * g
+    elif correction.shape[0] == params.shape[0]:
         for k in range(params.shape[0]):
             params[k] -= lr * (grad[k] + correction[k])
     else:
@@ -34,7 +45,9 @@ def apply_step(params, grad, lr, terms):
 @njit(**JIT)
 def step_coordinate(params, j, g, lr, terms):
     """apply_step for coordinate j alone, for kernels whose gradient comes one coordinate at a time."""
-    correction = terms[0]
+    correction, anchor, mu = terms[0], terms[1], terms[2][0]
+    if anchor.shape[0] == params.shape[0]:
+        g += mu * (params[j] - anchor[j])
     if correction.shape[0] == params.shape[0]:
         g += correction[j]
     params[j] -= lr * g

@@ -1,10 +1,15 @@
-"""Aggregation coefficients p_k = w_k * m_k (docs/design.md 2.3): the one place they are computed.
+"""Aggregation coefficients (docs/design.md 2.3): the one place they are computed.
 
 w_k, the base weight (`train.weighting`): `uniform` 1/|S_r|; `count_global` n_k / sum over the active
 federation; `count_selected` n_k / sum over the selected devices.
-m_k, the scheme multiplier (`participation.scheme`), from the steps s_k done of the budget K_k:
+Schemes A/B/C (Ruan et al.) multiply it by m_k, from the steps s_k done of the budget K_k:
 A: [s_k = K_k] * |S_r| / K_r with K_r the number of complete devices (all zero when K_r = 0);
 B: 1; C: K_k / s_k, and 0 when s_k = 0.
+`fednova` (Wang et al., NeurIPS 2020) renormalizes over the devices that reported, R_r = {s_k > 0}:
+p_k = w_k / sum_R w_j, tau_eff = sum_R p_k s_k, coefficient tau_eff p_k / s_k.
+`drop` (a timeout that discards incomplete work, as Flower and NVIDIA FLARE do) keeps the complete devices,
+Q_r = {s_k = K_k}: coefficient w_k / sum_Q w_j. Either is all zero when its set is empty. Their sums are
+math.fsum: exactly rounded, so the device order cannot change a bit.
 
 `SCHEMES` is the registry the config is checked against: a rule maps the base weights, steps and budgets
 of the selected devices to their coefficients, so a rule that is not a multiplier (one that renormalizes
@@ -13,6 +18,7 @@ over the devices that reported, say) is one more entry here and nothing else.
 
 from __future__ import annotations
 
+import math
 from typing import Callable
 
 import numpy as np
@@ -61,8 +67,33 @@ def _scheme(multiplier) -> Callable:
     return rule
 
 
+def _renormalized(weights: np.ndarray, kept: np.ndarray) -> np.ndarray:
+    """w_k / sum of the kept w_j for the kept devices, 0 for the others (all 0 when none is kept)."""
+    out = np.zeros(weights.size)
+    if kept.any():
+        out[kept] = weights[kept] / math.fsum(weights[kept])
+    return out
+
+
+def fednova(weights: np.ndarray, steps: np.ndarray, budgets: np.ndarray) -> np.ndarray:
+    """tau_eff p_k / s_k over the devices that reported work (FedNova for plain local SGD)."""
+    reported = steps > 0
+    p = _renormalized(weights, reported)
+    out = np.zeros(weights.size)
+    if reported.any():
+        tau_eff = math.fsum(p[reported] * steps[reported])
+        out[reported] = tau_eff * p[reported] / steps[reported]
+    return out
+
+
+def drop_stragglers(weights: np.ndarray, steps: np.ndarray, budgets: np.ndarray) -> np.ndarray:
+    """The complete devices' weights, renormalized over them; incomplete work is thrown away."""
+    return _renormalized(weights, (steps == budgets) & (budgets > 0))
+
+
 # participation.scheme -> rule(base weights, steps, budgets) -> coefficients of the selected devices
-SCHEMES: dict[str, Callable] = {name: _scheme(m) for name, m in MULTIPLIERS.items()}
+SCHEMES: dict[str, Callable] = {**{name: _scheme(m) for name, m in MULTIPLIERS.items()},
+                                "fednova": fednova, "drop": drop_stragglers}
 
 
 def scheme_multipliers(scheme: str, steps: np.ndarray, budgets: np.ndarray) -> np.ndarray:
