@@ -11,13 +11,16 @@ from edgefed.config.schema import Config
 
 
 def to_dict(cfg: Config) -> dict:
-    """The config as plain TOML-able data; None fields are left out (they mean "default")."""
+    """The config as plain TOML-able data; None fields, and tables left with none, are left out (they mean
+    "default")."""
     out = {}
     for f in dataclasses.fields(cfg):
         value = getattr(cfg, f.name)
         if dataclasses.is_dataclass(value):
-            out[f.name] = {k: list(v) if isinstance(v, tuple) else v
-                           for k, v in dataclasses.asdict(value).items() if v is not None}
+            table = {k: list(v) if isinstance(v, tuple) else v
+                     for k, v in dataclasses.asdict(value).items() if v is not None}
+            if table:
+                out[f.name] = table
         elif isinstance(value, tuple):
             if value:
                 out[f.name] = [dataclasses.asdict(item) for item in value]
