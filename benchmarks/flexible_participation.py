@@ -3,6 +3,8 @@
     python benchmarks/flexible_participation.py schemes    [--seeds 0 1]   # (1) A/B/C vs number of traces
     python benchmarks/flexible_participation.py reboot     [--seeds 0 1 2] # (2) fast-reboot after an arrival
     python benchmarks/flexible_participation.py departure  [--seeds 0 1 2] # (3) include vs exclude
+    python benchmarks/flexible_participation.py rules      [--seeds 0 1 2] # (4) A/B/C, FedNova, drop, FedProx
+    python benchmarks/flexible_participation.py inconsistency              # (5) where each rule's rounds stop
 
 Common setting (the paper's): staircase learning rate eta_0 / r with eta_0 = 1, batch 20, count weights
 p_k = n_k / n, every device of the federation works every round, K = 20 local steps, and each device's
@@ -119,9 +121,72 @@ def remaining_test_loss(overrides, trajectory, devices) -> np.ndarray:
     return np.array([sum(model.loss_correct(x, d.X_test, d.y_test)[0] for d in data) / n for x in trajectory])
 
 
+RULES = {"A": ['participation.scheme="A"'], "B": ['participation.scheme="B"'], "C": ['participation.scheme="C"'],
+         "fednova": ['participation.scheme="fednova"'], "drop": ['participation.scheme="drop"'],
+         "FedProx 0.01": ['train.algorithm="fedprox"', "fedprox.mu=0.01"],
+         "FedProx 0.1": ['train.algorithm="fedprox"', "fedprox.mu=0.1"]}
+
+
+def rules(args, folder):
+    print("(4) Final test accuracy (mean of the last 5 evaluations, every 10 rounds; mean +- std over seeds) of")
+    print("    Schemes A, B, C, FedNova, drop-stragglers and FedProx (Scheme B) as the number of built-in traces")
+    print(f"    grows; SYNTHETIC(1,1), 50 devices, Pareto sample counts, {args.rounds} rounds, seeds {args.seeds}.")
+    print("    Traces in order: cpu0, cpu30, cpu50, cpu70, cpu90 (CPU competitors), bw-high, bw-medium, bw-low (lost uploads).")
+    print("\n| traces | " + " | ".join(RULES) + " | best |\n|" + " --- |" * (len(RULES) + 2))
+    for k in range(1, 9):
+        cells, means = [], {}
+        for name, overrides in RULES.items():
+            finals = []
+            for seed in args.seeds:
+                log = run(DATASETS["SYNTHETIC(1,1)"] + overrides + [
+                    f"seed={seed}", "data.clients=50", 'data.samples="pareto"', f"rounds={args.rounds}",
+                    f'participation.trace="builtin:{k}"', "log.eval_every=10", "log.every=1000"],
+                    folder, f"r{k}{seed}")
+                acc = log["metrics/test_accuracy"]
+                finals.append(np.nanmean(acc[np.isfinite(acc)][-5:]))
+            means[name] = float(np.mean(finals))
+            cells.append(f"{means[name]:.4f} ± {np.std(finals):.4f}")
+        print(f"| {k} | " + " | ".join(cells) + f" | {max(means, key=means.get)} |", flush=True)
+
+
+def inconsistency(args, folder):
+    """Where each rule's rounds stop on a quadratic whose devices complete different shares of K."""
+    g = np.random.default_rng(3)
+    n, d, K, lr = 8, 4, 20, 0.005
+    A, b = g.uniform(0.5, 2.0, (n, d)), g.normal(0, 3, (n, d))
+    quad = folder / "quad.npz"
+    np.savez(quad, A=A, b=b, x0=np.zeros(d))
+    optimum = (A * b).sum(axis=0) / A.sum(axis=0)  # of the uniform objective (1/N) sum f_k
+    spread = np.linalg.norm(b - optimum, axis=1).max()
+    from edgefed.tracefiles import write_trace_file
+
+    fractions = [1.0, 0.75, 0.5, 0.4, 0.25, 0.15, 0.1, 0.05]
+    write_trace_file(folder / "constant.csv", [f"t{i}" for i in range(n)], np.array([fractions]), {})
+    settings = {"constant shares 1.0 .. 0.05": [f"{folder / 'constant.csv'}#t{i}" for i in range(n)],
+                "built-in cpu0..cpu90 (no inactive rounds)": ["cpu0", "cpu30", "cpu50", "cpu70", "cpu90"],
+                "with lost uploads: cpu0, cpu50, cpu90, bw-high, bw-medium, bw-low": ["cpu0", "cpu50", "cpu90",
+                                                                                     "bw-high", "bw-medium", "bw-low"]}
+    print(f"(5) Distance of the server model to the optimum of the uniform objective, relative to the devices'")
+    print(f"    spread max_k |b_k - x*| = {spread:.3f}: mean over the last 200 of {args.rounds} rounds; a quadratic")
+    print(f"    with N = {n}, d = {d}, exact gradients, K = {K}, lr = {lr}, every device every round, uniform weights.")
+    print("\n| completed shares | " + " | ".join(RULES) + " |\n|" + " --- |" * (len(RULES) + 1))
+    for label, traces in settings.items():
+        cells = []
+        for name, overrides in RULES.items():
+            cfg = config_mod.load_config(None, [
+                'data.kind="quadratic"', f'data.path="{quad}"', 'model.dtype="float64"', 'train.clients_per_round="all"',
+                f"train.local_steps={K}", f"train.lr_local={lr}", 'train.weighting="uniform"', f"rounds={args.rounds}",
+                'participation.mode="trace"', f"participation.trace={traces!r}".replace("'", '"'), "log.eval_every=100000",
+                *overrides])
+            runs.run(cfg, folder / "q.h5", force=True)
+            xs = read_run(folder / "q.h5")["trajectory/x"][-200:]
+            cells.append(f"{np.linalg.norm(xs - optimum, axis=1).mean() / spread:.4f}")
+        print(f"| {label} | " + " | ".join(cells) + " |", flush=True)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("experiment", choices=["schemes", "reboot", "departure"])
+    parser.add_argument("experiment", choices=["schemes", "reboot", "departure", "rules", "inconsistency"])
     parser.add_argument("--seeds", type=int, nargs="+", default=[0])
     parser.add_argument("--rounds", type=int, default=200)
     args = parser.parse_args()
@@ -129,7 +194,8 @@ def main():
           f"python benchmarks/flexible_participation.py {args.experiment} --seeds {' '.join(map(str, args.seeds))} "
           f"--rounds {args.rounds}\n")
     with tempfile.TemporaryDirectory() as tmp:
-        {"schemes": schemes, "reboot": reboot, "departure": departure}[args.experiment](args, Path(tmp))
+        {"schemes": schemes, "reboot": reboot, "departure": departure, "rules": rules,
+         "inconsistency": inconsistency}[args.experiment](args, Path(tmp))
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """Local-step speed of edgefed's Numba kernels beside NumPy and PyTorch CPU, single thread, in one run.
 
     python benchmarks/kernel_speed.py [--repeats 300]
+    python benchmarks/kernel_speed.py --terms [--repeats 300]   # only: what an algorithm's local term costs
 
 Prints the machine's measured single-core float32 GEMM peak first (NumPy/BLAS on a large product), then each
 model's time per SGD step (forward, backward and update of one minibatch), its GFLOP/s and its fraction of
@@ -8,7 +9,8 @@ that peak. edgefed runs a device's K local steps in one kernel call, so its time
 K-step call divided by K (K = 20, the default local_steps, for logistic regression and the 2NN; 1 for the
 CNN, whose step is long enough that the call costs nothing); the one-step-per-call time is shown beside it.
 NumPy and PyTorch run one step per Python call, as their training loops do. PyTorch is optional: without it those columns say "-". Threads are pinned to one before anything
-loads a BLAS.
+loads a BLAS. A second table times each model's K-step call plain, with SCAFFOLD's correction and with
+FedProx's proximal term (kernels/sgd.py), the three interleaved so their ratios hold on a noisy machine.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import time  # noqa: E402
 
 import numpy as np  # noqa: E402
 
+from edgefed.kernels.sgd import step_terms  # noqa: E402
 from edgefed.models import CNN, MLP, LogReg  # noqa: E402
 from edgefed.problems import ClassificationData  # noqa: E402
 from edgefed.rng import Purpose, kernel_state  # noqa: E402
@@ -145,10 +148,45 @@ def bench_cnn(batch, repeats, peak):
           f"{gf / peak:.0%} |", flush=True)
 
 
+def bench_terms(repeats):
+    """Per-step time of a K-step call with no term, SCAFFOLD's correction, FedProx's proximal term."""
+    print("\n| model | batch | plain µs/step | with SCAFFOLD's correction | with FedProx's term | correction / plain "
+          "| FedProx / plain |\n| --- | --- | --- | --- | --- | --- | --- |")
+    g = np.random.default_rng(0)
+    for name, make, features, batch, k in (("logreg 60→10", lambda: LogReg(60, 10, np.float32), 60, 20, K_STEPS),
+                                           ("2NN 784-200-200-10", lambda: MLP((784, 200, 200, 10), np.float32, 0),
+                                            784, 10, K_STEPS),
+                                           ("CNN", lambda: CNN(784, 10, np.float32, 0), 784, 10, 1)):
+        X = g.random((500, features), dtype=np.float32)
+        y = g.integers(0, 10, 500)
+        data = ClassificationData(X, y, X[:10], y[:10])
+        model = make()
+        x = model.initial_params()
+        run = model.begin(data, kernel_state(0, Purpose.LOCAL, 1, 0))
+        variants = {"plain": step_terms(np.float32),
+                    "correction": step_terms(np.float32, correction=np.full(model.dim, 1e-4, np.float32)),
+                    "prox": step_terms(np.float32, anchor=x.copy(), mu=0.01)}
+        n = repeats if k > 1 else max(repeats // 60, 5)
+        times = {v: [] for v in variants}
+        for _ in range(n):  # interleaved: every variant sees the same machine state
+            for v, terms in variants.items():
+                t = time.perf_counter()
+                model.local_steps(x, data, run, k, batch, 0.001, terms)
+                times[v].append((time.perf_counter() - t) / k)
+        med = {v: float(np.median(ts[1:])) for v, ts in times.items()}
+        print(f"| {name} | {batch} | {med['plain'] * 1e6:.1f} | {med['correction'] * 1e6:.1f} | {med['prox'] * 1e6:.1f} "
+              f"| {med['correction'] / med['plain']:.3f} | {med['prox'] / med['plain']:.3f} |", flush=True)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=300)
+    parser.add_argument("--terms", action="store_true", help="only the table of local terms")
     args = parser.parse_args()
+    if args.terms:
+        print(f"# {platform.machine()}, Python {platform.python_version()}, NumPy {np.__version__}")
+        bench_terms(args.repeats)
+        return
     peak = gemm_peak()
     version = "not installed" if torch is None else torch.__version__
     print(f"# {platform.machine()}, Python {platform.python_version()}, NumPy {np.__version__}, PyTorch {version}")
@@ -160,6 +198,7 @@ def main():
     bench("2NN 784-200-200-10", (784, 200, 200, 10), 10, args.repeats, peak)
     bench("2NN 784-200-200-10", (784, 200, 200, 10), 64, max(args.repeats // 5, 20), peak)
     bench_cnn(10, 5, peak)
+    bench_terms(args.repeats)
 
 
 if __name__ == "__main__":
