@@ -287,7 +287,7 @@ def test_a_deadline_log_replayed_under_each_rule_keeps_its_participation(tmp_pat
     """One epoch of Pareto-sized devices is 3 to 250 steps: a 0.3 ms deadline completes some, cuts others."""
     common = {**SMALL, "train.local_steps": None, "train.local_epochs": 1, "rounds": 5}
     runs.run(config_with({**common, "participation.mode": "deadline", "participation.deadline_s": 0.0003,
-                          "participation.grace_s": 1.0}), tmp_path / "d.h5")
+                          "participation.grace_s": 1.0, "participation.scheme": "fednova"}), tmp_path / "d.h5")
     source = read_run(tmp_path / "d.h5")
     steps, budget = source["participation/steps"], source["participation/budget"]
     assert ((steps > 0) & (steps < budget)).any() and ((steps == budget) & (budget > 0)).any()
@@ -299,7 +299,7 @@ def test_a_deadline_log_replayed_under_each_rule_keeps_its_participation(tmp_pat
         replays[scheme] = log = read_run(tmp_path / f"{scheme}.h5")
         for part in ("selected", "active", "budget", "steps"):
             assert np.array_equal(log[f"participation/{part}"], source[f"participation/{part}"]), (scheme, part)
-    assert replays["B"]["trajectory/x"].tobytes() == source["trajectory/x"].tobytes()  # the run's own rule
+    assert replays["fednova"]["trajectory/x"].tobytes() == source["trajectory/x"].tobytes()  # the run's own rule
     coeffs = {s: log["participation/coeff"].tobytes() for s, log in replays.items()}
     trajectories = {s: log["trajectory/x"].tobytes() for s, log in replays.items()}
     assert len(set(coeffs.values())) == len(coeffs) and len(set(trajectories.values())) == len(trajectories)
