@@ -73,6 +73,16 @@ class Profile:
         return per_param * params
 
 
+    def comm_seconds(self, model: str, params: int) -> float | None:
+        """Seconds to broadcast a model of `params` parameters and gather one report, from the `[mpi]` times
+        `edgefed profile` measured under mpirun (scaled by size from the model's entry); None without them."""
+        entries = [c for c in self.extra.get("mpi", {}).get("collective", []) if c.get("model") == model]
+        if not entries:
+            return None
+        c = entries[0]
+        return (float(c["bcast_ms"]) + float(c["gather_ms"])) / 1e3 * params / float(c["params"])
+
+
 def parse_deadline(value) -> float | None:
     """The factor of a profile-derived deadline ("auto" or "1.5x"), or None for a fixed number of seconds."""
     if not isinstance(value, str):

@@ -37,17 +37,27 @@ FORMAT_VERSION = 1
 # Datasets holding measured wall time or load: the only ones that differ between two runs of one config.
 MEASURED = frozenset({"participation/elapsed_s", "participation/cpu_percent", "participation/cpu_freq_mhz",
                       "participation/temperature_c", "participation/compiled", "metrics/round_elapsed_s"})
+# ... and, where the clock is measured (root attribute clock = "measured"), the time the federation kept.
+MEASURED_CLOCK = frozenset({"metrics/clock_s", "participation/comm_s", "participation/deadline_s",
+                            "participation/core"})
+
+
+def measured(attrs) -> frozenset:
+    """The datasets of a log (by its root attributes) that hold measurements rather than results."""
+    return MEASURED | MEASURED_CLOCK if attrs.get("clock", "measured") == "measured" else MEASURED
 
 
 @dataclass(frozen=True)
 class Column:
-    """One round-indexed dataset: path, shape of one row, dtype, row mapping, description."""
+    """One round-indexed dataset: path, shape of one row, dtype, row mapping, description, and the value
+    rows hold that were never written (a resumed log from before the column existed)."""
 
     path: str
     row_shape: tuple
     dtype: object
     rows: str
     meaning: str
+    fill: object = 0
 
 
 @dataclass(frozen=True)
@@ -94,10 +104,18 @@ def columns(n: int, d: int, dtype) -> tuple[Column, ...]:
         Column("participation/late", (n,), np.bool_, "round", "answered after deadline + grace; its work was dropped"),
         Column("participation/compiled", (n,), np.bool_, "round",
                "the device's work included Numba compilation (a cold kernel cache; see edgefed warmup)"),
+        Column("participation/deadline_s", (n,), np.float64, "round",
+               "the deadline policy's deadline for the device's report, s (NaN: none, or not selected)", np.nan),
+        Column("participation/comm_s", (n,), np.float32, "round",
+               "model out to report in, less the local work: links and waiting, s (NaN: unknown)", np.nan),
+        Column("participation/core", (n,), np.int16, "round",
+               "the core a device's deadline-bound work ran on (-1: not pinned, or not a measured deadline)", -1),
         Column("metrics/lr", (), np.float64, "round", "local learning rate used in the round"),
         Column("metrics/n_applied", (), np.int32, "round",
                "devices whose update was applied (0: the model did not change, e.g. Scheme A with K_r = 0)"),
         Column("metrics/round_elapsed_s", (), np.float64, "round", "wall time of the whole round, s"),
+        Column("metrics/clock_s", (), np.float64, "round+1",
+               "the federation's time at the end of the round, s (attribute clock: measured, simulated, replayed)"),
         Column("metrics/train_loss", (), np.float64, "round+1", "global objective at x_r (NaN: not evaluated)"),
         Column("metrics/test_loss", (), np.float64, "round+1", "mean loss on held-out data (NaN: none)"),
         Column("metrics/test_accuracy", (), np.float64, "round+1", "accuracy on held-out data (NaN: none)"),
@@ -296,7 +314,7 @@ def _write_skeleton(f: h5py.File, header: Header) -> None:
     for col in columns(header.n_devices, header.dim, header.dtype) + header.extra_columns:
         ds = f.create_dataset(
             col.path, shape=(0,) + col.row_shape, maxshape=(None,) + col.row_shape, dtype=col.dtype,
-            chunks=_chunk(col.row_shape),
+            chunks=_chunk(col.row_shape), fillvalue=col.fill,
         )
         ds.attrs["rows"] = col.rows
         ds.attrs["meaning"] = col.meaning
@@ -398,18 +416,29 @@ def read_resume_point(path: str | Path) -> ResumePoint:
 
 @dataclass(frozen=True)
 class RecordedParticipation:
-    """Who was selected and how many steps each completed, round by round, in a run log."""
+    """Who was selected, how many steps each completed, whose report came too late, and the time it all
+    took, round by round, in a run log (clock and comm are None in logs written before they existed)."""
 
     selected: np.ndarray  # (R, N) bool
     steps: np.ndarray  # (R, N) int32
     budget: np.ndarray  # (R, N) int32
+    late: np.ndarray  # (R, N) bool
     config_toml: str
+    clock_s: np.ndarray | None = None  # (R + 1,)
+    comm_s: np.ndarray | None = None  # (R, N)
 
 
 def read_participation(path: str | Path) -> RecordedParticipation:
     with open_run(path) as f:
         try:
             p = f["participation"]
-            return RecordedParticipation(p["selected"][()], p["steps"][()], p["budget"][()], str(f.attrs["config"]))
+            late = p["late"][()] if "late" in p else np.zeros(p["selected"].shape, bool)
+            rounds = p["selected"].shape[0]
+            clock = f["metrics/clock_s"][()] if "metrics/clock_s" in f else None
+            comm = p["comm_s"][()] if "comm_s" in p else None
+            if clock is not None and clock.shape[0] != rounds + 1:
+                clock = comm = None  # a resumed older log: its early rounds kept no time
+            return RecordedParticipation(p["selected"][()], p["steps"][()], p["budget"][()], late,
+                                         str(f.attrs["config"]), clock, comm)
         except KeyError as exc:
             raise RunLogError(f"{path} lacks {exc.args[0]}; it is not an edgefed run log with participation") from None

@@ -22,9 +22,12 @@ class RoundPlan:
     device_ids: np.ndarray  # selected devices, ascending
     budgets: np.ndarray  # int32, steps asked of each selected device (K_k)
     lr: float
-    steps: np.ndarray | None = None  # trace mode: int32, the exact steps each device takes
-    deadline_s: np.ndarray | None = None  # deadline mode: (S,) float64, each device's wall-clock budget
-    grace_s: float = 0.0  # past deadline + grace a device's report is late and dropped
+    steps: np.ndarray | None = None  # int32, the exact steps each device takes (a trace, a simulated deadline)
+    deadline_s: np.ndarray | None = None  # (S,) float64, the wall-clock time each device computes for
+    grace_s: float = 0.0  # past its round deadline + grace a device's report is late and dropped
+    round_deadline_s: np.ndarray | None = None  # (S,) the deadline policy's, by which reports are due
+    quorum: int | None = None  # over-selection: the round ends once this many devices completed their budget
+    by_arrival: bool = False  # the transport ends the round at the quorum's arrival and stops the others
 
     def steps_to_run(self, i: int) -> int:
         return int(self.budgets[i] if self.steps is None else self.steps[i])
@@ -42,6 +45,9 @@ class LocalResults:
     cpu_freq_mhz: np.ndarray  # (S,) float32, NaN where the board does not say
     temperature_c: np.ndarray  # (S,) float32, NaN where the board does not say
     compiled: np.ndarray  # (S,) bool: the work included Numba compilation (a cold cache)
+    finish_s: np.ndarray  # (S,) float64: seconds from the round's start to the report (NaN: never came)
+    comm_s: np.ndarray  # (S,) float32: of that, what was not local work (links, waiting); NaN: unknown
+    core: np.ndarray  # (S,) int16: the core the work ran on (-1: unknown)
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,7 @@ import pytest
 
 from edgefed.orchestration import run as runs
 from edgefed.problems import build_problem
-from edgefed.runlog import MEASURED, read_run
+from edgefed.runlog import measured, read_run
 
 
 def problem_of(cfg):
@@ -15,7 +15,8 @@ def problem_of(cfg):
 def compared(log: dict) -> dict:
     """Every dataset two runs of one config must write byte for byte: all but the measured ones and the
     undo area (scratch space whose rows past its count hold whatever an earlier round left there)."""
-    return {k: v for k, v in log.items() if k != "attrs" and k not in MEASURED and not k.startswith("state/undo/")}
+    skip = measured(log["attrs"])
+    return {k: v for k, v in log.items() if k != "attrs" and k not in skip and not k.startswith("state/undo/")}
 
 
 def assert_same_logs(a: dict, b: dict) -> None:

@@ -72,6 +72,7 @@ class World:
         self.broadcasts = [deque() for _ in range(size)]  # the root's Messages, one per receiving rank
         self.objects = [deque() for _ in range(size)]  # pickled bcast payloads, per receiving rank
         self.gathered = deque()  # (rank, pickled) sent to the root
+        self.everyone = []  # (rank, pickled) of every allgather, in turn
         self.aborted = None
 
     def comm(self, rank: int) -> "Comm":
@@ -110,6 +111,7 @@ def _view(buf) -> np.ndarray:
 class Comm:
     def __init__(self, world: World, rank: int):
         self.world, self.rank = world, rank
+        self._allgathers = 0
 
     def Get_rank(self):
         return self.rank
@@ -190,6 +192,16 @@ class Comm:
 
         self._wait(poll)
         return pickle.loads(got[0])
+
+    def allgather(self, obj):
+        w = self.world
+        with w.lock:
+            w.everyone.append((self.rank, pickle.dumps(obj)))
+        self._wait(lambda: len(w.everyone) >= w.size * (1 + self._allgathers))
+        with w.lock:
+            batch = list(w.everyone)[self._allgathers * w.size:(self._allgathers + 1) * w.size]
+        self._allgathers += 1
+        return [pickle.loads(d) for _, d in sorted(batch)]
 
     def gather(self, obj, root=0):
         w = self.world

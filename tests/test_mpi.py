@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from edgefed.runlog import MEASURED, read_run
+from edgefed.runlog import measured, read_run
 
 MPIEXEC = next((str(p) for p in (Path(sys.executable).parent / "mpiexec",) if p.exists()), shutil.which("mpiexec"))
 pytestmark = pytest.mark.skipif(MPIEXEC is None, reason="no mpiexec: pip install 'edgefed[mpi]'")
@@ -40,7 +40,8 @@ def write(tmp_path, name, text):
 
 
 def same_datasets(a, b, skip=()):
-    return [k for k in a if k != "attrs" and k not in MEASURED and k not in skip and a[k].tobytes() != b[k].tobytes()]
+    skip = set(skip) | measured(a["attrs"]) | measured(b["attrs"])
+    return [k for k in a if k != "attrs" and k not in skip and a[k].tobytes() != b[k].tobytes()]
 
 
 @pytest.fixture(scope="module")

@@ -118,11 +118,11 @@ def test_a_resume_that_fails_leaves_a_resumable_log(tmp_path, monkeypatch):
     honest_resume = RoundEngine.resume
     calls = []
 
-    def fails_once(self, state, done):
+    def fails_once(self, state, done, prefix=None):
         calls.append(done)
         if len(calls) == 1:
             raise RuntimeError("e.g. a device rank died while loading its controls")
-        return honest_resume(self, state, done)
+        return honest_resume(self, state, done, prefix)
 
     monkeypatch.setattr(RoundEngine, "resume", fails_once)
     part = tmp_path / "part.h5"

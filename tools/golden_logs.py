@@ -29,9 +29,11 @@ from pathlib import Path
 import h5py
 import numpy as np
 
-# Datasets that hold wall time, load or compilation: the only ones two runs of one config may differ in.
+# Datasets that hold wall time, load or compilation: the only ones two runs of one config may differ in;
+# where a log's clock is measured (attribute clock = "measured"), also the time it kept.
 MEASURED = {"participation/elapsed_s", "participation/cpu_percent", "participation/cpu_freq_mhz",
             "participation/temperature_c", "participation/compiled", "metrics/round_elapsed_s"}
+MEASURED_CLOCK = {"metrics/clock_s", "participation/comm_s", "participation/deadline_s", "participation/core"}
 TIMED_ATTRS = {"created", "finished", "warmup_s", "warmup_compiled"}
 
 SMALL = """seed = 3
@@ -164,8 +166,18 @@ def datasets(path: Path) -> tuple[dict, dict]:
     with h5py.File(path, "r") as f:
         f.visititems(lambda name, obj: data.__setitem__(name, obj[()]) if isinstance(obj, h5py.Dataset) else None)
         attrs = dict(f.attrs)
-    kept = {k: v for k, v in data.items() if k not in MEASURED and not k.startswith("state/undo/")}
+    skip = MEASURED | (MEASURED_CLOCK if attrs.get("clock", "measured") == "measured" else set())
+    kept = {k: v for k, v in data.items() if k not in skip and not k.startswith("state/undo/")}
     return kept, attrs
+
+
+def same_config(text_a: str, text_b: str) -> bool:
+    """The same experiment, whatever words and whichever newer keys (at their defaults) the texts use."""
+    try:
+        from edgefed.config import config_from_dict
+    except ImportError:  # an edgefed without that function: compare the parsed text
+        return tomllib.loads(text_a) == tomllib.loads(text_b)
+    return config_from_dict(tomllib.loads(text_a)) == config_from_dict(tomllib.loads(text_b))
 
 
 def compare(a: Path, b: Path) -> int:
@@ -178,16 +190,19 @@ def compare(a: Path, b: Path) -> int:
             failures.append(f"{name}: missing in {b}")
             continue
         (da, aa), (db, ab) = datasets(a / name), datasets(other)
-        if da.keys() != db.keys():
-            failures.append(f"{name}: datasets differ: {sorted(da.keys() ^ db.keys())}")
+        if da.keys() - db.keys():
+            failures.append(f"{name}: datasets missing in {b}: {sorted(da.keys() - db.keys())}")
+        if db.keys() - da.keys():
+            print(f"note: {name}: datasets new in {b}: {sorted(db.keys() - da.keys())}")
         for key in sorted(da.keys() & db.keys()):
             if da[key].dtype != db[key].dtype or da[key].shape != db[key].shape or da[key].tobytes() != db[key].tobytes():
                 failures.append(f"{name}: {key} differs")
-        attr_diff = sorted(k for k in (aa.keys() | ab.keys()) - TIMED_ATTRS - {"config"}
+        attr_diff = sorted(k for k in (aa.keys() & ab.keys()) - TIMED_ATTRS - {"config"}
                            if not np.array_equal(np.asarray(aa.get(k)), np.asarray(ab.get(k))))
+        if aa.keys() - ab.keys() - TIMED_ATTRS:
+            attr_diff += sorted(aa.keys() - ab.keys() - TIMED_ATTRS)
         # the same config may be written in other words, and names files in the other recording's folder
-        config_b = str(ab.get("config", "")).replace(str(b), str(a))
-        if tomllib.loads(str(aa.get("config", ""))) != tomllib.loads(config_b):
+        if not same_config(str(aa.get("config", "")), str(ab.get("config", "")).replace(str(b), str(a))):
             attr_diff.append("config")
         if attr_diff:
             failures.append(f"{name}: root attributes differ: {attr_diff}")

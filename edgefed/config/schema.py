@@ -73,6 +73,12 @@ class ParticipationConfig:
     # that multiple of the time K steps take on the device's board ([device] profiles; "auto" = 1.1x)
     grace_s: float = 1.0  # a device silent past deadline + grace is recorded inactive for the round
     contention: tuple[float, ...] = ()  # CPU competitor load per device (cycled), as the paper's 0..0.9
+    deadline_quantile: float | None = None  # deadline_s = "adaptive": the share q of devices that can finish
+    # (None: 0.8)
+    deadline_covers: str = "compute"  # "compute": the deadline bounds the local work; "round": the report's arrival
+    overselect: float = 0.0  # select ceil((1 + o) S); the round ends when S of them completed their budget
+    clock: str | None = None  # "measured" or "simulated" (from board profiles); None: simulated in the simulator
+    # when [device] profile is set, else measured
 
 
 @dataclass(frozen=True)
@@ -99,6 +105,8 @@ class DynamicsConfig:
 @dataclass(frozen=True)
 class MpiConfig:
     device_ranks: tuple[int, ...] = ()  # rank hosting each device; empty: round-robin over ranks 1..P-1
+    threads_per_rank: int | None = None  # devices a rank runs at once, a core each; None: its share of its
+    # host's cores (with CPU competitors: 1)
 
 
 @dataclass(frozen=True)
@@ -107,6 +115,7 @@ class DeviceConfig:
     boards: tuple[str, ...] = ()  # under MPI, each device rank's board (entry i: rank i + 1), overriding profile
     contention: tuple[float, ...] = ()  # under MPI, the CPU competitor load on each device rank's board
     # (entry i: rank i + 1), for every device it hosts; overrides participation.contention there
+    speed: tuple[float, ...] = ()  # relative speed of each device (cycled; default 1.0) for simulated clocks
 
 
 @dataclass(frozen=True)
@@ -115,7 +124,8 @@ class FaultConfig:
 
     device: int
     round: int
-    kind: str = "stall"  # "stall": sleep `seconds` (a hung device); "raise": fail with an error
+    kind: str = "stall"  # "stall": sleep `seconds` (a hung device); "raise": fail with an error;
+    # "slow_link": the device's report takes `seconds` longer to reach the coordinator
     seconds: float = 0.0
 
 

@@ -29,7 +29,10 @@ DTYPES = ("float32", "float64")
 LR_SCHEDULES = ("constant", "staircase")
 SAMPLE_LAWS = ("lognormal", "pareto")
 PARTICIPATION_MODES = ("full", "trace", "deadline")
-FAULT_KINDS = ("stall", "raise")
+FAULT_KINDS = ("stall", "raise", "slow_link")
+CLOCKS = ("measured", "simulated")
+DEADLINE_COVERS = ("compute", "round")
+DEFAULT_QUANTILE = 0.8
 
 DEFAULT_CLIENTS = 30
 DEFAULT_LOCAL_STEPS = 20
@@ -60,7 +63,9 @@ def validate(cfg: Config) -> Config:
     _choice(cfg.scaffold.init, scaffold.INITS, "scaffold.init")
     _choice(cfg.scaffold.control_gradient, scaffold.CONTROL_GRADIENTS, "scaffold.control_gradient")
     fedprox = _validate_fedprox(cfg.fedprox, train.algorithm)
-    _validate_participation(cfg.participation)
+    participation = _validate_participation(cfg.participation)
+    if cfg.mpi.threads_per_rank is not None and cfg.mpi.threads_per_rank < 1:
+        raise ConfigError(f"config: mpi.threads_per_rank = {cfg.mpi.threads_per_rank} must be at least 1")
     _validate_device(cfg.device, cfg.participation)
     _validate_dynamics(cfg.dynamics, cfg.data.clients, cfg.rounds)
     for i, fault in enumerate(cfg.fault):
@@ -69,9 +74,11 @@ def validate(cfg: Config) -> Config:
             raise ConfigError(f"config: fault[{i}].device = {fault.device} is not a device id (0-based)")
         if not 1 <= fault.round <= cfg.rounds:
             raise ConfigError(f"config: fault[{i}].round = {fault.round} is not a round (1..{cfg.rounds})")
+        if not (fault.seconds >= 0 and math.isfinite(fault.seconds)):
+            raise ConfigError(f"config: fault[{i}].seconds = {fault.seconds} must be a finite number >= 0")
     _positive(cfg.log.every, "log.every", "every = 10")
     _positive(cfg.log.eval_every, "log.eval_every", "eval_every = 5")
-    return dataclasses.replace(cfg, data=data, model=model, train=train, fedprox=fedprox)
+    return dataclasses.replace(cfg, data=data, model=model, train=train, fedprox=fedprox, participation=participation)
 
 
 def _validate_fedprox(f: FedProxConfig, algorithm: str) -> FedProxConfig:
@@ -96,24 +103,47 @@ def _validate_device(dev: DeviceConfig, p: ParticipationConfig) -> None:
             raise ConfigError(f"config: device.boards[{i}] is empty; name a hardware profile (e.g. \"pi4b\")")
     if dev.profile is not None and not dev.profile.strip():
         raise ConfigError('config: device.profile is empty; name a hardware profile (e.g. "pi4b") or a .toml file')
-    if isinstance(p.deadline_s, str) and dev.profile is None and not dev.boards:
+    for i, speed in enumerate(dev.speed):
+        if not (speed > 0 and math.isfinite(speed)):
+            raise ConfigError(f"config: device.speed[{i}] = {speed} must be a positive number (1.0: the board's speed)")
+    if isinstance(p.deadline_s, str) and p.deadline_s != "adaptive" and dev.profile is None and not dev.boards:
         raise ConfigError(f"config: participation.deadline_s = {p.deadline_s!r} derives each deadline from the "
                           "board's hardware profile; set [device] profile = \"NAME\" (shipped: "
                           f"{', '.join(hwprofile.shipped_names())}) or write one with `edgefed profile --out FILE`")
 
 
-def _validate_participation(p: ParticipationConfig) -> None:
+def _validate_participation(p: ParticipationConfig) -> ParticipationConfig:
     _choice(p.mode, PARTICIPATION_MODES, "participation.mode")
     _choice(p.scheme, tuple(SCHEMES), "participation.scheme")
     if p.mode == "deadline":
         if p.deadline_s is None:
-            raise ConfigError('config: participation.mode = "deadline" needs participation.deadline_s (e.g. 0.05)')
+            raise ConfigError('config: participation.mode = "deadline" needs participation.deadline_s (e.g. 0.05, '
+                              '"auto" or "adaptive")')
         if isinstance(p.deadline_s, str):
-            hwprofile.parse_deadline(p.deadline_s)
+            if p.deadline_s != "adaptive":
+                hwprofile.parse_deadline(p.deadline_s)
         else:
             _positive(p.deadline_s, "participation.deadline_s", "deadline_s = 0.05")
     elif p.deadline_s is not None:
         raise ConfigError(f'config: participation.deadline_s applies to mode = "deadline", not {p.mode!r}')
+    if p.deadline_s == "adaptive":
+        q = DEFAULT_QUANTILE if p.deadline_quantile is None else p.deadline_quantile
+        if not 0 < q <= 1:
+            raise ConfigError(f"config: participation.deadline_quantile = {q} must lie in (0, 1] (e.g. 0.8: about "
+                              "80 % of the selected devices can finish)")
+        p = dataclasses.replace(p, deadline_quantile=float(q))
+    elif p.deadline_quantile is not None:
+        raise ConfigError('config: participation.deadline_quantile applies to deadline_s = "adaptive"; remove it or '
+                          'set participation.deadline_s = "adaptive"')
+    _choice(p.deadline_covers, DEADLINE_COVERS, "participation.deadline_covers")
+    if p.clock is not None:
+        _choice(p.clock, CLOCKS, "participation.clock")
+    if not (p.overselect >= 0 and math.isfinite(p.overselect)):
+        raise ConfigError(f"config: participation.overselect = {p.overselect} must be a finite number >= 0 "
+                          "(e.g. 0.3: select 30 % more devices than needed)")
+    if p.overselect > 0 and isinstance(p.trace, str) and p.trace.endswith((".h5", ".hdf5")):
+        raise ConfigError("config: participation.overselect does not apply to a replayed run log, whose selection "
+                          "and applied reports are the log's; remove it")
     if p.mode == "trace" and not p.trace:
         raise ConfigError('config: participation.mode = "trace" needs participation.trace: "builtin", "builtin:k", '
                           "a trace file, a run log to replay, or a list of trace names")
@@ -124,6 +154,7 @@ def _validate_participation(p: ParticipationConfig) -> None:
     for i, load in enumerate(p.contention):
         if not 0 <= load < 1:
             raise ConfigError(f"config: participation.contention[{i}] = {load} must lie in [0, 1) (a CPU share)")
+    return p
 
 
 def _validate_dynamics(dyn: DynamicsConfig, n_clients: int | None, rounds: int) -> None:

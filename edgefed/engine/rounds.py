@@ -16,10 +16,12 @@ import numpy as np
 
 from edgefed.algorithms.base import Algorithm, RoundReports, ServerState
 from edgefed.config import Config
+from edgefed.engine.clock import RoundClock
 from edgefed.participation import schemes
 from edgefed.participation.budgets import local_budgets
 from edgefed.participation.dynamics import Dynamics
 from edgefed.participation.sampling import select_devices
+from edgefed.participation.timing import Timing, overselected
 from edgefed.participation.traces import ReplayTrace
 from edgefed.transport import Evaluation, RoundPlan
 
@@ -45,7 +47,7 @@ class RoundSummary:
 
 class RoundEngine:
     def __init__(self, cfg: Config, algorithm: Algorithm, n_train: np.ndarray, transport, log, on_round=None,
-                 trace=None, deadlines=None):
+                 trace=None, timing: Timing | None = None):
         self.cfg = cfg
         self.algorithm = algorithm
         self.trace = trace  # trace mode: a ReplayTrace (selections and steps) or SampledTraces (steps)
@@ -57,7 +59,9 @@ class RoundEngine:
         self.dynamics = Dynamics(cfg.dynamics, self.n_devices)
         self.active = self.dynamics.active(0)
         self._budgets = local_budgets(cfg.train, self.n_train)
-        self._deadlines = None if deadlines is None else np.asarray(deadlines, np.float64)
+        self.timing = timing or Timing()
+        self.clock = RoundClock(self.timing, self.n_devices, cfg.participation.mode, cfg.participation.grace_s,
+                                trace if isinstance(trace, ReplayTrace) else None)
         self.state: ServerState | None = None
 
     # -- planning ----------------------------------------------------------------------------------------
@@ -75,19 +79,28 @@ class RoundEngine:
             selected, steps = self.trace.round(round_idx)
             member = self.active[selected]
             selected, steps = selected[member], steps[member]
+            quorum = None
         else:
             active_ids = np.flatnonzero(self.active)
-            count = self.cfg.clients_per_round_count(active_ids.size)
+            count = quorum = self.cfg.clients_per_round_count(active_ids.size)
+            if self.timing.overselect > 0:  # over-commit: the first `quorum` to complete are taken
+                count = overselected(count, self.timing.overselect, active_ids.size)
+            else:
+                quorum = None
             selected = select_devices(self.cfg.seed, round_idx, active_ids, count)
             steps = None
             if self.trace is not None:
                 steps = self.trace.steps(self.cfg.seed, round_idx, selected, self._budgets[selected])
+        budgets = self._budgets[selected]
+        deadlines = self.clock.deadlines(selected, budgets)
+        if deadlines.steps is not None:  # a simulated deadline: the steps that fit at the device's speed
+            steps = deadlines.steps if steps is None else np.minimum(steps, deadlines.steps)
         silent = self.dynamics.silent(round_idx)[selected]
         if silent.any():  # departed but still in the objective: selected, never reporting
-            steps = np.where(silent, 0, self._budgets[selected] if steps is None else steps).astype(np.int32)
-        budgets = self._budgets[selected]
+            steps = np.where(silent, 0, budgets if steps is None else steps).astype(np.int32)
         return RoundPlan(round_idx, selected, budgets, lr, steps=None if steps is None else np.minimum(steps, budgets),
-                         deadline_s=None if self._deadlines is None else self._deadlines[selected], grace_s=p.grace_s)
+                         deadline_s=deadlines.compute_s, grace_s=p.grace_s, round_deadline_s=deadlines.due_s,
+                         quorum=quorum, by_arrival=quorum is not None and not self.clock.simulated)
 
     # -- evaluation --------------------------------------------------------------------------------------
     def metrics(self, ev: Evaluation) -> tuple[float, float, float]:
@@ -135,14 +148,17 @@ class RoundEngine:
         self.state = self._declared(ServerState(x0, self.algorithm.server_start(x0, self._members(rows))), "server_start")
         train, test_loss, test_acc = self.metrics(self.transport.evaluate(x0))
         self.log.append({"metrics/train_loss": train, "metrics/test_loss": test_loss,
-                         "metrics/test_accuracy": test_acc})
+                         "metrics/test_accuracy": test_acc, "metrics/clock_s": 0.0})
         self._stage_and_commit(0, None, store=True)
         self.on_round(RoundSummary(0, self.cfg.rounds, train, test_loss, test_acc, 0, int(self.active.sum()), 0, 0.0))
         return self.state
 
-    def resume(self, state: dict, done: int) -> ServerState:
-        """Restore the server state (and the devices' vectors) of a resume point."""
+    def resume(self, state: dict, done: int, prefix: dict | None = None) -> ServerState:
+        """Restore the server state (and the devices' vectors) of a resume point; prefix: the log's completed
+        rounds, from which the clock and the devices' measured speeds continue."""
         self.active = self.dynamics.active(done)
+        if prefix is not None:
+            self.clock.restore(prefix, done)
         algo = self.algorithm
         self.state = ServerState(state["x"], {v.name: state[v.name] for v in algo.server_vectors})
         if algo.device_vectors:
@@ -183,15 +199,17 @@ class RoundEngine:
         t = self.cfg.train
         sets = self._shift(round_idx)
         plan = self.plan(round_idx)
+        work0 = time.perf_counter()
         res = self.transport.local_work(plan, self.state)
+        settled = self.clock.settle(plan, res)
 
         # A non-finite update is dropped (counted, logged), never averaged in: it weighs as a device that did
-        # nothing, as does a late one (its steps arrive as 0).
+        # nothing, as does a late one (its steps count as 0).
         nonfinite = np.zeros(plan.device_ids.size, bool)
         for values in res.vectors.values():
             nonfinite |= ~np.isfinite(values).all(axis=1)
-        late = res.late
-        counted_steps = np.where(nonfinite | late, 0, res.steps)
+        late = settled.late
+        counted_steps = np.where(nonfinite | late, 0, settled.steps)
         active_ids = np.flatnonzero(self.active)
         coeffs = schemes.coefficients(t.weighting, self.cfg.participation.scheme, plan.device_ids,
                                       active_ids, self.n_train, counted_steps, plan.budgets)
@@ -202,17 +220,18 @@ class RoundEngine:
             self.state, RoundReports(plan.device_ids, res.vectors, coeffs, reported, t.lr_global, active_ids.size)),
             "server_update")
         self.transport.accept(round_idx, plan.device_ids[reported])
+        clock = self.clock.advance(round_idx, settled, time.perf_counter() - work0)
 
         evaluate, store = self._due(round_idx)
         metrics = self.metrics(self.transport.evaluate(self.state.x)) if evaluate else (math.nan,) * 3
         elapsed = time.perf_counter() - wall0
-        self.log.append(self._round_row(plan, res, coeffs, nonfinite, late, metrics, elapsed))
+        self.log.append(self._round_row(plan, res, settled, coeffs, nonfinite, metrics, elapsed, clock))
         changes = {v.name: (plan.device_ids[reported], res.vectors[v.delta][reported])
                    for v in self.algorithm.device_vectors}
         self._stage_and_commit(round_idx, changes, store, sets)
         self.on_round(RoundSummary(round_idx, self.cfg.rounds, *metrics, int(np.count_nonzero(counted_steps)),
                                    int(self.active.sum()), int(nonfinite.sum()), elapsed, int(late.sum()),
-                                   int(np.sum(res.steps[~late & ~nonfinite])), int(plan.budgets.sum()),
+                                   int(np.sum(settled.steps[~late & ~nonfinite])), int(plan.budgets.sum()),
                                    int(np.count_nonzero(coeffs))))
         return self.state
 
@@ -232,7 +251,7 @@ class RoundEngine:
             self.log.append(stored)
         self.log.commit(round_idx)
 
-    def _round_row(self, plan, res, coeffs, nonfinite, late, metrics, elapsed) -> dict:
+    def _round_row(self, plan, res, settled, coeffs, nonfinite, metrics, elapsed, clock) -> dict:
         n, ids = self.n_devices, plan.device_ids
 
         def scatter(values, dtype, fill=0):
@@ -240,23 +259,29 @@ class RoundEngine:
             row[ids] = values
             return row
 
+        raced = plan.deadline_s is not None  # the core matters where the work raced a wall clock
         return {
             "participation/selected": scatter(True, np.bool_, False),
             "participation/active": self.active.copy(),
             "participation/budget": scatter(plan.budgets, np.int32),
-            "participation/steps": scatter(res.steps, np.int32),
+            "participation/steps": scatter(settled.steps, np.int32),
             "participation/coeff": scatter(coeffs, np.float64),
             "participation/nonfinite": scatter(nonfinite, np.bool_, False),
             "participation/elapsed_s": scatter(res.elapsed_s, np.float32),
             "participation/cpu_percent": scatter(res.cpu_percent, np.float32, np.nan),
             "participation/cpu_freq_mhz": scatter(res.cpu_freq_mhz, np.float32, np.nan),
             "participation/temperature_c": scatter(res.temperature_c, np.float32, np.nan),
-            "participation/late": scatter(late, np.bool_, False),
+            "participation/late": scatter(settled.late, np.bool_, False),
             "participation/compiled": scatter(res.compiled, np.bool_, False),
+            "participation/deadline_s": scatter(np.nan if plan.round_deadline_s is None else plan.round_deadline_s,
+                                                np.float64, np.nan),
+            "participation/comm_s": scatter(self.clock.comm_log(plan.round_idx, ids, settled), np.float32, np.nan),
+            "participation/core": scatter(res.core if raced else -1, np.int16, -1),
             "metrics/lr": plan.lr,
             "metrics/n_applied": int(np.count_nonzero(coeffs)),
             "metrics/round_elapsed_s": elapsed,
             "metrics/train_loss": metrics[0],
             "metrics/test_loss": metrics[1],
             "metrics/test_accuracy": metrics[2],
+            "metrics/clock_s": clock,
         }

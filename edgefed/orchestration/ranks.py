@@ -8,6 +8,7 @@ own devices' data and report whether they could. After that only buffers move (r
 from __future__ import annotations
 
 import os
+import socket
 import traceback
 
 import numpy as np
@@ -16,7 +17,7 @@ from edgefed import config as config_mod
 from edgefed.algorithms import Algorithm, build_algorithm
 from edgefed.errors import EXIT_BAD_INPUT, EXIT_INTERRUPTED, ConfigError, EdgefedError, Interrupted
 from edgefed.orchestration import run as run_mod
-from edgefed.orchestration.deadlines import device_deadlines
+from edgefed.orchestration.timing import timing_for
 from edgefed.runtime.mpi.comm import abort_with, world
 from edgefed.runtime.mpi.coordinator import MpiTransport
 from edgefed.runtime.mpi.device_server import DeviceServer
@@ -57,14 +58,35 @@ def check_device_ranks(cfg, n_ranks: int) -> None:
                               f"ranks; give one per device rank (entry i is rank i + 1)")
 
 
+def machine() -> tuple[str, int]:
+    """(host name, cores this process may run on)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return socket.gethostname(), cores
+
+
+def lanes(cfg, rank: int, machines: list[tuple[str, int]], loaded: bool) -> list[int] | None:
+    """The cores device rank `rank` runs its devices on, one lane each: [mpi] threads_per_rank of them, by
+    default its share of its host's cores among the host's device ranks (one, beside a CPU competitor)."""
+    host, cores = machines[rank]
+    mates = [r for r in range(1, len(machines)) if machines[r][0] == host]
+    if loaded and not cfg.mpi.threads_per_rank:
+        return [(rank - 1) % cores]
+    threads = cfg.mpi.threads_per_rank or max(1, cores // len(mates))
+    if threads == 1 and not loaded:
+        return None
+    first = mates.index(rank) * threads
+    return [(first + t) % cores for t in range(threads)]
+
+
 def run_coordinator(comm, resolve, force: bool, on_round, on_info, on_error) -> int:
     """Rank 0. `resolve()` returns (config, resume point, log path) or raises EdgefedError."""
+    comm.allgather(machine())
     try:
         cfg, point, path = resolve()
         setup = run_mod.prepare(cfg, path, resume_point=point, force=force, on_info=on_info)
         owners = device_owners(setup.problem.n_devices, comm.Get_size(), setup.cfg.mpi.device_ranks)
         check_device_ranks(setup.cfg, comm.Get_size() - 1)
-        setup = device_deadlines(setup, owners, on_info, point)
+        setup = timing_for(setup, owners, on_info, point, distributed=True)
     except EdgefedError as exc:
         comm.bcast({"error": str(exc)}, root=0)
         on_error(str(exc))
@@ -73,17 +95,19 @@ def run_coordinator(comm, resolve, force: bool, on_round, on_info, on_error) -> 
         comm.bcast({"error": f"{type(exc).__name__}: {exc}"}, root=0)
         raise
     comm.bcast({"config": config_mod.to_toml(setup.cfg), "owners": owners}, root=0)
-    reports = comm.gather((None, (0, 0.0)), root=0)[1:]
-    failures = [f for f, _ in reports if f]
+    reports = comm.gather((None, (0, 0.0), 1), root=0)[1:]
+    failures = [f for f, _, _ in reports if f]
     if failures:
         comm.bcast(False, root=0)
         on_error("; ".join(failures))
         return EXIT_BAD_INPUT
     comm.bcast(True, root=0)
-    run_mod.note_warmup(setup, [w[0] for _, w in reports], [w[1] for _, w in reports], on_info)
+    run_mod.note_warmup(setup, [w[0] for _, w, _ in reports], [w[1] for _, w, _ in reports], on_info)
+    threads = {rank + 1: t for rank, (_, _, t) in enumerate(reports)}
     on_info(f"MPI: {comm.Get_size() - 1} device ranks; devices per rank "
-            f"{np.bincount(owners, minlength=comm.Get_size())[1:].tolist()}")
-    transport = MpiTransport(comm, wire_for(setup.algorithm, setup.problem.n_devices, setup.model), owners)
+            f"{np.bincount(owners, minlength=comm.Get_size())[1:].tolist()}"
+            + ("" if set(threads.values()) == {1} else f"; run at once per rank {list(threads.values())}"))
+    transport = MpiTransport(comm, wire_for(setup.algorithm, setup.problem.n_devices, setup.model), owners, threads)
     try:
         result = run_mod.drive(setup, transport, path, resume_point=point, on_round=on_round)
     except KeyboardInterrupt:
@@ -99,6 +123,7 @@ def run_coordinator(comm, resolve, force: bool, on_round, on_info, on_error) -> 
 def run_device_rank(comm) -> int:
     """Ranks 1..P-1: build the devices this rank hosts, then serve the coordinator until it says stop."""
     rank = comm.Get_rank()
+    machines = comm.allgather(machine())
     info = comm.bcast(None, root=0)
     if "error" in info:
         return EXIT_BAD_INPUT
@@ -111,15 +136,14 @@ def run_device_rank(comm) -> int:
         if cfg.device.contention:  # this board's own load, beside each of its devices
             load = cfg.device.contention[rank - 1]
             loads = (load,) if load > 0 else ()
-        core = (rank - 1) % (os.cpu_count() or 1) if loads else None
-        transport = run_mod.local_transport(cfg, build_algorithm(cfg), problem, model, device_ids=own, core=core,
-                                            contention=loads)
+        transport = run_mod.local_transport(cfg, build_algorithm(cfg), problem, model, device_ids=own,
+                                            cores=lanes(cfg, rank, machines, bool(loads)), contention=loads)
         warm = transport.warmup()
     except EdgefedError as exc:
         failure = f"rank {rank}: {exc}"
     except BaseException as exc:  # noqa: BLE001 - reported through rank 0 rather than hanging the gather
         failure = f"rank {rank}: {type(exc).__name__}: {exc}"
-    comm.gather((failure, warm), root=0)
+    comm.gather((failure, warm, 1 if transport is None else transport.threads), root=0)
     if not comm.bcast(None, root=0):
         if transport is not None:
             transport.close()

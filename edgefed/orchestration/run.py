@@ -11,7 +11,7 @@ import math
 import os
 import shutil
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -23,8 +23,9 @@ from edgefed.config import Config
 from edgefed.engine.rounds import RoundEngine
 from edgefed.errors import ResourceError, RunLogError
 from edgefed.models import build_model
-from edgefed.orchestration.deadlines import device_deadlines
+from edgefed.orchestration.timing import timing_for
 from edgefed.participation.budgets import local_budgets
+from edgefed.participation.timing import Timing
 from edgefed.participation.traces import ReplayTrace
 from edgefed.problems import build_problem
 from edgefed.runlog import Column, Header, RunLogWriter, read_participation, read_resume_point, read_run
@@ -139,7 +140,7 @@ class Setup:
     model: object
     header: Header
     trace: object | None  # trace mode: a ReplayTrace or SampledTraces
-    deadlines: np.ndarray | None = None  # deadline mode: each device's wall-clock budget per round, s
+    timing: Timing = field(default_factory=Timing)  # the clock, the boards' times, the deadline policy
 
 
 def _trace(cfg: Config, problem):
@@ -147,9 +148,8 @@ def _trace(cfg: Config, problem):
     if cfg.participation.mode != "trace":
         return None
     if isinstance(spec, str) and spec.endswith((".h5", ".hdf5")):
-        recorded = read_participation(spec)
-        return ReplayTrace.checked(recorded.selected, recorded.steps, recorded.budget, spec, problem.n_devices,
-                                   cfg.rounds, local_budgets(cfg.train, problem.n_train))
+        return ReplayTrace.checked(read_participation(spec), spec, problem.n_devices, cfg.rounds,
+                                   local_budgets(cfg.train, problem.n_train))
     return sampled_traces(spec, cfg.seed, problem.n_devices)
 
 
@@ -180,13 +180,16 @@ def prepare(cfg: Config, log_path: Path, *, resume_point=None, force: bool = Fal
     return Setup(cfg, algorithm, problem, model, header, trace)
 
 
-def local_transport(cfg: Config, algorithm: Algorithm, problem, model, device_ids=None, core=None,
+def local_transport(cfg: Config, algorithm: Algorithm, problem, model, device_ids=None, cores=None,
                     contention=None) -> LocalTransport:
-    """The devices this process hosts (all of them in the simulator); contention: the competitor loads
-    (cycled over devices), by default participation.contention."""
+    """The devices this process hosts (all of them in the simulator), run in a lane per core of `cores`
+    (None in the simulator: [mpi] threads_per_rank lanes on cores 0.., one unpinned lane by default);
+    contention: the competitor loads (cycled over devices), by default participation.contention."""
     batch = None if cfg.train.batch_size == "full" else cfg.train.batch_size
     loads = cfg.participation.contention if contention is None else contention
-    return LocalTransport(problem, model, algorithm, cfg.seed, batch, device_ids, cfg.fault, loads, core)
+    if cores is None and cfg.mpi.threads_per_rank and cfg.mpi.threads_per_rank > 1:
+        cores = [t % (os.cpu_count() or 1) for t in range(cfg.mpi.threads_per_rank)]
+    return LocalTransport(problem, model, algorithm, cfg.seed, batch, device_ids, cfg.fault, loads, cores)
 
 
 def note_warmup(setup: Setup, compiled: list[int], seconds: list[float], on_info) -> None:
@@ -212,13 +215,13 @@ def drive(setup: Setup, transport, log_path: Path, *, resume_point=None, on_roun
         raise
     try:
         engine = RoundEngine(cfg, setup.algorithm, setup.problem.n_train, transport, log, on_round, setup.trace,
-                             setup.deadlines)
+                             setup.timing)
         if resume_point is None:
             engine.start(setup.model.initial_params())
             done = 0
         else:
             done = resume_point.rounds_done
-            engine.resume(resume_point.state, done)
+            engine.resume(resume_point.state, done, resume_point.prefix)
         engine.run(done)
     except BaseException:
         log.close()  # the log stays valid up to the last completed round, ready for --resume
@@ -235,7 +238,7 @@ def run(cfg: Config, log_path: Path, *, resume_point=None, force: bool = False, 
         on_info=None) -> RunResult:
     """One run in this process (the simulator)."""
     setup = prepare(cfg, log_path, resume_point=resume_point, force=force, on_info=on_info)
-    setup = device_deadlines(setup, None, on_info, resume_point)
+    setup = timing_for(setup, None, on_info, resume_point)
     transport = local_transport(setup.cfg, setup.algorithm, setup.problem, setup.model)
     compiled, seconds = transport.warmup()
     note_warmup(setup, [compiled], [seconds], on_info or (lambda line: None))

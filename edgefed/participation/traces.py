@@ -19,13 +19,19 @@ from edgefed.rng import Purpose, generator
 
 @dataclass(frozen=True)
 class ReplayTrace:
+    """A recorded run's participation: selections, completed steps, which reports came too late (dropped,
+    whatever their steps), and the time the rounds took (None where the log kept none)."""
+
     selected: np.ndarray  # (R, N) bool
     steps: np.ndarray  # (R, N) int32
+    late: np.ndarray  # (R, N) bool
+    clock_s: np.ndarray | None = None  # (R + 1,)
+    comm_s: np.ndarray | None = None  # (R, N)
 
     @classmethod
-    def checked(cls, selected, steps, budget, source: str, n_devices: int, rounds: int,
-                budgets: np.ndarray) -> "ReplayTrace":
+    def checked(cls, recorded, source: str, n_devices: int, rounds: int, budgets: np.ndarray) -> "ReplayTrace":
         """A trace that fits this run: the same N, at least R rounds, the same K_k wherever it selected."""
+        selected, steps, budget = recorded.selected, recorded.steps, recorded.budget
         where = f"participation.trace = {source!r}"
         if selected.shape[1] != n_devices:
             raise ConfigError(f"config: {where} has {selected.shape[1]} devices but this run has {n_devices}")
@@ -38,7 +44,9 @@ class ReplayTrace:
             r, k = np.argwhere(wrong)[0]
             raise ConfigError(f"config: {where} asked device {k} for {budget[r, k]} steps in round {r + 1} but this "
                               f"run's budget is {budgets[k]}; use the same train.local_steps / local_epochs")
-        return cls(selected.copy(), steps.astype(np.int32))
+        clock = None if recorded.clock_s is None else recorded.clock_s[:rounds + 1].copy()
+        comm = None if recorded.comm_s is None else recorded.comm_s[:rounds].copy()
+        return cls(selected.copy(), steps.astype(np.int32), recorded.late[:rounds].copy(), clock, comm)
 
     def round(self, round_idx: int) -> tuple[np.ndarray, np.ndarray]:
         """(selected device ids ascending, steps each completes) of round round_idx (1-based)."""

@@ -25,19 +25,20 @@ def run_all(step_fn, n_steps: int) -> int:
 
 
 class DeadlineRunner:
-    """run(step_fn, budget): steps done before `deadline_s` passed (counted from the call), at most budget."""
+    """run(step_fn, budget): steps done before `deadline_s` passed (counted from the call), at most budget,
+    and before `stop` (a threading.Event) was set: an over-selected device told to stop ends within a chunk."""
 
-    def __init__(self, deadline_s: float, chunk_s: float = CHUNK_S, clock=time.perf_counter):
-        self.deadline_s, self.chunk_s, self.clock = deadline_s, chunk_s, clock
+    def __init__(self, deadline_s: float, chunk_s: float = CHUNK_S, clock=time.perf_counter, stop=None):
+        self.deadline_s, self.chunk_s, self.clock, self.stop = deadline_s, chunk_s, clock, stop
         self.chunks = 0  # chunks run by the last call, for benchmarks and tests
 
     def __call__(self, step_fn, n_steps: int) -> int:
-        clock = self.clock
+        clock, stop = self.clock, self.stop
         end = clock() + self.deadline_s
         done, chunk, self.chunks = 0, 1, 0
         while done < n_steps:
             t0 = clock()
-            if t0 >= end:
+            if t0 >= end or (stop is not None and stop.is_set()):
                 break
             n = min(chunk, n_steps - done)
             step_fn(n)

@@ -3,8 +3,13 @@
 A `LocalTransport` hosts some devices (all of them in the simulator, its own share on an MPI rank): it
 builds their data when first used, keeps the vectors the algorithm gives each device (SCAFFOLD's
 controls), runs the algorithm's client update for each selected device (all K steps, a trace's steps, or
-as many as fit in the deadline), injects configured faults, drives the CPU competitor, and measures what
+as many as fit in the deadline), injects configured faults, drives the CPU competitors, and measures what
 each device's work cost.
+
+The selected devices run in `lanes`: one lane per core the process may use, each pinned to its core with a
+model of its own (the kernels release the GIL), the devices dealt to the lanes in turn. With one lane they
+run one after another in the calling thread. Every device's numbers depend on its own data and streams
+only, so the lanes change no byte of a report.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ import os
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -47,9 +53,40 @@ def _read_only(values: np.ndarray) -> np.ndarray:
     return view
 
 
+@dataclass
+class Lane:
+    """One worker: the core it is pinned to (None: wherever the OS runs it), a model with workspaces of its
+    own, the readings of its core, and its CPU competitor where one is configured."""
+
+    core: int | None
+    model: object
+    readings: BoardReadings
+    competitor: Competitor | None = None
+
+
+class RoundWork:
+    """The arrays one round's work fills, a row per selected device in plan order."""
+
+    def __init__(self, n_sel: int, d: int, dtype, reports):
+        self.vectors = {name: np.zeros((n_sel, d), dtype=dtype) for name in reports}
+        self.steps = np.zeros(n_sel, np.int32)
+        self.elapsed, self.cpu = np.zeros(n_sel, np.float32), np.full(n_sel, np.nan, np.float32)
+        self.freq, self.temp = np.full(n_sel, np.nan, np.float32), np.full(n_sel, np.nan, np.float32)
+        self.late, self.compiled = np.zeros(n_sel, bool), np.zeros(n_sel, bool)
+        self.finish, self.comm = np.full(n_sel, np.nan), np.full(n_sel, np.nan, np.float32)
+        self.core = np.full(n_sel, -1, np.int16)
+
+    def results(self, rows=slice(None)) -> LocalResults:
+        return LocalResults({name: _read_only(v[rows]) for name, v in self.vectors.items()}, self.steps[rows],
+                            self.elapsed[rows], self.cpu[rows], self.late[rows], self.freq[rows], self.temp[rows],
+                            self.compiled[rows], self.finish[rows], self.comm[rows], self.core[rows])
+
+
 class LocalTransport:
     def __init__(self, problem, model, algorithm, seed: int, batch_size: int | None, device_ids=None,
-                 faults=(), contention=(), core: int | None = None):
+                 faults=(), contention=(), cores=None):
+        """cores: the cores this process's lanes are pinned to, one lane each (None: one unpinned lane;
+        with contention, a lane on core 0)."""
         self.problem, self.model, self.algorithm = problem, model, algorithm
         self.eval_model = model.clone()  # evaluation may run while a late worker still computes
         self.seed, self.batch_size = seed, batch_size
@@ -62,14 +99,21 @@ class LocalTransport:
         self._faults = {(f.device, f.round): f for f in faults}
         self.vectors = None  # {device vector: (hosted devices, d) rows in device_ids order}, e.g. SCAFFOLD's c_k
         self._pending = None  # (round, device ids, {delta name: rows}) until the coordinator accepts them
-        self.readings = BoardReadings(core)
         self.contention = tuple(contention)
-        self.competitor = None
-        self._pool = None
+        if cores is None and self.contention:
+            cores = (0,)
+        cores = (None,) if not cores else tuple(cores)
         if self.contention:
-            pin(core if core is not None else 0)
-            self.competitor = Competitor(core if core is not None else 0)  # started before any priority drop
-            self._pool = ThreadPoolExecutor(1, initializer=_lowest_priority)
+            pin(cores[0])  # competitors start before any priority drop, on their lanes' cores
+        self.lanes = [Lane(core, model if i == 0 else model.clone(), BoardReadings(core),
+                           Competitor(core) if self.contention else None) for i, core in enumerate(cores)]
+        self._pool = None  # the lanes' threads, when there are several or competitors to yield to
+        self._dispatch = None  # the thread a device rank's round runs on while its main thread serves MPI
+        self._stop = threading.Event()  # set: the coordinator needs no more of this round's work
+
+    @property
+    def threads(self) -> int:
+        return len(self.lanes)
 
     def data(self, device_id: int):
         data = self._devices.get(device_id)
@@ -119,67 +163,113 @@ class LocalTransport:
 
     # -- local work --------------------------------------------------------------------------------------
     def local_work(self, plan: RoundPlan, state) -> LocalResults:
-        if self._pool is None:
-            return self.work(plan, state)
-        return self._pool.submit(self.work, plan, state).result()
+        return self.work(plan, state).results()
 
-    def submit(self, plan: RoundPlan, state):
-        """Start the round's work on the worker thread (MPI device ranks); returns a Future."""
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(1)
-        return self._pool.submit(self.work, plan, state)
+    def submit(self, plan: RoundPlan, state, on_device=None):
+        """Start the round's work on a thread of its own (MPI device ranks); returns (Future of the
+        RoundWork, the RoundWork being filled). on_device(i) is called from the work as row i is done."""
+        if self._dispatch is None:
+            self._dispatch = ThreadPoolExecutor(1)
+        self._stop.clear()
+        work = RoundWork(plan.device_ids.size, state.x.shape[0], state.x.dtype, self.algorithm.reports)
+        return self._dispatch.submit(self.work, plan, state, on_device, work), work
 
-    def work(self, plan: RoundPlan, state) -> LocalResults:
-        """Run the selected (hosted) devices of the plan one after the other, each from the server state."""
+    def stop(self) -> None:
+        """The round is over for this rank's devices: the working ones end within a chunk, the others
+        do not start."""
+        self._stop.set()
+
+    def work(self, plan: RoundPlan, state, on_device=None, work: RoundWork | None = None) -> RoundWork:
+        """Run the plan's (hosted) devices in the lanes, each from the server state."""
+        if work is None:
+            work = RoundWork(plan.device_ids.size, state.x.shape[0], state.x.dtype, self.algorithm.reports)
+        for k in plan.device_ids:  # data is built here, once, not by the lanes at the same time
+            self.data(int(k))
+        lanes = [(lane, list(range(t, plan.device_ids.size, len(self.lanes)))) for t, lane in enumerate(self.lanes)]
+        lanes = [(lane, rows) for lane, rows in lanes if rows]
+        if len(lanes) <= 1 and not self.contention:
+            for lane, rows in lanes:
+                self._run_lane(lane, rows, plan, state, work, on_device, pin_thread=False)
+        else:
+            if self._pool is None:
+                initializer = _lowest_priority if self.contention else None
+                self._pool = ThreadPoolExecutor(len(self.lanes), initializer=initializer)
+            futures = [self._pool.submit(self._run_lane, lane, rows, plan, state, work, on_device, True)
+                       for lane, rows in lanes]
+            for future in futures:
+                future.result()  # a device's error surfaces here
+        if self.algorithm.device_vectors:
+            self._pending = (plan.round_idx, plan.device_ids.copy(),
+                             {v.delta: work.vectors[v.delta] for v in self.algorithm.device_vectors})
+        return work
+
+    def _run_lane(self, lane: Lane, rows, plan: RoundPlan, state, work: RoundWork, on_device, pin_thread: bool):
         # In this process the devices read the server's own vectors and the engine reads the devices' reports
         # as they are: read only both ways, so no algorithm changes in place what an MPI rank would only see a
         # copy of. (x stays writable: the kernels are compiled for writable arrays; LocalTask says hands off.)
-        x, algo = state.x, self.algorithm
+        if pin_thread and lane.core is not None:
+            pin(lane.core)
+        x = state.x
         server = {name: _read_only(value) for name, value in state.vectors.items()}
-        n_sel, d = plan.device_ids.size, x.shape[0]
-        out = {name: np.zeros((n_sel, d), dtype=x.dtype) for name in algo.reports}
-        steps = np.zeros(n_sel, np.int32)
-        elapsed, cpu = np.zeros(n_sel, np.float32), np.full(n_sel, np.nan, np.float32)
-        freq, temp = np.full(n_sel, np.nan, np.float32), np.full(n_sel, np.nan, np.float32)
-        late, compiled = np.zeros(n_sel, bool), np.zeros(n_sel, bool)
-        for i, k in enumerate(plan.device_ids):
-            k = int(k)
-            data = self.data(k)
-            if self.competitor is not None:
-                self.competitor.set_load(self.contention[k % len(self.contention)])
-            own = {} if self.vectors is None else {name: _read_only(rows[self._row[k]])
-                                                   for name, rows in self.vectors.items()}
-            compiled_before = jit_compilations()
-            wall0, cpu0 = time.perf_counter(), time.thread_time()
-            self._inject_fault(k, plan.round_idx)
-            runner = run_all if plan.deadline_s is None else DeadlineRunner(float(plan.deadline_s[i]))
-            task = LocalTask(x, server, own, plan.steps_to_run(i), plan.lr, self.batch_size, runner,
-                             self._streams(data, plan.round_idx, k))
-            steps[i] = algo.client_update(self.model, data, task, {name: rows[i] for name, rows in out.items()})
-            wall = time.perf_counter() - wall0
-            compiled[i] = jit_compilations() > compiled_before
-            elapsed[i] = wall
-            cpu[i] = 100.0 * (time.thread_time() - cpu0) / wall if wall > 0 else math.nan
-            freq[i], temp[i] = self.readings.frequency_mhz(), self.readings.temperature_c()
-            if plan.deadline_s is not None and wall > plan.deadline_s[i] + plan.grace_s:
-                late[i] = True  # in one process a hung device is only noticed afterwards; its work is dropped
-                steps[i] = 0
-                for rows in out.values():
-                    rows[i] = 0
-        if self.competitor is not None:
-            self.competitor.set_load(0.0)
-        if algo.device_vectors:
-            self._pending = (plan.round_idx, plan.device_ids.copy(), {v.delta: out[v.delta] for v in algo.device_vectors})
-        return LocalResults({name: _read_only(rows) for name, rows in out.items()}, steps, elapsed, cpu, late, freq,
-                            temp, compiled)
+        stoppable = plan.by_arrival
+        due = plan.round_deadline_s if plan.round_deadline_s is not None else plan.deadline_s
+        for i in rows:
+            k = int(plan.device_ids[i])
+            if stoppable and self._stop.is_set():
+                work.late[i] = True  # over-selected and not needed: never started
+                work.finish[i] = math.nan
+            else:
+                self._run_device(lane, i, k, plan, x, server, work, stoppable)
+                if due is not None and work.finish[i] > due[i] + plan.grace_s:
+                    work.late[i] = True  # in one process a hung device is only noticed afterwards; work dropped
+                    work.steps[i] = 0
+                    for values in work.vectors.values():
+                        values[i] = 0
+            if on_device is not None:
+                on_device(i)
+        if lane.competitor is not None:
+            lane.competitor.set_load(0.0)
 
-    def _streams(self, data, round_idx: int, device_id: int):
+    def _run_device(self, lane: Lane, i: int, k: int, plan: RoundPlan, x, server, work: RoundWork, stoppable):
+        data = self.data(k)
+        if lane.competitor is not None:
+            lane.competitor.set_load(self.contention[k % len(self.contention)])
+        own = {} if self.vectors is None else {name: _read_only(rows[self._row[k]]) for name, rows in self.vectors.items()}
+        compiled_before = jit_compilations()
+        wall0, cpu0 = time.perf_counter(), time.thread_time()
+        self._inject_fault(k, plan.round_idx)
+        if plan.deadline_s is None and not stoppable:
+            runner = run_all
+        else:  # chunked: within a deadline, or stoppable once the coordinator has enough reports
+            runner = DeadlineRunner(math.inf if plan.deadline_s is None else float(plan.deadline_s[i]),
+                                    stop=self._stop if stoppable else None)
+        task = LocalTask(x, server, own, plan.steps_to_run(i), plan.lr, self.batch_size, runner,
+                         self._streams(lane.model, data, plan.round_idx, k))
+        work.steps[i] = self.algorithm.client_update(lane.model, data, task,
+                                                     {name: rows[i] for name, rows in work.vectors.items()})
+        wall = time.perf_counter() - wall0
+        work.compiled[i] = jit_compilations() > compiled_before
+        work.elapsed[i] = wall
+        work.cpu[i] = 100.0 * (time.thread_time() - cpu0) / wall if wall > 0 else math.nan
+        work.freq[i], work.temp[i] = lane.readings.frequency_mhz(), lane.readings.temperature_c()
+        delay = self.link_delay(k, plan.round_idx)
+        if delay:
+            work.comm[i] = delay  # in one process the link is accounted for, not slept through
+        work.finish[i] = wall + delay
+        work.core[i] = -1 if lane.core is None else lane.core
+
+    def link_delay(self, device_id: int, round_idx: int) -> float:
+        """Seconds a `[[fault]] kind = "slow_link"` holds this device's report in this round."""
+        fault = self._faults.get((device_id, round_idx))
+        return fault.seconds if fault is not None and fault.kind == "slow_link" else 0.0
+
+    def _streams(self, model, data, round_idx: int, device_id: int):
         """stream(purpose): the model's generator workspace on (seed, purpose, round, device)."""
-        return lambda purpose: self.model.begin(data, kernel_state(self.seed, purpose, round_idx, device_id))
+        return lambda purpose: model.begin(data, kernel_state(self.seed, purpose, round_idx, device_id))
 
     def _inject_fault(self, device_id: int, round_idx: int) -> None:
         fault = self._faults.get((device_id, round_idx))
-        if fault is None:
+        if fault is None or fault.kind == "slow_link":
             return
         if fault.kind == "raise":
             raise InjectedFault(f"injected fault: device {device_id} raised in round {round_idx} ([[fault]] in the config)")
@@ -202,10 +292,12 @@ class LocalTransport:
         return Evaluation(train, test_loss, correct, n_test)
 
     def close(self, failed: bool = False) -> None:
-        if self.competitor is not None:
-            self.competitor.stop()
-            self.competitor = None
-        if self._pool is not None:
-            self._pool.shutdown(wait=False, cancel_futures=True)
-            self._pool = None
+        for lane in self.lanes:
+            if lane.competitor is not None:
+                lane.competitor.stop()
+                lane.competitor = None
+        for pool in (self._pool, self._dispatch):
+            if pool is not None:
+                pool.shutdown(wait=False, cancel_futures=True)
+        self._pool = self._dispatch = None
         self._devices.clear()

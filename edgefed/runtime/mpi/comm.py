@@ -17,6 +17,7 @@ from edgefed.errors import EdgefedError
 
 POLL_MAX_S = 0.001
 SPIN_S = 300e-6
+ABORT_GRACE_S = 0.2
 
 _ENV_SIZES = ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_SIZE", "MV2_COMM_WORLD_SIZE", "MPI_LOCALNRANKS")
 
@@ -94,4 +95,5 @@ def wait(req, poll_max_s: float = POLL_MAX_S, also=None, wake: threading.Event |
 def abort_with(comm, message: str, code: int = 1) -> None:
     """Print this rank's error and take the whole world down (as `python -m mpi4py` does)."""
     print(f"edgefed: error on rank {comm.Get_rank()}: {message}", file=sys.stderr, flush=True)
+    time.sleep(ABORT_GRACE_S)  # the launcher forwards a rank's stderr asynchronously; an abort can outrun it
     comm.Abort(code)

@@ -1,13 +1,18 @@
 """Rank 0's side of a distributed run: the engine's transport, moving buffers to and from the device ranks.
 
+The round's clock starts as its command leaves; each report is timed as it arrives, so a device's
+communication time (download, upload, waiting) is its arrival less its local work.
+
 Per round: down, an `Ibcast` of the command record (the plan, and which reports of the previous round were
-applied) and of the server state; up, one point-to-point message per device rank, so a rank that misses its
-deadline holds nobody up: a report that comes after deadline + grace is dropped (and its device keeps its
+applied) and of the server state; up, one point-to-point message per device rank (per device, when the
+round is over-selected and ends by arrival), so a rank that misses its deadline holds nobody up: a report that comes after deadline + grace is dropped (and its device keeps its
 own vectors, since it applies its Deltas only once a command names it accepted). All buffers are allocated
 here once; the records are protocol.py's.
 """
 
 from __future__ import annotations
+
+import time
 
 import numpy as np
 
@@ -18,8 +23,10 @@ from edgefed.transport import Evaluation, LocalResults, RoundPlan
 
 
 class MpiTransport:
-    def __init__(self, comm, wire: Wire, owners: np.ndarray, poll_max_s: float = POLL_MAX_S):
+    def __init__(self, comm, wire: Wire, owners: np.ndarray, threads=None, poll_max_s: float = POLL_MAX_S):
+        """threads: {rank: devices it runs at once} (default 1 each)."""
         self.comm, self.wire, self.owners, self.poll = comm, wire, owners, poll_max_s
+        self.threads = threads or {}
         self.MPI = MPI = mpi_of(comm)
         self.command = wire.command_buffer()
         self.state = wire.state_buffer()
@@ -63,14 +70,62 @@ class MpiTransport:
 
     # -- the transport interface --------------------------------------------------------------------------
     def local_work(self, plan: RoundPlan, state) -> LocalResults:
+        t0 = time.perf_counter()
         self._command(protocol.ROUND, plan, x=state.x, vectors=state.vectors)
+        messages, arrivals = self._collect_work(plan, t0, self._timeout(plan))
+        return self.wire.unpack_work(plan, messages, arrivals)
+
+    def _timeout(self, plan: RoundPlan) -> float | None:
+        """How long a round can take: a rank runs its selected devices in its lanes (dealt in turn), each
+        lane's devices one after another, each for up to its deadline."""
+        if plan.deadline_s is None:
+            return None
+        due = plan.deadline_s if plan.round_deadline_s is None else np.maximum(plan.deadline_s, plan.round_deadline_s)
         owners = self.owners[plan.device_ids]
-        ranks = np.unique(owners)
-        timeout = None
-        if plan.deadline_s is not None:  # a rank runs its devices one after another
-            timeout = max((float(plan.deadline_s[owners == r].sum()) for r in ranks), default=0.0) + plan.grace_s
-        got = self._collect(protocol.TAG_WORK, ranks, plan.round_idx, timeout)
-        return self.wire.unpack_work(plan, got.values())
+        longest = 0.0
+        for r in np.unique(owners):
+            mine, lanes = due[owners == r], self.threads.get(int(r), 1)
+            longest = max(longest, max(float(mine[t::lanes].sum()) for t in range(min(lanes, mine.size))))
+        return longest + plan.grace_s
+
+    def _collect_work(self, plan: RoundPlan, t0: float, timeout_s: float | None):
+        """The round's work records as they arrive, with their arrival times. With over-selection by arrival,
+        once `quorum` devices have completed their budget the ranks still working are told to stop, and
+        what they did is collected for up to grace_s more."""
+        MPI, status = self.MPI, self._status
+        record = self.wire.work
+        budget = dict(zip(plan.device_ids.tolist(), plan.budgets.tolist()))
+        pending, messages, arrivals = set(budget), [], []
+        complete, stopped_at = 0, None
+        backoff = Backoff(self.poll)
+        while pending:
+            if self.comm.Iprobe(MPI.ANY_SOURCE, MPI.ANY_TAG, status):
+                src, msg_tag, nbytes = status.Get_source(), status.Get_tag(), status.Get_count(MPI.BYTE)
+                buf = self._recv[src]
+                self.comm.Recv([buf[:nbytes], MPI.BYTE], source=src, tag=msg_tag)
+                records = buf[:nbytes].view(record) if msg_tag == protocol.TAG_WORK else None
+                if records is not None and records.size and records[0]["round"] == plan.round_idx:
+                    messages.append(records.copy())
+                    arrivals.append(time.perf_counter() - t0)
+                    pending -= set(records["device"].tolist())
+                    complete += sum(1 for rec in records if not rec["late"] and rec["steps"] == budget[int(rec["device"])])
+                    if plan.by_arrival and stopped_at is None and complete >= plan.quorum and pending:
+                        self._stop_devices(plan.round_idx, pending)
+                        stopped_at = time.perf_counter()
+                backoff.reset()  # anything else is a late report of an older round: dropped
+                continue
+            if stopped_at is not None and time.perf_counter() - stopped_at > plan.grace_s:
+                break
+            if timeout_s is not None and backoff.elapsed() > timeout_s:
+                break
+            backoff.pause()
+        return messages, arrivals
+
+    def _stop_devices(self, round_idx: int, device_ids) -> None:
+        """The round has what it needs: the ranks of these devices stop their work of round_idx."""
+        message = np.array([round_idx], np.int64)
+        for rank in np.unique(self.owners[np.fromiter(device_ids, np.int64)]):
+            wait(self.comm.Isend(message, dest=int(rank), tag=protocol.TAG_CANCEL), self.poll)
 
     def accept(self, round_idx: int, device_ids: np.ndarray) -> None:
         """Sent with the next command: the devices whose reports of round_idx were applied."""

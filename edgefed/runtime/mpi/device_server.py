@@ -3,11 +3,15 @@
 The worker thread keeps the main thread free to serve MPI while a device works or hangs: a finished round
 is reported at once (the worker wakes the polling main thread), and a round that arrives while an older
 one still runs is answered at once with late records, so the coordinator never waits on a hung device.
+When the round is over-selected each device is reported as it finishes, and a stop from the coordinator
+ends the rest within a chunk. A `[[fault]] kind = "slow_link"` holds a device's report for its seconds.
 """
 
 from __future__ import annotations
 
 import threading
+import time
+from collections import deque
 
 import numpy as np
 
@@ -27,7 +31,11 @@ class DeviceServer:
         self._send = [np.zeros(nbytes, np.uint8), np.zeros(nbytes, np.uint8)]  # double-buffered
         self._send_req = [None, None]
         self._next = 0
-        self._future = None  # (round, Future, device ids) of the work in progress
+        self._future = None  # (plan, Future, RoundWork) of the work in progress
+        self._finished = deque()  # (row, when) of the devices done, as the worker says
+        self._sent = set()  # rows of the work in progress already reported
+        self._due = []  # (when its report may leave, row) of the finished devices
+        self._cancel = np.zeros(1, np.int64)
         self._done = threading.Event()  # the worker finished: report now rather than after the next sleep
 
     def _records(self, tag: int, n: int) -> np.ndarray:
@@ -47,14 +55,37 @@ class DeviceServer:
         self._send_req[i] = self.comm.Isend([self._send[i][: records.nbytes], self._mpi_byte], dest=0, tag=tag)
 
     def _report_finished_work(self) -> None:
-        if self._future is None or not self._future[1].done():
+        """Send what is due: each finished device's record once its link delay has passed (with
+        over-selection, device by device; else all of them once the round's work is done)."""
+        self._take_stops()
+        if self._future is None:
             return
-        round_idx, future, ids = self._future
-        self._future = None
-        res = future.result()  # re-raises a device's error here, on the main thread
-        records = self._records(protocol.TAG_WORK, ids.size)
-        self.wire.pack_work(records, round_idx, ids, res)
-        self._send_records(protocol.TAG_WORK, records)
+        plan, future, work = self._future
+        now = time.perf_counter()
+        while self._finished:
+            row, when = self._finished.popleft()
+            self._due.append((when + self.transport.link_delay(int(plan.device_ids[row]), plan.round_idx), row))
+        done = future.done()
+        if done:
+            future.result()  # re-raises a device's error here, on the main thread
+        if not plan.by_arrival and (not done or any(due > now for due, _ in self._due)):
+            return  # the rank's one message waits for its last device and its slowest link
+        ready = sorted(row for due, row in self._due if due <= now and row not in self._sent)
+        if ready:
+            rows = np.array(ready)
+            records = self._records(protocol.TAG_WORK, rows.size)
+            self.wire.pack_work(records, plan.round_idx, plan.device_ids[rows], work.results(rows))
+            self._send_records(protocol.TAG_WORK, records)
+            self._sent.update(ready)
+        if done and len(self._sent) == plan.device_ids.size:
+            self._future = None
+
+    def _take_stops(self) -> None:
+        """A stop from the coordinator (over-selection: the round has enough) ends this rank's work of it."""
+        while self.comm.Iprobe(source=0, tag=protocol.TAG_CANCEL):
+            self.comm.Recv(self._cancel, source=0, tag=protocol.TAG_CANCEL)
+            if self._future is not None and self._future[0].round_idx == int(self._cancel[0]):
+                self.transport.stop()
 
     def _wait_broadcast(self, buf) -> None:
         wait(self.comm.Ibcast(buf, root=0), self.poll, also=self._report_finished_work, wake=self._done)
@@ -85,6 +116,7 @@ class DeviceServer:
     def _goodbye(self) -> None:
         """Finish (and drop) work still running, then say goodbye; the coordinator drains until it hears it."""
         if self._future is not None:
+            self.transport.stop()
             self._future[1].exception()  # waits for the worker; a late result is of no use any more
             self._future = None
         records = self._records(protocol.TAG_BYE, 1)
@@ -104,9 +136,16 @@ class DeviceServer:
             self.wire.pack_work(records, plan.round_idx, plan.device_ids, None)
             self._send_records(protocol.TAG_WORK, records)
             return
-        future = self.transport.submit(plan, state)
+        self._finished.clear()
+        self._due, self._sent = [], set()
+
+        def finished(row):
+            self._finished.append((row, time.perf_counter()))
+            self._done.set()
+
+        future, work = self.transport.submit(plan, state, finished)
         future.add_done_callback(lambda _: self._done.set())
-        self._future = (plan.round_idx, future, plan.device_ids)
+        self._future = (plan, future, work)
 
     def _evaluate(self, x) -> None:
         ev = self.transport.evaluate(x)

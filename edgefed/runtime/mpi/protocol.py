@@ -20,7 +20,7 @@ from edgefed.transport import Evaluation, LocalResults, RoundPlan
 
 # Commands (the command record's `command`), and the tags of the messages that answer them.
 STOP, ROUND, EVAL, START_DEVICES, LOAD_DEVICES = range(5)
-TAG_WORK, TAG_EVAL, TAG_ROWS, TAG_LOAD, TAG_BYE = 11, 12, 13, 14, 15
+TAG_WORK, TAG_EVAL, TAG_ROWS, TAG_LOAD, TAG_BYE, TAG_CANCEL = 11, 12, 13, 14, 15, 16
 NO_ROUND = -1
 
 
@@ -46,8 +46,10 @@ class Wire:
             ("accepted_round", "<i8"),  # the round whose reports `accepted` names; NO_ROUND: none
             ("devices", "?", (n,)),  # the devices the command is for (ROUND: the selected ones)
             ("budget", "<i4", (n,)),  # K_k of the selected devices
-            ("steps", "<i4", (n,)),  # trace mode: the exact steps; -1: all of the budget, or what fits
-            ("deadline_s", "<f8", (n,)),  # NaN: no deadline
+            ("steps", "<i4", (n,)),  # the exact steps (a trace); -1: all of the budget, or what fits
+            ("deadline_s", "<f8", (n,)),  # what each device computes for; NaN: no deadline
+            ("due_s", "<f8", (n,)),  # the round deadline its report is due by; NaN: none
+            ("by_arrival", "?"),  # over-selection: a device may be told to stop
             ("accepted", "?", (n,)),  # the coordinator applied these devices' reports of accepted_round
         ], align=True)
         self.work = np.dtype([
@@ -60,12 +62,14 @@ class Wire:
             ("cpu_percent", "<f4"),
             ("cpu_freq_mhz", "<f4"),
             ("temperature_c", "<f4"),
+            ("core", "<i2"),
             ("vectors", self.dtype, (len(self.reports), dim)),
         ], align=True)
         self.evaluation = np.dtype([("device", "<i8"), ("train_loss", "<f8"), ("test_loss_sum", "<f8"),
                                     ("test_correct", "<i8"), ("n_test", "<i8")], align=True)
         self.rows = np.dtype([("device", "<i8"), ("vectors", self.dtype, (len(self.device), dim))], align=True)
         self.bye = np.dtype([("rank", "<i8")])
+        self.cancel = np.dtype([("round", "<i8")])  # the round is over: stop its work (over-selection)
         self.tags = {TAG_WORK: self.work, TAG_EVAL: self.evaluation, TAG_ROWS: self.rows, TAG_LOAD: self.rows,
                      TAG_BYE: self.bye}
 
@@ -91,7 +95,7 @@ class Wire:
         rec["round"] = 0 if plan is None else plan.round_idx
         rec["accepted_round"] = NO_ROUND
         rec["steps"] = -1
-        rec["deadline_s"] = math.nan
+        rec["deadline_s"] = rec["due_s"] = math.nan
         if accepted is not None:
             rec["accepted_round"], rec["accepted"][accepted[1]] = accepted[0], True
         if devices is not None:
@@ -105,6 +109,9 @@ class Wire:
                 rec["steps"][ids] = plan.steps
             if plan.deadline_s is not None:
                 rec["deadline_s"][ids] = plan.deadline_s
+            if plan.round_deadline_s is not None:
+                rec["due_s"][ids] = plan.round_deadline_s
+            rec["by_arrival"] = plan.by_arrival
 
     @staticmethod
     def accepted(buf: np.ndarray) -> tuple[int, np.ndarray] | None:
@@ -125,11 +132,13 @@ class Wire:
         ids = self.addressed(buf, own)
         if ids.size == 0:
             return None
-        steps, deadlines = rec["steps"][ids], rec["deadline_s"][ids]
+        steps, deadlines, due = rec["steps"][ids], rec["deadline_s"][ids], rec["due_s"][ids]
         return RoundPlan(int(rec["round"]), ids, rec["budget"][ids].astype(np.int32), float(rec["lr"]),
                          steps=None if steps[0] < 0 else steps.astype(np.int32),
                          deadline_s=None if np.isnan(deadlines).all() else deadlines.astype(np.float64),
-                         grace_s=float(rec["grace_s"]))
+                         grace_s=float(rec["grace_s"]),
+                         round_deadline_s=None if np.isnan(due).all() else due.astype(np.float64),
+                         by_arrival=bool(rec["by_arrival"]))
 
     # -- down: the server state ------------------------------------------------------------------------
     def pack_state(self, buf: np.ndarray, x: np.ndarray, vectors=None) -> None:
@@ -153,32 +162,39 @@ class Wire:
             return
         records["steps"], records["late"], records["compiled"] = res.steps, res.late, res.compiled
         records["elapsed_s"], records["cpu_percent"] = res.elapsed_s, res.cpu_percent
-        records["cpu_freq_mhz"], records["temperature_c"] = res.cpu_freq_mhz, res.temperature_c
+        records["cpu_freq_mhz"], records["temperature_c"], records["core"] = res.cpu_freq_mhz, res.temperature_c, res.core
         for j, name in enumerate(self.reports):
             records["vectors"][:, j] = res.vectors[name]
 
-    def unpack_work(self, plan: RoundPlan, messages) -> LocalResults:
-        """The round's LocalResults from the work records received; a device without one is late."""
+    def unpack_work(self, plan: RoundPlan, messages, arrivals=None) -> LocalResults:
+        """The round's LocalResults from the work records received (arrivals: seconds from the round's start
+        to each message); a device without one is late. A device's communication time is its arrival less
+        its local work."""
         n_sel = plan.device_ids.size
         row = {int(k): i for i, k in enumerate(plan.device_ids)}
         vectors = {name: np.zeros((n_sel, self.dim), self.dtype) for name in self.reports}
         steps = np.zeros(n_sel, np.int32)
         late = np.ones(n_sel, bool)  # until its report arrives
         compiled = np.zeros(n_sel, bool)
+        core = np.full(n_sel, -1, np.int16)
+        finish = np.full(n_sel, np.nan)
         measured = {name: np.full(n_sel, np.nan, np.float32)
                     for name in ("elapsed_s", "cpu_percent", "cpu_freq_mhz", "temperature_c")}
-        for records in messages:
+        messages = list(messages)
+        arrivals = [math.nan] * len(messages) if arrivals is None else arrivals
+        for records, arrival in zip(messages, arrivals):
             for rec in records:
                 i = row[int(rec["device"])]
-                late[i], compiled[i] = rec["late"], rec["compiled"]
+                late[i], compiled[i], core[i], finish[i] = rec["late"], rec["compiled"], rec["core"], arrival
                 steps[i] = 0 if rec["late"] else rec["steps"]
                 for name, values in measured.items():
                     values[i] = rec[name]
                 if not rec["late"]:
                     for j, name in enumerate(self.reports):
                         vectors[name][i] = rec["vectors"][j]
+        comm = (finish - measured["elapsed_s"]).astype(np.float32)
         return LocalResults(vectors, steps, measured["elapsed_s"], measured["cpu_percent"], late,
-                            measured["cpu_freq_mhz"], measured["temperature_c"], compiled)
+                            measured["cpu_freq_mhz"], measured["temperature_c"], compiled, finish, comm, core)
 
     # -- up: evaluation --------------------------------------------------------------------------------
     @staticmethod

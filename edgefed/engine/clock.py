@@ -1,0 +1,146 @@
+"""The federation's time, round by round (docs/design.md 2.10-2.12): each round's deadlines, the steps a
+simulated deadline leaves, which reports the round takes, and the clock.
+
+With a measured clock the transports race the real one (deadline runners, arrival order under MPI) and
+this only reads what they measured; with a simulated clock a device's time is its steps times its board's
+step time plus its communication time, so deadlines, over-selection and the clock are arithmetic on the
+plan, the same bytes in the simulator and under MPI; a replayed log's clock is the recorded one.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from edgefed.participation.timing import History, Timing, first_to_finish, quantile_deadline, steps_by, steps_within
+from edgefed.transport import LocalResults, RoundPlan
+
+
+@dataclass(frozen=True)
+class RoundDeadlines:
+    """What the deadline policy decided for the selected devices of a round (None: no deadline)."""
+
+    due_s: np.ndarray | None  # the policy's deadline, by which each report is due
+    compute_s: np.ndarray | None  # what each device may compute for (less its links with covers = "round")
+    steps: np.ndarray | None  # with a simulated clock: the steps that fit, instead of a wall-clock race
+
+
+@dataclass(frozen=True)
+class Settled:
+    """The round as its time decided it."""
+
+    late: np.ndarray  # (S,) bool: not taken (past deadline + grace, or over-selected and beaten)
+    steps: np.ndarray  # (S,) int32 steps to log (an over-selected loser: what it had done by the end)
+    comm_s: np.ndarray  # (S,) float32, NaN unknown
+    duration_s: float  # the round's simulated length (NaN: measured by the caller)
+
+
+class RoundClock:
+    def __init__(self, timing: Timing, n_devices: int, mode: str, grace_s: float, replay=None):
+        self.timing, self.mode, self.grace_s, self.replay = timing, mode, grace_s, replay
+        self.history = History(n_devices)
+        self.clock_s = 0.0
+
+    @property
+    def simulated(self) -> bool:
+        return self.timing.clock == "simulated"
+
+    # -- before the round -------------------------------------------------------------------------------
+    def deadlines(self, ids: np.ndarray, budgets: np.ndarray) -> RoundDeadlines:
+        t = self.timing
+        if self.mode != "deadline":
+            return RoundDeadlines(None, None, None)
+        prior_step = None if t.boards is None else t.boards.step_s[ids]
+        if t.quantile is None:
+            due = t.deadlines[ids]
+        else:  # adaptive: about a share q of the selected devices can finish their K_k steps
+            predicted = budgets * self.history.step_s(ids, prior_step)
+            due = np.full(ids.size, quantile_deadline(predicted, t.quantile))
+        compute = due
+        if t.covers == "round":
+            compute = due - self.history.comm(ids, None if t.boards is None else t.boards.comm_s[ids])
+        if self.simulated:
+            return RoundDeadlines(due, None, steps_within(budgets, t.boards.step_s[ids], compute))
+        if not np.isfinite(compute).any():
+            return RoundDeadlines(due, None, None)  # nothing to predict from yet: the budgets, untimed
+        return RoundDeadlines(due, np.where(np.isfinite(compute), compute, math.inf), None)
+
+    # -- after it ---------------------------------------------------------------------------------------
+    def settle(self, plan: RoundPlan, res: LocalResults) -> Settled:
+        ids, t, r = plan.device_ids, self.timing, plan.round_idx
+        late, steps = res.late.copy(), res.steps.copy()
+        if self.simulated:
+            work = steps * t.boards.step_s[ids]
+            delays = t.delays(ids, r)
+            comm = t.boards.comm_or_zero(ids) + delays
+            finish = work + comm
+            comm_log = np.where(np.isfinite(t.boards.comm_s[ids]) | (delays > 0), comm, np.nan)
+            if plan.round_deadline_s is not None:
+                overdue = finish > plan.round_deadline_s + plan.grace_s  # the coordinator stopped waiting
+                late |= overdue
+                steps[overdue] = 0
+        else:
+            work = res.elapsed_s.astype(np.float64)
+            finish, comm_log = res.finish_s, res.comm_s
+            comm = np.where(np.isfinite(comm_log), comm_log, 0.0)
+        if self.replay is not None:
+            late |= self.replay.late[r - 1, ids]
+        end = math.nan
+        if plan.quorum is not None:
+            winners, end = first_to_finish(finish, (steps == plan.budgets) & ~late, plan.quorum)
+            if math.isfinite(end):
+                # a loser that completed anyway (it ran in full here, or arrived after the end) is logged
+                # with what it had done when the round ended; one told to stop reports that itself
+                beaten = ~winners & ~late & (steps == plan.budgets)
+                steps = np.where(beaten, steps_by(end, steps, work, comm), steps).astype(np.int32)
+                late |= ~winners
+        taken = ~late & (steps > 0)
+        self.history.observe(ids[taken], steps[taken], work[taken], comm_log[taken])
+        duration = math.nan
+        if self.simulated:
+            if math.isfinite(end):
+                duration = end
+            else:
+                due = np.array([]) if plan.round_deadline_s is None else plan.round_deadline_s[late]
+                due = due[np.isfinite(due)]
+                if due.size:  # the coordinator waited for the late ones until their deadline + grace
+                    duration = float(due.max()) + plan.grace_s
+                else:
+                    duration = float(finish[~late].max()) if (~late).any() else 0.0
+        return Settled(late, steps, comm_log.astype(np.float32), duration)
+
+    def advance(self, round_idx: int, settled: Settled, wall_s: float) -> float:
+        """The clock at the end of round round_idx: recorded, simulated, or this round's measured wall time on."""
+        if self.replay is not None and self.replay.clock_s is not None:
+            self.clock_s = float(self.replay.clock_s[round_idx])
+        elif self.simulated:
+            self.clock_s += settled.duration_s
+        else:
+            self.clock_s += wall_s
+        return self.clock_s
+
+    def comm_log(self, round_idx: int, ids: np.ndarray, settled: Settled) -> np.ndarray:
+        """A replay logs the recorded communication times, as it logs the recorded clock."""
+        if self.replay is not None and self.replay.comm_s is not None:
+            return self.replay.comm_s[round_idx - 1, ids]
+        return settled.comm_s
+
+    # -- resume -----------------------------------------------------------------------------------------
+    def restore(self, prefix: dict, done: int) -> None:
+        """The clock and the devices' history as the completed rounds of a log left them."""
+        clock = prefix.get("metrics/clock_s")
+        self.clock_s = float(clock[done]) if clock is not None and clock.shape[0] > done else 0.0
+        steps_all, late_all = prefix["participation/steps"], prefix["participation/late"]
+        elapsed, comm_all = prefix["participation/elapsed_s"], prefix.get("participation/comm_s")
+        for r in range(min(done, steps_all.shape[0])):
+            ids = np.flatnonzero(prefix["participation/selected"][r])
+            steps, late = steps_all[r, ids], late_all[r, ids]
+            if self.simulated:
+                work = steps * self.timing.boards.step_s[ids]
+            else:
+                work = elapsed[r, ids].astype(np.float64)
+            comm = np.full(ids.size, np.nan) if comm_all is None else comm_all[r, ids].astype(np.float64)
+            taken = ~late & (steps > 0)
+            self.history.observe(ids[taken], steps[taken], work[taken], comm[taken])

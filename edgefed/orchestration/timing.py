@@ -1,0 +1,100 @@
+"""How a run keeps time, decided before round 1: the clock (measured, simulated from the boards' profiles,
+or a replayed log's), each device's simulated step and link times, and the deadline policy (fixed seconds,
+a multiple of the profiled time, or adaptive)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from edgefed import hwprofile
+from edgefed.errors import ConfigError
+from edgefed.participation.budgets import local_budgets
+from edgefed.participation.timing import Boards, Timing
+from edgefed.participation.traces import ReplayTrace
+
+
+def board_names(cfg, n_devices: int, owners: np.ndarray | None) -> list[str] | None:
+    """Each device's board (a profile name): its rank's under mpirun with [device] boards, else [device]
+    profile for every device; None when neither names one."""
+    dev = cfg.device
+    if owners is not None and dev.boards:
+        return [dev.boards[int(r) - 1] for r in owners]
+    if dev.profile is not None:
+        return [dev.profile] * n_devices
+    return None
+
+
+def _board_step_seconds(setup, names) -> tuple[np.ndarray, dict]:
+    """Each device's seconds per local step on its board, at its batch (the profiles' [[speed]]), and the
+    profiles by name."""
+    cfg, model, problem = setup.cfg, setup.model, setup.problem
+    profiles = {name: hwprofile.load_profile(name) for name in dict.fromkeys(names)}
+    batches = problem.n_train if cfg.train.batch_size == "full" else np.minimum(cfg.train.batch_size, problem.n_train)
+    return np.array([profiles[names[k]].step_seconds(model.kind, int(batches[k]), model.dim)
+                     for k in range(problem.n_devices)]), profiles
+
+
+def _comm_seconds(setup, names, profiles) -> np.ndarray:
+    seconds = [profiles[name].comm_seconds(setup.model.kind, setup.model.dim) for name in names]
+    return np.array([np.nan if s is None else s for s in seconds])
+
+
+def timing_for(setup, owners: np.ndarray | None = None, on_info=None, resume_point=None, distributed: bool = False):
+    """Setup with its Timing. owners: the rank hosting each device under mpirun (None: this process hosts
+    every device, on [device] profile's board). A resumed run keeps the clock and deadlines its log holds,
+    whatever its profiles say now; the log's attributes record them."""
+    cfg, p, n = setup.cfg, setup.cfg.participation, setup.problem.n_devices
+    attrs = {} if resume_point is None else resume_point.attrs
+    names = board_names(cfg, n, owners)
+    profiled = names is not None and setup.model.kind in hwprofile.MODELS
+    boards = profiles = board_step = None
+    if profiled:
+        board_step, profiles = _board_step_seconds(setup, names)
+        speed = np.array([cfg.device.speed[k % len(cfg.device.speed)] if cfg.device.speed else 1.0 for k in range(n)])
+        boards = Boards(board_step / speed, _comm_seconds(setup, names, profiles))
+    replay = isinstance(setup.trace, ReplayTrace) and setup.trace.clock_s is not None
+    clock = attrs.get("clock") or ("replayed" if replay else p.clock) or (
+        "simulated" if profiled and not distributed and cfg.device.profile is not None else "measured")
+    if clock == "simulated" and boards is None:
+        raise ConfigError('config: participation.clock = "simulated" times each device by its board\'s profile; '
+                          'set [device] profile (or boards under mpirun) for a profiled model (logreg, mlp, cnn)')
+    deadlines = _deadlines(setup, board_step, profiles, names, on_info, attrs)
+    timing = Timing(clock=str(clock), boards=boards, deadlines=deadlines,
+                    quantile=p.deadline_quantile if p.deadline_s == "adaptive" else None, covers=p.deadline_covers,
+                    overselect=p.overselect,
+                    link_delays={(f.device, f.round): f.seconds for f in cfg.fault if f.kind == "slow_link"})
+    setup.header.attrs["clock"] = timing.clock
+    if deadlines is not None:
+        setup.header.attrs["deadline_s"] = deadlines
+    return dataclasses.replace(setup, timing=timing)
+
+
+def _deadlines(setup, board_step, profiles, names, on_info, attrs) -> np.ndarray | None:
+    """The fixed deadline policies: the configured seconds, or a multiple of the time each device's budget
+    of K_k steps takes on its board (its profile's speed, not its simulated relative speed)."""
+    cfg, p, n = setup.cfg, setup.cfg.participation, setup.problem.n_devices
+    if p.mode != "deadline" or p.deadline_s == "adaptive":
+        return None
+    logged = attrs.get("deadline_s")
+    if logged is not None and np.shape(logged) == (n,):
+        return np.asarray(logged, np.float64)
+    factor = hwprofile.parse_deadline(p.deadline_s)
+    if factor is None:
+        return np.full(n, float(p.deadline_s))
+    if setup.model.kind not in hwprofile.MODELS:
+        raise ConfigError(f"config: participation.deadline_s = {p.deadline_s!r} needs a profiled model "
+                          f"({', '.join(hwprofile.MODELS)}); give the {setup.model.kind} model's deadline in seconds")
+    if board_step is None:
+        raise ConfigError("config: the simulator runs every device on this machine; set [device] profile "
+                          "to its hardware profile (device.boards applies under mpirun)")
+    deadlines = factor * local_budgets(cfg.train, setup.problem.n_train) * board_step
+    if on_info is not None:
+        parts = []
+        for name, prof in profiles.items():
+            mine = deadlines[[k for k in range(n) if names[k] == name]]
+            estimated = "" if prof.measured else ", estimated speeds"
+            parts.append(f"{prof.name} ({name}{estimated}): {mine.min() * 1e3:.1f}..{mine.max() * 1e3:.1f} ms")
+        on_info(f"deadlines {factor:g}x the profiled time of each device's steps: " + "; ".join(parts))
+    return deadlines

@@ -1,0 +1,116 @@
+"""Time in a round, as arithmetic: simulated device times, the deadline policies, over-selection, and what
+each device's measured history predicts (docs/design.md 2.10-2.12).
+
+Nothing here reads a clock: the engine hands in what the transports measured (or, with a simulated clock,
+nothing: a device's time is then its steps times its board's step time, plus its communication time).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class Boards:
+    """What the hardware profiles say of each device (index: device id)."""
+
+    step_s: np.ndarray  # (N,) seconds per local step: its board's time at its batch, divided by its speed
+    comm_s: np.ndarray  # (N,) seconds to move the model down and the report up; NaN where the profile lacks them
+
+    def comm_or_zero(self, ids: np.ndarray) -> np.ndarray:
+        comm = self.comm_s[ids]
+        return np.where(np.isfinite(comm), comm, 0.0)
+
+
+def steps_within(budgets: np.ndarray, step_s: np.ndarray, compute_s: np.ndarray) -> np.ndarray:
+    """The steps that fit in each compute window at each step time, at most the budget (NaN window: all)."""
+    fit = np.where(np.isfinite(compute_s), np.floor(np.maximum(compute_s, 0.0) / step_s + 1e-9), budgets)
+    return np.minimum(fit, budgets).astype(np.int32)
+
+
+def quantile_deadline(predicted_s: np.ndarray, q: float) -> float:
+    """The smallest predicted time t such that at least a fraction q of the devices finish within t (the
+    inverted-CDF quantile: ceil(q n)-th smallest); NaN when nothing is predicted."""
+    known = np.sort(predicted_s[np.isfinite(predicted_s)])
+    if known.size == 0:
+        return math.nan
+    return float(known[max(math.ceil(q * known.size - 1e-9), 1) - 1])
+
+
+def overselected(count: int, overselect: float, n_members: int) -> int:
+    """ceil((1 + o) S) devices, at most the federation."""
+    return min(math.ceil((1.0 + overselect) * count - 1e-9), n_members)
+
+
+def first_to_finish(finish_s: np.ndarray, complete: np.ndarray, quorum: int) -> tuple[np.ndarray, float]:
+    """(winners, end): the first `quorum` devices that completed their budget, by finish time and then by
+    position (ascending device id), and the time the last of them finished; with fewer complete devices
+    all of them win and end is NaN (the round ends by its deadline or when everyone is done)."""
+    order = np.lexsort((np.arange(finish_s.size), np.where(complete, finish_s, np.inf)))
+    winners = np.zeros(finish_s.size, bool)
+    ranked = [i for i in order if complete[i]][:quorum]
+    winners[ranked] = True
+    end = float(finish_s[ranked[-1]]) if len(ranked) == quorum and quorum > 0 else math.nan
+    return winners, end
+
+
+def steps_by(end_s: float, steps: np.ndarray, work_s: np.ndarray, comm_s: np.ndarray) -> np.ndarray:
+    """The steps each device had done when the round ended at end_s, at its own pace (work_s for steps)."""
+    rate = np.where(work_s > 0, steps / np.where(work_s > 0, work_s, 1.0), 0.0)
+    done = np.floor(np.maximum(end_s - comm_s, 0.0) * rate + 1e-9)
+    return np.minimum(done, steps).astype(np.int32)
+
+
+@dataclass
+class History:
+    """Each device's measured seconds per local step (all its time over all its steps) and its mean
+    communication time, over the rounds it worked."""
+
+    n_devices: int
+    work_s: np.ndarray = field(init=False)
+    steps: np.ndarray = field(init=False)
+    comm_s: np.ndarray = field(init=False)
+    comm_n: np.ndarray = field(init=False)
+
+    def __post_init__(self):
+        self.work_s, self.steps = np.zeros(self.n_devices), np.zeros(self.n_devices)
+        self.comm_s, self.comm_n = np.zeros(self.n_devices), np.zeros(self.n_devices)
+
+    def observe(self, ids: np.ndarray, steps: np.ndarray, work_s: np.ndarray, comm_s: np.ndarray) -> None:
+        worked = (steps > 0) & np.isfinite(work_s)
+        np.add.at(self.work_s, ids[worked], work_s[worked])
+        np.add.at(self.steps, ids[worked], steps[worked])
+        heard = np.isfinite(comm_s)
+        np.add.at(self.comm_s, ids[heard], comm_s[heard])
+        np.add.at(self.comm_n, ids[heard], 1)
+
+    def step_s(self, ids: np.ndarray, prior: np.ndarray | None = None) -> np.ndarray:
+        """Seconds per step of each device: its own measurements, else the prior (a profile), else NaN."""
+        own = np.where(self.steps[ids] > 0, self.work_s[ids] / np.maximum(self.steps[ids], 1), np.nan)
+        return own if prior is None else np.where(np.isfinite(own), own, prior)
+
+    def comm(self, ids: np.ndarray, prior: np.ndarray | None = None) -> np.ndarray:
+        """Mean communication seconds of each device: its own, else the prior, else 0."""
+        own = np.where(self.comm_n[ids] > 0, self.comm_s[ids] / np.maximum(self.comm_n[ids], 1), np.nan)
+        fallback = np.zeros(ids.size) if prior is None else np.where(np.isfinite(prior), prior, 0.0)
+        return np.where(np.isfinite(own), own, fallback)
+
+
+@dataclass(frozen=True)
+class Timing:
+    """How a run keeps time, settled before round 1 (orchestration builds it from the config and the
+    hardware profiles)."""
+
+    clock: str = "measured"  # "measured", "simulated" (from `boards`), or "replayed" (a recorded log's)
+    boards: Boards | None = None  # the profiles' step and link times; None without a profile
+    deadlines: np.ndarray | None = None  # (N,) fixed deadline policy: seconds, or a multiple of the profile
+    quantile: float | None = None  # adaptive deadline policy: the share q of devices that can finish
+    covers: str = "compute"  # "round": a device computes for its deadline less its communication
+    overselect: float = 0.0
+    link_delays: dict = field(default_factory=dict)  # {(device, round): seconds} of [[fault]] slow_link
+
+    def delays(self, ids: np.ndarray, round_idx: int) -> np.ndarray:
+        return np.array([self.link_delays.get((int(k), round_idx), 0.0) for k in ids])
