@@ -22,6 +22,7 @@ from __future__ import annotations
 import datetime
 import functools
 import os
+import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -426,6 +427,7 @@ class RecordedParticipation:
     config_toml: str
     clock_s: np.ndarray | None = None  # (R + 1,)
     comm_s: np.ndarray | None = None  # (R, N)
+    overselected: bool = False  # its late devices were surplus (over-selection), not part of the round's weights
 
 
 def read_participation(path: str | Path) -> RecordedParticipation:
@@ -438,7 +440,9 @@ def read_participation(path: str | Path) -> RecordedParticipation:
             comm = p["comm_s"][()] if "comm_s" in p else None
             if clock is not None and clock.shape[0] != rounds + 1:
                 clock = comm = None  # a resumed older log: its early rounds kept no time
-            return RecordedParticipation(p["selected"][()], p["steps"][()], p["budget"][()], late,
-                                         str(f.attrs["config"]), clock, comm)
+            text = str(f.attrs["config"])
+            overselected = tomllib.loads(text).get("participation", {}).get("overselect", 0) > 0
+            return RecordedParticipation(p["selected"][()], p["steps"][()], p["budget"][()], late, text, clock, comm,
+                                         overselected)
         except KeyError as exc:
             raise RunLogError(f"{path} lacks {exc.args[0]}; it is not an edgefed run log with participation") from None

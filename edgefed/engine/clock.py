@@ -53,14 +53,14 @@ class RoundClock:
         if self.mode != "deadline":
             return RoundDeadlines(None, None, None)
         prior_step = None if t.boards is None else t.boards.step_s[ids]
+        links = self.history.comm(ids, None if t.boards is None else t.boards.comm_s[ids]) if t.covers == "round" else 0.0
         if t.quantile is None:
             due = t.deadlines[ids]
-        else:  # adaptive: about a share q of the selected devices can finish their K_k steps
-            predicted = budgets * self.history.step_s(ids, prior_step)
+        else:  # adaptive: about a share q of the selected devices can finish their K_k steps (and, with
+            # covers = "round", get their reports in)
+            predicted = budgets * self.history.step_s(ids, prior_step) + links
             due = np.full(ids.size, quantile_deadline(predicted, t.quantile))
-        compute = due
-        if t.covers == "round":
-            compute = due - self.history.comm(ids, None if t.boards is None else t.boards.comm_s[ids])
+        compute = due - links
         if self.simulated:
             return RoundDeadlines(due, None, steps_within(budgets, t.boards.step_s[ids], compute))
         if not np.isfinite(compute).any():
@@ -96,8 +96,9 @@ class RoundClock:
                 beaten = ~winners & ~late & (steps == plan.budgets)
                 steps = np.where(beaten, steps_by(end, steps, work, comm), steps).astype(np.int32)
                 late |= ~winners
+        comm_log = comm_log.astype(np.float32)  # as logged: a resumed run's history reads it back from the log
         taken = ~late & (steps > 0)
-        self.history.observe(ids[taken], steps[taken], work[taken], comm_log[taken])
+        self.history.observe(ids[taken], steps[taken], work[taken], comm_log[taken].astype(np.float64))
         duration = math.nan
         if self.simulated:
             if math.isfinite(end):
@@ -109,7 +110,7 @@ class RoundClock:
                     duration = float(due.max()) + plan.grace_s
                 else:
                     duration = float(finish[~late].max()) if (~late).any() else 0.0
-        return Settled(late, steps, comm_log.astype(np.float32), duration)
+        return Settled(late, steps, comm_log, duration)
 
     def advance(self, round_idx: int, settled: Settled, wall_s: float) -> float:
         """The clock at the end of round round_idx: recorded, simulated, or this round's measured wall time on."""

@@ -211,8 +211,13 @@ class RoundEngine:
         late = settled.late
         counted_steps = np.where(nonfinite | late, 0, settled.steps)
         active_ids = np.flatnonzero(self.active)
-        coeffs = schemes.coefficients(t.weighting, self.cfg.participation.scheme, plan.device_ids,
-                                      active_ids, self.n_train, counted_steps, plan.budgets)
+        # Over-selected devices beyond the quorum are surplus, not stragglers: the weights are over the
+        # reports the round took (a replay of such a run weighs the same way).
+        pool = ~late if plan.quorum is not None or getattr(self.trace, "overselected", False) else np.ones(late.size, bool)
+        coeffs = np.zeros(plan.device_ids.size)
+        if pool.any():
+            coeffs[pool] = schemes.coefficients(t.weighting, self.cfg.participation.scheme, plan.device_ids[pool],
+                                                active_ids, self.n_train, counted_steps[pool], plan.budgets[pool])
         coeffs *= self.dynamics.boost(plan.device_ids, round_idx)  # fast-reboot of arriving devices
         coeffs[counted_steps == 0] = 0.0  # nothing applied: log 0 (Scheme B's w_k would multiply a zero update)
         reported = counted_steps > 0

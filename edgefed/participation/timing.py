@@ -66,26 +66,24 @@ def steps_by(end_s: float, steps: np.ndarray, work_s: np.ndarray, comm_s: np.nda
 
 @dataclass
 class History:
-    """Each device's measured seconds per local step (all its time over all its steps) and its mean
-    communication time, over the rounds it worked."""
+    """Each device's measured seconds per local step (all its time over all its steps, over the rounds it
+    worked) and its latest communication time (a link changes faster than a CPU)."""
 
     n_devices: int
     work_s: np.ndarray = field(init=False)
     steps: np.ndarray = field(init=False)
     comm_s: np.ndarray = field(init=False)
-    comm_n: np.ndarray = field(init=False)
 
     def __post_init__(self):
         self.work_s, self.steps = np.zeros(self.n_devices), np.zeros(self.n_devices)
-        self.comm_s, self.comm_n = np.zeros(self.n_devices), np.zeros(self.n_devices)
+        self.comm_s = np.full(self.n_devices, np.nan)
 
     def observe(self, ids: np.ndarray, steps: np.ndarray, work_s: np.ndarray, comm_s: np.ndarray) -> None:
         worked = (steps > 0) & np.isfinite(work_s)
         np.add.at(self.work_s, ids[worked], work_s[worked])
         np.add.at(self.steps, ids[worked], steps[worked])
         heard = np.isfinite(comm_s)
-        np.add.at(self.comm_s, ids[heard], comm_s[heard])
-        np.add.at(self.comm_n, ids[heard], 1)
+        self.comm_s[ids[heard]] = comm_s[heard]
 
     def step_s(self, ids: np.ndarray, prior: np.ndarray | None = None) -> np.ndarray:
         """Seconds per step of each device: its own measurements, else the prior (a profile), else NaN."""
@@ -93,10 +91,9 @@ class History:
         return own if prior is None else np.where(np.isfinite(own), own, prior)
 
     def comm(self, ids: np.ndarray, prior: np.ndarray | None = None) -> np.ndarray:
-        """Mean communication seconds of each device: its own, else the prior, else 0."""
-        own = np.where(self.comm_n[ids] > 0, self.comm_s[ids] / np.maximum(self.comm_n[ids], 1), np.nan)
+        """Communication seconds of each device: its latest, else the prior, else 0."""
         fallback = np.zeros(ids.size) if prior is None else np.where(np.isfinite(prior), prior, 0.0)
-        return np.where(np.isfinite(own), own, fallback)
+        return np.where(np.isfinite(self.comm_s[ids]), self.comm_s[ids], fallback)
 
 
 @dataclass(frozen=True)

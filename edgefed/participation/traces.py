@@ -27,6 +27,7 @@ class ReplayTrace:
     late: np.ndarray  # (R, N) bool
     clock_s: np.ndarray | None = None  # (R + 1,)
     comm_s: np.ndarray | None = None  # (R, N)
+    overselected: bool = False  # the late devices were over-selected surplus, outside the rounds' weights
 
     @classmethod
     def checked(cls, recorded, source: str, n_devices: int, rounds: int, budgets: np.ndarray) -> "ReplayTrace":
@@ -46,7 +47,8 @@ class ReplayTrace:
                               f"run's budget is {budgets[k]}; use the same train.local_steps / local_epochs")
         clock = None if recorded.clock_s is None else recorded.clock_s[:rounds + 1].copy()
         comm = None if recorded.comm_s is None else recorded.comm_s[:rounds].copy()
-        return cls(selected.copy(), steps.astype(np.int32), recorded.late[:rounds].copy(), clock, comm)
+        return cls(selected.copy(), steps.astype(np.int32), recorded.late[:rounds].copy(), clock, comm,
+                   recorded.overselected)
 
     def round(self, round_idx: int) -> tuple[np.ndarray, np.ndarray]:
         """(selected device ids ascending, steps each completes) of round round_idx (1-based)."""
