@@ -162,7 +162,7 @@ def test_a_measured_clock_never_decreases_and_a_replay_keeps_it(tmp_path):
 def test_measured_adaptive_deadlines_are_the_quantile_of_each_devices_own_speed(tmp_path):
     """No profile: round 1 runs untimed and measures; from then on each round's deadline is the inverted-CDF
     q-quantile of K x (each selected device's seconds over steps so far), recomputed here from the log."""
-    cfg = config_with({"rounds": 5, "data.clients": 6, "train.clients_per_round": 4, "train.local_steps": 300,
+    cfg = config_with({"rounds": 5, "data.clients": 6, "train.clients_per_round": 4, "train.local_steps": 3000,
                        "participation.mode": "deadline", "participation.deadline_s": "adaptive",
                        "participation.deadline_quantile": 0.75, "participation.contention": [0.0, 0.0, 0.8]})
     runs.run(cfg, tmp_path / "a.h5")
@@ -174,7 +174,7 @@ def test_measured_adaptive_deadlines_are_the_quantile_of_each_devices_own_speed(
         ids = np.flatnonzero(sel[r])
         if r:
             known = steps[ids] > 0
-            predicted = np.where(known, 300 * work[ids] / np.maximum(steps[ids], 1), np.nan)
+            predicted = np.where(known, 3000 * work[ids] / np.maximum(steps[ids], 1), np.nan)
             assert due[r, ids] == pytest.approx(quantile_deadline(predicted, 0.75), rel=1e-12)
         taken = ids[~log["participation/late"][r, ids] & (log["participation/steps"][r, ids] > 0)]
         work[taken] += log["participation/elapsed_s"][r, taken]
