@@ -82,11 +82,10 @@ class RoundEngine:
             quorum = None
         else:
             active_ids = np.flatnonzero(self.active)
-            count = quorum = self.cfg.clients_per_round_count(active_ids.size)
-            if self.timing.overselect > 0:  # over-commit: the first `quorum` to complete are taken
-                count = overselected(count, self.timing.overselect, active_ids.size)
-            else:
-                quorum = None
+            count = self.cfg.clients_per_round_count(active_ids.size)
+            quorum = None
+            if self.timing.overselect > 0:  # over-commit: the first S to complete are taken
+                quorum, count = count, overselected(count, self.timing.overselect, active_ids.size)
             selected = select_devices(self.cfg.seed, round_idx, active_ids, count)
             steps = None
             if self.trace is not None:
