@@ -116,7 +116,8 @@ def columns(n: int, d: int, dtype) -> tuple[Column, ...]:
                "devices whose update was applied (0: the model did not change, e.g. Scheme A with K_r = 0)"),
         Column("metrics/round_elapsed_s", (), np.float64, "round", "wall time of the whole round, s"),
         Column("metrics/clock_s", (), np.float64, "round+1",
-               "the federation's time at the end of the round, s (attribute clock: measured, simulated, replayed)"),
+               "the federation's time at the end of the round, s (attribute clock: measured, simulated, replayed)",
+               np.nan),
         Column("metrics/train_loss", (), np.float64, "round+1", "global objective at x_r (NaN: not evaluated)"),
         Column("metrics/test_loss", (), np.float64, "round+1", "mean loss on held-out data (NaN: none)"),
         Column("metrics/test_accuracy", (), np.float64, "round+1", "accuracy on held-out data (NaN: none)"),
@@ -438,10 +439,11 @@ def read_participation(path: str | Path) -> RecordedParticipation:
             rounds = p["selected"].shape[0]
             clock = f["metrics/clock_s"][()] if "metrics/clock_s" in f else None
             comm = p["comm_s"][()] if "comm_s" in p else None
-            if clock is not None and clock.shape[0] != rounds + 1:
-                clock = comm = None  # a resumed older log: its early rounds kept no time
+            if clock is not None and (clock.shape[0] != rounds + 1 or not np.isfinite(clock).all()):
+                clock = comm = None  # an older log, or one resumed from an older one: no time kept throughout
             text = str(f.attrs["config"])
-            overselected = tomllib.loads(text).get("participation", {}).get("overselect", 0) > 0
+            overselected = bool(f.attrs["overselected"]) if "overselected" in f.attrs else (
+                tomllib.loads(text).get("participation", {}).get("overselect", 0) > 0)
             return RecordedParticipation(p["selected"][()], p["steps"][()], p["budget"][()], late, text, clock, comm,
                                          overselected)
         except KeyError as exc:

@@ -48,6 +48,8 @@ class LocalResults:
     finish_s: np.ndarray  # (S,) float64: seconds from the round's start to the report (NaN: never came)
     comm_s: np.ndarray  # (S,) float32: of that, what was not local work (links, waiting); NaN: unknown
     core: np.ndarray  # (S,) int16: the core the work ran on (-1: unknown)
+    link_s: np.ndarray  # (S,) float32: of comm_s, the links alone (not the wait on the rank); NaN: unknown
+    round_s: float = float("nan")  # when the round's last report it takes came (NaN: the caller's wall time)
 
 
 @dataclass(frozen=True)

@@ -262,14 +262,14 @@ def test_a_round_deadline_brings_a_slow_links_report_in_on_time(tmp_path):
     arrival = {}
     for covers in ("round", "compute"):
         cfg = write(tmp_path, f"{covers}.toml", TIMED.format(
-            rounds=5, clients=2, per_round='"all"', steps=100000, ranks=[1, 2],
+            rounds=5, clients=2, per_round='"all"', steps=1000000, ranks=[1, 2],
             participation=f'mode = "deadline"\ndeadline_s = 0.2\ngrace_s = 0.5\ndeadline_covers = "{covers}"') + faults)
         done = edgefed(["run", cfg, "--out", str(tmp_path / f"{covers}.h5"), "--quiet"], 3)
         assert done.returncode == 0, done.stderr
         log = read_run(tmp_path / f"{covers}.h5")
         arrival[covers] = (log["participation/elapsed_s"] + log["participation/comm_s"])[2:, 1]
-    assert (arrival["round"] < 0.2 + 0.04).all(), arrival  # once the link was measured: on time, within 40 ms
-    assert (arrival["compute"] > 0.2 + 0.08).all(), arrival
+    assert (arrival["round"] < 0.2 + 0.06).all(), arrival  # once the link was measured: on time, within 60 ms
+    assert (arrival["compute"] > 0.2 + 0.07).all(), arrival
 
 
 @needs_mpi
@@ -277,7 +277,7 @@ def test_a_rank_runs_its_devices_in_parallel_within_one_deadline(tmp_path):
     rounds = {}
     for threads in (4, 1):
         cfg = write(tmp_path, f"t{threads}.toml", TIMED.format(
-            rounds=2, clients=4, per_round='"all"', steps=100000, ranks=[1, 1, 1, 1],
+            rounds=2, clients=4, per_round='"all"', steps=1000000, ranks=[1, 1, 1, 1],
             participation='mode = "deadline"\ndeadline_s = 0.1\ngrace_s = 0.5')
             + f"threads_per_rank = {threads}\n")
         done = edgefed(["run", cfg, "--out", str(tmp_path / f"t{threads}.h5"), "--quiet"], 2)
@@ -287,3 +287,75 @@ def test_a_rank_runs_its_devices_in_parallel_within_one_deadline(tmp_path):
         if threads == 4:
             assert (log["participation/core"] >= 0).all()  # each device's lane, on its core
     assert (rounds[4] < 0.2).all() and (rounds[1] > 0.38).all(), rounds
+
+
+# -- what a review found ------------------------------------------------------------------------------------
+def test_a_simulated_deadline_never_drops_a_report_by_this_machines_clock(tmp_path, board):
+    """Simulated devices 1000x faster than the board: 2,000 steps take 2 ms (4 with the links) of a 10 ms
+    deadline, far less than this machine takes to compute them, and no report may be late for that."""
+    cfg = simulated(board, **{"device.speed": [1000.0], "train.local_steps": 2000, "participation.mode": "deadline",
+                              "participation.deadline_s": 0.01, "participation.grace_s": 0.0})
+    runs.run(cfg, tmp_path / "f.h5")
+    log = read_run(tmp_path / "f.h5")
+    assert not log["participation/late"].any() and (log["metrics/n_applied"] == 3).all()
+
+
+def test_a_round_deadline_lets_a_device_back_in_once_its_link_recovers(tmp_path, board):
+    """One 0.05 s link in round 1 leaves device 0 no time in round 2; its round-2 report, heard anyway,
+    tells the link recovered, and from round 3 it computes again."""
+    cfg = simulated(board, rounds=4, **{"participation.mode": "deadline", "participation.deadline_s": 0.017,
+                                        "participation.deadline_covers": "round",
+                                        "fault": [{"device": 0, "round": 1, "kind": "slow_link", "seconds": 0.05}]})
+    runs.run(cfg, tmp_path / "l.h5")
+    steps = read_run(tmp_path / "l.h5")["participation/steps"]
+    assert steps[:, 0].tolist() == [10, 0, 10, 10] and steps[:, 1:].tolist() == [[7, 3]] * 4
+
+
+def test_over_selection_with_device_vectors_keeps_devices_and_log_agreed(tmp_path, monkeypatch):
+    """Reports stream per device and are accepted while a rank's other devices still work: every device's
+    SCAFFOLD control must still end equal to the log's copy."""
+    from edgefed.runtime.local import LocalTransport
+
+    held = {}
+    honest_close = LocalTransport.close
+
+    def keeps_controls(self, failed=False):
+        if self.vectors is not None:
+            for k, row in zip(self.device_ids, self.vectors["c_clients"]):
+                held[int(k)] = row.copy()
+        honest_close(self, failed)
+
+    monkeypatch.setattr(LocalTransport, "close", keeps_controls)
+    cfg = config_with({"rounds": 4, "data.clients": 6, "train.clients_per_round": 3, "train.local_steps": 400,
+                       "train.algorithm": "scaffold", "participation.overselect": 0.7,
+                       "mpi.device_ranks": [1, 1, 1, 2, 2, 2], "mpi.threads_per_rank": 2})
+    log = loopback_run(cfg, tmp_path / "s.h5", 3)
+    assert (log["metrics/n_applied"] == 3).all()
+    for k, row in held.items():
+        assert row.tobytes() == log["state/c_clients"][k].tobytes(), k
+
+
+def test_a_measured_round_ends_with_its_quorum_not_with_the_stopped(tmp_path):
+    """A device that cannot stop (it stalls before computing) is waited for up to grace after the quorum;
+    the federation's clock does not count that wait."""
+    cfg = config_with({"rounds": 2, "data.clients": 3, "train.clients_per_round": 2, "train.local_steps": 200,
+                       "participation.overselect": 0.5, "participation.grace_s": 0.4, "mpi.device_ranks": [1, 1, 2],
+                       "fault": [{"device": 2, "round": r, "kind": "stall", "seconds": 1.0} for r in (1, 2)]})
+    log = loopback_run(cfg, tmp_path / "q.h5", 3)
+    assert log["participation/late"][:, 2].all()
+    # in round 1 the stall holds the coordinator for grace after the quorum (in round 2 the stalled rank
+    # answers at once that it cannot start)
+    assert log["metrics/round_elapsed_s"][0] > 0.35 and np.diff(log["metrics/clock_s"])[0] < 0.3
+
+
+def test_a_replay_of_a_replay_of_an_over_selected_run_weighs_alike(tmp_path, board):
+    runs.run(simulated(board, **{"train.clients_per_round": 2, "participation.overselect": 0.5}), tmp_path / "o.h5")
+    source = tmp_path / "o.h5"
+    for i in range(2):
+        cfg = config_with({"rounds": 3, "data.clients": 3, "data.samples": 200, "train.clients_per_round": 2,
+                           "train.local_steps": 10, "participation.mode": "trace", "participation.trace": str(source)})
+        runs.run(cfg, tmp_path / f"r{i}.h5")
+        source = tmp_path / f"r{i}.h5"
+    first, last = read_run(tmp_path / "o.h5"), read_run(source)
+    assert last["participation/coeff"].tobytes() == first["participation/coeff"].tobytes()
+    assert last["trajectory/x"].tobytes() == first["trajectory/x"].tobytes()

@@ -44,7 +44,7 @@ def _results(n, d, late=()):
     return LocalResults(vectors, np.arange(1, n + 1, dtype=np.int32), np.full(n, 0.5, np.float32),
                         np.full(n, 90.0, np.float32), late_mask, np.full(n, 1500.0, np.float32),
                         np.full(n, 48.5, np.float32), np.array([True] + [False] * (n - 1)), np.full(n, np.nan),
-                        np.full(n, np.nan, np.float32), np.arange(n, dtype=np.int16) + 2)
+                        np.full(n, np.nan, np.float32), np.arange(n, dtype=np.int16) + 2, np.full(n, np.nan, np.float32))
 
 
 def test_work_reports_come_back_in_plan_order_and_a_silent_device_is_late():
@@ -53,12 +53,13 @@ def test_work_reports_come_back_in_plan_order_and_a_silent_device_is_late():
     # rank A ran devices 5 and 1 (in that order), rank B ran 6 (late); device 3's rank never answered
     a, b = _results(2, 4), _results(1, 4, late=(0,))
     ra, rb = np.zeros(2, wire.work), np.zeros(1, wire.work)
-    wire.pack_work(ra, 3, np.array([5, 1]), a)
+    wire.pack_work(ra, 3, np.array([5, 1]), a, wait_s=np.array([0.0, 0.125]))  # device 1 waited for device 5
     wire.pack_work(rb, 3, np.array([6]), b)
     res = wire.unpack_work(plan, [ra, rb], arrivals=[0.75, 2.0])
     assert res.steps.tolist() == [2, 0, 1, 0] and res.late.tolist() == [False, True, False, True]
     assert res.finish_s[[0, 2]].tolist() == [0.75, 0.75] and np.isnan(res.finish_s[1]) and res.finish_s[3] == 2.0
     np.testing.assert_allclose(res.comm_s[[0, 2, 3]], [0.25, 0.25, 1.5])  # arrival less the work's 0.5 s
+    np.testing.assert_allclose(res.link_s[[0, 2, 3]], [0.125, 0.25, 1.5])  # and less the wait on the rank
     assert res.core.tolist() == [3, -1, 2, 2]
     np.testing.assert_array_equal(res.vectors["delta_x"][0], a.vectors["delta_x"][1])
     np.testing.assert_array_equal(res.vectors["delta_c"][2], a.vectors["delta_c"][0])

@@ -35,11 +35,12 @@ class Settled:
     steps: np.ndarray  # (S,) int32 steps to log (an over-selected loser: what it had done by the end)
     comm_s: np.ndarray  # (S,) float32, NaN unknown
     duration_s: float  # the round's simulated length (NaN: measured by the caller)
+    reported_s: float  # measured: when the round's last report taken arrived (NaN: not measured apart)
 
 
 class RoundClock:
-    def __init__(self, timing: Timing, n_devices: int, mode: str, grace_s: float, replay=None):
-        self.timing, self.mode, self.grace_s, self.replay = timing, mode, grace_s, replay
+    def __init__(self, timing: Timing, n_devices: int, mode: str, replay=None):
+        self.timing, self.mode, self.replay = timing, mode, replay
         self.history = History(n_devices)
         self.clock_s = 0.0
 
@@ -76,14 +77,14 @@ class RoundClock:
             delays = t.delays(ids, r)
             comm = t.boards.comm_or_zero(ids) + delays
             finish = work + comm
-            comm_log = np.where(np.isfinite(t.boards.comm_s[ids]) | (delays > 0), comm, np.nan)
+            comm_log = link = np.where(np.isfinite(t.boards.comm_s[ids]) | (delays > 0), comm, np.nan)
             if plan.round_deadline_s is not None:
                 overdue = finish > plan.round_deadline_s + plan.grace_s  # the coordinator stopped waiting
                 late |= overdue
                 steps[overdue] = 0
         else:
             work = res.elapsed_s.astype(np.float64)
-            finish, comm_log = res.finish_s, res.comm_s
+            finish, comm_log, link = res.finish_s, res.comm_s, res.link_s
             comm = np.where(np.isfinite(comm_log), comm_log, 0.0)
         if self.replay is not None:
             late |= self.replay.late[r - 1, ids]
@@ -96,9 +97,11 @@ class RoundClock:
                 beaten = ~winners & ~late & (steps == plan.budgets)
                 steps = np.where(beaten, steps_by(end, steps, work, comm), steps).astype(np.int32)
                 late |= ~winners
-        comm_log = comm_log.astype(np.float32)  # as logged: a resumed run's history reads it back from the log
+        # speeds from the reports taken; links from every report heard, whatever it did (a device shut out
+        # by a slow link must see the link recover); both as logged, so a resumed run reads them back
+        comm_log = comm_log.astype(np.float32)
         taken = ~late & (steps > 0)
-        self.history.observe(ids[taken], steps[taken], work[taken], comm_log[taken].astype(np.float64))
+        self.history.observe(ids, steps, np.where(taken, work, np.nan), np.asarray(link, np.float32).astype(np.float64))
         duration = math.nan
         if self.simulated:
             if math.isfinite(end):
@@ -110,14 +113,18 @@ class RoundClock:
                     duration = float(due.max()) + plan.grace_s
                 else:
                     duration = float(finish[~late].max()) if (~late).any() else 0.0
-        return Settled(late, steps, comm_log, duration)
+        return Settled(late, steps, comm_log, duration, res.round_s)
 
-    def advance(self, round_idx: int, settled: Settled, wall_s: float) -> float:
-        """The clock at the end of round round_idx: recorded, simulated, or this round's measured wall time on."""
+    def advance(self, round_idx: int, settled: Settled, wall_s: float, after_s: float) -> float:
+        """The clock at the end of round round_idx: recorded, simulated, or measured on: the round's wall
+        time, or (when the transport timed its end apart from what it collected after, as over-selection's
+        stopped devices) that end plus the after_s spent aggregating."""
         if self.replay is not None and self.replay.clock_s is not None:
             self.clock_s = float(self.replay.clock_s[round_idx])
         elif self.simulated:
             self.clock_s += settled.duration_s
+        elif math.isfinite(settled.reported_s):
+            self.clock_s += settled.reported_s + after_s
         else:
             self.clock_s += wall_s
         return self.clock_s
@@ -132,7 +139,8 @@ class RoundClock:
     def restore(self, prefix: dict, done: int) -> None:
         """The clock and the devices' history as the completed rounds of a log left them."""
         clock = prefix.get("metrics/clock_s")
-        self.clock_s = float(clock[done]) if clock is not None and clock.shape[0] > done else 0.0
+        recorded = float(clock[done]) if clock is not None and clock.shape[0] > done else math.nan
+        self.clock_s = recorded if math.isfinite(recorded) else 0.0  # a log from before the clock: from 0
         steps_all, late_all = prefix["participation/steps"], prefix["participation/late"]
         elapsed, comm_all = prefix["participation/elapsed_s"], prefix.get("participation/comm_s")
         for r in range(min(done, steps_all.shape[0])):
@@ -144,4 +152,4 @@ class RoundClock:
                 work = elapsed[r, ids].astype(np.float64)
             comm = np.full(ids.size, np.nan) if comm_all is None else comm_all[r, ids].astype(np.float64)
             taken = ~late & (steps > 0)
-            self.history.observe(ids[taken], steps[taken], work[taken], comm[taken])
+            self.history.observe(ids, steps, np.where(taken, work, np.nan), comm)

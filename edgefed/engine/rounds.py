@@ -60,7 +60,7 @@ class RoundEngine:
         self.active = self.dynamics.active(0)
         self._budgets = local_budgets(cfg.train, self.n_train)
         self.timing = timing or Timing()
-        self.clock = RoundClock(self.timing, self.n_devices, cfg.participation.mode, cfg.participation.grace_s,
+        self.clock = RoundClock(self.timing, self.n_devices, cfg.participation.mode,
                                 trace if isinstance(trace, ReplayTrace) else None)
         self.state: ServerState | None = None
 
@@ -200,6 +200,7 @@ class RoundEngine:
         plan = self.plan(round_idx)
         work0 = time.perf_counter()
         res = self.transport.local_work(plan, self.state)
+        worked = time.perf_counter()
         settled = self.clock.settle(plan, res)
 
         # A non-finite update is dropped (counted, logged), never averaged in: it weighs as a device that did
@@ -212,7 +213,8 @@ class RoundEngine:
         active_ids = np.flatnonzero(self.active)
         # Over-selected devices beyond the quorum are surplus, not stragglers: the weights are over the
         # reports the round took (a replay of such a run weighs the same way).
-        pool = ~late if plan.quorum is not None or getattr(self.trace, "overselected", False) else np.ones(late.size, bool)
+        surplus = plan.quorum is not None or (isinstance(self.trace, ReplayTrace) and self.trace.overselected)
+        pool = ~late if surplus else np.ones(late.size, bool)
         coeffs = np.zeros(plan.device_ids.size)
         if pool.any():
             coeffs[pool] = schemes.coefficients(t.weighting, self.cfg.participation.scheme, plan.device_ids[pool],
@@ -224,7 +226,8 @@ class RoundEngine:
             self.state, RoundReports(plan.device_ids, res.vectors, coeffs, reported, t.lr_global, active_ids.size)),
             "server_update")
         self.transport.accept(round_idx, plan.device_ids[reported])
-        clock = self.clock.advance(round_idx, settled, time.perf_counter() - work0)
+        done = time.perf_counter()
+        clock = self.clock.advance(round_idx, settled, done - work0, done - worked)
 
         evaluate, store = self._due(round_idx)
         metrics = self.metrics(self.transport.evaluate(self.state.x)) if evaluate else (math.nan,) * 3

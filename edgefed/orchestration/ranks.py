@@ -58,24 +58,23 @@ def check_device_ranks(cfg, n_ranks: int) -> None:
                               f"ranks; give one per device rank (entry i is rank i + 1)")
 
 
-def machine() -> tuple[str, int]:
-    """(host name, cores this process may run on)."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return socket.gethostname(), cores
+def machine() -> tuple[str, list[int]]:
+    """(host name, the cores this process may run on)."""
+    return socket.gethostname(), run_mod.usable_cores()
 
 
-def lanes(cfg, rank: int, machines: list[tuple[str, int]], loaded: bool) -> list[int] | None:
+def lanes(cfg, rank: int, machines: list[tuple[str, list[int]]], loaded: bool) -> list[int] | None:
     """The cores device rank `rank` runs its devices on, one lane each: [mpi] threads_per_rank of them, by
     default its share of its host's cores among the host's device ranks (one, beside a CPU competitor)."""
     host, cores = machines[rank]
     mates = [r for r in range(1, len(machines)) if machines[r][0] == host]
     if loaded and not cfg.mpi.threads_per_rank:
-        return [(rank - 1) % cores]
-    threads = cfg.mpi.threads_per_rank or max(1, cores // len(mates))
+        return [cores[(rank - 1) % len(cores)]]
+    threads = cfg.mpi.threads_per_rank or max(1, len(cores) // len(mates))
     if threads == 1 and not loaded:
         return None
     first = mates.index(rank) * threads
-    return [(first + t) % cores for t in range(threads)]
+    return [cores[(first + t) % len(cores)] for t in range(threads)]
 
 
 def run_coordinator(comm, resolve, force: bool, on_round, on_info, on_error) -> int:

@@ -188,8 +188,16 @@ def local_transport(cfg: Config, algorithm: Algorithm, problem, model, device_id
     batch = None if cfg.train.batch_size == "full" else cfg.train.batch_size
     loads = cfg.participation.contention if contention is None else contention
     if cores is None and cfg.mpi.threads_per_rank and cfg.mpi.threads_per_rank > 1:
-        cores = [t % (os.cpu_count() or 1) for t in range(cfg.mpi.threads_per_rank)]
+        usable = usable_cores()
+        cores = [usable[t % len(usable)] for t in range(cfg.mpi.threads_per_rank)]
     return LocalTransport(problem, model, algorithm, cfg.seed, batch, device_ids, cfg.fault, loads, cores)
+
+
+def usable_cores() -> list[int]:
+    """The cores this process may run on (its affinity: taskset and cgroups may leave fewer than all)."""
+    if hasattr(os, "sched_getaffinity"):
+        return sorted(os.sched_getaffinity(0))
+    return list(range(os.cpu_count() or 1))
 
 
 def note_warmup(setup: Setup, compiled: list[int], seconds: list[float], on_info) -> None:

@@ -66,6 +66,9 @@ def timing_for(setup, owners: np.ndarray | None = None, on_info=None, resume_poi
                     overselect=p.overselect,
                     link_delays={(f.device, f.round): f.seconds for f in cfg.fault if f.kind == "slow_link"})
     setup.header.attrs["clock"] = timing.clock
+    # whose late devices were over-selected surplus, outside the rounds' weights (a replay weighs alike)
+    setup.header.attrs["overselected"] = p.overselect > 0 or (isinstance(setup.trace, ReplayTrace)
+                                                              and setup.trace.overselected)
     if deadlines is not None:
         setup.header.attrs["deadline_s"] = deadlines
     return dataclasses.replace(setup, timing=timing)

@@ -75,11 +75,13 @@ class RoundWork:
         self.late, self.compiled = np.zeros(n_sel, bool), np.zeros(n_sel, bool)
         self.finish, self.comm = np.full(n_sel, np.nan), np.full(n_sel, np.nan, np.float32)
         self.core = np.full(n_sel, -1, np.int16)
+        self.started = np.full(n_sel, np.nan)  # perf_counter when each device began
 
     def results(self, rows=slice(None)) -> LocalResults:
+        """In one process the link is all the communication there is (a slow_link fault's, or none)."""
         return LocalResults({name: _read_only(v[rows]) for name, v in self.vectors.items()}, self.steps[rows],
                             self.elapsed[rows], self.cpu[rows], self.late[rows], self.freq[rows], self.temp[rows],
-                            self.compiled[rows], self.finish[rows], self.comm[rows], self.core[rows])
+                            self.compiled[rows], self.finish[rows], self.comm[rows], self.core[rows], self.comm[rows])
 
 
 class LocalTransport:
@@ -101,7 +103,7 @@ class LocalTransport:
         self._pending = None  # (round, device ids, {delta name: rows}) until the coordinator accepts them
         self.contention = tuple(contention)
         if cores is None and self.contention:
-            cores = (0,)
+            cores = (min(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 0,)
         cores = (None,) if not cores else tuple(cores)
         if self.contention:
             pin(cores[0])  # competitors start before any priority drop, on their lanes' cores
@@ -183,11 +185,14 @@ class LocalTransport:
         """Run the plan's (hosted) devices in the lanes, each from the server state."""
         if work is None:
             work = RoundWork(plan.device_ids.size, state.x.shape[0], state.x.dtype, self.algorithm.reports)
+        if self.algorithm.device_vectors:  # from the start: an over-selected round is accepted as devices finish
+            self._pending = (plan.round_idx, plan.device_ids.copy(),
+                             {v.delta: work.vectors[v.delta] for v in self.algorithm.device_vectors})
         for k in plan.device_ids:  # data is built here, once, not by the lanes at the same time
             self.data(int(k))
         lanes = [(lane, list(range(t, plan.device_ids.size, len(self.lanes)))) for t, lane in enumerate(self.lanes)]
         lanes = [(lane, rows) for lane, rows in lanes if rows]
-        if len(lanes) <= 1 and not self.contention:
+        if len(self.lanes) == 1 and self.lanes[0].core is None:  # one unpinned lane: right here
             for lane, rows in lanes:
                 self._run_lane(lane, rows, plan, state, work, on_device, pin_thread=False)
         else:
@@ -198,9 +203,6 @@ class LocalTransport:
                        for lane, rows in lanes]
             for future in futures:
                 future.result()  # a device's error surfaces here
-        if self.algorithm.device_vectors:
-            self._pending = (plan.round_idx, plan.device_ids.copy(),
-                             {v.delta: work.vectors[v.delta] for v in self.algorithm.device_vectors})
         return work
 
     def _run_lane(self, lane: Lane, rows, plan: RoundPlan, state, work: RoundWork, on_device, pin_thread: bool):
@@ -212,7 +214,9 @@ class LocalTransport:
         x = state.x
         server = {name: _read_only(value) for name, value in state.vectors.items()}
         stoppable = plan.by_arrival
-        due = plan.round_deadline_s if plan.round_deadline_s is not None else plan.deadline_s
+        due = None  # lateness by this machine's clock only where the work raced it (not a simulated deadline)
+        if plan.deadline_s is not None:
+            due = plan.deadline_s if plan.round_deadline_s is None else plan.round_deadline_s
         for i in rows:
             k = int(plan.device_ids[i])
             if stoppable and self._stop.is_set():
@@ -237,6 +241,7 @@ class LocalTransport:
         own = {} if self.vectors is None else {name: _read_only(rows[self._row[k]]) for name, rows in self.vectors.items()}
         compiled_before = jit_compilations()
         wall0, cpu0 = time.perf_counter(), time.thread_time()
+        work.started[i] = wall0
         self._inject_fault(k, plan.round_idx)
         if plan.deadline_s is None and not stoppable:
             runner = run_all

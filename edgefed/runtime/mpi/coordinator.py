@@ -1,17 +1,20 @@
 """Rank 0's side of a distributed run: the engine's transport, moving buffers to and from the device ranks.
 
-The round's clock starts as its command leaves; each report is timed as it arrives, so a device's
-communication time (download, upload, waiting) is its arrival less its local work.
-
 Per round: down, an `Ibcast` of the command record (the plan, and which reports of the previous round were
 applied) and of the server state; up, one point-to-point message per device rank (per device, when the
-round is over-selected and ends by arrival), so a rank that misses its deadline holds nobody up: a report that comes after deadline + grace is dropped (and its device keeps its
-own vectors, since it applies its Deltas only once a command names it accepted). All buffers are allocated
-here once; the records are protocol.py's.
+round is over-selected and ends by arrival), so a rank that misses its deadline holds nobody up: a report
+that comes after deadline + grace is dropped (and its device keeps its own vectors, since it applies its
+Deltas only once a command names it accepted). All buffers are allocated here once; the records are
+protocol.py's.
+
+The round's clock starts as its command leaves; each report is timed as it arrives, so a device's
+communication time (download, upload, waiting) is its arrival less its local work, and its link alone
+that less the time its report waited on the rank.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import numpy as np
@@ -72,8 +75,8 @@ class MpiTransport:
     def local_work(self, plan: RoundPlan, state) -> LocalResults:
         t0 = time.perf_counter()
         self._command(protocol.ROUND, plan, x=state.x, vectors=state.vectors)
-        messages, arrivals = self._collect_work(plan, t0, self._timeout(plan))
-        return self.wire.unpack_work(plan, messages, arrivals)
+        messages, arrivals, ended = self._collect_work(plan, t0, self._timeout(plan))
+        return dataclasses.replace(self.wire.unpack_work(plan, messages, arrivals), round_s=ended)
 
     def _timeout(self, plan: RoundPlan) -> float | None:
         """How long a round can take: a rank runs its selected devices in its lanes (dealt in turn), each
@@ -91,7 +94,8 @@ class MpiTransport:
     def _collect_work(self, plan: RoundPlan, t0: float, timeout_s: float | None):
         """The round's work records as they arrive, with their arrival times. With over-selection by arrival,
         once `quorum` devices have completed their budget the ranks still working are told to stop, and
-        what they did is collected for up to grace_s more."""
+        what they did is collected for up to grace_s more. Also returns when the round ended: the quorum's
+        arrival, else the last report's or the timeout."""
         MPI, status = self.MPI, self._status
         record = self.wire.work
         budget = dict(zip(plan.device_ids.tolist(), plan.budgets.tolist()))
@@ -110,8 +114,8 @@ class MpiTransport:
                     pending -= set(records["device"].tolist())
                     complete += sum(1 for rec in records if not rec["late"] and rec["steps"] == budget[int(rec["device"])])
                     if plan.by_arrival and stopped_at is None and complete >= plan.quorum and pending:
-                        self._stop_devices(plan.round_idx, pending)
                         stopped_at = time.perf_counter()
+                        self._stop_devices(plan.round_idx, pending)
                 backoff.reset()  # anything else is a late report of an older round: dropped
                 continue
             if stopped_at is not None and time.perf_counter() - stopped_at > plan.grace_s:
@@ -119,7 +123,8 @@ class MpiTransport:
             if timeout_s is not None and backoff.elapsed() > timeout_s:
                 break
             backoff.pause()
-        return messages, arrivals
+        ended = (time.perf_counter() if stopped_at is None else stopped_at) - t0
+        return messages, arrivals, ended
 
     def _stop_devices(self, round_idx: int, device_ids) -> None:
         """The round has what it needs: the ranks of these devices stop their work of round_idx."""

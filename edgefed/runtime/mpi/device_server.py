@@ -35,7 +35,9 @@ class DeviceServer:
         self._finished = deque()  # (row, when) of the devices done, as the worker says
         self._sent = set()  # rows of the work in progress already reported
         self._due = []  # (when its report may leave, row) of the finished devices
-        self._cancel = np.zeros(1, np.int64)
+        self._cancel = np.zeros(1, np.int64)  # a stop's round
+        self._stopped_round = -1  # the last round the coordinator said it has enough of
+        self._begun = 0.0  # when the work in progress was handed to the worker
         self._done = threading.Event()  # the worker finished: report now rather than after the next sleep
 
     def _records(self, tag: int, n: int) -> np.ndarray:
@@ -70,21 +72,26 @@ class DeviceServer:
             future.result()  # re-raises a device's error here, on the main thread
         if not plan.by_arrival and (not done or any(due > now for due, _ in self._due)):
             return  # the rank's one message waits for its last device and its slowest link
-        ready = sorted(row for due, row in self._due if due <= now and row not in self._sent)
+        ready = sorted((row, due) for due, row in self._due if due <= now and row not in self._sent)
         if ready:
-            rows = np.array(ready)
+            rows = np.array([row for row, _ in ready])
+            # waiting, neither working nor on the link: for the lane before starting, for the others after
+            held = np.array([now - due for _, due in ready])
+            wait_s = np.nan_to_num(work.started[rows] - self._begun) + held
             records = self._records(protocol.TAG_WORK, rows.size)
-            self.wire.pack_work(records, plan.round_idx, plan.device_ids[rows], work.results(rows))
+            self.wire.pack_work(records, plan.round_idx, plan.device_ids[rows], work.results(rows), wait_s)
             self._send_records(protocol.TAG_WORK, records)
-            self._sent.update(ready)
+            self._sent.update(rows.tolist())
         if done and len(self._sent) == plan.device_ids.size:
             self._future = None
 
     def _take_stops(self) -> None:
-        """A stop from the coordinator (over-selection: the round has enough) ends this rank's work of it."""
+        """A stop from the coordinator (over-selection: the round has enough) ends this rank's work of it,
+        also when it comes before the round's work has started here."""
         while self.comm.Iprobe(source=0, tag=protocol.TAG_CANCEL):
             self.comm.Recv(self._cancel, source=0, tag=protocol.TAG_CANCEL)
-            if self._future is not None and self._future[0].round_idx == int(self._cancel[0]):
+            self._stopped_round = max(self._stopped_round, int(self._cancel[0]))
+            if self._future is not None and self._future[0].round_idx == self._stopped_round:
                 self.transport.stop()
 
     def _wait_broadcast(self, buf) -> None:
@@ -131,13 +138,14 @@ class DeviceServer:
         if plan is None:
             return
         self._report_finished_work()  # a late round that finished while the command was on its way is free
-        if self._future is not None:  # still on an older round: these devices cannot start in time
+        if self._future is not None or self._stopped_round >= plan.round_idx:
+            # still on an older round, or this one is over already: these devices cannot start in time
             records = self._records(protocol.TAG_WORK, plan.device_ids.size)
             self.wire.pack_work(records, plan.round_idx, plan.device_ids, None)
             self._send_records(protocol.TAG_WORK, records)
             return
         self._finished.clear()
-        self._due, self._sent = [], set()
+        self._due, self._sent, self._begun = [], set(), time.perf_counter()
 
         def finished(row):
             self._finished.append((row, time.perf_counter()))

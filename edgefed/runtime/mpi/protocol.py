@@ -63,13 +63,13 @@ class Wire:
             ("cpu_freq_mhz", "<f4"),
             ("temperature_c", "<f4"),
             ("core", "<i2"),
+            ("wait_s", "<f4"),  # of the time from the command to the report leaving: neither work nor link
             ("vectors", self.dtype, (len(self.reports), dim)),
         ], align=True)
         self.evaluation = np.dtype([("device", "<i8"), ("train_loss", "<f8"), ("test_loss_sum", "<f8"),
                                     ("test_correct", "<i8"), ("n_test", "<i8")], align=True)
         self.rows = np.dtype([("device", "<i8"), ("vectors", self.dtype, (len(self.device), dim))], align=True)
         self.bye = np.dtype([("rank", "<i8")])
-        self.cancel = np.dtype([("round", "<i8")])  # the round is over: stop its work (over-selection)
         self.tags = {TAG_WORK: self.work, TAG_EVAL: self.evaluation, TAG_ROWS: self.rows, TAG_LOAD: self.rows,
                      TAG_BYE: self.bye}
 
@@ -154,9 +154,11 @@ class Wire:
         return buf[0].copy(), {name: buf[1 + i].copy() for i, name in enumerate(self.server)}
 
     # -- up: work reports ------------------------------------------------------------------------------
-    def pack_work(self, records: np.ndarray, round_idx: int, ids: np.ndarray, res: LocalResults | None) -> None:
-        """One record per device; res None: the devices could not start in time (late, no work)."""
-        records["round"], records["device"] = round_idx, ids
+    def pack_work(self, records: np.ndarray, round_idx: int, ids: np.ndarray, res: LocalResults | None,
+                  wait_s=0.0) -> None:
+        """One record per device; res None: the devices could not start in time (late, no work). wait_s: how
+        long each report waited on the rank (for its lane, for the rank's other devices), not working."""
+        records["round"], records["device"], records["wait_s"] = round_idx, ids, wait_s
         if res is None:
             records["late"] = True
             return
@@ -177,7 +179,7 @@ class Wire:
         late = np.ones(n_sel, bool)  # until its report arrives
         compiled = np.zeros(n_sel, bool)
         core = np.full(n_sel, -1, np.int16)
-        finish = np.full(n_sel, np.nan)
+        finish, wait_s = np.full(n_sel, np.nan), np.zeros(n_sel)
         measured = {name: np.full(n_sel, np.nan, np.float32)
                     for name in ("elapsed_s", "cpu_percent", "cpu_freq_mhz", "temperature_c")}
         messages = list(messages)
@@ -186,15 +188,17 @@ class Wire:
             for rec in records:
                 i = row[int(rec["device"])]
                 late[i], compiled[i], core[i], finish[i] = rec["late"], rec["compiled"], rec["core"], arrival
+                wait_s[i] = rec["wait_s"]
                 steps[i] = 0 if rec["late"] else rec["steps"]
                 for name, values in measured.items():
                     values[i] = rec[name]
                 if not rec["late"]:
                     for j, name in enumerate(self.reports):
                         vectors[name][i] = rec["vectors"][j]
-        comm = (finish - measured["elapsed_s"]).astype(np.float32)
+        comm = finish - measured["elapsed_s"]
         return LocalResults(vectors, steps, measured["elapsed_s"], measured["cpu_percent"], late,
-                            measured["cpu_freq_mhz"], measured["temperature_c"], compiled, finish, comm, core)
+                            measured["cpu_freq_mhz"], measured["temperature_c"], compiled, finish,
+                            comm.astype(np.float32), core, (comm - wait_s).astype(np.float32))
 
     # -- up: evaluation --------------------------------------------------------------------------------
     @staticmethod
