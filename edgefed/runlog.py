@@ -34,6 +34,10 @@ from edgefed.errors import RunLogError
 
 FORMAT = "edgefed-run"
 FORMAT_VERSION = 1
+# The file format of HDF5 1.10, the oldest that SWMR needs: the HDF5 tools Debian and Raspberry Pi OS ship
+# (1.10.8: h5ls, h5dump, python3-h5py) and MATLAB's and HDFView's libraries read it; "latest" with the HDF5
+# inside today's h5py wheels would write 2.0 formats they cannot (every boolean dataset, for one).
+LIBVER = ("v110", "v110")
 
 # Datasets holding measured wall time or load: the only ones that differ between two runs of one config.
 MEASURED = frozenset({"participation/elapsed_s", "participation/cpu_percent", "participation/cpu_freq_mhz",
@@ -159,7 +163,7 @@ class RunLogWriter:
                 raise RunLogError(f"cannot create the folder of run log {path} ({exc}); choose another --out") from None
         tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
         try:
-            with h5py.File(tmp, "w", libver="latest") as f:
+            with h5py.File(tmp, "w", libver=LIBVER) as f:
                 _write_skeleton(f, header)
                 if resume is not None:
                     _write_resume_point(f, resume)
@@ -167,7 +171,7 @@ class RunLogWriter:
         except OSError as exc:
             tmp.unlink(missing_ok=True)
             raise RunLogError(f"cannot write run log {path} ({exc}); choose another --out") from None
-        f = h5py.File(path, "r+", libver="latest")
+        f = h5py.File(path, "r+", libver=LIBVER)
         f.swmr_mode = True
         return cls(path, f, header)
 
