@@ -75,6 +75,28 @@ def build_parser() -> argparse.ArgumentParser:
     show = trace_verbs.add_parser("show", help="per-trace statistics of a trace file (or \"builtin\")")
     show.add_argument("file", help="a trace file, or builtin")
     show.set_defaults(func=cmd_trace_show)
+
+    sweep = verbs.add_parser("sweep", help="run a grid of experiments (axes x seeds) into a folder, with tables")
+    sweep.add_argument("file", help="sweep file (TOML: base, seeds, [set], [axes], [target])")
+    sweep.add_argument("--out", required=True, help="folder for the run logs, summary.csv and cells.csv")
+    sweep.add_argument("-j", "--jobs", type=int, default=1, help="experiments at a time on this machine")
+    sweep.set_defaults(func=cmd_sweep)
+
+    report = verbs.add_parser("report", help="figures of run logs and sweep folders: an HTML page or PNG files")
+    report.add_argument("targets", nargs="+", metavar="TARGET", help="run logs (.h5) and sweep folders")
+    report.add_argument("--out", required=True, help="the page (PAGE.html), or a folder with --format png")
+    report.add_argument("--format", choices=("html", "png"), default="html")
+    report.set_defaults(func=cmd_report)
+
+    summary = verbs.add_parser("summary", help="what a run was and what it reached, in the terminal")
+    summary.add_argument("log", help="run log (.h5)")
+    summary.add_argument("--target-accuracy", type=float, help="also the rounds and clock seconds to reach it")
+    summary.set_defaults(func=cmd_summary)
+
+    export = verbs.add_parser("export", help="a run log as tidy CSV (metrics per round, participation per device)")
+    export.add_argument("log", help="run log (.h5)")
+    export.add_argument("--csv", required=True, metavar="FOLDER", help="folder for metrics.csv, participation.csv")
+    export.set_defaults(func=cmd_export)
     return parser
 
 
@@ -220,6 +242,40 @@ def cmd_profile(args) -> int:
         profiling.write_profile(path, text)
         print(f"profile of {host} written to {path}")
     return 0
+
+
+def cmd_summary(args) -> int:
+    from edgefed.analysis.logs import Run
+    from edgefed.analysis.summary import summary_lines
+
+    print("\n".join(summary_lines(Run.read(args.log), args.target_accuracy)))
+    return 0
+
+
+def cmd_export(args) -> int:
+    from edgefed.analysis.export import export_csv
+    from edgefed.analysis.logs import Run
+
+    for path in export_csv(Run.read(args.log), Path(args.csv)):
+        print(f"wrote {path}")
+    return 0
+
+
+def cmd_report(args) -> int:
+    from edgefed.analysis.report import write_report
+
+    written = write_report(args.targets, Path(args.out), args.format)
+    print(f"wrote {written[0]}" if args.format == "html" else f"wrote {len(written)} figures into {args.out}")
+    return 0
+
+
+def cmd_sweep(args) -> int:
+    from edgefed.orchestration.sweep import run_sweep
+
+    if args.jobs < 1:
+        raise EdgefedError(f"-j {args.jobs}: give at least 1 experiment at a time")
+    return run_sweep(Path(args.file), Path(args.out), args.jobs, on_line=lambda line: print(line, flush=True),
+                     live=sys.stdout.isatty())
 
 
 def cmd_contend(args) -> int:

@@ -15,11 +15,12 @@ LAYERS = [
     {"problems", "models", "hwprofile", "tracefiles"},  # problems and models, and the data files they read
     {"config"},  # the schema, checked against the registries below it
     {"transport", "runlog"},  # the engine-transport interface; the run log's format
-    {"engine", "runtime"},  # the round loop beside the transports
+    {"engine", "runtime", "analysis"},  # the round loop beside the transports; reading logs for answers
     {"orchestration"},  # what a run is: prepare, drive, rank roles, recording, profiling
     {"cli", "__main__"},  # argparse, printing, exit codes
 ]
-APART = [("engine", "runtime"), ("runtime", "engine"), ("runlog", "runtime"), ("runlog", "engine")]
+APART = [("engine", "runtime"), ("runtime", "engine"), ("runlog", "runtime"), ("runlog", "engine"),
+         ("analysis", "runtime"), ("analysis", "engine")]
 
 
 def modules() -> dict[str, Path]:

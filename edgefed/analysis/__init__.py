@@ -1,0 +1,1 @@
+"""Reading logs for answers: summaries, CSV export, sweep tables and reports. Imports no runtime."""

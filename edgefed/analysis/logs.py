@@ -1,0 +1,131 @@
+"""A run log read for answers: its config, headline numbers, time to a target, and per-device participation.
+
+Only the run log's reader and the config's schema are used: nothing here runs anything.
+"""
+
+from __future__ import annotations
+
+import math
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from edgefed import config as config_mod
+from edgefed.errors import EdgefedError, RunLogError
+from edgefed.runlog import read_run
+
+
+@dataclass(frozen=True)
+class Run:
+    """One run log, with the numbers a summary, a report and a sweep table show."""
+
+    path: Path
+    data: dict  # every dataset and, under "attrs", the root attributes
+    config_toml: str
+
+    @classmethod
+    def read(cls, path) -> "Run":
+        data = read_run(path)
+        for name in ("metrics/test_accuracy", "metrics/train_loss", "participation/steps", "participation/selected"):
+            if name not in data:
+                raise RunLogError(f"{path} lacks {name}; it is not an edgefed run log")
+        return cls(Path(path), data, str(data["attrs"].get("config", "")))
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        return self.data[name]
+
+    @property
+    def attrs(self) -> dict:
+        return self.data["attrs"]
+
+    @property
+    def status(self) -> str:
+        return str(self.attrs.get("status", "running"))
+
+    @property
+    def rounds(self) -> int:
+        """Rounds completed (the log's rows)."""
+        return int(self["participation/steps"].shape[0])
+
+    @property
+    def rounds_planned(self) -> int:
+        return int(self.attrs.get("rounds", self.rounds))
+
+    @property
+    def clock(self) -> np.ndarray:
+        """(rounds + 1,) the federation's clock; NaN where the log kept none (logs before it existed)."""
+        clock = self.data.get("metrics/clock_s")
+        return np.full(self.rounds + 1, np.nan) if clock is None else clock
+
+    def final(self, name: str) -> float:
+        values = self[f"metrics/{name}"]
+        finite = values[np.isfinite(values)]
+        return float(finite[-1]) if finite.size else math.nan
+
+    def best(self, name: str) -> float:
+        values = self[f"metrics/{name}"]
+        finite = values[np.isfinite(values)]
+        return float(finite.max()) if finite.size else math.nan
+
+    def wall_s(self) -> float:
+        return float(np.nansum(self.data.get("metrics/round_elapsed_s", np.zeros(0))))
+
+    def to_target(self, accuracy: float) -> tuple[float, float]:
+        """(rounds, clock seconds) of the first evaluated round whose test accuracy reaches `accuracy`;
+        NaN where it never does."""
+        acc = np.nan_to_num(self["metrics/test_accuracy"], nan=-math.inf)
+        reached = np.flatnonzero(acc >= accuracy)
+        if not reached.size:
+            return math.nan, math.nan
+        return float(reached[0]), float(self.clock[reached[0]])
+
+    def config_dict(self) -> dict:
+        try:
+            return tomllib.loads(self.config_toml)
+        except tomllib.TOMLDecodeError as exc:
+            raise RunLogError(f"{self.path}: its stored config is not TOML ({exc})") from None
+
+    def differences(self) -> list[tuple[str, object]]:
+        """(table.key, value) of every key whose value differs from the built-in default's."""
+        try:
+            default = config_mod.to_dict(config_mod.load_config(None))
+            mine = config_mod.to_dict(config_mod.config_from_dict(self.config_dict()))
+        except EdgefedError:  # a config this edgefed does not know: show it as stored
+            default, mine = {}, self.config_dict()
+        out = []
+        for table in sorted(set(mine) | set(default)):
+            a, b = mine.get(table), default.get(table)
+            if isinstance(a, dict) or isinstance(b, dict):
+                a, b = a or {}, b or {}
+                out += [(f"{table}.{k}", a.get(k)) for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
+            elif a != b:
+                out.append((table, a))
+        return out
+
+    def fractions(self) -> np.ndarray:
+        """(rounds, N) completed fraction s_k / K_k of the selected devices, NaN where not selected."""
+        budget = self["participation/budget"].astype(float)
+        with np.errstate(invalid="ignore", divide="ignore"):
+            return np.where(self["participation/selected"] & (budget > 0), self["participation/steps"] / budget, np.nan)
+
+    def devices(self) -> list[dict]:
+        """Per device: rounds selected, mean completed fraction, inactive and late shares (of its selected
+        rounds), mean CPU share."""
+        sel, steps = self["participation/selected"], self["participation/steps"]
+        late = self.data.get("participation/late", np.zeros_like(sel))
+        cpu = self.data.get("participation/cpu_percent", np.full(sel.shape, np.nan))
+        frac = self.fractions()
+        rows = []
+        for k in range(sel.shape[1]):
+            mine = sel[:, k]
+            n = int(mine.sum())
+            with np.errstate(invalid="ignore"):
+                rows.append({"device": k, "selected": n,
+                             "fraction": float(np.nanmean(frac[mine, k])) if n else math.nan,
+                             "inactive": float(np.mean(steps[mine, k] == 0)) if n else math.nan,
+                             "late": float(np.mean(late[mine, k])) if n else math.nan,
+                             "cpu_percent": float(np.nanmean(cpu[mine, k])) if n and np.isfinite(cpu[mine, k]).any()
+                             else math.nan})
+        return rows

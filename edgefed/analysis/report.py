@@ -1,0 +1,356 @@
+"""`edgefed report`: run logs and sweep folders as one self-contained HTML page of figures (or PNG files).
+
+Figures: test accuracy and train loss against rounds and against the federation's clock (a sweep: one line
+per cell, its mean over seeds, a band from its lowest to its highest seed); per run, a devices x rounds map
+of the completed fraction s_k/K_k with late reports and inactive devices marked, each device's spread of
+completed fractions, the coefficients applied, and, where the log measured them, CPU share, frequency,
+temperature and deadlines. Colour maps are perceptually uniform (readable in greyscale) and lines differ by
+style as well as colour. matplotlib is an optional extra: `pip install 'edgefed[plot]'`.
+"""
+
+from __future__ import annotations
+
+import base64
+import csv
+import datetime
+import html
+import io
+import math
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from edgefed import __version__
+from edgefed.analysis.logs import Run
+from edgefed.errors import EdgefedError
+
+STYLES = ["-", "--", ":", "-."]
+MARKERS = ["o", "s", "^", "D", "v", "P", "X", "*"]
+MAX_PARTICIPATION = 12  # runs (or cells) that get their own participation figures
+
+
+@dataclass
+class Sweep:
+    """A sweep folder: its cells' runs (by cell name, seeds in order) and its tables."""
+
+    folder: Path
+    cells: dict[str, list[Run]] = field(default_factory=dict)
+    summary: list[dict] = field(default_factory=list)
+    table: list[dict] = field(default_factory=list)
+
+    @classmethod
+    def read(cls, folder: Path) -> "Sweep":
+        sweep = cls(folder)
+        sweep.summary = _read_csv(folder / "summary.csv")
+        sweep.table = _read_csv(folder / "cells.csv") if (folder / "cells.csv").is_file() else []
+        for row in sweep.summary:
+            if row.get("status") in ("complete", "running") and (folder / row["log"]).is_file():
+                sweep.cells.setdefault(row["cell"], []).append(Run.read(folder / row["log"]))
+        if not sweep.cells:
+            raise EdgefedError(f"sweep folder {folder} holds no readable runs yet; run `edgefed sweep` first")
+        return sweep
+
+
+def _read_csv(path: Path) -> list[dict]:
+    try:
+        with open(path, newline="", encoding="utf-8") as f:
+            return list(csv.DictReader(f))
+    except OSError as exc:
+        raise EdgefedError(f"{path} cannot be read ({exc}); a sweep folder holds the summary.csv `edgefed sweep` "
+                           "writes") from None
+
+
+def load_targets(targets) -> tuple[list[Sweep], list[Run]]:
+    sweeps, runs = [], []
+    for target in targets:
+        path = Path(target)
+        if path.is_dir():
+            sweeps.append(Sweep.read(path))
+        elif path.is_file():
+            runs.append(Run.read(path))
+        else:
+            raise EdgefedError(f"{target} not found; give run logs (.h5) or sweep folders")
+    return sweeps, runs
+
+
+def _plt():
+    try:
+        import matplotlib
+    except ImportError:
+        raise EdgefedError("edgefed report draws with matplotlib, which is not installed; "
+                           "pip install 'edgefed[plot]'") from None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    plt.rcParams.update({"figure.dpi": 110, "font.size": 9, "axes.grid": True, "grid.alpha": 0.3,
+                         "axes.spines.top": False, "axes.spines.right": False})
+    return plt
+
+
+# -- figures --------------------------------------------------------------------------------------------------
+def curves(series: list[tuple[str, list[Run]]], title: str):
+    """Test accuracy and train loss against round and against clock: a line per series (mean over its
+    runs) with a band from its lowest to its highest run."""
+    plt = _plt()
+    fig, axes = plt.subplots(2, 2, figsize=(11, 6.4), sharey="row", layout="constrained")
+    for i, (label, runs) in enumerate(series):
+        style = dict(linestyle=STYLES[i % len(STYLES)], marker=MARKERS[i % len(MARKERS)], markevery=0.1,
+                     markersize=4, linewidth=1.4)
+        rounds = min(r.rounds for r in runs) + 1
+        for row, (metric, name) in enumerate((("test_accuracy", "test accuracy"), ("train_loss", "train loss"))):
+            values = np.array([r[f"metrics/{metric}"][:rounds] for r in runs], dtype=float)
+            x = np.arange(rounds)
+            clocks = np.array([r.clock[:rounds] for r in runs], dtype=float)
+            clock = clocks.mean(axis=0)  # NaN where a log kept no clock: that panel stays empty
+            evaluated = np.isfinite(values).all(axis=0)
+            if not evaluated.any():
+                continue
+            mean = values[:, evaluated].mean(axis=0)
+            lo, hi = values[:, evaluated].min(axis=0), values[:, evaluated].max(axis=0)
+            for col, xs in ((0, x[evaluated]), (1, clock[evaluated])):
+                ax = axes[row, col]
+                if col == 1 and not np.isfinite(xs).all():
+                    continue
+                line, = ax.plot(xs, mean, label=label if row == 0 and col == 0 else None, **style)
+                if len(runs) > 1:
+                    ax.fill_between(xs, lo, hi, color=line.get_color(), alpha=0.15, linewidth=0)
+            axes[row, 0].set_ylabel(name)
+    axes[1, 0].set_xlabel("round")
+    axes[1, 1].set_xlabel("federation clock (s)")
+    axes[0, 0].set_title("against rounds")
+    axes[0, 1].set_title("against the clock")
+    if any(len(runs) > 1 for _, runs in series):
+        axes[0, 0].text(0.99, 0.02, "line: mean over seeds; band: lowest to highest", transform=axes[0, 0].transAxes,
+                        ha="right", va="bottom", fontsize=7, alpha=0.7)
+    if len(series) > 1:
+        fig.legend(loc="outside right upper", fontsize=8, frameon=False)
+    fig.suptitle(title)
+    return fig
+
+
+def _heatmap_axes(ax) -> None:
+    """Whole rounds and devices on the axes, no grid across the cells."""
+    from matplotlib.ticker import MaxNLocator
+
+    ax.grid(False)
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.yaxis.set_major_locator(MaxNLocator(integer=True))
+
+
+def participation(run: Run, title: str):
+    """Completed fraction per device and round (late and inactive marked), its spread per device, and the
+    coefficients applied."""
+    plt = _plt()
+    frac = run.fractions().T  # devices x rounds
+    n, rounds = frac.shape
+    fig = plt.figure(figsize=(11, 3.2 + 0.06 * n), layout="constrained")
+    grid = fig.add_gridspec(2, 2, width_ratios=(3, 1), height_ratios=(1, 1))
+    ax = fig.add_subplot(grid[0, 0])
+    cmap = plt.get_cmap("viridis").copy()
+    cmap.set_bad("#f2f2f2")  # not selected
+    extent = (0.5, rounds + 0.5, n - 0.5, -0.5)
+    im = ax.imshow(np.ma.masked_invalid(frac), aspect="auto", cmap=cmap, vmin=0, vmax=1, extent=extent,
+                   interpolation="nearest")
+    inactive = ~run["participation/active"].T
+    if inactive.any():
+        ax.imshow(np.ma.masked_where(~inactive, np.ones_like(frac)), aspect="auto", cmap="Greys", vmin=0, vmax=1.5,
+                  extent=extent, interpolation="nearest")
+    late = run.data.get("participation/late")
+    if late is not None and late.any():
+        k, r = np.nonzero(late.T)
+        ax.scatter(r + 1, k, marker="x", s=14, color="white", linewidths=1.0, label="late (dropped)")
+        ax.scatter(r + 1, k, marker="x", s=6, color="black", linewidths=0.5)
+        ax.legend(loc="upper right", fontsize=7, framealpha=0.8)
+    _heatmap_axes(ax)
+    ax.set_xlabel("round")
+    ax.set_ylabel("device")
+    ax.set_title("completed fraction $s_k/K_k$ (grey: not selected; dark: outside the federation)")
+    fig.colorbar(im, ax=ax, fraction=0.03, pad=0.01)
+    box = fig.add_subplot(grid[:, 1])
+    spread = [row[np.isfinite(row)] for row in frac]
+    box.boxplot([s if s.size else [np.nan] for s in spread], vert=False, widths=0.6, showfliers=False)
+    box.set_yticks(range(1, n + 1), [str(k) for k in range(n)] if n <= 40 else [""] * n)
+    box.invert_yaxis()
+    box.set_xlim(-0.02, 1.02)
+    box.set_xlabel("completed fraction")
+    box.set_title("per device, over its rounds")
+    coef = fig.add_subplot(grid[1, 0])
+    coeff = run["participation/coeff"].T
+    cim = coef.imshow(np.ma.masked_where(coeff == 0, coeff), aspect="auto", cmap="cividis", extent=extent,
+                      interpolation="nearest")
+    _heatmap_axes(coef)
+    coef.set_xlabel("round")
+    coef.set_ylabel("device")
+    coef.set_title("coefficient applied to $\\Delta_k$ (blank: nothing applied)")
+    fig.colorbar(cim, ax=coef, fraction=0.03, pad=0.01)
+    fig.suptitle(title)
+    return fig
+
+
+def measured(run: Run, title: str):
+    """CPU share, frequency and temperature per device and round, and each round's deadlines, where the log
+    has them."""
+    panels = [(name, label) for name, label in (("participation/cpu_percent", "CPU share the work got (%)"),
+                                                ("participation/cpu_freq_mhz", "CPU frequency (MHz)"),
+                                                ("participation/temperature_c", "board temperature (°C)"))
+              if name in run.data and np.isfinite(run[name]).any()]
+    deadlines = run.data.get("participation/deadline_s")
+    timed = int(deadlines is not None and bool(np.isfinite(deadlines).any()))
+    if not panels and not timed:
+        return None
+    plt = _plt()
+    n = run["participation/steps"].shape[1]
+    rows = len(panels) + timed
+    fig, axes = plt.subplots(rows, 1, figsize=(11, sum(1.4 + 0.05 * n for _ in panels) + 2.2 * timed),
+                             squeeze=False, layout="constrained",
+                             height_ratios=[1.4 + 0.05 * n] * len(panels) + [2.2] * timed)
+    for ax, (name, label) in zip(axes[:, 0], panels):
+        values = run[name].T.astype(float)
+        cmap = plt.get_cmap("magma").copy()
+        cmap.set_bad("#f2f2f2")
+        scale = {"vmin": 0, "vmax": max(100.0, float(np.nanmax(values)))} if name.endswith("cpu_percent") else {}
+        im = ax.imshow(np.ma.masked_invalid(values), aspect="auto", cmap=cmap, interpolation="nearest",
+                       extent=(0.5, values.shape[1] + 0.5, n - 0.5, -0.5), **scale)
+        _heatmap_axes(ax)
+        ax.set_ylabel("device")
+        ax.set_title(label)
+        fig.colorbar(im, ax=ax, fraction=0.03, pad=0.01)
+    if timed:
+        ax = axes[-1, 0]
+        ms = deadlines * 1e3
+        rounds = np.arange(1, ms.shape[0] + 1)
+        with warnings.catch_warnings():  # a round without deadlines is an empty slice: NaN, as it should
+            warnings.simplefilter("ignore", RuntimeWarning)
+            mid, lo, hi = np.nanmedian(ms, axis=1), np.nanmin(ms, axis=1), np.nanmax(ms, axis=1)
+        ax.plot(rounds, mid, color="black", linewidth=1.4, label="median over the selected devices")
+        ax.fill_between(rounds, lo, hi, color="grey", alpha=0.3, linewidth=0, label="lowest to highest")
+        ax.set_ylabel("deadline (ms)")
+        ax.set_title("deadlines per round")
+        ax.set_xlim(0.5, ms.shape[0] + 0.5)
+        ax.legend(fontsize=7, loc="upper right")
+    axes[-1, 0].set_xlabel("round")
+    fig.suptitle(title)
+    return fig
+
+
+# -- the page ---------------------------------------------------------------------------------------------------
+def _png(fig) -> bytes:
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png")
+    _plt().close(fig)
+    return buf.getvalue()
+
+
+def _num(value, spec=".4f") -> str:
+    try:
+        value = float(value)
+    except (TypeError, ValueError):
+        return html.escape(str(value))
+    return "–" if math.isnan(value) else format(value, spec)
+
+
+def _headline(runs: list[Run]) -> str:
+    rows = "".join(
+        f"<tr><td>{html.escape(r.path.name)}</td><td>{r.status}</td><td>{r.rounds}</td>"
+        f"<td>{_num(r.final('test_accuracy'))}</td><td>{_num(r.best('test_accuracy'))}</td>"
+        f"<td>{_num(r.final('train_loss'), '.5g')}</td><td>{_num(r.clock[-1], '.3f')}</td>"
+        f"<td>{html.escape(str(r.attrs.get('clock', 'measured')))}</td><td>{r.wall_s():.2f}</td></tr>" for r in runs)
+    return ("<table><tr><th>log</th><th>status</th><th>rounds</th><th>final test accuracy</th><th>best</th>"
+            "<th>final train loss</th><th>clock (s)</th><th>clock kept</th><th>wall (s)</th></tr>" + rows + "</table>")
+
+
+def _table(rows: list[dict]) -> str:
+    if not rows:
+        return ""
+    head = "".join(f"<th>{html.escape(k)}</th>" for k in rows[0])
+    body = "".join("<tr>" + "".join(f"<td>{_num(v) if k not in ('cell', 'seeds') else html.escape(v)}</td>"
+                                    for k, v in row.items()) + "</tr>" for row in rows)
+    return f"<table><tr>{head}</tr>{body}</table>"
+
+
+def figures(sweeps: list[Sweep], runs: list[Run]) -> list[tuple[str, str, object]]:
+    """(section, file stem, figure) of everything the report shows, in page order."""
+    out = []
+    for s in sweeps:
+        name = s.folder.name or str(s.folder)
+        out.append((f"sweep {name}", f"{name}-curves", curves(list(s.cells.items()), f"sweep {name}")))
+        for cell, cell_runs in list(s.cells.items())[:MAX_PARTICIPATION]:
+            stem = "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in cell)
+            out.append((f"sweep {name}", f"{name}-{stem}-participation",
+                        participation(cell_runs[0], f"{cell} (seed of {cell_runs[0].path.name})")))
+    if runs:
+        label = [(r.path.name, [r]) for r in runs]
+        out.append(("runs", "runs-curves", curves(label, "runs" if len(runs) > 1 else runs[0].path.name)))
+        for r in runs[:MAX_PARTICIPATION]:
+            stem = r.path.stem
+            out.append((f"run {r.path.name}", f"{stem}-participation", participation(r, r.path.name)))
+            fig = measured(r, f"{r.path.name}: measured")
+            if fig is not None:
+                out.append((f"run {r.path.name}", f"{stem}-measured", fig))
+    return out
+
+
+CSS = """body{font-family:system-ui,-apple-system,'Segoe UI',sans-serif;max-width:1180px;margin:24px auto;padding:0 16px;
+color:#1d1d1f;line-height:1.45}h1{font-size:1.6em;margin-bottom:0}h2{border-bottom:1px solid #ddd;padding-bottom:4px;
+margin-top:2em}.meta{color:#666}table{border-collapse:collapse;margin:12px 0;font-size:.88em}th,td{border:1px solid #ddd;
+padding:3px 8px;text-align:right}th{background:#f5f5f7}td:first-child,th:first-child{text-align:left}
+img{max-width:100%;border:1px solid #eee;margin:8px 0}pre{background:#f7f7f7;padding:10px;overflow:auto;font-size:.82em}
+details{margin:8px 0}"""
+
+
+def html_page(sweeps: list[Sweep], runs: list[Run]) -> str:
+    figs = figures(sweeps, runs)
+    parts = [f"<!doctype html><html><head><meta charset='utf-8'><title>edgefed report</title><style>{CSS}</style>"
+             "</head><body>", "<h1>edgefed report</h1>",
+             f"<p class='meta'>edgefed {__version__}, "
+             f"{datetime.datetime.now().strftime('%Y-%m-%d %H:%M')}; "
+             f"{len(sweeps)} sweep folder(s), {len(runs)} run log(s)</p>"]
+    for s in sweeps:
+        name = s.folder.name or str(s.folder)
+        parts.append(f"<h2>sweep {html.escape(name)}</h2>")
+        parts.append(f"<p>{sum(len(v) for v in s.cells.values())} runs in {len(s.cells)} cells.</p>")
+        parts.append(_table(s.table))
+        for sec, _, fig in [f for f in figs if f[0] == f"sweep {name}"]:
+            parts.append(f"<img alt='{html.escape(sec)}' src='data:image/png;base64,"
+                         f"{base64.b64encode(_png(fig)).decode()}'>")
+    if runs:
+        parts.append("<h2>runs</h2>")
+        parts.append(_headline(runs))
+        for sec, _, fig in [f for f in figs if f[0] == "runs"]:
+            parts.append(f"<img alt='learning curves' src='data:image/png;base64,{base64.b64encode(_png(fig)).decode()}'>")
+        for r in runs[:MAX_PARTICIPATION]:
+            sec = f"run {r.path.name}"
+            parts.append(f"<h2>{html.escape(sec)}</h2>")
+            parts.append(_headline([r]))
+            for _, _, fig in [f for f in figs if f[0] == sec]:
+                parts.append(f"<img alt='{html.escape(sec)}' src='data:image/png;base64,"
+                             f"{base64.b64encode(_png(fig)).decode()}'>")
+            parts.append(f"<details><summary>config</summary><pre>{html.escape(r.config_toml)}</pre></details>")
+    parts.append("</body></html>")
+    return "\n".join(parts)
+
+
+def write_report(targets, out: Path, fmt: str = "html") -> list[Path]:
+    """The report of these run logs and sweep folders: one HTML page, or (fmt "png") a PNG per figure in
+    the folder `out`. Returns what was written."""
+    sweeps, runs = load_targets(targets)
+    _plt()
+    out = Path(out)
+    try:
+        if fmt == "png":
+            out.mkdir(parents=True, exist_ok=True)
+            written = []
+            for _, stem, fig in figures(sweeps, runs):
+                path = out / f"{stem}.png"
+                path.write_bytes(_png(fig))
+                written.append(path)
+            return written
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = out.with_name(f".{out.name}.tmp")
+        tmp.write_text(html_page(sweeps, runs), encoding="utf-8")
+        tmp.replace(out)
+        return [out]
+    except OSError as exc:
+        raise EdgefedError(f"cannot write the report to {out} ({exc}); choose another --out") from None

@@ -1,0 +1,32 @@
+"""`edgefed summary`: what a run was and what it reached, as lines for a terminal."""
+
+from __future__ import annotations
+
+import math
+
+from edgefed.analysis.logs import Run
+
+
+def _num(value: float, spec: str = ".4f") -> str:
+    return "-" if value is None or (isinstance(value, float) and math.isnan(value)) else format(value, spec)
+
+
+def summary_lines(run: Run, target: float | None = None) -> list[str]:
+    lines = [f"{run.path}: {run.status}, {run.rounds} of {run.rounds_planned} rounds; "
+             f"{run.attrs.get('problem', '')}; model {run.attrs.get('model', '')}"]
+    diffs = run.differences()
+    lines.append("config, where it differs from the built-in default:" if diffs else "config: the built-in default")
+    lines += [f"  {key} = {value!r}" for key, value in diffs]
+    clock = run.clock[-1]
+    lines.append(f"test accuracy: final {_num(run.final('test_accuracy'))}, best {_num(run.best('test_accuracy'))}; "
+                 f"train loss: final {_num(run.final('train_loss'), '.6g')}; "
+                 f"clock {_num(clock, '.3f')} s ({run.attrs.get('clock', 'measured')}), wall {run.wall_s():.2f} s")
+    if target is not None:
+        rounds, seconds = run.to_target(target)
+        lines.append(f"to test accuracy {target:g}: " + ("never reached" if math.isnan(rounds) else
+                                                           f"round {rounds:.0f}, clock {seconds:.3f} s"))
+    lines.append("device  selected  fraction  inactive   late  cpu %")
+    for d in run.devices():
+        lines.append(f"{d['device']:>6}  {d['selected']:>8}  {_num(d['fraction'], '8.3f'):>8}  "
+                     f"{_num(d['inactive'], '8.1%'):>8}  {_num(d['late'], '5.1%'):>5}  {_num(d['cpu_percent'], '5.1f'):>5}")
+    return lines

@@ -1,0 +1,345 @@
+"""`edgefed sweep`: a grid of experiments (axes x seeds) into one folder of ordinary run logs and two tables.
+
+The sweep file (docs/sweeps.md): `base` (a config file, relative to the sweep file; without it the
+built-in default), `seeds`, `[set]` (dotted keys applied to every run, as --set), `[axes]` (dotted keys, each
+a list of values: every combination is a cell) and `[target]` (test_accuracy: report rounds and clock seconds
+to reach it). Precedence: base < set < axes < seed. Every run's config is built and checked before anything
+runs. Running the same command again skips complete runs (their logs untouched), resumes interrupted ones and
+runs the missing; a failed run is recorded with its one-line error and the others go on. With -j N, N runs
+at a time (each its own process); under mpiexec the runs are dealt over the ranks, each in one process.
+"""
+
+from __future__ import annotations
+
+import csv
+import itertools
+import math
+import subprocess
+import sys
+import time
+import tomllib
+from concurrent.futures import ThreadPoolExecutor, as_completed
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import tomli_w
+
+from edgefed import config as config_mod
+from edgefed.analysis.logs import Run
+from edgefed.errors import ConfigError, EdgefedError
+from edgefed.orchestration import run as runs
+from edgefed.runlog import read_resume_point
+from edgefed.runtime.mpi.comm import wait, world
+
+KEYS = ("base", "seeds", "set", "axes", "target")
+TARGETS = ("test_accuracy",)
+FIGURES = ("final_test_accuracy", "best_test_accuracy", "final_train_loss", "wall_s", "clock_s")
+TARGET_FIGURES = ("rounds_to_target", "clock_to_target_s")
+
+
+@dataclass(frozen=True)
+class Job:
+    """One run of the grid."""
+
+    cell: str  # "scheme=A, trace=builtin:4": the cell's axis values, as a name
+    values: tuple  # (dotted key, value) of each axis
+    seed: int
+    log: str  # path relative to the sweep folder
+    raw: dict  # the config as TOML data (base, set, axes, seed)
+
+
+@dataclass(frozen=True)
+class Sweep:
+    path: Path
+    axes: dict
+    target: float | None
+    jobs: tuple[Job, ...]
+
+
+def _value_text(value) -> str:
+    """An axis value as written in the sweep file (strings bare)."""
+    if isinstance(value, str):
+        return value
+    return tomli_w.dumps({"v": value}).partition("=")[2].strip().replace("\n", " ").replace("    ", "")
+
+
+def _slug(text: str) -> str:
+    words = "".join(ch if ch.isalnum() or ch in "." else " " for ch in text).split()
+    return "-".join(words)[:60]
+
+
+def _cell_name(values) -> str:
+    """"scheme=A, trace=builtin:4": each axis by its last key part, unless two axes share it."""
+    short = [k.rpartition(".")[2] for k, _ in values]
+    names = short if len(set(short)) == len(short) else [k for k, _ in values]
+    return ", ".join(f"{n}={_value_text(v)}" for n, (_, v) in zip(names, values)) or "all"
+
+
+def read_sweep(path: Path) -> Sweep:
+    """The sweep file, expanded and every run's config checked (ConfigError naming the axis and value)."""
+    where = f"sweep {path}"
+    try:
+        raw = tomllib.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ConfigError(f"{where} not found") from None
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
+        raise ConfigError(f"{where} is not a readable TOML file ({exc})") from None
+    unknown = [k for k in raw if k not in KEYS]
+    if unknown:
+        raise ConfigError(f"{where}: unknown key {unknown[0]!r}; a sweep has {', '.join(KEYS)}")
+    base = {}
+    if "base" in raw:
+        if not isinstance(raw["base"], str):
+            raise ConfigError(f"{where}: base must be the path of a config file")
+        base = config_mod.read_toml(path.parent / raw["base"])
+    seeds = raw.get("seeds")
+    if seeds is not None and (not isinstance(seeds, list) or not seeds
+                              or not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in seeds)):
+        raise ConfigError(f"{where}: seeds must be a non-empty list of non-negative integers, e.g. seeds = [0, 1, 2]")
+    settings = raw.get("set", {})
+    axes = raw.get("axes", {})
+    for name, table in (("set", settings), ("axes", axes)):
+        if not isinstance(table, dict):
+            raise ConfigError(f"{where}: [{name}] must be a table of dotted keys")
+    for key, values in axes.items():
+        if not isinstance(values, list) or not values:
+            raise ConfigError(f"{where}: axis {key!r} must be a non-empty list of values")
+    target = None
+    if "target" in raw:
+        bad = [k for k in raw["target"] if k not in TARGETS] if isinstance(raw["target"], dict) else ["?"]
+        if bad:
+            raise ConfigError(f"{where}: [target] takes {', '.join(TARGETS)}, not {bad[0]!r}")
+        target = raw["target"].get("test_accuracy")
+        if target is not None and not (isinstance(target, (int, float)) and 0 < target <= 1):
+            raise ConfigError(f"{where}: target test_accuracy = {target!r} must lie in (0, 1]")
+    jobs = []
+    keys = list(axes)
+    for index, combo in enumerate(itertools.product(*(axes[k] for k in keys))):
+        values = tuple(zip(keys, combo))
+        cell = _cell_name(values)
+        for seed in seeds if seeds is not None else [None]:
+            try:
+                cfg_raw = _merged(base, settings, values, seed, where)
+            except ConfigError:
+                _blame_one_axis(base, settings, values, seed, where)
+                raise
+            seed = cfg_raw.get("seed", 0)
+            log = f"runs/{index:03d}-{_slug(cell) or 'run'}-seed{seed}.h5"
+            jobs.append(Job(cell, values, seed, log, cfg_raw))
+    return Sweep(path, axes, None if target is None else float(target), tuple(jobs))
+
+
+def _blame_one_axis(base: dict, settings: dict, values, seed, where: str) -> None:
+    """Raise the error of the first axis value that fails on its own, so the message names it."""
+    for value in values:
+        try:
+            _merged(base, settings, (value,), seed, where)
+        except ConfigError as exc:
+            alone = exc
+            try:
+                _merged(base, settings, (), seed, where)
+            except ConfigError:
+                return  # base + set fail without this axis too: the cell's message says more
+            raise alone from None
+
+
+def _merged(base: dict, settings: dict, values, seed, where: str) -> dict:
+    raw = {k: dict(v) if isinstance(v, dict) else v for k, v in base.items()}
+    try:
+        for key, value in settings.items():
+            config_mod.set_key(raw, key, value)
+    except ConfigError as exc:
+        raise ConfigError(f"{where}: [set]: {exc}") from None
+    for key, value in values:
+        try:
+            config_mod.set_key(raw, key, value)
+        except ConfigError as exc:
+            raise ConfigError(f"{where}: axis {key!r}: {exc}") from None
+    if seed is not None:
+        raw["seed"] = seed
+    try:
+        config_mod.config_from_dict(raw)
+    except ConfigError as exc:
+        what = ", ".join(f"{k!r} = {_value_text(v)}" for k, v in values)
+        what = ("axis " if len(values) == 1 else "cell ") + what if values else ("[set]" if settings else "base")
+        raise ConfigError(f"{where}: {what}: {exc}") from None
+    return raw
+
+
+# -- running ----------------------------------------------------------------------------------------------
+def _state(folder: Path, job: Job) -> tuple[str, object]:
+    """("complete" | "resume" | "new" | "failed", resume point or error) of a job's log as it is now."""
+    path = folder / job.log
+    if not path.exists():
+        return "new", None
+    try:
+        _, point = runs.resolve_config(None, [], str(path))
+    except EdgefedError as exc:
+        return "failed", f"{exc} (delete {path} to run it afresh)"
+    wanted = config_mod.config_from_dict(job.raw)
+    logged = config_mod.config_from_dict(config_mod.parse_toml(point.config_toml))
+    diffs = config_mod.same_experiment(wanted, logged)
+    if diffs:
+        return "failed", (f"{path} belongs to another config (differs in {', '.join(diffs)}); delete it or use "
+                          "another --out")
+    return ("complete" if point.complete else "resume"), point
+
+
+Outcome = tuple[str, "str | None"]  # (what happened: "skipped" | "resumed" | "ran", the one-line error or None)
+
+
+def _run_here(folder: Path, job: Job) -> Outcome:
+    """Run (or resume) one job in this process."""
+    state, point = _state(folder, job)
+    if state in ("complete", "failed"):
+        return "skipped", point if state == "failed" else None
+    what = "resumed" if state == "resume" else "ran"
+    try:
+        runs.run(config_mod.config_from_dict(job.raw), folder / job.log,
+                 resume_point=point if state == "resume" else None)
+    except EdgefedError as exc:
+        return what, str(exc)
+    except Exception as exc:  # noqa: BLE001 - one run's failure must not end the sweep
+        return what, f"{type(exc).__name__}: {exc}"
+    return what, None
+
+
+def _run_apart(folder: Path, job: Job) -> Outcome:
+    """Run (or resume) one job in a process of its own (for -j N)."""
+    state, point = _state(folder, job)
+    if state in ("complete", "failed"):
+        return "skipped", point if state == "failed" else None
+    what = "resumed" if state == "resume" else "ran"
+    path = folder / job.log
+    if state == "resume":
+        cmd = ["run", "--resume", str(path)]
+    else:
+        cfg = folder / "configs" / (Path(job.log).stem + ".toml")
+        cfg.parent.mkdir(parents=True, exist_ok=True)
+        cfg.write_text(tomli_w.dumps(job.raw), encoding="utf-8")
+        cmd = ["run", str(cfg), "--out", str(path)]
+    done = subprocess.run([sys.executable, "-m", "edgefed", *cmd, "--quiet"], capture_output=True, text=True)
+    if done.returncode:
+        lines = [line for line in done.stderr.strip().splitlines() if line.strip()]
+        return what, (lines[-1] if lines else f"exit code {done.returncode}").removeprefix("edgefed: error: ")
+    return what, None
+
+
+def row_of(folder: Path, job: Job, target: float | None, error: str | None) -> dict:
+    """The job's summary.csv row, from its log."""
+    row = {"cell": job.cell, **{k: _value_text(v) for k, v in job.values}, "seed": job.seed, "log": job.log}
+    figures = dict.fromkeys(("rounds", *FIGURES, *(TARGET_FIGURES if target is not None else ())), "")
+    status = "failed" if error else "complete"
+    if (folder / job.log).is_file():
+        try:
+            run = Run.read(folder / job.log)
+            status = "failed" if error else run.status
+            figures.update({"rounds": run.rounds, "final_test_accuracy": run.final("test_accuracy"),
+                            "best_test_accuracy": run.best("test_accuracy"), "final_train_loss": run.final("train_loss"),
+                            "wall_s": run.wall_s(), "clock_s": float(run.clock[-1])})
+            if target is not None:
+                rounds, seconds = run.to_target(target)
+                figures.update({"rounds_to_target": "" if math.isnan(rounds) else int(rounds),
+                                "clock_to_target_s": seconds})
+        except EdgefedError as exc:
+            status, error = "failed", error or str(exc)
+    return {**row, "status": status, **figures, "error": error or ""}
+
+
+def cell_rows(rows: list[dict], axes, target: float | None) -> list[dict]:
+    """cells.csv: per cell, the seeds that completed and mean and std of each figure over them."""
+    out = []
+    names = list(FIGURES) + (list(TARGET_FIGURES) if target is not None else [])
+    for cell in dict.fromkeys(r["cell"] for r in rows):
+        mine = [r for r in rows if r["cell"] == cell]
+        done = [r for r in mine if r["status"] == "complete"]
+        row = {"cell": cell, **{k: mine[0][k] for k in axes}, "seeds": len(done)}
+        for name in names:
+            values = np.array([float(r[name]) for r in done if r[name] != "" and math.isfinite(float(r[name]))])
+            row[f"{name}_mean"] = float(values.mean()) if values.size else ""
+            row[f"{name}_std"] = float(values.std()) if values.size else ""
+            if name in TARGET_FIGURES:
+                row[f"{name}_reached"] = int(values.size)
+        out.append(row)
+    return out
+
+
+def _write_csv(path: Path, rows: list[dict]) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "w", newline="", encoding="utf-8") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]) if rows else ["cell"])
+        writer.writeheader()
+        for row in rows:
+            writer.writerow({k: (repr(v) if isinstance(v, float) and not math.isnan(v) else
+                                 "" if isinstance(v, float) else v) for k, v in row.items()})
+    tmp.replace(path)
+
+
+def _headline(row: dict) -> str:
+    def num(key, spec):
+        value = row.get(key, "")
+        return "-" if value == "" or (isinstance(value, float) and math.isnan(value)) else format(value, spec)
+
+    if row["status"] == "failed":
+        return f"FAILED: {row['error']}"
+    text = f"test acc {num('final_test_accuracy', '.4f')} (best {num('best_test_accuracy', '.4f')}), " \
+           f"clock {num('clock_s', '.3f')} s"
+    if "rounds_to_target" in row:
+        text += f", target at round {num('rounds_to_target', '.0f')}"
+    return text
+
+
+def run_sweep(path: Path, folder: Path, jobs: int = 1, on_line=print, live: bool = False) -> int:
+    """Run the sweep into folder; 0 if every run completed, 1 if any failed."""
+    sweep = read_sweep(path)
+    comm = world()
+    rank, size = (0, 1) if comm is None else (comm.Get_rank(), comm.Get_size())
+    try:
+        (folder / "runs").mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise EdgefedError(f"cannot write the sweep into {folder} ({exc}); choose another --out") from None
+    mine = list(range(rank, len(sweep.jobs), size))
+    started, finished, ran = time.perf_counter(), 0, 0
+    errors: dict[int, str | None] = {}
+
+    def report(i: int, outcome: Outcome) -> None:
+        nonlocal finished, ran
+        what, error = outcome
+        errors[i] = error
+        finished += 1
+        ran += what != "skipped"
+        eta = (time.perf_counter() - started) / max(ran, 1) * (len(mine) - finished)  # skipped runs cost nothing
+        job = sweep.jobs[i]
+        prefix = "" if size == 1 else f"[rank {rank}] "
+        done = "already complete: " if what == "skipped" and not error else "resumed: " if what == "resumed" else ""
+        line = (f"{prefix}run {finished}/{len(mine)}: {job.cell}, seed {job.seed}: {done}"
+                f"{_headline(row_of(folder, job, sweep.target, error))}; ETA {time.strftime('%H:%M:%S', time.gmtime(eta))}")
+        if live:
+            bar = "#" * round(30 * finished / len(mine))
+            on_line(f"\r\033[K{line}\n[{bar:<30}] {finished}/{len(mine)}" + ("\n" if finished == len(mine) else ""))
+        else:
+            on_line(line)
+
+    if jobs > 1 and comm is None:
+        with ThreadPoolExecutor(jobs) as pool:
+            futures = {pool.submit(_run_apart, folder, sweep.jobs[i]): i for i in mine}
+            for future in as_completed(futures):
+                report(futures[future], future.result())
+    else:
+        for i in mine:
+            report(i, _run_here(folder, sweep.jobs[i]))
+    if comm is not None:
+        wait(comm.Ibarrier(), poll_max_s=0.05)  # ranks done early sleep here instead of spinning in gather
+        gathered = comm.gather(errors, root=0)
+        if rank != 0:
+            return comm.bcast(None, root=0)
+        errors = {i: e for part in gathered for i, e in part.items()}
+    rows = [row_of(folder, job, sweep.target, errors.get(i)) for i, job in enumerate(sweep.jobs)]
+    _write_csv(folder / "summary.csv", rows)
+    _write_csv(folder / "cells.csv", cell_rows(rows, sweep.axes, sweep.target))
+    failed = sum(r["status"] == "failed" for r in rows)
+    on_line(f"sweep: {len(rows)} runs in {len(set(r['cell'] for r in rows))} cells, {failed} failed; "
+            f"{folder / 'summary.csv'}, {folder / 'cells.csv'}")
+    code = 1 if failed else 0
+    return code if comm is None else comm.bcast(code, root=0)
