@@ -39,18 +39,43 @@ class Sweep:
     cells: dict[str, list[Run]] = field(default_factory=dict)
     summary: list[dict] = field(default_factory=list)
     table: list[dict] = field(default_factory=list)
+    axes: list[str] = field(default_factory=list)  # dotted keys, in the sweep file's order
+    values: dict[str, dict[str, str]] = field(default_factory=dict)  # cell -> axis -> value as written
 
     @classmethod
     def read(cls, folder: Path) -> "Sweep":
         sweep = cls(folder)
         sweep.summary = _read_csv(folder / "summary.csv")
         sweep.table = _read_csv(folder / "cells.csv") if (folder / "cells.csv").is_file() else []
+        header = list(sweep.summary[0]) if sweep.summary else []
+        if not {"cell", "seed", "log", "status"} <= set(header):
+            raise EdgefedError(f"{folder / 'summary.csv'} is not a sweep's summary; give a folder `edgefed sweep` wrote")
+        sweep.axes = header[1:header.index("seed")]
         for row in sweep.summary:
-            if row.get("status") in ("complete", "running") and (folder / row["log"]).is_file():
+            sweep.values[row["cell"]] = {k: row[k] for k in sweep.axes}
+            if row["status"] in ("complete", "running") and (folder / row["log"]).is_file():
                 sweep.cells.setdefault(row["cell"], []).append(Run.read(folder / row["log"]))
         if not sweep.cells:
             raise EdgefedError(f"sweep folder {folder} holds no readable runs yet; run `edgefed sweep` first")
         return sweep
+
+    @property
+    def name(self) -> str:
+        return self.folder.resolve().name
+
+    def groups(self) -> dict[str, list[tuple[str, list[Run]]]]:
+        """Cells grouped by every axis but the last: one figure per group, a line per value of the last."""
+        out: dict[str, list[tuple[str, list[Run]]]] = {}
+        last = self.axes[-1] if self.axes else None
+        for cell, runs in self.cells.items():
+            values = self.values[cell]
+            group = ", ".join(f"{_short(k)}={values[k]}" for k in self.axes[:-1]) or "all cells"
+            out.setdefault(group, []).append((f"{_short(last)}={values[last]}" if last else cell, runs))
+        return out
+
+
+def _short(key: str) -> str:
+    return key.rpartition(".")[2]
 
 
 def _read_csv(path: Path) -> list[dict]:
@@ -117,6 +142,11 @@ def curves(series: list[tuple[str, list[Run]]], title: str):
                 if len(runs) > 1:
                     ax.fill_between(xs, lo, hi, color=line.get_color(), alpha=0.15, linewidth=0)
             axes[row, 0].set_ylabel(name)
+    losses = np.concatenate([r["metrics/train_loss"] for _, runs in series for r in runs])
+    losses = losses[np.isfinite(losses)]
+    if losses.size and losses.min() > 0 and losses.max() / losses.min() > 20:  # an early spike flattens the rest
+        axes[1, 0].set_yscale("log")
+        axes[1, 0].set_ylabel("train loss (log scale)")
     axes[1, 0].set_xlabel("round")
     axes[1, 1].set_xlabel("federation clock (s)")
     axes[0, 0].set_title("against rounds")
@@ -261,24 +291,85 @@ def _headline(runs: list[Run]) -> str:
             "<th>final train loss</th><th>clock (s)</th><th>clock kept</th><th>wall (s)</th></tr>" + rows + "</table>")
 
 
-def _table(rows: list[dict]) -> str:
-    if not rows:
+CELL_FIGURES = {"final_test_accuracy": ("final test accuracy", ".4f"), "best_test_accuracy": ("best", ".4f"),
+                "final_train_loss": ("final train loss", ".4g"), "clock_s": ("clock (s)", ".3f"),
+                "rounds_to_target": ("rounds to target", ".1f"), "clock_to_target_s": ("clock to target (s)", ".3f")}
+
+
+def _cells_table(sweep: Sweep) -> str:
+    """cells.csv as a person reads it: the axes, the seeds, and mean ± std of each figure."""
+    if not sweep.table:
         return ""
-    head = "".join(f"<th>{html.escape(k)}</th>" for k in rows[0])
-    body = "".join("<tr>" + "".join(f"<td>{_num(v) if k not in ('cell', 'seeds') else html.escape(v)}</td>"
-                                    for k, v in row.items()) + "</tr>" for row in rows)
-    return f"<table><tr>{head}</tr>{body}</table>"
+    shown = [k for k in CELL_FIGURES if f"{k}_mean" in sweep.table[0]]
+    head = "".join(f"<th>{html.escape(_short(k))}</th>" for k in sweep.axes) + "<th>seeds</th>" + "".join(
+        f"<th>{CELL_FIGURES[k][0]}</th>" for k in shown)
+    body = []
+    for row in sweep.table:
+        cells = "".join(f"<td>{html.escape(row[k])}</td>" for k in sweep.axes) + f"<td>{html.escape(row['seeds'])}</td>"
+        for k in shown:
+            spec = CELL_FIGURES[k][1]
+            mean, std = _float(row[f"{k}_mean"]), _float(row[f"{k}_std"])
+            reached = f" ({row[f'{k}_reached']}/{row['seeds']})" if f"{k}_reached" in row else ""
+            cells += f"<td>{'–' if math.isnan(mean) else f'{mean:{spec}} ± {std:{spec}}'}{reached}</td>"
+        body.append(f"<tr>{cells}</tr>")
+    return f"<table><tr>{head}</tr>{''.join(body)}</table>"
+
+
+def overview(sweep: Sweep):
+    """Final test accuracy of every cell, mean and std over seeds: the next-to-last axis along x, a line per
+    value of the last, a panel per combination of the others (the shape of a paper's table)."""
+    if len(sweep.axes) < 2 or not sweep.table or "final_test_accuracy_mean" not in sweep.table[0]:
+        return None
+    plt = _plt()
+    x_key, line_key, rest = sweep.axes[-2], sweep.axes[-1], sweep.axes[:-2]
+    panels = list(dict.fromkeys(tuple(row[k] for k in rest) for row in sweep.table))
+    xs = list(dict.fromkeys(row[x_key] for row in sweep.table))
+    lines = list(dict.fromkeys(row[line_key] for row in sweep.table))
+    fig, axes = plt.subplots(1, len(panels), figsize=(min(max(5.5 * len(panels), 9), 16), 4.2), squeeze=False,
+                             sharey=True, layout="constrained")
+    for ax, panel in zip(axes[0], panels):
+        for i, value in enumerate(lines):
+            rows = {row[x_key]: row for row in sweep.table
+                    if row[line_key] == value and tuple(row[k] for k in rest) == panel}
+            mean = np.array([_float(rows[x]["final_test_accuracy_mean"]) if x in rows else np.nan for x in xs])
+            std = np.array([_float(rows[x]["final_test_accuracy_std"]) if x in rows else np.nan for x in xs])
+            ax.errorbar(np.arange(len(xs)) + (i - (len(lines) - 1) / 2) * 0.06, mean, yerr=std, capsize=2,
+                        linestyle=STYLES[i % len(STYLES)], marker=MARKERS[i % len(MARKERS)], markersize=4,
+                        linewidth=1.3, label=value if panel == panels[0] else None)
+        ax.set_xticks(range(len(xs)), xs, rotation=30 if max(len(x) for x in xs) > 6 else 0, ha="right"
+                      if max(len(x) for x in xs) > 6 else "center")
+        ax.set_xlabel(x_key)
+        ax.set_title(", ".join(f"{_short(k)}={v}" for k, v in zip(rest, panel)))
+    axes[0, 0].set_ylabel("final test accuracy (mean ± std)")
+    fig.legend(loc="outside right upper", fontsize=8, frameon=False, title=line_key, title_fontsize=8)
+    fig.suptitle(f"sweep {sweep.name}: final test accuracy per cell")
+    return fig
+
+
+def _float(text) -> float:
+    try:
+        return float(text)
+    except (TypeError, ValueError):
+        return math.nan
+
+
+def _stem(text: str) -> str:
+    """A file name part: the words of the text joined by '-'."""
+    return "-".join("".join(ch if ch.isalnum() or ch in "._" else " " for ch in text).split())[:80]
 
 
 def figures(sweeps: list[Sweep], runs: list[Run]) -> list[tuple[str, str, object]]:
     """(section, file stem, figure) of everything the report shows, in page order."""
     out = []
     for s in sweeps:
-        name = s.folder.name or str(s.folder)
-        out.append((f"sweep {name}", f"{name}-curves", curves(list(s.cells.items()), f"sweep {name}")))
+        name = s.name
+        fig = overview(s)
+        if fig is not None:
+            out.append((f"sweep {name}", f"{name}-overview", fig))
+        for group, series in list(s.groups().items())[:MAX_PARTICIPATION]:
+            out.append((f"sweep {name}", f"{name}-{_stem(group)}-curves", curves(series, f"{name}: {group}")))
         for cell, cell_runs in list(s.cells.items())[:MAX_PARTICIPATION]:
-            stem = "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in cell)
-            out.append((f"sweep {name}", f"{name}-{stem}-participation",
+            out.append((f"sweep {name}", f"{name}-{_stem(cell)}-participation",
                         participation(cell_runs[0], f"{cell} (seed of {cell_runs[0].path.name})")))
     if runs:
         label = [(r.path.name, [r]) for r in runs]
@@ -308,13 +399,19 @@ def html_page(sweeps: list[Sweep], runs: list[Run]) -> str:
              f"{datetime.datetime.now().strftime('%Y-%m-%d %H:%M')}; "
              f"{len(sweeps)} sweep folder(s), {len(runs)} run log(s)</p>"]
     for s in sweeps:
-        name = s.folder.name or str(s.folder)
+        name = s.name
         parts.append(f"<h2>sweep {html.escape(name)}</h2>")
-        parts.append(f"<p>{sum(len(v) for v in s.cells.values())} runs in {len(s.cells)} cells.</p>")
-        parts.append(_table(s.table))
+        failed = sum(row["status"] == "failed" for row in s.summary)
+        parts.append(f"<p>{sum(len(v) for v in s.cells.values())} runs in {len(s.cells)} cells"
+                     f"{f', {failed} failed (see summary.csv)' if failed else ''}; axes: "
+                     f"{html.escape(', '.join(s.axes) or 'none')}.</p>")
+        parts.append(_cells_table(s))
         for sec, _, fig in [f for f in figs if f[0] == f"sweep {name}"]:
             parts.append(f"<img alt='{html.escape(sec)}' src='data:image/png;base64,"
                          f"{base64.b64encode(_png(fig)).decode()}'>")
+        first = next(iter(s.cells.values()))[0]
+        parts.append(f"<details><summary>config of {html.escape(first.path.name)} (the axes vary)</summary>"
+                     f"<pre>{html.escape(first.config_toml)}</pre></details>")
     if runs:
         parts.append("<h2>runs</h2>")
         parts.append(_headline(runs))

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import csv
 import itertools
+import json
 import math
 import subprocess
 import sys
@@ -52,16 +53,27 @@ class Job:
 @dataclass(frozen=True)
 class Sweep:
     path: Path
-    axes: dict
+    axes: tuple[str, ...]  # the dotted key of every axis (a linked axis gives each of its keys)
     target: float | None
     jobs: tuple[Job, ...]
 
 
+def _inline_toml(value) -> str:
+    """A value as inline TOML, on one line (tomli_w writes arrays of tables over several)."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return json.dumps(value)  # a TOML basic string
+    if isinstance(value, list):
+        return "[" + ", ".join(_inline_toml(v) for v in value) + "]"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{k} = {_inline_toml(v)}" for k, v in value.items()) + "}"
+    return tomli_w.dumps({"v": value}).partition("=")[2].strip()
+
+
 def _value_text(value) -> str:
     """An axis value as written in the sweep file (strings bare)."""
-    if isinstance(value, str):
-        return value
-    return tomli_w.dumps({"v": value}).partition("=")[2].strip().replace("\n", " ").replace("    ", "")
+    return value if isinstance(value, str) else _inline_toml(value)
 
 
 def _slug(text: str) -> str:
@@ -92,7 +104,10 @@ def read_sweep(path: Path) -> Sweep:
     if "base" in raw:
         if not isinstance(raw["base"], str):
             raise ConfigError(f"{where}: base must be the path of a config file")
-        base = config_mod.read_toml(path.parent / raw["base"])
+        try:
+            base = config_mod.read_toml(path.parent / raw["base"])
+        except ConfigError as exc:
+            raise ConfigError(f"{where}: base: {exc}") from None
     seeds = raw.get("seeds")
     if seeds is not None and (not isinstance(seeds, list) or not seeds
                               or not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in seeds)):
@@ -102,9 +117,18 @@ def read_sweep(path: Path) -> Sweep:
     for name, table in (("set", settings), ("axes", axes)):
         if not isinstance(table, dict):
             raise ConfigError(f"{where}: [{name}] must be a table of dotted keys")
+    groups = []  # (keys, value tuples): an axis "a.x,a.y" links keys that move together
     for key, values in axes.items():
         if not isinstance(values, list) or not values:
             raise ConfigError(f"{where}: axis {key!r} must be a non-empty list of values")
+        keys = tuple(k.strip() for k in key.split(","))
+        if len(keys) > 1 and not all(isinstance(v, list) and len(v) == len(keys) for v in values):
+            raise ConfigError(f"{where}: axis {key!r} links {len(keys)} keys: each value must be a list of "
+                              f"{len(keys)}, one per key, e.g. [{', '.join(['0.5'] * len(keys))}]")
+        groups.append((keys, [tuple(v) if len(keys) > 1 else (v,) for v in values]))
+    columns = [k for keys, _ in groups for k in keys]
+    if len(set(columns)) < len(columns):
+        raise ConfigError(f"{where}: a key appears in two axes; give each key one axis")
     target = None
     if "target" in raw:
         bad = [k for k in raw["target"] if k not in TARGETS] if isinstance(raw["target"], dict) else ["?"]
@@ -114,9 +138,8 @@ def read_sweep(path: Path) -> Sweep:
         if target is not None and not (isinstance(target, (int, float)) and 0 < target <= 1):
             raise ConfigError(f"{where}: target test_accuracy = {target!r} must lie in (0, 1]")
     jobs = []
-    keys = list(axes)
-    for index, combo in enumerate(itertools.product(*(axes[k] for k in keys))):
-        values = tuple(zip(keys, combo))
+    for index, combo in enumerate(itertools.product(*(values for _, values in groups))):
+        values = tuple((k, v) for (keys, _), picked in zip(groups, combo) for k, v in zip(keys, picked))
         cell = _cell_name(values)
         for seed in seeds if seeds is not None else [None]:
             try:
@@ -127,7 +150,7 @@ def read_sweep(path: Path) -> Sweep:
             seed = cfg_raw.get("seed", 0)
             log = f"runs/{index:03d}-{_slug(cell) or 'run'}-seed{seed}.h5"
             jobs.append(Job(cell, values, seed, log, cfg_raw))
-    return Sweep(path, axes, None if target is None else float(target), tuple(jobs))
+    return Sweep(path, tuple(columns), None if target is None else float(target), tuple(jobs))
 
 
 def _blame_one_axis(base: dict, settings: dict, values, seed, where: str) -> None:
