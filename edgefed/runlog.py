@@ -253,7 +253,7 @@ class RunLogWriter:
             self._f.close()
         if final_attrs:
             # Attributes cannot change under SWMR; reopen normally once the writer is gone.
-            with h5py.File(self.path, "r+") as f:
+            with h5py.File(self.path, "r+", libver=LIBVER) as f:
                 for key, value in final_attrs.items():
                     f.attrs[key] = value
 
@@ -350,6 +350,10 @@ def open_run(path: str | Path) -> h5py.File:
     path = Path(path)
     if not path.is_file():
         raise RunLogError(f"run log {path} not found")
+    cut = _cut_short(path)
+    if cut is not None:  # checked here: HDF5's SWMR open skips it, and then retries the missing bytes for minutes
+        raise RunLogError(f"{path} is cut short: {cut[0]} of its {cut[1]} bytes are there; the file is damaged "
+                          "(copy it again)")
     try:
         f = h5py.File(path, "r", libver="latest", swmr=True)
     except OSError:
@@ -365,6 +369,22 @@ def open_run(path: str | Path) -> h5py.File:
         f.close()
         raise RunLogError(f"{path} has log format {version}, newer than this edgefed reads ({FORMAT_VERSION}); upgrade")
     return f
+
+
+def _cut_short(path: Path) -> tuple[int, int] | None:
+    """(bytes present, bytes the superblock says the file has) when the file is shorter than its superblock
+    says. Version 2 and 3 superblocks (every edgefed log): signature, version, offset and length sizes,
+    flags, then base, extension and end-of-file addresses. A log being written grows first and records its
+    end at each flush, so a healthy log is never short."""
+    with open(path, "rb") as f:
+        head = f.read(48)
+    if len(head) < 12 or head[:8] != b"\x89HDF\r\n\x1a\n" or head[8] not in (2, 3):
+        return None
+    size_of_offsets = head[9]
+    at = 12 + 2 * size_of_offsets
+    stored = int.from_bytes(head[at:at + size_of_offsets], "little")
+    present = path.stat().st_size
+    return (present, stored) if present < stored else None
 
 
 def read_run(path: str | Path) -> dict:

@@ -114,6 +114,12 @@ def _plt():
     return plt
 
 
+def _matplotlib_at_least(*version: int) -> bool:
+    import matplotlib
+
+    return tuple(int(p) for p in matplotlib.__version__.split(".")[:2] if p.isdigit()) >= version
+
+
 # -- figures --------------------------------------------------------------------------------------------------
 def curves(series: list[tuple[str, list[Run]]], title: str):
     """Test accuracy and train loss against round and against clock: a line per series (mean over its
@@ -178,8 +184,7 @@ def participation(run: Run, title: str):
     fig = plt.figure(figsize=(11, 3.2 + 0.06 * n), layout="constrained")
     grid = fig.add_gridspec(2, 2, width_ratios=(3, 1), height_ratios=(1, 1))
     ax = fig.add_subplot(grid[0, 0])
-    cmap = plt.get_cmap("viridis").copy()
-    cmap.set_bad("#f2f2f2")  # not selected
+    cmap = plt.get_cmap("viridis").with_extremes(bad="#f2f2f2")  # bad: not selected
     extent = (0.5, rounds + 0.5, n - 0.5, -0.5)
     im = ax.imshow(np.ma.masked_invalid(frac), aspect="auto", cmap=cmap, vmin=0, vmax=1, extent=extent,
                    interpolation="nearest")
@@ -200,7 +205,8 @@ def participation(run: Run, title: str):
     fig.colorbar(im, ax=ax, fraction=0.03, pad=0.01)
     box = fig.add_subplot(grid[:, 1])
     spread = [row[np.isfinite(row)] for row in frac]
-    box.boxplot([s if s.size else [np.nan] for s in spread], vert=False, widths=0.6, showfliers=False)
+    sideways = {"orientation": "horizontal"} if _matplotlib_at_least(3, 10) else {"vert": False}
+    box.boxplot([s if s.size else [np.nan] for s in spread], widths=0.6, showfliers=False, **sideways)
     box.set_yticks(range(1, n + 1), [str(k) for k in range(n)] if n <= 40 else [""] * n)
     box.invert_yaxis()
     box.set_xlim(-0.02, 1.02)
@@ -238,8 +244,7 @@ def measured(run: Run, title: str):
                              height_ratios=[1.4 + 0.05 * n] * len(panels) + [2.2] * timed)
     for ax, (name, label) in zip(axes[:, 0], panels):
         values = run[name].T.astype(float)
-        cmap = plt.get_cmap("magma").copy()
-        cmap.set_bad("#f2f2f2")
+        cmap = plt.get_cmap("magma").with_extremes(bad="#f2f2f2")
         scale = {"vmin": 0, "vmax": max(100.0, float(np.nanmax(values)))} if name.endswith("cpu_percent") else {}
         im = ax.imshow(np.ma.masked_invalid(values), aspect="auto", cmap=cmap, interpolation="nearest",
                        extent=(0.5, values.shape[1] + 0.5, n - 0.5, -0.5), **scale)
