@@ -1,10 +1,17 @@
 """The shape of the flexible-participation paper's experiments (Ruan et al.), on SYNTHETIC with logistic regression.
 
-    python benchmarks/flexible_participation.py schemes    [--seeds 0 1]   # (1) A/B/C vs number of traces
-    python benchmarks/flexible_participation.py reboot     [--seeds 0 1 2] # (2) fast-reboot after an arrival
-    python benchmarks/flexible_participation.py departure  [--seeds 0 1 2] # (3) include vs exclude
+The grids themselves are shipped sweeps (examples/sweeps/); this script runs them when their folder is not
+there yet (`edgefed sweep` skips what is done) and computes what a sweep table does not hold:
+
+    python benchmarks/flexible_participation.py schemes    [--sweep runs/schemes-mnist-2nn]  # (1) as Table 3
+    python benchmarks/flexible_participation.py reboot     [--sweep runs/fast-reboot]  # (2) rounds to recover
+    python benchmarks/flexible_participation.py departure  [--sweep runs/departure]    # (3) include vs exclude
     python benchmarks/flexible_participation.py rules      [--seeds 0 1 2] # (4) A/B/C, FedNova, drop, FedProx
     python benchmarks/flexible_participation.py inconsistency              # (5) where each rule's rounds stop
+
+(1), Schemes A/B/C as the traces grow, is the sweep alone (examples/sweeps/schemes-synthetic.toml and
+schemes-mnist-2nn.toml); `schemes` only lays its cells.csv out as the paper's table. (4) stays a script: FedProx's mu is a key only FedProx
+takes, so its rows are not one grid with the schemes'.
 
 Common setting (the paper's): staircase learning rate eta_0 / r with eta_0 = 1, batch 20, count weights
 p_k = n_k / n, every device of the federation works every round, K = 20 local steps, and each device's
@@ -14,15 +21,21 @@ completed steps drawn every round from one of edgefed's built-in measured traces
 from __future__ import annotations
 
 import argparse
+import csv
 import platform
+import sys
 import tempfile
 from pathlib import Path
 
 import numpy as np
 
 from edgefed import config as config_mod
+from edgefed.analysis.logs import Run
 from edgefed.orchestration import run as runs
+from edgefed.orchestration.sweep import run_sweep
 from edgefed.runlog import read_run
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples" / "sweeps"
 
 COMMON = ['train.clients_per_round="all"', "train.local_steps=20", "train.batch_size=20", "train.lr_local=1.0",
           'train.lr_schedule="staircase"', 'train.weighting="count_global"', 'participation.mode="trace"']
@@ -36,27 +49,6 @@ def run(overrides, folder: Path, name: str) -> dict:
     return read_run(path)
 
 
-def schemes(args, folder):
-    print("(1) Final test accuracy (mean of the last 5 evaluations, every 10 rounds) of Schemes A, B, C as the")
-    print(f"    number of built-in traces grows; 50 devices, Pareto sample counts, {args.rounds} rounds, seeds {args.seeds}.")
-    print("    Traces in order: cpu0, cpu30, cpu50, cpu70, cpu90 (CPU competitors), bw-high, bw-medium, bw-low (lost uploads).")
-    for dataset, data in DATASETS.items():
-        print(f"\n{dataset}\n\n| traces | A | B | C | best |\n| --- | --- | --- | --- | --- |")
-        for k in range(1, 9):
-            accs = {}
-            for scheme in "ABC":
-                finals = []
-                for seed in args.seeds:
-                    log = run(data + [f"seed={seed}", "data.clients=50", 'data.samples="pareto"', f"rounds={args.rounds}",
-                                      f'participation.trace="builtin:{k}"', f'participation.scheme="{scheme}"',
-                                      "log.eval_every=10", "log.every=1000"], folder, f"s{k}{scheme}{seed}")
-                    acc = log["metrics/test_accuracy"]
-                    finals.append(np.nanmean(acc[np.isfinite(acc)][-5:]))
-                accs[scheme] = float(np.mean(finals))
-            best = max(accs, key=accs.get)
-            print(f"| {k} | {accs['A']:.4f} | {accs['B']:.4f} | {accs['C']:.4f} | {best} |", flush=True)
-
-
 def rounds_to_recover(acc: np.ndarray, arrival: int):
     """Rounds after the arrival until test accuracy is back at its level just before it (None: never)."""
     before = acc[arrival - 1]
@@ -64,58 +56,84 @@ def rounds_to_recover(acc: np.ndarray, arrival: int):
     return int(later[0]) if later.size else None
 
 
-def reboot(args, folder):
+def swept(name: str, folder: Path | None) -> list[tuple[Run, dict]]:
+    """The runs of a shipped sweep (run first where its folder lacks them) with their configs."""
+    folder = folder or Path("runs") / name
+    if run_sweep(EXAMPLES / f"{name}.toml", folder, on_line=lambda line: print(f"    {line}", flush=True)):
+        raise SystemExit(f"some runs of {name} failed; see {folder / 'summary.csv'}")
+    out = []
+    with open(folder / "summary.csv", newline="") as f:
+        for row in csv.DictReader(f):
+            run = Run.read(folder / row["log"])
+            out.append((run, run.config_dict()))
+    return out
+
+
+def schemes(args):
+    """(1) as the paper's Table 3: a table per data set, a row per number of traces, a column per rule."""
+    name = args.sweep.name if args.sweep else "schemes-synthetic"
+    print(f"(1) Final test accuracy (mean ± std over seeds) per rule as the built-in traces grow, from the sweep")
+    print(f"    examples/sweeps/{name}.toml; in brackets, the mean round the test accuracy first reached the")
+    print("    sweep's target (seeds that never did left out; '-': none did).")
+    swept(name, args.sweep)
+    with open((args.sweep or Path("runs") / name) / "cells.csv", newline="") as f:
+        cells = list(csv.DictReader(f))
+    rules = list(dict.fromkeys(c["participation.scheme"] for c in cells))
+    for data in dict.fromkeys((c.get("data.alpha"), c.get("data.beta")) for c in cells):
+        title = f"SYNTHETIC({float(data[0]):g},{float(data[1]):g})" if data[0] else name
+        print(f"\n{title}\n\n| traces | " + " | ".join(rules) + " | best |\n|" + " --- |" * (len(rules) + 2))
+        for trace in dict.fromkeys(c["participation.trace"] for c in cells):
+            row = {c["participation.scheme"]: c for c in cells
+                   if c["participation.trace"] == trace and (c.get("data.alpha"), c.get("data.beta")) == data}
+            means = {r: float(row[r]["final_test_accuracy_mean"]) for r in rules}
+            text = [f"{means[r]:.4f} ± {float(row[r]['final_test_accuracy_std']):.4f} ({_rounds(row[r])})"
+                    for r in rules]
+            print(f"| {trace.removeprefix('builtin:')} | " + " | ".join(text) + f" | {max(means, key=means.get)} |")
+
+
+def _rounds(cell: dict) -> str:
+    value = cell["rounds_to_target_mean"]
+    return f"{float(value):.0f}" if value else "-"
+
+
+def reboot(args):
     print("(2) Rounds to recover the pre-arrival test accuracy after device 29 arrives, with and without")
     print("    fast-reboot (b = 3); SYNTHETIC(1,1), 30 devices of 200 samples, traces builtin:5, Scheme C,")
-    print(f"    {args.rounds} rounds, seeds {args.seeds}. Test accuracy over the federation, every round.")
+    print("    200 rounds, seeds 0, 1, 2 (examples/sweeps/fast-reboot.toml). Test accuracy over the federation,")
+    print("    every round.")
+    got: dict[tuple[int, bool], list] = {}
+    for run, cfg in swept("fast-reboot", args.sweep):
+        arrival = cfg["dynamics"]["arrive"][0]["round"]
+        got.setdefault((arrival, cfg["dynamics"]["fast_reboot"]), []).append(
+            rounds_to_recover(run["metrics/test_accuracy"], arrival))
     print("\n| arrival round | without fast-reboot | with fast-reboot |\n| --- | --- | --- |")
-    for arrival in (20, 60, 120):
-        cells = []
-        for fast in (False, True):
-            got = []
-            for seed in args.seeds:
-                log = run(DATASETS["SYNTHETIC(1,1)"] + [
-                    f"seed={seed}", "data.clients=30", "data.samples=200", f"rounds={args.rounds}",
-                    'participation.trace="builtin:5"', 'participation.scheme="C"', "log.every=1000",
-                    f"dynamics.fast_reboot={'true' if fast else 'false'}",
-                    f"dynamics.arrive=[{{device = 29, round = {arrival}}}]"], folder, f"r{arrival}{fast}{seed}")
-                got.append(rounds_to_recover(log["metrics/test_accuracy"], arrival))
-            cells.append(", ".join("never" if g is None else str(g) for g in got))
+    for arrival in sorted({a for a, _ in got}):
+        cells = [", ".join("never" if g is None else str(g) for g in got[(arrival, fast)]) for fast in (False, True)]
         print(f"| {arrival} | {cells[0]} | {cells[1]} |", flush=True)
 
 
-def departure(args, folder):
+def departure(args):
     print("(3) Test loss on the remaining 29 devices after device 29 departs, include vs exclude; the first")
     print("    round from which exclude stays below include. 30 devices of 200 samples, traces builtin:5,")
-    print(f"    Scheme C, {args.rounds} rounds, seeds {args.seeds}.")
+    print("    Scheme C, 200 rounds, seeds 0, 1, 2 (examples/sweeps/departure.toml).")
+    losses: dict[tuple, list] = {}
+    for run, cfg in swept("departure", args.sweep):
+        (leave,) = cfg["dynamics"]["depart"]
+        key = (cfg["data"]["alpha"], leave["round"], leave["policy"])
+        losses.setdefault(key, []).append(remaining_test_loss(cfg, run["trajectory/x"], range(29)))
     print("\n| data | departure round | test loss at departure | include at end | exclude at end | curves cross at |")
     print("| --- | --- | --- | --- | --- | --- |")
-    for dataset, data in (("SYNTHETIC(0,0)", DATASETS["SYNTHETIC(0,0)"]),
-                          ("SYNTHETIC(0.5,0.5)", ["data.alpha=0.5", "data.beta=0.5"]),
-                          ("SYNTHETIC(1,1)", DATASETS["SYNTHETIC(1,1)"])):
-        for leave in (50, 100):
-            rows = {}
-            for policy in ("include", "exclude"):
-                losses = []
-                for seed in args.seeds:
-                    overrides = data + [
-                        f"seed={seed}", "data.clients=30", "data.samples=200", f"rounds={args.rounds}",
-                        'participation.trace="builtin:5"', 'participation.scheme="C"', "log.eval_every=1000",
-                        f'dynamics.depart=[{{device = 29, round = {leave}, policy = "{policy}"}}]']
-                    log = run(overrides, folder, f"d{leave}{policy}{seed}")
-                    losses.append(remaining_test_loss(overrides, log["trajectory/x"], range(29)))
-                rows[policy] = np.mean(losses, axis=0)
-            inc, exc = rows["include"], rows["exclude"]
-            below = exc[leave:] < inc[leave:]
-            cross = next((leave + i for i in range(below.size) if below[i:].all()), None)
-            print(f"| {dataset} | {leave} | {inc[leave - 1]:.4f} | {inc[-1]:.4f} | {exc[-1]:.4f} | "
-                  f"{'never' if cross is None else cross} |", flush=True)
+    for alpha, leave in sorted({(a, r) for a, r, _ in losses}):
+        inc, exc = (np.mean(losses[(alpha, leave, policy)], axis=0) for policy in ("include", "exclude"))
+        below = exc[leave:] < inc[leave:]
+        cross = next((leave + i for i in range(below.size) if below[i:].all()), None)
+        print(f"| SYNTHETIC({alpha:g},{alpha:g}) | {leave} | {inc[leave - 1]:.4f} | {inc[-1]:.4f} | {exc[-1]:.4f} | "
+              f"{'never' if cross is None else cross} |", flush=True)
 
 
-def remaining_test_loss(overrides, trajectory, devices) -> np.ndarray:
+def remaining_test_loss(raw: dict, trajectory, devices) -> np.ndarray:
     """Held-out loss of every stored model on the given devices' test data."""
-    cfg = config_mod.load_config(None, COMMON + overrides)
-    problem, model = runs.problem_and_model(cfg)
+    problem, model = runs.problem_and_model(config_mod.config_from_dict(raw))
     data = [problem.device(k) for k in devices]
     n = sum(d.y_test.size for d in data)
     return np.array([sum(model.loss_correct(x, d.X_test, d.y_test)[0] for d in data) / n for x in trajectory])
@@ -187,15 +205,18 @@ def inconsistency(args, folder):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("experiment", choices=["schemes", "reboot", "departure", "rules", "inconsistency"])
+    parser.add_argument("--sweep", type=Path, help="schemes, reboot, departure: the sweep's folder, named as its "
+                                                   "sweep file (default runs/schemes-synthetic, fast-reboot, departure)")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0])
     parser.add_argument("--rounds", type=int, default=200)
     args = parser.parse_args()
     print(f"# {platform.machine()}, Python {platform.python_version()}; command: "
-          f"python benchmarks/flexible_participation.py {args.experiment} --seeds {' '.join(map(str, args.seeds))} "
-          f"--rounds {args.rounds}\n")
+          f"python benchmarks/flexible_participation.py {' '.join(sys.argv[1:])}\n")
+    if args.experiment in ("schemes", "reboot", "departure"):
+        {"schemes": schemes, "reboot": reboot, "departure": departure}[args.experiment](args)
+        return
     with tempfile.TemporaryDirectory() as tmp:
-        {"schemes": schemes, "reboot": reboot, "departure": departure, "rules": rules,
-         "inconsistency": inconsistency}[args.experiment](args, Path(tmp))
+        {"rules": rules, "inconsistency": inconsistency}[args.experiment](args, Path(tmp))
 
 
 if __name__ == "__main__":

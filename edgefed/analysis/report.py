@@ -363,35 +363,40 @@ def _stem(text: str) -> str:
     return "-".join("".join(ch if ch.isalnum() or ch in "._" else " " for ch in text).split())[:80]
 
 
-def figures(sweeps: list[Sweep], runs: list[Run]) -> list[tuple[str, str, object]]:
-    """(section, file stem, figure) of everything the report shows, in page order."""
+def figures(sweeps: list[Sweep], runs: list[Run]) -> list[tuple[str, str, bytes]]:
+    """(section, file stem, PNG) of everything the report shows, in page order; each figure is drawn,
+    encoded and closed before the next (a sweep has many)."""
     out = []
-    for s in sweeps:
-        name = s.name
-        fig = overview(s)
+
+    def add(section: str, stem: str, fig) -> None:
         if fig is not None:
-            out.append((f"sweep {name}", f"{name}-overview", fig))
+            out.append((section, stem, _png(fig)))
+
+    for s in sweeps:
+        sec = f"sweep {s.name}"
+        add(sec, f"{s.name}-overview", overview(s))
         for group, series in list(s.groups().items())[:MAX_PARTICIPATION]:
-            out.append((f"sweep {name}", f"{name}-{_stem(group)}-curves", curves(series, f"{name}: {group}")))
+            add(sec, f"{s.name}-{_stem(group)}-curves", curves(series, f"{s.name}: {group}"))
         for cell, cell_runs in list(s.cells.items())[:MAX_PARTICIPATION]:
-            out.append((f"sweep {name}", f"{name}-{_stem(cell)}-participation",
-                        participation(cell_runs[0], f"{cell} (seed of {cell_runs[0].path.name})")))
+            add(sec, f"{s.name}-{_stem(cell)}-participation",
+                participation(cell_runs[0], f"{cell} (seed of {cell_runs[0].path.name})"))
     if runs:
-        label = [(r.path.name, [r]) for r in runs]
-        out.append(("runs", "runs-curves", curves(label, "runs" if len(runs) > 1 else runs[0].path.name)))
+        add("runs", "runs-curves", curves([(r.path.name, [r]) for r in runs],
+                                          "runs" if len(runs) > 1 else runs[0].path.name))
         for r in runs[:MAX_PARTICIPATION]:
-            stem = r.path.stem
-            out.append((f"run {r.path.name}", f"{stem}-participation", participation(r, r.path.name)))
-            fig = measured(r, f"{r.path.name}: measured")
-            if fig is not None:
-                out.append((f"run {r.path.name}", f"{stem}-measured", fig))
+            add(f"run {r.path.name}", f"{r.path.stem}-participation", participation(r, r.path.name))
+            add(f"run {r.path.name}", f"{r.path.stem}-measured", measured(r, f"{r.path.name}: measured"))
     return out
+
+
+def _img(alt: str, png: bytes) -> str:
+    return f"<img alt='{html.escape(alt)}' src='data:image/png;base64,{base64.b64encode(png).decode()}'>"
 
 
 CSS = """body{font-family:system-ui,-apple-system,'Segoe UI',sans-serif;max-width:1180px;margin:24px auto;padding:0 16px;
 color:#1d1d1f;line-height:1.45}h1{font-size:1.6em;margin-bottom:0}h2{border-bottom:1px solid #ddd;padding-bottom:4px;
 margin-top:2em}.meta{color:#666}table{border-collapse:collapse;margin:12px 0;font-size:.88em}th,td{border:1px solid #ddd;
-padding:3px 8px;text-align:right}th{background:#f5f5f7}td:first-child,th:first-child{text-align:left}
+padding:3px 8px;text-align:right;white-space:nowrap}th{background:#f5f5f7}td:first-child,th:first-child{text-align:left}
 img{max-width:100%;border:1px solid #eee;margin:8px 0}pre{background:#f7f7f7;padding:10px;overflow:auto;font-size:.82em}
 details{margin:8px 0}"""
 
@@ -410,25 +415,29 @@ def html_page(sweeps: list[Sweep], runs: list[Run]) -> str:
         parts.append(f"<p>{sum(len(v) for v in s.cells.values())} runs in {len(s.cells)} cells"
                      f"{f', {failed} failed (see summary.csv)' if failed else ''}; axes: "
                      f"{html.escape(', '.join(s.axes) or 'none')}.</p>")
-        parts.append(_cells_table(s))
-        for sec, _, fig in [f for f in figs if f[0] == f"sweep {name}"]:
-            parts.append(f"<img alt='{html.escape(sec)}' src='data:image/png;base64,"
-                         f"{base64.b64encode(_png(fig)).decode()}'>")
+        table = _cells_table(s)
+        if len(s.table) <= 24:
+            parts.append(table)
+        parts += [_img(stem, png) for sec, stem, png in figs if sec == f"sweep {name}"]
+        if len(s.table) > 24:
+            parts.append(f"<details><summary>the {len(s.table)} cells (cells.csv)</summary>{table}</details>")
+        groups, cells = len(s.groups()), len(s.cells)
+        if groups > MAX_PARTICIPATION or cells > MAX_PARTICIPATION:
+            parts.append(f"<p class='meta'>Shown: learning curves of the first {min(groups, MAX_PARTICIPATION)} of "
+                         f"{groups} groups and participation of the first {min(cells, MAX_PARTICIPATION)} of {cells} "
+                         "cells; report a smaller sweep folder, or single logs, for the others.</p>")
         first = next(iter(s.cells.values()))[0]
         parts.append(f"<details><summary>config of {html.escape(first.path.name)} (the axes vary)</summary>"
                      f"<pre>{html.escape(first.config_toml)}</pre></details>")
     if runs:
         parts.append("<h2>runs</h2>")
         parts.append(_headline(runs))
-        for sec, _, fig in [f for f in figs if f[0] == "runs"]:
-            parts.append(f"<img alt='learning curves' src='data:image/png;base64,{base64.b64encode(_png(fig)).decode()}'>")
+        parts += [_img(stem, png) for sec, stem, png in figs if sec == "runs"]
         for r in runs[:MAX_PARTICIPATION]:
             sec = f"run {r.path.name}"
             parts.append(f"<h2>{html.escape(sec)}</h2>")
             parts.append(_headline([r]))
-            for _, _, fig in [f for f in figs if f[0] == sec]:
-                parts.append(f"<img alt='{html.escape(sec)}' src='data:image/png;base64,"
-                             f"{base64.b64encode(_png(fig)).decode()}'>")
+            parts += [_img(stem, png) for section, stem, png in figs if section == sec]
             parts.append(f"<details><summary>config</summary><pre>{html.escape(r.config_toml)}</pre></details>")
     parts.append("</body></html>")
     return "\n".join(parts)
@@ -444,9 +453,9 @@ def write_report(targets, out: Path, fmt: str = "html") -> list[Path]:
         if fmt == "png":
             out.mkdir(parents=True, exist_ok=True)
             written = []
-            for _, stem, fig in figures(sweeps, runs):
+            for _, stem, png in figures(sweeps, runs):
                 path = out / f"{stem}.png"
-                path.write_bytes(_png(fig))
+                path.write_bytes(png)
                 written.append(path)
             return written
         out.parent.mkdir(parents=True, exist_ok=True)
