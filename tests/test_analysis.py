@@ -7,6 +7,7 @@ import re
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import h5py
 import numpy as np
@@ -173,6 +174,24 @@ def test_report_of_several_logs_and_a_sweep_folder(logs, sweep_folder, tmp_path)
         mean, std = float(cell["final_test_accuracy_mean"]), float(cell["final_test_accuracy_std"])
         assert f"<td>{mean:.4f} ± {std:.4f}</td>" in page
     assert "4 cells; axes: participation.trace, participation.scheme" in page
+
+
+def test_linked_axes_are_one_dimension_of_the_report():
+    from edgefed.analysis.report import Sweep
+
+    def sweep(pairs):
+        cells = {f"c{i}": {"data.alpha": a, "data.beta": b, "participation.scheme": s}
+                 for i, (a, b, s) in enumerate((a, b, s) for a, b in pairs for s in "AC")}
+        return Sweep(Path("."), cells={c: [] for c in cells}, axes=["data.alpha", "data.beta",
+                                                                   "participation.scheme"], values=cells)
+
+    linked = sweep([("0", "0"), ("1", "1")])
+    assert linked.dimensions() == [("data.alpha", "data.beta"), ("participation.scheme",)]
+    assert list(linked.groups()) == ["alpha=0, beta=0", "alpha=1, beta=1"]
+    assert [label for label, _ in linked.groups()["alpha=1, beta=1"]] == ["scheme=A", "scheme=C"]
+    grid = sweep([("0", "0"), ("0", "1"), ("1", "0"), ("1", "1")])
+    assert grid.dimensions() == [("data.alpha",), ("data.beta",), ("participation.scheme",)]
+    assert len(grid.groups()) == 4
 
 
 def test_report_as_png_files(sweep_folder, tmp_path, capsys):

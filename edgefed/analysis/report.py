@@ -63,14 +63,31 @@ class Sweep:
     def name(self) -> str:
         return self.folder.resolve().name
 
+    def dimensions(self) -> list[tuple[str, ...]]:
+        """The axes, with keys that moved together (a linked axis, "data.alpha,data.beta") as one."""
+        dims: list[tuple[str, ...]] = []
+        for key in self.axes:
+            if dims and self._linked(dims[-1] + (key,)):
+                dims[-1] += (key,)
+            else:
+                dims.append((key,))
+        return dims
+
+    def _linked(self, keys: tuple[str, ...]) -> bool:
+        together = {tuple(v[k] for k in keys) for v in self.values.values()}
+        return all(len(together) == len({v[k] for v in self.values.values()}) for k in keys)
+
+    def label(self, cell: str, dims) -> str:
+        """ "alpha=0.0, beta=0.0, trace=builtin:4": the cell's values along these dimensions."""
+        return ", ".join(f"{_short(k)}={self.values[cell][k]}" for dim in dims for k in dim)
+
     def groups(self) -> dict[str, list[tuple[str, list[Run]]]]:
-        """Cells grouped by every axis but the last: one figure per group, a line per value of the last."""
+        """Cells grouped by every dimension but the last: a figure per group, a line per value of the last."""
         out: dict[str, list[tuple[str, list[Run]]]] = {}
-        last = self.axes[-1] if self.axes else None
+        dims = self.dimensions()
         for cell, runs in self.cells.items():
-            values = self.values[cell]
-            group = ", ".join(f"{_short(k)}={values[k]}" for k in self.axes[:-1]) or "all cells"
-            out.setdefault(group, []).append((f"{_short(last)}={values[last]}" if last else cell, runs))
+            group = self.label(cell, dims[:-1]) or "all cells"
+            out.setdefault(group, []).append((self.label(cell, dims[-1:]) or cell, runs))
         return out
 
 
@@ -321,32 +338,38 @@ def _cells_table(sweep: Sweep) -> str:
 
 
 def overview(sweep: Sweep):
-    """Final test accuracy of every cell, mean and std over seeds: the next-to-last axis along x, a line per
-    value of the last, a panel per combination of the others (the shape of a paper's table)."""
-    if len(sweep.axes) < 2 or not sweep.table or "final_test_accuracy_mean" not in sweep.table[0]:
+    """Final test accuracy of every cell, mean and std over seeds: the next-to-last dimension along x, a line
+    per value of the last, a panel per combination of the others (the shape of a paper's table)."""
+    dims = sweep.dimensions()
+    if len(dims) < 2 or not sweep.table or "final_test_accuracy_mean" not in sweep.table[0]:
         return None
     plt = _plt()
-    x_key, line_key, rest = sweep.axes[-2], sweep.axes[-1], sweep.axes[:-2]
-    panels = list(dict.fromkeys(tuple(row[k] for k in rest) for row in sweep.table))
-    xs = list(dict.fromkeys(row[x_key] for row in sweep.table))
-    lines = list(dict.fromkeys(row[line_key] for row in sweep.table))
+
+    def along(row: dict, dim) -> str:
+        return ", ".join(row[k] for k in dim)
+
+    x_dim, line_dim, rest = dims[-2], dims[-1], dims[:-2]
+    panels = list(dict.fromkeys(tuple(along(row, d) for d in rest) for row in sweep.table))
+    xs = list(dict.fromkeys(along(row, x_dim) for row in sweep.table))
+    lines = list(dict.fromkeys(along(row, line_dim) for row in sweep.table))
     fig, axes = plt.subplots(1, len(panels), figsize=(min(max(5.5 * len(panels), 9), 16), 4.2), squeeze=False,
                              sharey=True, layout="constrained")
+    slanted = max(len(x) for x in xs) > 6
     for ax, panel in zip(axes[0], panels):
         for i, value in enumerate(lines):
-            rows = {row[x_key]: row for row in sweep.table
-                    if row[line_key] == value and tuple(row[k] for k in rest) == panel}
+            rows = {along(row, x_dim): row for row in sweep.table
+                    if along(row, line_dim) == value and tuple(along(row, d) for d in rest) == panel}
             mean = np.array([_float(rows[x]["final_test_accuracy_mean"]) if x in rows else np.nan for x in xs])
             std = np.array([_float(rows[x]["final_test_accuracy_std"]) if x in rows else np.nan for x in xs])
             ax.errorbar(np.arange(len(xs)) + (i - (len(lines) - 1) / 2) * 0.06, mean, yerr=std, capsize=2,
                         linestyle=STYLES[i % len(STYLES)], marker=MARKERS[i % len(MARKERS)], markersize=4,
                         linewidth=1.3, label=value if panel == panels[0] else None)
-        ax.set_xticks(range(len(xs)), xs, rotation=30 if max(len(x) for x in xs) > 6 else 0, ha="right"
-                      if max(len(x) for x in xs) > 6 else "center")
-        ax.set_xlabel(x_key)
-        ax.set_title(", ".join(f"{_short(k)}={v}" for k, v in zip(rest, panel)))
+        ax.set_xticks(range(len(xs)), xs, rotation=30 if slanted else 0, ha="right" if slanted else "center")
+        ax.set_xlabel(", ".join(x_dim))
+        one = next(row for row in sweep.table if tuple(along(row, d) for d in rest) == panel)
+        ax.set_title(", ".join(f"{_short(k)}={one[k]}" for d in rest for k in d))
     axes[0, 0].set_ylabel("final test accuracy (mean ± std)")
-    fig.legend(loc="outside right upper", fontsize=8, frameon=False, title=line_key, title_fontsize=8)
+    fig.legend(loc="outside right upper", fontsize=8, frameon=False, title=", ".join(line_dim), title_fontsize=8)
     fig.suptitle(f"sweep {sweep.name}: final test accuracy per cell")
     return fig
 
