@@ -222,14 +222,7 @@ def test_a_deadline_round_that_selects_nobody_under_mpi(tmp_path):
     assert read_run(tmp_path / "e.h5")["participation/selected"][1:].sum() == 0
 
 
-RULES = """rounds = 6
-[data]
-clients = 7
-samples = "pareto"
-[train]
-clients_per_round = 4
-local_steps = 10
-algorithm = "{algorithm}"
+RULES = SMALL + """algorithm = "{algorithm}"
 [participation]
 mode = "trace"
 trace = {trace}
