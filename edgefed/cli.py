@@ -31,7 +31,28 @@ def build_parser() -> argparse.ArgumentParser:
                      help="override a config key, e.g. --set train.local_steps=10 (repeatable)")
     run.add_argument("--force", action="store_true", help="replace an existing log at --out")
     run.add_argument("--quiet", action="store_true", help="no per-round progress lines")
+    run.add_argument("--launch-status", help=argparse.SUPPRESS)  # edgefed launch: where to name a lost rank
+    run.add_argument("--launch-restarts", help=argparse.SUPPRESS)  # edgefed launch: its restarts so far (JSON)
     run.set_defaults(func=cmd_run)
+
+    launch = verbs.add_parser(
+        "launch", help="edgefed run under mpiexec, started again on the same log when a rank or board dies",
+        description="Start `edgefed run` on every rank of an mpiexec world and watch it; when the world dies, "
+                    "leave out the boards that do not answer and start it again with --resume (like torchrun "
+                    "--max-restarts). Options after CONFIG are edgefed run's.")
+    where = launch.add_mutually_exclusive_group(required=True)
+    where.add_argument("-n", dest="ranks", type=int, metavar="P", help="P ranks on this machine")
+    where.add_argument("--boards", metavar="FILE", help="a board list (launch/hostfile.example), reached over SSH")
+    launch.add_argument("--restarts", type=int, default=3, metavar="N", help="worlds started again at most (3)")
+    launch.add_argument("--mpiexec", metavar="PATH", help="the MPI launcher (default: the venv's, else PATH's)")
+    launch.add_argument("config", nargs="?", help="experiment TOML file; omit for the built-in default")
+    launch.add_argument("--out", help="run log (default: [log] path, else runs/NAME-TIME.h5)")
+    launch.add_argument("--resume", metavar="RUN.h5", help="continue a log")
+    launch.add_argument("--set", dest="overrides", action="append", default=[], metavar="TABLE.KEY=VALUE",
+                        help="override a config key (repeatable)")
+    launch.add_argument("--force", action="store_true", help="replace an existing log at --out")
+    launch.add_argument("--quiet", action="store_true", help="no per-round progress lines")
+    launch.set_defaults(func=cmd_launch)
 
     contend = verbs.add_parser("contend", help="a CPU competitor: busy LOAD of every 10 ms (the paper's 0..90 %% loads)")
     contend.add_argument("--load", type=float, required=True, help="share of the core to take, in [0, 1]")
@@ -141,10 +162,24 @@ def _progress(quiet: bool):
     return None if quiet else (lambda s: print(progress_line(s), flush=True))
 
 
+def _launch_context(args):
+    import json
+
+    from edgefed.orchestration.run import Launch
+
+    if args.launch_status is None and args.launch_restarts is None:
+        return None
+    try:
+        restarts = tuple(json.loads(args.launch_restarts)) if args.launch_restarts else ()
+    except ValueError:
+        raise EdgefedError("--launch-restarts is not JSON (it is edgefed launch's, not for use by hand)") from None
+    return Launch(Path(args.launch_status) if args.launch_status else None, restarts)
+
+
 def cmd_run(args) -> int:
     from edgefed.orchestration.ranks import execute
 
-    result = execute(lambda: _resolve(args), args.force, _progress(args.quiet), _info, _error)
+    result = execute(lambda: _resolve(args), args.force, _progress(args.quiet), _info, _error, _launch_context(args))
     if isinstance(result, int):
         return result
     path = result.path
@@ -157,6 +192,21 @@ def cmd_run(args) -> int:
     print(f"done: {result.rounds_run} rounds in {result.wall_s:.1f} s; final train loss "
           f"{result.final_train_loss:.6g}{test}; log {path}")
     return 0
+
+
+def cmd_launch(args) -> int:
+    from edgefed.orchestration.launcher import Launcher, read_boards
+
+    if args.ranks is not None and args.ranks < 1:
+        raise EdgefedError(f"-n {args.ranks}: give at least 1 rank")
+    if args.restarts < 0:
+        raise EdgefedError(f"--restarts {args.restarts}: give 0 or more")
+    cfg, _, log = _resolve(args)  # bad input ends here, before any world starts
+    run_args = ([args.config] if args.config else []) + [a for o in args.overrides for a in ("--set", o)]
+    run_args += ["--force"] if args.force else []
+    boards = read_boards(Path(args.boards)) if args.boards else None
+    return Launcher(log, run_args, ranks=args.ranks, boards=boards, restarts=args.restarts, mpiexec=args.mpiexec,
+                    quiet=args.quiet, resume=bool(args.resume), on_line=_info).run()
 
 
 def cmd_trace_record(args) -> int:
@@ -312,3 +362,6 @@ def main(argv=None) -> int:
     except Interrupted as exc:
         print(f"edgefed: {exc}", file=sys.stderr, flush=True)
         return EXIT_INTERRUPTED
+    except BrokenPipeError:  # `edgefed summary RUN.h5 | head`: the reader left, nothing is wrong
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0

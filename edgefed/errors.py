@@ -2,6 +2,7 @@
 
 EXIT_BAD_INPUT = 2
 EXIT_INTERRUPTED = 130  # as a shell reports a process ended by Ctrl-C
+EXIT_RANK_LOST = 3  # the coordinator ended the world because a rank stopped answering (edgefed launch goes on)
 
 
 class EdgefedError(Exception):
@@ -30,3 +31,14 @@ class Interrupted(Exception):
     def __init__(self, path):
         super().__init__(f"interrupted; continue with: edgefed run --resume {path}")
         self.path = path
+
+
+class RankLost(Exception):
+    """A device rank sent nothing, not even a heartbeat, for longer than [mpi] rank_timeout_s: it is hung
+    or its board is gone. Not a user's mistake: `edgefed launch` restarts the world without it."""
+
+    def __init__(self, rank: int, silent_s: float, host: str | None = None):
+        where = f" on {host}" if host else ""
+        super().__init__(f"rank {rank}{where} stopped answering: nothing heard for {silent_s:.1f} s "
+                         "([mpi] rank_timeout_s)")
+        self.rank, self.silent_s, self.host = rank, silent_s, host

@@ -78,6 +78,7 @@ class Header:
     slots: tuple = ()  # (name, shape, dtype) of small state beyond the server model x, e.g. SCAFFOLD's c
     row_states: tuple = ()  # (name, shape, dtype) of per-device state updated by rows, e.g. the c_k
     attrs: dict = field(default_factory=dict)
+    restarts: tuple = ()  # the worlds `edgefed launch` started again on this log (dicts of RESTART's fields)
 
     def __post_init__(self):
         """An algorithm's names must not take the log's own: /state holds round, x and undo/, undo/ holds
@@ -90,6 +91,62 @@ class Header:
         if clash:
             raise ValueError(f"run log: the names {clash} are taken twice (the log keeps state/round, state/x, "
                              "state/undo/{round,count,ids} and its base columns); rename the algorithm's vectors")
+
+
+# One row per restart of the world by `edgefed launch`: which launch, the rounds completed when the world
+# died, when (UTC), why, and the ranks of the world before and after.
+RESTART = np.dtype([("launch", "S32"), ("round", "<i8"), ("time", "S32"), ("cause", "S240"),
+                    ("ranks_before", "<i4"), ("ranks_after", "<i4")])
+
+
+def _write_restarts(f: h5py.File, restarts) -> None:
+    if not restarts:
+        return
+    rows = np.zeros(len(restarts), RESTART)
+    for row, record in zip(rows, restarts):
+        for name in RESTART.names:
+            value = record[name]
+            row[name] = value.encode("utf-8")[:RESTART[name].itemsize] if isinstance(value, str) else value
+    ds = f.create_dataset("launch/restarts", data=rows)
+    ds.attrs["meaning"] = "worlds edgefed launch started again on this log: round, time, cause, ranks before and after"
+
+
+def _read_restarts(f: h5py.File) -> tuple:
+    if "launch/restarts" not in f:
+        return ()
+    return tuple({name: (row[name].decode("utf-8", "replace") if RESTART[name].kind == "S" else int(row[name]))
+                  for name in RESTART.names} for row in f["launch/restarts"][()])
+
+
+def write_stub(path: Path, config_toml: str, restarts=()) -> None:
+    """A log with its config and no round, written before anything slow (building data, compiling), so a run
+    killed during start-up still continues with --resume. Swapped in whole, like every log."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with h5py.File(tmp, "w", libver=LIBVER) as f:
+            for key, value in {"format": FORMAT, "format_version": FORMAT_VERSION, "edgefed_version": __version__,
+                               "config": config_toml, "status": "starting",
+                               "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                               }.items():
+                f.attrs[key] = value
+            _write_restarts(f, restarts)
+        os.replace(tmp, path)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        raise RunLogError(f"cannot write run log {path} ({exc}); choose another --out") from None
+
+
+def discard_stub(path: Path) -> None:
+    """Remove the log at path if it is still a stub (no round, nothing to lose): bad input found after the stub
+    was written leaves nothing behind."""
+    try:
+        with h5py.File(path, "r") as f:
+            stub = "state" not in f and f.attrs.get("status") == "starting"
+    except (OSError, KeyError):
+        return
+    if stub:
+        Path(path).unlink(missing_ok=True)
 
 
 def columns(n: int, d: int, dtype) -> tuple[Column, ...]:
@@ -324,6 +381,7 @@ def _write_skeleton(f: h5py.File, header: Header) -> None:
         )
         ds.attrs["rows"] = col.rows
         ds.attrs["meaning"] = col.meaning
+    _write_restarts(f, header.restarts)
     f.create_dataset("devices/n_train", data=np.asarray(header.n_train, dtype=np.int64))
     f["devices/n_train"].attrs["meaning"] = "training samples n_k of each device (device_id = index)"
     state = f.create_group("state")
@@ -404,18 +462,23 @@ class ResumePoint:
     complete: bool
     limits: dict = field(default_factory=dict)  # rows kept per row mapping ("round", "round+1", "stored")
     attrs: dict = field(default_factory=dict)  # the log's root attributes (e.g. the deadlines it ran with)
+    restarts: tuple = ()  # the log's /launch/restarts
+    fresh: bool = False  # no round completed (killed during start-up): the run starts from the beginning
 
 
 def read_resume_point(path: str | Path) -> ResumePoint:
     """What a killed run had completely logged: its config, last round, state and dataset prefixes."""
     with open_run(path) as f:
+        config_toml, restarts = str(f.attrs.get("config", "")), _read_restarts(f)
+        if "state" not in f and f.attrs.get("status") == "starting":  # a stub: killed before its first round
+            return ResumePoint(config_toml, 0, {}, {}, False, attrs=dict(f.attrs), restarts=restarts, fresh=True)
         try:
             done = int(f["state/round"][0])
             stored = f["trajectory/round"][()]
         except KeyError as exc:
             raise RunLogError(f"{path} lacks {exc.args[0]}; it is not a resumable edgefed log") from None
-        if done < 0:
-            raise RunLogError(f"{path} holds no completed round; start the run again without --resume")
+        if done < 0:  # created, killed before round 0 was written: start from the beginning
+            return ResumePoint(config_toml, 0, {}, {}, False, attrs=dict(f.attrs), restarts=restarts, fresh=True)
         n_stored = int(np.searchsorted(stored, done, side="right"))
         limits = {"round": done, "round+1": done + 1, "stored": n_stored}
         prefix = {}
@@ -436,8 +499,8 @@ def read_resume_point(path: str | Path) -> ResumePoint:
                 count = int(st["undo/count"][0])
                 rows[st["undo/ids"][:count]] = st[f"undo/{name}"][:count]
             state[name] = rows
-        return ResumePoint(str(f.attrs["config"]), done, state, prefix, f.attrs.get("status") == "complete",
-                           limits, dict(f.attrs))
+        return ResumePoint(config_toml, done, state, prefix, f.attrs.get("status") == "complete",
+                           limits, dict(f.attrs), restarts)
 
 
 @dataclass(frozen=True)

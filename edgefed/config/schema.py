@@ -107,6 +107,8 @@ class MpiConfig:
     device_ranks: tuple[int, ...] = ()  # rank hosting each device; empty: round-robin over ranks 1..P-1
     threads_per_rank: int | None = None  # devices a rank runs at once, a core each; None: its share of its
     # host's cores (with CPU competitors: 1)
+    rank_timeout_s: float | None = None  # a rank silent (not even a heartbeat) this long is lost and the world
+    # ends; None: 5 graces, at least 10 s (rank_timeout)
 
 
 @dataclass(frozen=True)
@@ -165,6 +167,16 @@ class Config:
         if isinstance(s, float):
             return max(math.ceil(s * n_clients - 1e-9), 1)  # 0.07 * 100 is 7.000000000000001 in floats
         return s
+
+
+def rank_timeout(cfg: Config) -> float:
+    """[mpi] rank_timeout_s, or its default: a few graces, never under 10 s (a busy board may pause a while)."""
+    return cfg.mpi.rank_timeout_s or max(5 * cfg.participation.grace_s, 10.0)
+
+
+# Keys that say where and how the devices run, not what the experiment is: a resume may change them (the
+# launcher moves the devices of a lost board to the others). In full and trace mode they change no byte.
+PLACEMENT = {"mpi": ("device_ranks", "threads_per_rank", "rank_timeout_s"), "device": ("boards", "contention")}
 
 
 TABLES = {f.name: f.default_factory for f in dataclasses.fields(Config) if f.default_factory is not dataclasses.MISSING}

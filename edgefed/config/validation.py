@@ -66,6 +66,8 @@ def validate(cfg: Config) -> Config:
     participation = _validate_participation(cfg.participation)
     if cfg.mpi.threads_per_rank is not None and cfg.mpi.threads_per_rank < 1:
         raise ConfigError(f"config: mpi.threads_per_rank = {cfg.mpi.threads_per_rank} must be at least 1")
+    if cfg.mpi.rank_timeout_s is not None:
+        _positive(cfg.mpi.rank_timeout_s, "mpi.rank_timeout_s", "rank_timeout_s = 30")
     _validate_device(cfg.device, cfg.participation)
     _validate_dynamics(cfg.dynamics, cfg.data.clients, cfg.rounds)
     for i, fault in enumerate(cfg.fault):

@@ -7,7 +7,7 @@ import dataclasses
 
 import tomli_w
 
-from edgefed.config.schema import Config
+from edgefed.config.schema import PLACEMENT, Config
 
 
 def to_dict(cfg: Config) -> dict:
@@ -34,10 +34,14 @@ def to_toml(cfg: Config) -> str:
 
 
 def same_experiment(a: Config, b: Config) -> list[str]:
-    """Keys (table.key) where two configs differ, ignoring where the log is written."""
+    """Keys (table.key) where two configs differ, ignoring where the log is written and where the devices
+    run (PLACEMENT)."""
     da, db = to_dict(a), to_dict(b)
     for d in (da, db):
         d.get("log", {}).pop("path", None)
+        for table, keys in PLACEMENT.items():
+            for key in keys:
+                d.get(table, {}).pop(key, None)
     diffs = []
     for key in sorted(set(da) | set(db)):
         va, vb = da.get(key), db.get(key)
@@ -50,3 +54,10 @@ def same_experiment(a: Config, b: Config) -> list[str]:
         elif va != vb:
             diffs.append(key)
     return diffs
+
+
+def with_placement(cfg: Config, placed: Config) -> Config:
+    """cfg with the PLACEMENT keys of `placed` (a resume continues the logged experiment where it runs now)."""
+    tables = {table: dataclasses.replace(getattr(cfg, table), **{k: getattr(getattr(placed, table), k) for k in keys})
+              for table, keys in PLACEMENT.items()}
+    return dataclasses.replace(cfg, **tables)

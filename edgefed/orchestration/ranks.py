@@ -7,17 +7,21 @@ own devices' data and report whether they could. After that only buffers move (r
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import traceback
+from pathlib import Path
 
 import numpy as np
 
 from edgefed import config as config_mod
 from edgefed.algorithms import Algorithm, build_algorithm
-from edgefed.errors import EXIT_BAD_INPUT, EXIT_INTERRUPTED, ConfigError, EdgefedError, Interrupted
+from edgefed.errors import (EXIT_BAD_INPUT, EXIT_INTERRUPTED, EXIT_RANK_LOST, ConfigError, EdgefedError, Interrupted,
+                            RankLost)
 from edgefed.orchestration import run as run_mod
 from edgefed.orchestration.timing import timing_for
+from edgefed.runlog import discard_stub
 from edgefed.runtime.mpi.comm import abort_with, world
 from edgefed.runtime.mpi.coordinator import MpiTransport
 from edgefed.runtime.mpi.device_server import DeviceServer
@@ -25,7 +29,7 @@ from edgefed.runtime.mpi.placement import device_owners
 from edgefed.runtime.mpi.protocol import Wire
 
 
-def execute(resolve, force: bool, on_round, on_info, on_error):
+def execute(resolve, force: bool, on_round, on_info, on_error, launch: run_mod.Launch | None = None):
     """Run an experiment in this process or, under mpirun, across the ranks.
 
     `resolve()` gives (config, resume point, log path). Returns the RunResult on the process that wrote the
@@ -36,10 +40,11 @@ def execute(resolve, force: bool, on_round, on_info, on_error):
     if comm is not None:
         if comm.Get_rank() != 0:
             return run_device_rank(comm)
-        return run_coordinator(comm, resolve, force, on_round, on_info, on_error)
+        return run_coordinator(comm, resolve, force, on_round, on_info, on_error, launch)
     cfg, point, path = resolve()
     try:
-        return run_mod.run(cfg, path, resume_point=point, force=force, on_round=on_round, on_info=on_info)
+        return run_mod.run(cfg, path, resume_point=point, force=force, on_round=on_round, on_info=on_info,
+                           launch=launch)
     except KeyboardInterrupt:
         raise Interrupted(path) from None
 
@@ -77,17 +82,21 @@ def lanes(cfg, rank: int, machines: list[tuple[str, list[int]]], loaded: bool) -
     return [cores[(first + t) % len(cores)] for t in range(threads)]
 
 
-def run_coordinator(comm, resolve, force: bool, on_round, on_info, on_error) -> int:
-    """Rank 0. `resolve()` returns (config, resume point, log path) or raises EdgefedError."""
-    comm.allgather(machine())
+def run_coordinator(comm, resolve, force: bool, on_round, on_info, on_error, launch=None) -> int:
+    """Rank 0. `resolve()` returns (config, resume point, log path) or raises EdgefedError. A rank lost is
+    written to the launcher's status file before the world ends."""
+    machines = comm.allgather(machine())
+    point = path = None
     try:
         cfg, point, path = resolve()
-        setup = run_mod.prepare(cfg, path, resume_point=point, force=force, on_info=on_info)
+        setup = run_mod.prepare(cfg, path, resume_point=point, force=force, on_info=on_info, launch=launch)
         owners = device_owners(setup.problem.n_devices, comm.Get_size(), setup.cfg.mpi.device_ranks)
         check_device_ranks(setup.cfg, comm.Get_size() - 1)
         setup = timing_for(setup, owners, on_info, point, distributed=True)
     except EdgefedError as exc:
         comm.bcast({"error": str(exc)}, root=0)
+        if path is not None and point is None:
+            discard_stub(path)
         on_error(str(exc))
         return EXIT_BAD_INPUT
     except BaseException as exc:  # a bug: the device ranks must not wait for a config that never comes
@@ -98,6 +107,8 @@ def run_coordinator(comm, resolve, force: bool, on_round, on_info, on_error) -> 
     failures = [f for f, _, _ in reports if f]
     if failures:
         comm.bcast(False, root=0)
+        if point is None:
+            discard_stub(path)
         on_error("; ".join(failures))
         return EXIT_BAD_INPUT
     comm.bcast(True, root=0)
@@ -106,17 +117,34 @@ def run_coordinator(comm, resolve, force: bool, on_round, on_info, on_error) -> 
     on_info(f"MPI: {comm.Get_size() - 1} device ranks; devices per rank "
             f"{np.bincount(owners, minlength=comm.Get_size())[1:].tolist()}"
             + ("" if set(threads.values()) == {1} else f"; run at once per rank {list(threads.values())}"))
-    transport = MpiTransport(comm, wire_for(setup.algorithm, setup.problem.n_devices, setup.model), owners, threads)
+    transport = MpiTransport(comm, wire_for(setup.algorithm, setup.problem.n_devices, setup.model), owners, threads,
+                             rank_timeout_s=config_mod.rank_timeout(setup.cfg),
+                             hosts={rank: host for rank, (host, _) in enumerate(machines)})
     try:
         result = run_mod.drive(setup, transport, path, resume_point=point, on_round=on_round)
     except KeyboardInterrupt:
-        abort_with(comm, str(Interrupted(path)), EXIT_INTERRUPTED)
+        return abort_with(comm, str(Interrupted(path)), EXIT_INTERRUPTED)
+    except RankLost as exc:
+        if launch is not None and launch.status is not None:
+            _say_lost(launch.status, exc)
+        return abort_with(comm, f"{exc}; ending the world (the log {path} holds every completed round; --resume "
+                          "continues it, edgefed launch does so without the rank)", EXIT_RANK_LOST)
     except EdgefedError as exc:
         hint = f" (the log {path} holds every completed round; --resume continues it)" if path.exists() else ""
-        abort_with(comm, f"{exc}{hint}", EXIT_BAD_INPUT)
+        return abort_with(comm, f"{exc}{hint}", EXIT_BAD_INPUT)
     except BaseException as exc:  # noqa: BLE001 - any failure must take the world down, not hang it
-        abort_with(comm, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}", 1)
+        return abort_with(comm, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}", 1)
     return result
+
+
+def _say_lost(status: Path, lost: RankLost) -> None:
+    """Tell the launcher which rank to go on without (one small JSON file, swapped in whole)."""
+    tmp = status.with_name(status.name + ".tmp")
+    try:
+        tmp.write_text(json.dumps({"rank": lost.rank, "host": lost.host, "silent_s": lost.silent_s}))
+        os.replace(tmp, status)
+    except OSError:
+        pass  # the launcher then restarts with every rank, and the rank times out again
 
 
 def run_device_rank(comm) -> int:
@@ -147,12 +175,16 @@ def run_device_rank(comm) -> int:
         if transport is not None:
             transport.close()
         return EXIT_BAD_INPUT
-    server = DeviceServer(comm, wire_for(transport.algorithm, problem.n_devices, model), transport)
+    server = DeviceServer(comm, wire_for(transport.algorithm, problem.n_devices, model), transport,
+                          heartbeat_s=config_mod.rank_timeout(cfg) / 4)
     try:
         server.serve()
+    except KeyboardInterrupt:  # Ctrl-C reaches every rank; rank 0 says what to do, and ends the world
+        transport.close(failed=True)
+        return EXIT_INTERRUPTED
     except BaseException as exc:  # noqa: BLE001
         transport.close()
         message = str(exc) if isinstance(exc, EdgefedError) else f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"
-        abort_with(comm, message, 1)
+        return abort_with(comm, message, 1)
     transport.close()
     return 0

@@ -21,16 +21,34 @@ from edgefed import config as config_mod
 from edgefed.algorithms import Algorithm, build_algorithm
 from edgefed.config import Config
 from edgefed.engine.rounds import RoundEngine
-from edgefed.errors import ResourceError, RunLogError
+from edgefed.errors import EdgefedError, ResourceError, RunLogError
 from edgefed.models import build_model
 from edgefed.orchestration.timing import timing_for
 from edgefed.participation.budgets import local_budgets
 from edgefed.participation.timing import Timing
 from edgefed.participation.traces import ReplayTrace
 from edgefed.problems import build_problem
-from edgefed.runlog import Column, Header, RunLogWriter, read_participation, read_resume_point, read_run
+from edgefed.runlog import (Column, Header, RunLogWriter, discard_stub, read_participation, read_resume_point,
+                            read_run, write_stub)
 from edgefed.runtime.local import LocalTransport
 from edgefed.tracefiles import sampled_traces
+
+
+@dataclass(frozen=True)
+class Launch:
+    """What `edgefed launch` tells the run it starts: where to say that a rank was lost, and the restarts of
+    this launch so far (each a dict of runlog.RESTART's fields), to be kept in the log."""
+
+    status: Path | None = None
+    restarts: tuple = ()
+
+
+def merged_restarts(logged: tuple, launch: Launch | None) -> tuple:
+    """The log's restarts from earlier launches, then this launch's (it passes all of its own every time)."""
+    if launch is None or not launch.restarts:
+        return tuple(logged)
+    ours = {r["launch"] for r in launch.restarts}
+    return tuple(r for r in logged if r["launch"] not in ours) + tuple(launch.restarts)
 
 
 @dataclass(frozen=True)
@@ -75,7 +93,7 @@ def resolve_config(config_path: str | None, overrides, resume: str | None):
             f"--resume {resume}: the log belongs to a different config (differs in {', '.join(diffs)}); "
             "resume with the config it was started with, or start a new run"
         )
-    return logged, point
+    return config_mod.with_placement(logged, cfg), point
 
 
 def problem_and_model(cfg: Config):
@@ -153,24 +171,41 @@ def _trace(cfg: Config, problem):
     return sampled_traces(spec, cfg.seed, problem.n_devices)
 
 
-def prepare(cfg: Config, log_path: Path, *, resume_point=None, force: bool = False, on_info=None) -> Setup:
-    """Check everything that can be checked before a log is touched; build the problem and the log header."""
+def prepare(cfg: Config, log_path: Path, *, resume_point=None, force: bool = False, on_info=None,
+            launch: Launch | None = None) -> Setup:
+    """Check what can be checked before a log is touched, write the log's stub (a kill from here on leaves a
+    log to --resume), then build the problem and the log header."""
     on_info = on_info or (lambda line: None)
-    problem, model = problem_and_model(cfg)
-    cfg = config_mod.with_clients(cfg, problem.n_devices)
     if resume_point is None and log_path.exists() and not force:
         raise RunLogError(f"run log {log_path} already exists; use --resume {log_path} to continue it, "
                           "--force to replace it, or another --out")
     folder = next((p for p in (log_path.parent, *log_path.parent.parents) if p.exists()), Path.cwd())
     if not folder.is_dir() or not os.access(folder, os.W_OK):
         raise RunLogError(f"cannot write run log {log_path}: {folder} is not a writable folder; choose another --out")
+    restarts = merged_restarts(resume_point.restarts if resume_point else (), launch)
+    config_toml = resume_point.config_toml if resume_point else config_mod.to_toml(cfg)
+    # a stub, unless it would replace a log (--force replaces one only by a whole new log)
+    stub = resume_point.fresh if resume_point else not log_path.exists()
+    if stub:
+        write_stub(log_path, config_toml, restarts)
+    try:
+        return _prepared(cfg, log_path, resume_point, on_info, config_toml, restarts)
+    except EdgefedError:
+        if resume_point is None:
+            discard_stub(log_path)  # bad input leaves nothing behind
+        raise
+
+
+def _prepared(cfg: Config, log_path: Path, resume_point, on_info, config_toml: str, restarts: tuple) -> Setup:
+    problem, model = problem_and_model(cfg)
+    cfg = config_mod.with_clients(cfg, problem.n_devices)
     trace = _trace(cfg, problem)
     algorithm = build_algorithm(cfg)
     on_info(f"{problem.describe()}; model {model.kind}, d = {model.dim} {model.dtype.name}; "
             f"{cfg.train.algorithm}, {cfg.rounds} rounds")
     check_device_memory(algorithm, cfg, problem.n_devices, model.dim, model.dtype, log_path, on_info)
     header = Header(
-        config_toml=resume_point.config_toml if resume_point else config_mod.to_toml(cfg),
+        config_toml=config_toml, restarts=restarts,
         seed=cfg.seed, rounds=cfg.rounds, n_devices=problem.n_devices, dim=model.dim, dtype=model.dtype,
         n_train=problem.n_train,
         **log_layout(algorithm, cfg.log.client_controls, problem.n_devices, model.dim, model.dtype),
@@ -215,6 +250,8 @@ def drive(setup: Setup, transport, log_path: Path, *, resume_point=None, on_roun
     if resume_point is not None and resume_point.complete:
         transport.close()
         return _summary(log_path, resume_point.prefix, 0, 0.0, already_complete=True)
+    if resume_point is not None and resume_point.fresh:
+        resume_point = None  # nothing was completed: start from the beginning, over the stub
     wall0 = time.perf_counter()
     try:
         log = RunLogWriter.create(log_path, setup.header, resume_point)
@@ -243,11 +280,16 @@ def drive(setup: Setup, transport, log_path: Path, *, resume_point=None, on_roun
 
 
 def run(cfg: Config, log_path: Path, *, resume_point=None, force: bool = False, on_round=None,
-        on_info=None) -> RunResult:
+        on_info=None, launch: Launch | None = None) -> RunResult:
     """One run in this process (the simulator)."""
-    setup = prepare(cfg, log_path, resume_point=resume_point, force=force, on_info=on_info)
-    setup = timing_for(setup, None, on_info, resume_point)
-    transport = local_transport(setup.cfg, setup.algorithm, setup.problem, setup.model)
+    setup = prepare(cfg, log_path, resume_point=resume_point, force=force, on_info=on_info, launch=launch)
+    try:
+        setup = timing_for(setup, None, on_info, resume_point)
+        transport = local_transport(setup.cfg, setup.algorithm, setup.problem, setup.model)
+    except EdgefedError:
+        if resume_point is None:
+            discard_stub(log_path)
+        raise
     compiled, seconds = transport.warmup()
     note_warmup(setup, [compiled], [seconds], on_info or (lambda line: None))
     return drive(setup, transport, log_path, resume_point=resume_point, on_round=on_round)

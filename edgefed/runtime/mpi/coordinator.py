@@ -10,6 +10,10 @@ protocol.py's.
 The round's clock starts as its command leaves; each report is timed as it arrives, so a device's
 communication time (download, upload, waiting) is its arrival less its local work, and its link alone
 that less the time its report waited on the rank.
+
+Every message from a rank, heartbeats included, says it is alive. A rank the coordinator waits on that has
+said nothing for `rank_timeout_s` is lost (RankLost): it is hung or its board is gone, and waiting longer
+would only cost every round it is selected in. The caller ends the world, naming the rank and its host.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import time
 
 import numpy as np
 
+from edgefed.errors import RankLost
 from edgefed.runtime.mpi import protocol
 from edgefed.runtime.mpi.comm import POLL_MAX_S, Backoff, mpi_of, wait
 from edgefed.runtime.mpi.protocol import Wire
@@ -26,10 +31,15 @@ from edgefed.transport import Evaluation, LocalResults, RoundPlan
 
 
 class MpiTransport:
-    def __init__(self, comm, wire: Wire, owners: np.ndarray, threads=None, poll_max_s: float = POLL_MAX_S):
-        """threads: {rank: devices it runs at once} (default 1 each)."""
+    def __init__(self, comm, wire: Wire, owners: np.ndarray, threads=None, poll_max_s: float = POLL_MAX_S,
+                 rank_timeout_s: float | None = None, hosts: dict | None = None):
+        """threads: {rank: devices it runs at once} (default 1 each); hosts: {rank: host name}, for messages."""
         self.comm, self.wire, self.owners, self.poll = comm, wire, owners, poll_max_s
         self.threads = threads or {}
+        self.rank_timeout_s, self.hosts = rank_timeout_s, hosts or {}
+        self._heard = {r: time.perf_counter() for r in range(1, comm.Get_size())}
+        self._beat = np.zeros(1, np.int64)
+        self._checked = 0.0
         self.MPI = MPI = mpi_of(comm)
         self.command = wire.command_buffer()
         self.state = wire.state_buffer()
@@ -42,10 +52,31 @@ class MpiTransport:
     def _command(self, command: int, plan: RoundPlan | None = None, devices=None, x=None, vectors=None) -> None:
         self.wire.encode_command(self.command, command, plan, devices, self._accepted)
         self._accepted = None
-        wait(self.comm.Ibcast(self.command.view(np.uint8), root=0), self.poll)
+        wait(self.comm.Ibcast(self.command.view(np.uint8), root=0), self.poll, also=self._listen)
         if x is not None:
             self.wire.pack_state(self.state, x, vectors)
-            wait(self.comm.Ibcast(self.state, root=0), self.poll)
+            wait(self.comm.Ibcast(self.state, root=0), self.poll, also=self._listen)
+
+    # -- who is alive -------------------------------------------------------------------------------------
+    def _listen(self) -> None:
+        """While a broadcast waits (on every rank, a stopped one included): take heartbeats, check silence."""
+        status = self._status
+        while self.comm.Iprobe(self.MPI.ANY_SOURCE, protocol.TAG_ALIVE, status):
+            src = status.Get_source()
+            self.comm.Recv(self._beat, source=src, tag=protocol.TAG_ALIVE)
+            self._heard[src] = time.perf_counter()
+        self._check_alive(self._heard)
+
+    def _check_alive(self, ranks) -> None:
+        """RankLost for the first of `ranks` (or of `ranks()`) silent past the timeout; looks every 50 ms."""
+        now = time.perf_counter()
+        if self.rank_timeout_s is None or now - self._checked < 0.05:
+            return
+        self._checked = now
+        for rank in (ranks() if callable(ranks) else ranks):
+            silent = now - self._heard[rank]
+            if silent > self.rank_timeout_s:
+                raise RankLost(int(rank), silent, self.hosts.get(int(rank)))
 
     # -- up -----------------------------------------------------------------------------------------------
     def _collect(self, tag: int, ranks, round_idx: int | None = None, timeout_s: float | None = None) -> dict:
@@ -60,6 +91,7 @@ class MpiTransport:
                 src, msg_tag, nbytes = status.Get_source(), status.Get_tag(), status.Get_count(MPI.BYTE)
                 buf = self._recv[src]
                 self.comm.Recv([buf[:nbytes], MPI.BYTE], source=src, tag=msg_tag)
+                self._heard[src] = time.perf_counter()
                 if msg_tag == tag and src in expected:
                     records = buf[:nbytes].view(record)
                     if round_idx is None or (records.size and records[0]["round"] == round_idx):
@@ -68,6 +100,7 @@ class MpiTransport:
                 continue
             if timeout_s is not None and backoff.elapsed() > timeout_s:
                 break
+            self._check_alive(lambda: expected - set(got))
             backoff.pause()
         return got
 
@@ -107,6 +140,7 @@ class MpiTransport:
                 src, msg_tag, nbytes = status.Get_source(), status.Get_tag(), status.Get_count(MPI.BYTE)
                 buf = self._recv[src]
                 self.comm.Recv([buf[:nbytes], MPI.BYTE], source=src, tag=msg_tag)
+                self._heard[src] = time.perf_counter()
                 records = buf[:nbytes].view(record) if msg_tag == protocol.TAG_WORK else None
                 if records is not None and records.size and records[0]["round"] == plan.round_idx:
                     messages.append(records.copy())
@@ -122,6 +156,7 @@ class MpiTransport:
                 break
             if timeout_s is not None and backoff.elapsed() > timeout_s:
                 break
+            self._check_alive(lambda: np.unique(self.owners[np.fromiter(pending, np.int64)]))
             backoff.pause()
         ended = (time.perf_counter() if stopped_at is None else stopped_at) - t0
         return messages, arrivals, ended

@@ -5,6 +5,10 @@ is reported at once (the worker wakes the polling main thread), and a round that
 one still runs is answered at once with late records, so the coordinator never waits on a hung device.
 When the round is over-selected each device is reported as it finishes, and a stop from the coordinator
 ends the rest within a chunk. A `[[fault]] kind = "slow_link"` holds a device's report for its seconds.
+
+Whenever it is not sending anything else the rank sends a heartbeat every `heartbeat_s` (also while it
+evaluates, which then runs beside the main thread), so the coordinator can tell a rank that is slow from one
+that is gone ([mpi] rank_timeout_s).
 """
 
 from __future__ import annotations
@@ -22,8 +26,11 @@ from edgefed.runtime.mpi.protocol import Wire
 
 
 class DeviceServer:
-    def __init__(self, comm, wire: Wire, transport, poll_max_s: float = POLL_MAX_S):
+    def __init__(self, comm, wire: Wire, transport, poll_max_s: float = POLL_MAX_S, heartbeat_s: float | None = None):
         self.comm, self.wire, self.transport, self.poll = comm, wire, transport, poll_max_s
+        self.heartbeat_s = heartbeat_s  # None: no heartbeats (the coordinator then never times a rank out)
+        self._alive = np.array([comm.Get_rank()], np.int64)
+        self._alive_req, self._alive_at = None, -float("inf")
         self.command = wire.command_buffer()
         self.state = wire.state_buffer()
         self.own = transport.device_ids
@@ -56,9 +63,39 @@ class DeviceServer:
         self._next = 1 - i
         self._send_req[i] = self.comm.Isend([self._send[i][: records.nbytes], self._mpi_byte], dest=0, tag=tag)
 
+    def _heartbeat(self) -> None:
+        now = time.perf_counter()
+        if self.heartbeat_s is None or now - self._alive_at < self.heartbeat_s:
+            return
+        if self._alive_req is None or self._alive_req.Test():  # skip a beat while the last one is in flight
+            self._alive_req = self.comm.Isend(self._alive, dest=0, tag=protocol.TAG_ALIVE)
+            self._alive_at = now
+
+    def _beating(self, fn, *args):
+        """fn(*args) on a helper thread while this thread keeps the heartbeat going; its result or error."""
+        if self.heartbeat_s is None:
+            return fn(*args)
+        out = {}
+
+        def call():
+            try:
+                out["value"] = fn(*args)
+            except BaseException as exc:  # noqa: BLE001 - re-raised on the main thread
+                out["error"] = exc
+
+        worker = threading.Thread(target=call, daemon=True)
+        worker.start()
+        while worker.is_alive():
+            self._heartbeat()
+            worker.join(self.poll * 20)
+        if "error" in out:
+            raise out["error"]
+        return out["value"]
+
     def _report_finished_work(self) -> None:
         """Send what is due: each finished device's record once its link delay has passed (with
         over-selection, device by device; else all of them once the round's work is done)."""
+        self._heartbeat()
         self._take_stops()
         if self._future is None:
             return
@@ -129,7 +166,7 @@ class DeviceServer:
         records = self._records(protocol.TAG_BYE, 1)
         records["rank"] = self.comm.Get_rank()
         self._send_records(protocol.TAG_BYE, records)
-        for req in self._send_req:
+        for req in (*self._send_req, self._alive_req):
             if req is not None:
                 wait(req, self.poll)
 
@@ -156,7 +193,7 @@ class DeviceServer:
         self._future = (plan, future, work)
 
     def _evaluate(self, x) -> None:
-        ev = self.transport.evaluate(x)
+        ev = self._beating(self.transport.evaluate, x)
         records = self._records(protocol.TAG_EVAL, self.own.size)
         self.wire.pack_evaluation(records, self.own, ev)
         self._send_records(protocol.TAG_EVAL, records)
@@ -165,7 +202,7 @@ class DeviceServer:
         ids = self.wire.addressed(self.command, self.own)
         if ids.size == 0:
             return
-        rows = self.transport.start_devices(x, ids)
+        rows = self._beating(self.transport.start_devices, x, ids)
         records = self._records(protocol.TAG_ROWS, ids.size)
         self.wire.pack_rows(records, ids, rows)
         self._send_records(protocol.TAG_ROWS, records)

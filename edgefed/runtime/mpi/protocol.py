@@ -21,6 +21,7 @@ from edgefed.transport import Evaluation, LocalResults, RoundPlan
 # Commands (the command record's `command`), and the tags of the messages that answer them.
 STOP, ROUND, EVAL, START_DEVICES, LOAD_DEVICES = range(5)
 TAG_WORK, TAG_EVAL, TAG_ROWS, TAG_LOAD, TAG_BYE, TAG_CANCEL = 11, 12, 13, 14, 15, 16
+TAG_ALIVE = 17  # a device rank's heartbeat: one int64, the rank; says only "still here"
 NO_ROUND = -1
 
 

@@ -1,0 +1,262 @@
+"""`edgefed launch`: `edgefed run` on every rank of an mpiexec world, watched, and started again on the same
+log when the world dies, like `torchrun --max-restarts`.
+
+Under MPI one dead rank ends the whole world. Every device's data is a pure function of (seed, device), so
+any rank can host any device, and a log resumed under another number of ranks continues byte for byte. So
+when the world dies the launcher checks which boards still answer (over SSH, for a board list), leaves out
+those that do not and a rank the coordinator found silent ([mpi] rank_timeout_s), and starts the world
+again with `--resume` on the same log. Each restart is one line here and one row of the log's
+/launch/restarts. Ctrl-C (SIGINT, SIGTERM) ends everything at once; bad input (exit 2) is never retried.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+from edgefed.errors import EXIT_BAD_INPUT, EXIT_INTERRUPTED, EXIT_RANK_LOST, EdgefedError, RunLogError
+from edgefed.runlog import read_resume_point
+
+STOP_GRACE_S = 5.0  # after Ctrl-C, how long the ranks get to leave on their own before they are killed
+
+
+@dataclass(frozen=True)
+class Board:
+    host: str
+    profile: str | None  # None for the head node (line 1: the coordinator)
+    load: float = 0.0
+
+
+def read_boards(path: Path) -> list[Board]:
+    """A board list (launch/hostfile.example): `HOST ROLE-OR-PROFILE [LOAD]` per line, the head node first."""
+    try:
+        lines = Path(path).read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise EdgefedError(f"board list {path} cannot be read ({exc}); see launch/hostfile.example") from None
+    boards = []
+    for number, line in enumerate(lines, 1):
+        words = line.split("#", 1)[0].split()
+        if not words:
+            continue
+        head = not boards
+        if not head and len(words) < 2:
+            raise EdgefedError(f"board list {path} line {number}: board {words[0]} needs a hardware profile "
+                               "(e.g. pi4b)")
+        try:
+            load = float(words[2]) if len(words) > 2 else 0.0
+        except ValueError:
+            load = -1.0
+        if not 0 <= load < 1:
+            raise EdgefedError(f"board list {path} line {number}: the load {words[2]!r} must be a number in [0, 1)")
+        boards.append(Board(words[0], None if head else words[1], load))
+    if len(boards) < 2:
+        raise EdgefedError(f"board list {path} lists no board after the head node; see launch/hostfile.example")
+    return boards
+
+
+def find_mpiexec(given: str | None) -> str:
+    found = given or next((str(p) for p in (Path(sys.executable).parent / "mpiexec",) if p.exists()),
+                          shutil.which("mpiexec"))
+    if not found or not (shutil.which(found) or Path(found).is_file()):
+        raise EdgefedError(f"no mpiexec{' at ' + given if given else ''}; pip install 'edgefed[mpi]' or give "
+                           "--mpiexec PATH")
+    return found
+
+
+def mpi_flavour(mpiexec: str) -> str:
+    """'openmpi' or 'mpich' (MPICH's Hydra, and what else takes its flags), from `mpiexec --version`."""
+    try:
+        text = subprocess.run([mpiexec, "--version"], capture_output=True, text=True, timeout=20).stdout
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise EdgefedError(f"{mpiexec} --version failed ({exc}); give a working --mpiexec PATH") from None
+    return "openmpi" if any(s in text.lower() for s in ("open mpi", "open-mpi", "openrte")) else "mpich"
+
+
+def world_command(mpiexec: str, flavour: str, ranks: int, hosts: list[str] | None, hostfile: Path,
+                  run_args: list[str]) -> list[str]:
+    """mpiexec with `edgefed run` on every rank; with hosts, one rank per host in order (rank r: hosts[r])."""
+    if hosts is None:
+        launch = [mpiexec, "--oversubscribe", "-n", str(ranks)] if flavour == "openmpi" else [mpiexec, "-n", str(ranks)]
+    else:
+        slots = [f"{h} slots=1" if flavour == "openmpi" else f"{h}:1" for h in hosts]
+        hostfile.write_text("\n".join(slots) + "\n")
+        launch = ([mpiexec, "--hostfile", str(hostfile), "--map-by", "slot", "-np", str(ranks)] if flavour == "openmpi"
+                  else [mpiexec, "-f", str(hostfile), "-n", str(ranks)])
+    return launch + [sys.executable, "-m", "edgefed", "run", *run_args]
+
+
+def ssh_answers(host: str) -> bool:
+    try:
+        return subprocess.run(["ssh", "-o", "BatchMode=yes", "-o", "ConnectTimeout=5", host, "true"],
+                              capture_output=True, timeout=15).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+
+
+def _toml_list(values, quote: bool) -> str:
+    return "[" + ", ".join(json.dumps(v) if quote else repr(float(v)) for v in values) + "]"
+
+
+class Launcher:
+    """One launch: a world, and worlds again until the run completes, fails for good, or restarts run out."""
+
+    def __init__(self, log: Path, run_args: list[str], *, ranks: int | None = None, boards: list[Board] | None = None,
+                 restarts: int = 3, mpiexec: str | None = None, quiet: bool = False, resume: bool = False,
+                 on_line=print, answers=ssh_answers):
+        """run_args: the first world's `edgefed run` arguments but --out/--resume (a restart resumes the log)."""
+        self.log, self.run_args, self.restarts_left = Path(log), list(run_args), restarts
+        self.boards, self.ranks = boards, (len(boards) if boards else ranks)
+        self.mpiexec = find_mpiexec(mpiexec)
+        self.flavour = mpi_flavour(self.mpiexec)
+        self.quiet, self.resume, self.say, self.answers = quiet, resume, on_line, answers
+        self.id = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%S.%f")
+        self.records: list[dict] = []
+        self.child: subprocess.Popen | None = None
+        self.stopping = False
+        self._timer: threading.Timer | None = None
+        self._before = self._identity()  # the log as it was before this launch (--force may replace it)
+
+    def _identity(self):
+        try:
+            st = self.log.stat()
+        except OSError:
+            return None
+        return st.st_ino, st.st_mtime_ns, st.st_size
+
+    # -- one world ----------------------------------------------------------------------------------------
+    def _args(self, status: Path) -> list[str]:
+        # resume the log once this launch has one (an old log that --force was to replace does not count)
+        ours = self.log.exists() and (self.resume or self._identity() != self._before)
+        args = ["--resume", str(self.log)] if ours else [*self.run_args, "--out", str(self.log)]
+        if self.boards:
+            devices = self.boards[1:]
+            args += ["--set", f"device.boards={_toml_list([b.profile for b in devices], True)}"]
+            if any(b.load for b in devices):
+                args += ["--set", f"device.contention={_toml_list([b.load for b in devices], False)}"]
+        if self.quiet:
+            args.append("--quiet")
+        args += ["--launch-status", str(status)]
+        if self.records:
+            args += ["--launch-restarts", json.dumps(self.records)]
+        return args
+
+    def _world(self, folder: Path) -> tuple[int, dict | None]:
+        """Run one world to its end: (exit code, the lost rank the coordinator named, if any)."""
+        status = folder / "status.json"
+        status.unlink(missing_ok=True)
+        hosts = [b.host for b in self.boards] if self.boards else None
+        command = world_command(self.mpiexec, self.flavour, self.ranks, hosts, folder / "hosts", self._args(status))
+        self.child = subprocess.Popen(command, start_new_session=True)  # its own group: Ctrl-C is ours to pass on
+        code = self.child.wait()
+        self._kill_group(signal.SIGKILL)  # a stopped or orphaned rank must not outlive its world
+        lost = None
+        if status.exists():
+            try:
+                lost = json.loads(status.read_text())
+            except (OSError, ValueError):
+                lost = None
+        return code, lost
+
+    def _kill_group(self, sig) -> None:
+        if self.child is not None:
+            try:
+                os.killpg(self.child.pid, sig)
+            except (ProcessLookupError, PermissionError):
+                pass
+
+    def _stop(self, signum, frame) -> None:
+        """Ctrl-C or SIGTERM: the ranks get the signal (the coordinator keeps the log resumable), then a kill."""
+        if self.stopping:  # a second Ctrl-C: no more grace
+            self._kill_group(signal.SIGKILL)
+            return
+        self.stopping = True
+        self._kill_group(signal.SIGINT)
+        # the main thread is inside child.wait(), which reaps the world; a timer kills what lingers
+        self._timer = threading.Timer(STOP_GRACE_S, self._kill_group, (signal.SIGKILL,))
+        self._timer.daemon = True
+        self._timer.start()
+
+    # -- the launch ---------------------------------------------------------------------------------------
+    def run(self) -> int:
+        previous = {s: signal.signal(s, self._stop) for s in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            with tempfile.TemporaryDirectory(prefix="edgefed-launch-") as folder:
+                return self._loop(Path(folder))
+        finally:
+            for s, handler in previous.items():
+                signal.signal(s, handler)
+
+    def _loop(self, folder: Path) -> int:
+        while True:
+            started = time.monotonic()
+            code, lost = self._world(folder)
+            if self.stopping:
+                if self._timer is not None:
+                    self._timer.cancel()
+                self.say(f"launch: stopped; the log {self.log} holds every completed round (edgefed launch ... "
+                         f"--resume {self.log} continues it)")
+                return EXIT_INTERRUPTED
+            if code == 0:
+                return 0
+            if code == EXIT_BAD_INPUT:
+                return code  # bad input: the same world would fail the same way
+            cause = self._cause(code, lost)
+            if self.restarts_left <= 0:
+                self.say(f"launch: the world died ({cause}) and no restart is left; the log {self.log} holds "
+                         f"every completed round (--resume continues it)")
+                return code if code > 0 else 1
+            before = self.ranks
+            self._leave_out(lost)
+            if self.ranks < 1:
+                self.say(f"launch: the world died ({cause}) and no rank is left to run it")
+                return code if code > 0 else 1
+            self.restarts_left -= 1
+            record = {"launch": self.id, "round": self._rounds_done(), "cause": cause, "ranks_before": before,
+                      "ranks_after": self.ranks,
+                      "time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+            self.records.append(record)
+            self.say(f"launch: restart {len(self.records)}: the world died at round {record['round']} after "
+                     f"{time.monotonic() - started:.1f} s ({cause}); ranks {before} -> {self.ranks}; "
+                     f"resuming {self.log} ({self.restarts_left} restarts left)")
+
+    def _cause(self, code: int, lost: dict | None) -> str:
+        if lost is not None:
+            host = f" on {lost['host']}" if lost.get("host") else ""
+            return f"rank {lost['rank']}{host} stopped answering for {lost['silent_s']:.1f} s"
+        if code < 0:
+            return f"mpiexec ended by signal {-code}"
+        return f"exit code {code}" + (" (a rank was lost)" if code == EXIT_RANK_LOST else "")
+
+    def _rounds_done(self) -> int:
+        try:
+            return read_resume_point(self.log).rounds_done
+        except RunLogError:
+            return 0
+
+    def _leave_out(self, lost: dict | None) -> None:
+        """The next world: without the rank found silent; with a board list, without every board that does
+        not answer either (the head node, line 1, is this machine)."""
+        if self.boards is None:
+            if lost is not None:
+                self.ranks -= 1
+            return
+        drop = {int(lost["rank"])} if lost is not None and int(lost["rank"]) > 0 else set()
+        with ThreadPoolExecutor(max_workers=8) as pool:
+            answers = list(pool.map(self.answers, [b.host for b in self.boards[1:]]))
+        drop |= {i + 1 for i, ok in enumerate(answers) if not ok}
+        for i in sorted(drop):
+            self.say(f"launch: leaving out {self.boards[i].host} (rank {i}): "
+                     + ("it stopped answering" if answers[i - 1] else "it does not answer over SSH"))
+        self.boards = [b for i, b in enumerate(self.boards) if i not in drop]
+        self.ranks = len(self.boards) if len(self.boards) > 1 else 0
