@@ -324,8 +324,13 @@ def cmd_sweep(args) -> int:
 
     if args.jobs < 1:
         raise EdgefedError(f"-j {args.jobs}: give at least 1 experiment at a time")
-    return run_sweep(Path(args.file), Path(args.out), args.jobs, on_line=lambda line: print(line, flush=True),
-                     live=sys.stdout.isatty())
+    try:
+        return run_sweep(Path(args.file), Path(args.out), args.jobs, on_line=lambda line: print(line, flush=True),
+                         live=sys.stdout.isatty())
+    except KeyboardInterrupt:
+        print(f"edgefed: sweep interrupted; the same command continues it (complete runs are kept, the "
+              f"interrupted one resumes)", file=sys.stderr, flush=True)
+        return EXIT_INTERRUPTED
 
 
 def cmd_contend(args) -> int:

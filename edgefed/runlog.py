@@ -19,6 +19,8 @@ file and swaps it in atomically, so nothing logged is lost if the resume itself 
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import datetime
 import functools
 import os
@@ -413,13 +415,22 @@ def open_run(path: str | Path) -> h5py.File:
         raise RunLogError(f"{path} is cut short: {cut[0]} of its {cut[1]} bytes are there; the file is damaged "
                           "(copy it again)")
     try:
-        f = h5py.File(path, "r", libver="latest", swmr=True)
-    except OSError:
+        f = h5py.File(h5py.h5f.open(os.fsencode(path), h5py.h5f.ACC_RDONLY | h5py.h5f.ACC_SWMR_READ, _swmr_access()))
+    except (OSError, RuntimeError):
         try:
             f = h5py.File(path, "r")
         except OSError as exc:
+            if _is_hdf5(path):
+                raise _damaged(path, exc) from None
             raise RunLogError(f"{path} is not an HDF5 file ({exc}); give an edgefed run log") from None
-    if f.attrs.get("format") != FORMAT:
+        except RuntimeError as exc:
+            raise _damaged(path, exc) from None
+    try:
+        fmt = f.attrs.get("format")
+    except (OSError, RuntimeError, KeyError) as exc:
+        f.close()
+        raise _damaged(path, exc) from None
+    if fmt != FORMAT:
         f.close()
         raise RunLogError(f"{path} is not an edgefed run log (no format = \"{FORMAT}\" attribute)")
     version = int(f.attrs.get("format_version", -1))
@@ -427,6 +438,59 @@ def open_run(path: str | Path) -> h5py.File:
         f.close()
         raise RunLogError(f"{path} has log format {version}, newer than this edgefed reads ({FORMAT_VERSION}); upgrade")
     return f
+
+
+READ_ATTEMPTS = 16  # a SWMR reader re-reads metadata whose checksum fails (the writer may be mid-write)
+
+
+@functools.lru_cache(maxsize=None)
+def _swmr_access():
+    """File access for SWMR reads with READ_ATTEMPTS tries instead of HDF5's 100, which on a file whose
+    metadata is damaged back off for minutes. h5py does not expose H5Pset_metadata_read_attempts, so it is
+    called in the HDF5 library h5py itself loaded; where that cannot be found, HDF5's default stays."""
+    fapl = h5py.h5p.create(h5py.h5p.FILE_ACCESS)
+    try:
+        with open("/proc/self/maps") as maps:
+            libs = sorted({line.split()[-1] for line in maps if "libhdf5" in line and "_hl" not in line
+                           and ".so" in line})
+        setter = ctypes.CDLL(libs[0]).H5Pset_metadata_read_attempts
+        setter.argtypes, setter.restype = [ctypes.c_int64, ctypes.c_uint], ctypes.c_int
+        setter(fapl.id, READ_ATTEMPTS)
+    except (OSError, IndexError, AttributeError):
+        pass
+    return fapl
+
+
+def _is_hdf5(path: Path) -> bool:
+    with open(path, "rb") as f:
+        return f.read(8) == b"\x89HDF\r\n\x1a\n"
+
+
+def _damaged(path, exc: BaseException) -> RunLogError:
+    detail = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    return RunLogError(f"{path} is damaged: HDF5 cannot read its metadata ({detail}); copy it again, or resume "
+                       "from another copy")
+
+
+def _lacks(path, exc: KeyError, what: str) -> RunLogError:
+    """h5py's KeyError: a dataset that is not there, or one whose metadata is damaged."""
+    if "checksum" in str(exc):
+        return _damaged(path, exc)
+    return RunLogError(f"{path} lacks {exc.args[0]}; it is not {what}")
+
+
+@contextlib.contextmanager
+def reading(path: str | Path):
+    """open_run for a read that ends with the file: h5py's errors of a damaged file become one RunLogError."""
+    f = open_run(path)
+    try:
+        yield f
+    except (OSError, RuntimeError) as exc:  # what h5py raises for bytes that are not what the metadata says
+        raise _damaged(path, exc) from None
+    except KeyError as exc:
+        raise _lacks(path, exc, "an edgefed run log") from None
+    finally:
+        f.close()
 
 
 def _cut_short(path: Path) -> tuple[int, int] | None:
@@ -447,9 +511,25 @@ def _cut_short(path: Path) -> tuple[int, int] | None:
 
 def read_run(path: str | Path) -> dict:
     """Every dataset (path -> array) and the root attributes (under "attrs") of a run log."""
-    with open_run(path) as f:
+    """Every dataset (path -> array) and the root attributes (under "attrs") of a run log. A log whose run
+    goes on is read up to its last completed round (the marker is read first, and the rows written after it
+    are left out), so every dataset agrees on the rounds."""
+    with reading(path) as f:
         out = {"attrs": dict(f.attrs)}
-        f.visititems(lambda name, obj: out.__setitem__(name, obj[()]) if isinstance(obj, h5py.Dataset) else None)
+        limits = None
+        if "state/round" in f and "trajectory/round" in f and f.attrs.get("status") != "complete":
+            done = int(f["state/round"][0])
+            if done >= 0:
+                stored = f["trajectory/round"][()]
+                limits = {"round": done, "round+1": done + 1,
+                          "stored": int(np.searchsorted(stored, done, side="right"))}
+
+        def take(name, obj):
+            if isinstance(obj, h5py.Dataset):
+                rows = obj.attrs.get("rows") if limits is not None else None
+                out[name] = obj[: limits[rows]] if rows in (limits or {}) else obj[()]
+
+        f.visititems(take)
     return out
 
 
@@ -468,7 +548,7 @@ class ResumePoint:
 
 def read_resume_point(path: str | Path) -> ResumePoint:
     """What a killed run had completely logged: its config, last round, state and dataset prefixes."""
-    with open_run(path) as f:
+    with reading(path) as f:
         config_toml, restarts = str(f.attrs.get("config", "")), _read_restarts(f)
         if "state" not in f and f.attrs.get("status") == "starting":  # a stub: killed before its first round
             return ResumePoint(config_toml, 0, {}, {}, False, attrs=dict(f.attrs), restarts=restarts, fresh=True)
@@ -476,7 +556,7 @@ def read_resume_point(path: str | Path) -> ResumePoint:
             done = int(f["state/round"][0])
             stored = f["trajectory/round"][()]
         except KeyError as exc:
-            raise RunLogError(f"{path} lacks {exc.args[0]}; it is not a resumable edgefed log") from None
+            raise _lacks(path, exc, "a resumable edgefed log") from None
         if done < 0:  # created, killed before round 0 was written: start from the beginning
             return ResumePoint(config_toml, 0, {}, {}, False, attrs=dict(f.attrs), restarts=restarts, fresh=True)
         n_stored = int(np.searchsorted(stored, done, side="right"))
@@ -518,8 +598,21 @@ class RecordedParticipation:
     overselected: bool = False  # its late devices were surplus (over-selection), not part of the round's weights
 
 
+def no_round_yet(path, attrs, data: dict | None = None) -> RunLogError | None:
+    """The error for a log with no round in it: a stub (a run stopped during start-up, a config and nothing
+    else), or a log killed before its start was written."""
+    empty = data is not None and "metrics/train_loss" in data and data["metrics/train_loss"].size == 0
+    if attrs.get("status") == "starting" or empty:
+        return RunLogError(f"{path} holds no round yet: its run was stopped during start-up; "
+                           f"edgefed run --resume {path} starts it")
+    return None
+
+
 def read_participation(path: str | Path) -> RecordedParticipation:
-    with open_run(path) as f:
+    with reading(path) as f:
+        stub = no_round_yet(path, f.attrs)
+        if stub is not None:
+            raise stub
         try:
             p = f["participation"]
             late = p["late"][()] if "late" in p else np.zeros(p["selected"].shape, bool)
@@ -534,4 +627,4 @@ def read_participation(path: str | Path) -> RecordedParticipation:
             return RecordedParticipation(p["selected"][()], p["steps"][()], p["budget"][()], late, text, clock, comm,
                                          overselected)
         except KeyError as exc:
-            raise RunLogError(f"{path} lacks {exc.args[0]}; it is not an edgefed run log with participation") from None
+            raise _lacks(path, exc, "an edgefed run log with participation") from None

@@ -43,9 +43,16 @@ def read_trace_file(path: str | Path) -> TraceFile:
     if not path.is_file():
         raise ConfigError(f"{where} not found; participation.trace names \"builtin\", a trace file or a run log")
     try:
-        lines = path.read_text(encoding="utf-8").splitlines()
-    except (OSError, UnicodeDecodeError) as exc:
+        raw = path.read_bytes()
+    except OSError as exc:
         raise ConfigError(f"{where} cannot be read ({exc})") from None
+    if raw.startswith(b"\x89HDF"):
+        raise ConfigError(f"{where} is an HDF5 file, not a trace file (CSV from edgefed trace record); a run log is "
+                          "replayed with participation.trace = \"RUN.h5\" and read with edgefed summary")
+    try:
+        lines = raw.decode("utf-8").splitlines()
+    except UnicodeDecodeError:
+        raise ConfigError(f"{where} is not text, so not a trace file (CSV from edgefed trace record)") from None
     if not lines or lines[0].strip() != FORMAT_LINE:
         raise ConfigError(f"{where} is not an edgefed trace file (its first line must be {FORMAT_LINE!r})")
     meta = {}

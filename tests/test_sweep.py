@@ -2,6 +2,7 @@
 invocation, a failing cell, and -j 2 and mpiexec -n 3 writing the same logs as a serial sweep."""
 
 import csv
+import re
 import math
 import os
 import shutil
@@ -94,8 +95,25 @@ def test_axes_times_seeds_with_base_set_axes_seed_precedence(tmp_path):
     assert len({job.log for job in sweep.jobs}) == 16
     first = sweep.jobs[0]
     assert first.cell == "local_steps=3, scheme=A, alpha=0.0, beta=0.0"
-    assert first.log == "runs/000-local-steps-3-scheme-A-alpha-0.0-beta-0.0-seed0.h5"
+    assert re.fullmatch(r"runs/local-steps-3-scheme-A-alpha-0\.0-beta-0\.0-[0-9a-f]{8}-seed0\.h5", first.log)
     assert [j.seed for j in sweep.jobs[:2]] == [0, 1]  # seeds vary fastest, within a cell
+
+
+def test_bare_dotted_keys_set_one_key_as_quoted_ones_do(tmp_path):
+    bare = read_sweep(write_sweep(tmp_path / "a", 'base = "base.toml"\n[set]\ntrain.batch_size = 5\n[axes]\ntrain.lr_local = [0.1, 0.2]\n'))
+    quoted = read_sweep(write_sweep(tmp_path / "b", 'base = "base.toml"\n[set]\n"train.batch_size" = 5\n[axes]\n'
+                                                     '"train.lr_local" = [0.1, 0.2]\n'))
+    assert [j.raw for j in bare.jobs] == [j.raw for j in quoted.jobs]
+    cfg = config_mod.config_from_dict(bare.jobs[0].raw)
+    assert (cfg.train.batch_size, cfg.train.local_steps, cfg.train.lr_local) == (5, 4, 0.1)  # the base's K stays
+
+
+def test_growing_an_axis_keeps_the_names_of_the_cells_there_were(tmp_path):
+    small = read_sweep(write_sweep(tmp_path, '[axes]\n"participation.scheme" = ["B"]\n"train.lr_local" = [0.1]\n'))
+    grown = read_sweep(write_sweep(tmp_path, '[axes]\n"participation.scheme" = ["A", "B"]\n'
+                                             '"train.lr_local" = [0.1, 0.2]\n'))
+    assert {j.log for j in small.jobs} < {j.log for j in grown.jobs}
+    assert len({j.log for j in grown.jobs}) == 4
 
 
 def test_without_base_or_seeds_the_default_config_and_its_seed(tmp_path):
@@ -123,6 +141,7 @@ BAD_SWEEPS = {
     "key twice": ('[axes]\n"data.alpha" = [0.5]\n"data.alpha,data.beta" = [[0.5, 0.5]]\n',
                   "a key appears in two axes"),
     "bad seeds": ('seeds = [0, -1]\n', "seeds must be a non-empty list of non-negative integers"),
+    "seed twice": ('seeds = [0, 0]\n', "seeds lists a seed twice"),
     "bad target": ('[target]\ntest_accuracy = 2\n', "target test_accuracy = 2 must lie in (0, 1]"),
     "target key": ('[target]\ntrain_loss = 0.1\n', "[target] takes test_accuracy, not 'train_loss'"),
     "set rejected": ('[set]\n"train.local_steps" = 0\n', "[set]: config: train.local_steps = 0"),
@@ -257,6 +276,18 @@ def test_a_foreign_log_in_the_way_fails_its_cell_without_being_touched(serial, t
     row = read_csv(copy / "summary.csv")[0]
     assert row["status"] == "failed" and "belongs to another config" in row["error"]
     assert (copy / job.log).read_bytes() == before
+
+
+def test_a_log_of_another_trace_is_not_taken_for_complete(serial, tmp_path, capsys):
+    folder, _, _ = serial
+    copy = tmp_path / "out"
+    shutil.copytree(folder, copy)
+    other = tmp_path / "other.toml"
+    other.write_text((folder.parent / "sweep.toml").read_text().replace("builtin:5", "builtin:8"))
+    shutil.copy(folder.parent / "base.toml", tmp_path)
+    code, out, _ = sweep_cli([str(other), "--out", str(copy)], capsys)
+    assert code == 1 and "already complete" not in out
+    assert all("differs in participation.trace" in r["error"] for r in read_csv(copy / "summary.csv"))
 
 
 def test_jobs_at_a_time_write_the_serial_logs(serial, tmp_path, capsys):

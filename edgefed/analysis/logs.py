@@ -14,7 +14,7 @@ import numpy as np
 
 from edgefed import config as config_mod
 from edgefed.errors import EdgefedError, RunLogError
-from edgefed.runlog import read_run
+from edgefed.runlog import no_round_yet, read_run
 
 
 @dataclass(frozen=True)
@@ -28,6 +28,9 @@ class Run:
     @classmethod
     def read(cls, path) -> "Run":
         data = read_run(path)
+        stub = no_round_yet(path, data["attrs"], data)
+        if stub is not None:
+            raise stub
         for name in ("metrics/test_accuracy", "metrics/train_loss", "participation/steps", "participation/selected"):
             if name not in data:
                 raise RunLogError(f"{path} lacks {name}; it is not an edgefed run log")
@@ -94,15 +97,8 @@ class Run:
             mine = config_mod.to_dict(config_mod.config_from_dict(self.config_dict()))
         except EdgefedError:  # a config this edgefed does not know: show it as stored
             default, mine = {}, self.config_dict()
-        out = []
-        for table in sorted(set(mine) | set(default)):
-            a, b = mine.get(table), default.get(table)
-            if isinstance(a, dict) or isinstance(b, dict):
-                a, b = a or {}, b or {}
-                out += [(f"{table}.{k}", a.get(k)) for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
-            elif a != b:
-                out.append((table, a))
-        return out
+        # a key this run leaves unset (None) is one its problem has no use for, not a choice it made
+        return [(key, value) for key, value in config_mod.dict_differences(mine, default) if value is not None]
 
     def fractions(self) -> np.ndarray:
         """(rounds, N) completed fraction s_k / K_k of the selected devices, NaN where not selected."""

@@ -147,6 +147,7 @@ def curves(series: list[tuple[str, list[Run]]], title: str):
         style = dict(linestyle=STYLES[i % len(STYLES)], marker=MARKERS[i % len(MARKERS)], markevery=0.1,
                      markersize=4, linewidth=1.4)
         rounds = min(r.rounds for r in runs) + 1
+        labelled = False  # the legend's entry goes on the first panel this series is drawn in
         for row, (metric, name) in enumerate((("test_accuracy", "test accuracy"), ("train_loss", "train loss"))):
             values = np.array([r[f"metrics/{metric}"][:rounds] for r in runs], dtype=float)
             x = np.arange(rounds)
@@ -161,10 +162,15 @@ def curves(series: list[tuple[str, list[Run]]], title: str):
                 ax = axes[row, col]
                 if col == 1 and not np.isfinite(xs).all():
                     continue
-                line, = ax.plot(xs, mean, label=label if row == 0 and col == 0 else None, **style)
+                line, = ax.plot(xs, mean, label=None if labelled else label, **style)
+                labelled = True
                 if len(runs) > 1:
                     ax.fill_between(xs, lo, hi, color=line.get_color(), alpha=0.15, linewidth=0)
             axes[row, 0].set_ylabel(name)
+    for col in (0, 1):
+        if not axes[0, col].lines:
+            axes[0, col].text(0.5, 0.5, "no test accuracy: the problem has no held-out data", ha="center",
+                              va="center", transform=axes[0, col].transAxes, fontsize=9, alpha=0.7)
     losses = np.concatenate([r["metrics/train_loss"] for _, runs in series for r in runs])
     losses = losses[np.isfinite(losses)]
     if losses.size and losses.min() > 0 and losses.max() / losses.min() > 20:  # an early spike flattens the rest
@@ -341,8 +347,8 @@ def overview(sweep: Sweep):
     """Final test accuracy of every cell, mean and std over seeds: the next-to-last dimension along x, a line
     per value of the last, a panel per combination of the others (the shape of a paper's table)."""
     dims = sweep.dimensions()
-    if len(dims) < 2 or not sweep.table or "final_test_accuracy_mean" not in sweep.table[0]:
-        return None
+    if len(dims) < 2 or not any(math.isfinite(_float(row.get("final_test_accuracy_mean"))) for row in sweep.table):
+        return None  # no cell has an accuracy (a quadratic)
     plt = _plt()
 
     def along(row: dict, dim) -> str:

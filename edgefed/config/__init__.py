@@ -11,10 +11,10 @@ from edgefed.config.schema import (ArrivalConfig, Config, DataConfig, DepartureC
                                    ScaffoldConfig, TrainConfig)
 from edgefed.config.validation import check_clients_per_round, validate, with_clients
 from edgefed.config.schema import rank_timeout
-from edgefed.config.writing import same_experiment, to_dict, to_toml, with_placement
+from edgefed.config.writing import dict_differences, same_experiment, to_dict, to_toml, with_placement
 
 __all__ = ["ArrivalConfig", "Config", "DataConfig", "DepartureConfig", "DeviceConfig", "DynamicsConfig", "FaultConfig", "FedProxConfig",
            "LogConfig", "ModelConfig", "MpiConfig", "ParticipationConfig", "ScaffoldConfig", "TrainConfig",
            "apply_override", "check_clients_per_round", "config_from_dict", "load_config", "parse_toml", "read_toml",
-           "rank_timeout", "same_experiment", "set_key", "to_dict", "to_toml", "validate", "with_clients",
+           "dict_differences", "rank_timeout", "same_experiment", "set_key", "to_dict", "to_toml", "validate", "with_clients",
            "with_placement"]

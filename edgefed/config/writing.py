@@ -42,18 +42,22 @@ def same_experiment(a: Config, b: Config) -> list[str]:
         for table, keys in PLACEMENT.items():
             for key in keys:
                 d.get(table, {}).pop(key, None)
-    diffs = []
-    for key in sorted(set(da) | set(db)):
-        va, vb = da.get(key), db.get(key)
-        if key == "participation":  # a replay may name its trace by another path; the trace itself is checked
-            for d in (va, vb):
-                (d or {}).pop("trace", None)
+    for d in (da.get("participation"), db.get("participation")):
+        (d or {}).pop("trace", None)  # a replay may name its trace by another path; the trace itself is checked
+    return [key for key, _ in dict_differences(da, db)]
+
+
+def dict_differences(a: dict, b: dict) -> list[tuple[str, object]]:
+    """(table.key, a's value) of every key whose value differs between two configs as TOML data."""
+    out = []
+    for table in sorted(set(a) | set(b)):
+        va, vb = a.get(table), b.get(table)
         if isinstance(va, dict) or isinstance(vb, dict):
             va, vb = va or {}, vb or {}
-            diffs += [f"{key}.{k}" for k in sorted(set(va) | set(vb)) if va.get(k) != vb.get(k)]
+            out += [(f"{table}.{k}", va.get(k)) for k in sorted(set(va) | set(vb)) if va.get(k) != vb.get(k)]
         elif va != vb:
-            diffs.append(key)
-    return diffs
+            out.append((table, va))
+    return out
 
 
 def with_placement(cfg: Config, placed: Config) -> Config:

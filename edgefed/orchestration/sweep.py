@@ -12,6 +12,7 @@ at a time (each its own process); under mpiexec the runs are dealt over the rank
 from __future__ import annotations
 
 import csv
+import hashlib
 import itertools
 import json
 import math
@@ -30,7 +31,6 @@ from edgefed import config as config_mod
 from edgefed.analysis.logs import Run
 from edgefed.errors import ConfigError, EdgefedError
 from edgefed.orchestration import run as runs
-from edgefed.runlog import read_resume_point
 from edgefed.runtime.mpi.comm import wait, world
 
 KEYS = ("base", "seeds", "set", "axes", "target")
@@ -81,11 +81,29 @@ def _slug(text: str) -> str:
     return "-".join(words)[:60]
 
 
+def _log_name(cell: str, values) -> str:
+    """A cell's log name from its values alone (its words, then a digest that keeps apart cells whose words
+    agree), so growing an axis leaves every existing cell's logs where they are."""
+    return f"{_slug(cell) or 'run'}-{hashlib.sha1(repr(values).encode()).hexdigest()[:8]}"
+
+
 def _cell_name(values) -> str:
     """"scheme=A, trace=builtin:4": each axis by its last key part, unless two axes share it."""
     short = [k.rpartition(".")[2] for k, _ in values]
     names = short if len(set(short)) == len(short) else [k for k, _ in values]
     return ", ".join(f"{n}={_value_text(v)}" for n, (_, v) in zip(names, values)) or "all"
+
+
+def _dotted(table: dict, prefix: str = "") -> dict:
+    """{"train": {"lr_local": ...}} (TOML's reading of a bare `train.lr_local = ...`) as {"train.lr_local": ...},
+    so a bare dotted key sets one key, as a quoted one does, and never replaces the base's whole table."""
+    out = {}
+    for key, value in table.items():
+        if isinstance(value, dict):
+            out.update(_dotted(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
 
 
 def read_sweep(path: Path) -> Sweep:
@@ -112,11 +130,14 @@ def read_sweep(path: Path) -> Sweep:
     if seeds is not None and (not isinstance(seeds, list) or not seeds
                               or not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in seeds)):
         raise ConfigError(f"{where}: seeds must be a non-empty list of non-negative integers, e.g. seeds = [0, 1, 2]")
+    if seeds is not None and len(set(seeds)) < len(seeds):
+        raise ConfigError(f"{where}: seeds lists a seed twice; give each seed once")
     settings = raw.get("set", {})
     axes = raw.get("axes", {})
     for name, table in (("set", settings), ("axes", axes)):
         if not isinstance(table, dict):
             raise ConfigError(f"{where}: [{name}] must be a table of dotted keys")
+    settings, axes = _dotted(settings), _dotted(axes)
     groups = []  # (keys, value tuples): an axis "a.x,a.y" links keys that move together
     for key, values in axes.items():
         if not isinstance(values, list) or not values:
@@ -138,7 +159,7 @@ def read_sweep(path: Path) -> Sweep:
         if target is not None and not (isinstance(target, (int, float)) and 0 < target <= 1):
             raise ConfigError(f"{where}: target test_accuracy = {target!r} must lie in (0, 1]")
     jobs = []
-    for index, combo in enumerate(itertools.product(*(values for _, values in groups))):
+    for combo in itertools.product(*(values for _, values in groups)):
         values = tuple((k, v) for (keys, _), picked in zip(groups, combo) for k, v in zip(keys, picked))
         cell = _cell_name(values)
         for seed in seeds if seeds is not None else [None]:
@@ -148,7 +169,7 @@ def read_sweep(path: Path) -> Sweep:
                 _blame_one_axis(base, settings, values, seed, where)
                 raise
             seed = cfg_raw.get("seed", 0)
-            log = f"runs/{index:03d}-{_slug(cell) or 'run'}-seed{seed}.h5"
+            log = f"runs/{_log_name(cell, values)}-seed{seed}.h5"
             jobs.append(Job(cell, values, seed, log, cfg_raw))
     return Sweep(path, tuple(columns), None if target is None else float(target), tuple(jobs))
 
@@ -203,6 +224,8 @@ def _state(folder: Path, job: Job) -> tuple[str, object]:
     wanted = config_mod.config_from_dict(job.raw)
     logged = config_mod.config_from_dict(config_mod.parse_toml(point.config_toml))
     diffs = config_mod.same_experiment(wanted, logged)
+    if wanted.participation.trace != logged.participation.trace:  # same_experiment lets a replay move its file
+        diffs.append("participation.trace")
     if diffs:
         return "failed", (f"{path} belongs to another config (differs in {', '.join(diffs)}); delete it or use "
                           "another --out")
@@ -344,11 +367,17 @@ def run_sweep(path: Path, folder: Path, jobs: int = 1, on_line=print, live: bool
         else:
             on_line(line)
 
-    if jobs > 1 and comm is None:
-        with ThreadPoolExecutor(jobs) as pool:
+    if jobs > 1 and comm is not None:
+        raise EdgefedError("-j runs experiments side by side on one machine; under mpiexec the ranks do that, "
+                           "so drop -j (or run without mpiexec)")
+    if jobs > 1:
+        pool = ThreadPoolExecutor(jobs)
+        try:
             futures = {pool.submit(_run_apart, folder, sweep.jobs[i]): i for i in mine}
             for future in as_completed(futures):
                 report(futures[future], future.result())
+        finally:  # Ctrl-C: no queued run starts (the running ones got the signal too)
+            pool.shutdown(wait=False, cancel_futures=True)
     else:
         for i in mine:
             report(i, _run_here(folder, sweep.jobs[i]))
