@@ -24,6 +24,7 @@ import ctypes
 import datetime
 import functools
 import os
+import shutil
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,8 +32,13 @@ from pathlib import Path
 import h5py
 import numpy as np
 
+try:
+    import resource  # POSIX: RLIMIT_FSIZE
+except ImportError:  # pragma: no cover - Windows
+    resource = None
+
 from edgefed import __version__
-from edgefed.errors import RunLogError
+from edgefed.errors import ResourceError, RunLogError
 
 FORMAT = "edgefed-run"
 FORMAT_VERSION = 1
@@ -205,6 +211,27 @@ class RunLogWriter:
         self._cols = {c.path: (f[c.path], np.dtype(c.dtype), tuple(c.row_shape)) for c in cols}
         self._rows = {name: ds.shape[0] for name, (ds, _, _) in self._cols.items()}
         self._state_ds = {}
+        # the most one round can add to the file: a new chunk of every column, plus room for HDF5's own index
+        self._round_bytes = sum(int(np.prod(ds.chunks)) * dtype.itemsize for ds, dtype, _ in self._cols.values())
+        self._round_bytes += 1 << 20
+
+    def ensure_room(self) -> None:
+        """Before a round is written: refuse, with the log intact at the last round, when the disk (or the
+        process's file-size limit) cannot take what the round may add. HDF5 does not fail cleanly on a full
+        disk (a wall of errors, then often a crash), so the round is never started there."""
+        try:
+            free = shutil.disk_usage(self.path.parent).free
+            size = self.path.stat().st_size
+        except OSError:
+            return
+        room = free
+        limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0] if resource is not None else None
+        if limit is not None and limit != resource.RLIM_INFINITY:
+            room = min(free, limit - size)
+        if room < self._round_bytes:
+            raise ResourceError(f"the disk holding run log {self.path} is full ({_size(max(room, 0))} left, a round "
+                                f"may need {_size(self._round_bytes)}); free space or move the log, then "
+                                f"edgefed run --resume {self.path}")
 
     # -- creation ------------------------------------------------------------------------------------
     @classmethod
@@ -459,6 +486,14 @@ def _swmr_access():
     except (OSError, IndexError, AttributeError):
         pass
     return fapl
+
+
+def _size(n: float) -> str:
+    for unit in ("B", "KB", "MB"):
+        if n < 1024:
+            return f"{n:.0f} {unit}"
+        n /= 1024
+    return f"{n:.1f} GB"
 
 
 def _is_hdf5(path: Path) -> bool:

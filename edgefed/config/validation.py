@@ -53,8 +53,8 @@ def _positive(value, key: str, example: str) -> None:
 
 def validate(cfg: Config) -> Config:
     """Check every field and resolve the defaults that depend on other fields."""
-    if cfg.seed < 0:
-        raise ConfigError(f"config: seed = {cfg.seed} must be a non-negative integer")
+    if not 0 <= cfg.seed < 2**64:  # the random streams and the log's attribute hold it as an unsigned 64-bit word
+        raise ConfigError(f"config: seed = {cfg.seed} is out of range; give an integer from 0 to {2**64 - 1}")
     _positive(cfg.rounds, "rounds", "rounds = 100")
     data = _validate_data(cfg.data)
     model = _validate_model(cfg.model, data)

@@ -43,6 +43,7 @@ class RoundSummary:
     steps_done: int = 0
     steps_asked: int = 0
     n_applied: int = 0
+    evaluated: bool = True  # the round's metrics were computed (log.eval_every); NaN otherwise
 
 
 class RoundEngine:
@@ -232,6 +233,7 @@ class RoundEngine:
         evaluate, store = self._due(round_idx)
         metrics = self.metrics(self.transport.evaluate(self.state.x)) if evaluate else (math.nan,) * 3
         elapsed = time.perf_counter() - wall0
+        self.log.ensure_room()
         self.log.append(self._round_row(plan, res, settled, coeffs, nonfinite, metrics, elapsed, clock))
         changes = {v.name: (plan.device_ids[reported], res.vectors[v.delta][reported])
                    for v in self.algorithm.device_vectors}
@@ -239,7 +241,7 @@ class RoundEngine:
         self.on_round(RoundSummary(round_idx, self.cfg.rounds, *metrics, int(np.count_nonzero(counted_steps)),
                                    int(self.active.sum()), int(nonfinite.sum()), elapsed, int(late.sum()),
                                    int(np.sum(settled.steps[~late & ~nonfinite])), int(plan.budgets.sum()),
-                                   int(np.count_nonzero(coeffs))))
+                                   int(np.count_nonzero(coeffs)), evaluate))
         return self.state
 
     def _stage_and_commit(self, round_idx, changes, store: bool, sets=None) -> None:

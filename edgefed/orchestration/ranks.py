@@ -121,7 +121,7 @@ def run_coordinator(comm, resolve, force: bool, on_round, on_info, on_error, lau
                              rank_timeout_s=config_mod.rank_timeout(setup.cfg),
                              hosts={rank: host for rank, (host, _) in enumerate(machines)})
     try:
-        result = run_mod.drive(setup, transport, path, resume_point=point, on_round=on_round)
+        result = run_mod.drive(setup, transport, path, resume_point=point, on_round=on_round, on_warning=on_info)
     except KeyboardInterrupt:
         return abort_with(comm, str(Interrupted(path)), EXIT_INTERRUPTED)
     except RankLost as exc:

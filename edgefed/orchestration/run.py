@@ -244,9 +244,37 @@ def note_warmup(setup: Setup, compiled: list[int], seconds: list[float], on_info
                 "`edgefed warmup` once per machine caches them")
 
 
-def drive(setup: Setup, transport, log_path: Path, *, resume_point=None, on_round=None) -> RunResult:
+class DivergenceWatch:
+    """Says once, without stopping the run, when the train loss turns non-finite or grows by orders of
+    magnitude over the first one evaluated: a run that diverges otherwise finishes silently."""
+
+    GROWTH = 1e3
+
+    def __init__(self, on_round, on_warning):
+        self.on_round, self.on_warning = on_round, on_warning
+        self.first, self.said = None, False
+
+    def __call__(self, s) -> None:
+        if self.on_round is not None:
+            self.on_round(s)
+        if self.said or not s.evaluated:
+            return
+        loss = s.train_loss
+        if self.first is None and math.isfinite(loss):
+            self.first = loss
+        elif self.first is not None and (not math.isfinite(loss) or abs(loss) > self.GROWTH * max(abs(self.first), 1e-12)):
+            self.said = True
+            grown = "is not finite" if not math.isfinite(loss) else f"has grown {loss / self.first:.3g}x to {loss:.4g}"
+            self.on_warning(f"warning: the train loss {grown} at round {s.round_idx} (it was {self.first:.4g}): the "
+                            "run diverges; a smaller train.lr_local usually cures it")
+
+
+def drive(setup: Setup, transport, log_path: Path, *, resume_point=None, on_round=None,
+          on_warning=None) -> RunResult:
     """Open (or continue) the log and run the rounds through `transport`; the transport is closed after."""
     cfg = setup.cfg
+    if on_warning is not None:
+        on_round = DivergenceWatch(on_round, on_warning)
     if resume_point is not None and resume_point.complete:
         transport.close()
         return _summary(log_path, resume_point.prefix, 0, 0.0, already_complete=True)
@@ -292,7 +320,7 @@ def run(cfg: Config, log_path: Path, *, resume_point=None, force: bool = False, 
         raise
     compiled, seconds = transport.warmup()
     note_warmup(setup, [compiled], [seconds], on_info or (lambda line: None))
-    return drive(setup, transport, log_path, resume_point=resume_point, on_round=on_round)
+    return drive(setup, transport, log_path, resume_point=resume_point, on_round=on_round, on_warning=on_info)
 
 
 def _summary(path, data: dict, rounds_run: int, wall: float, already_complete=False) -> RunResult:
