@@ -1,0 +1,251 @@
+"""`edgefed launch` and what a lost board costs: a device rank killed, the coordinator killed, a rank stopped,
+each under `-n 3`, ending in the log an uninterrupted simulator run writes; restarts recorded; Ctrl-C, bad
+input and --restarts 0 not retried; a run killed during start-up resumed; the board list and the mpiexec
+command of both MPI flavours."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import h5py
+import pytest
+
+from edgefed import config as config_mod
+from edgefed.errors import EdgefedError
+from edgefed.orchestration import run as runs
+from edgefed.orchestration.launcher import Board, Launcher, read_boards, world_command
+from edgefed.runlog import read_run
+
+from helpers import compared
+from test_mpi import MPIEXEC
+
+needs_mpi = pytest.mark.skipif(MPIEXEC is None, reason="no mpiexec: pip install 'edgefed[mpi]'")
+TIMEOUT = 240
+FULL = ["rounds=150", "data.clients=8", "train.clients_per_round=4", "train.local_steps=40", "log.every=10"]
+TRACE = FULL + ['participation.mode="trace"', 'participation.trace="builtin:5"', 'participation.scheme="C"']
+
+
+def clean_env(tag: str) -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "OMPI_", "PMIX_", "MPI_LOCAL"))}
+    env["EDGEFED_TEST_LAUNCH"] = tag  # every rank inherits it: how the test finds the ranks of its world
+    return env
+
+
+def start(tmp_path, args, tag):
+    cmd = [sys.executable, "-m", "edgefed", "launch", *args]
+    return subprocess.Popen(cmd, cwd=tmp_path, env=clean_env(tag), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+
+
+def ranks_of(tag: str) -> dict[int, int]:
+    """{MPI rank: pid} of the world carrying the tag."""
+    out = {}
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            env = dict(item.split("=", 1) for item in (proc / "environ").read_text().split("\0") if "=" in item)
+        except OSError:
+            continue
+        if env.get("EDGEFED_TEST_LAUNCH") == tag and "PMI_RANK" in env:
+            out[int(env["PMI_RANK"])] = int(proc.name)
+    return out
+
+
+def rounds_done(log: Path) -> int:
+    try:
+        with h5py.File(log, "r", swmr=True) as f:
+            return int(f["state/round"][0]) if "state/round" in f else -1
+    except (OSError, KeyError, RuntimeError):
+        return -1
+
+
+def wait_for(condition, timeout=TIMEOUT, what="it"):
+    end = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < end, f"timed out waiting for {what}"
+        time.sleep(0.02)
+
+
+def simulator_log(tmp_path, overrides):
+    path = tmp_path / "sim.h5"
+    runs.run(config_mod.load_config(None, overrides), path)
+    return read_run(path)
+
+
+def same_as(a: dict, b: dict) -> None:
+    ours = {k: v for k, v in compared(a).items() if not k.startswith("launch/")}
+    theirs = {k: v for k, v in compared(b).items() if not k.startswith("launch/")}
+    assert ours.keys() == theirs.keys()
+    for name, value in ours.items():
+        assert value.tobytes() == theirs[name].tobytes(), name
+
+
+def launch_and(tmp_path, overrides, act, extra=()):
+    """Launch under -n 3, do act(tag, log) once the run is under way, and return (exit code, out, err, log)."""
+    tag, log = uuid.uuid4().hex, tmp_path / "run.h5"
+    sets = [a for o in overrides for a in ("--set", o)]
+    proc = start(tmp_path, ["-n", "3", "--out", str(log), "--quiet", *sets, *extra], tag)
+    try:
+        wait_for(lambda: rounds_done(log) >= 20 or proc.poll() is not None, what="round 20")
+        assert proc.poll() is None, proc.communicate()
+        act(tag, log, proc)
+        out, err = proc.communicate(timeout=TIMEOUT)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    return proc.returncode, out, err, log
+
+
+def kill_rank(rank, sig):
+    def act(tag, log, proc):
+        pids = ranks_of(tag)
+        assert rank in pids, pids
+        os.kill(pids[rank], sig)
+    return act
+
+
+@needs_mpi
+@pytest.mark.parametrize("rank,mode", [(1, "trace"), (0, "full")], ids=["device rank, trace", "coordinator, full"])
+def test_a_killed_rank_costs_a_restart_not_the_run(tmp_path, rank, mode):
+    overrides = TRACE if mode == "trace" else FULL
+    code, out, err, log = launch_and(tmp_path, overrides, kill_rank(rank, signal.SIGKILL))
+    assert code == 0, err
+    restarts = [line for line in out.splitlines() if line.startswith("launch: restart")]
+    assert len(restarts) == 1 and "ranks 3 -> 3" in restarts[0], out
+    data = read_run(log)
+    (record,) = data["launch/restarts"]
+    assert record["ranks_before"] == record["ranks_after"] == 3 and record["round"] >= 20
+    assert b"exit code" in record["cause"] or b"signal" in record["cause"]
+    same_as(data, simulator_log(tmp_path, overrides))
+
+
+@needs_mpi
+def test_a_stopped_rank_is_declared_lost_and_the_world_goes_on_without_it(tmp_path):
+    overrides = FULL + ["mpi.rank_timeout_s=1.5"]
+    code, out, err, log = launch_and(tmp_path, overrides, kill_rank(2, signal.SIGSTOP))
+    assert code == 0, err
+    assert "rank 2 on " in err and "stopped answering: nothing heard for" in err
+    assert "ranks 3 -> 2" in out
+    data = read_run(log)
+    (record,) = data["launch/restarts"]
+    assert (record["ranks_before"], record["ranks_after"]) == (3, 2) and b"stopped answering" in record["cause"]
+    same_as(data, simulator_log(tmp_path, overrides))
+
+
+@needs_mpi
+def test_no_restart_left_gives_the_failures_exit_code(tmp_path):
+    code, out, err, log = launch_and(tmp_path, FULL, kill_rank(1, signal.SIGKILL), extra=("--restarts", "0"))
+    assert code not in (0, 2) and "no restart is left" in out
+    assert rounds_done(log) >= 20  # the log keeps its rounds for a --resume
+
+
+@needs_mpi
+def test_ctrl_c_ends_everything_at_once_with_no_restart(tmp_path):
+    def interrupt(tag, log, proc):
+        sent = time.monotonic()
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=30)
+        assert time.monotonic() - sent < STOP_BOUND_S
+        wait_for(lambda: not ranks_of(tag), timeout=10, what="the ranks to end")
+
+    code, out, _, log = launch_and(tmp_path, FULL + ["rounds=5000"], interrupt)
+    assert code == 130 and "restart" not in out.replace("launch: stopped", "")
+    assert "launch: stopped" in out and rounds_done(log) >= 20
+
+
+STOP_BOUND_S = 10.0  # SIGINT to a 3-rank world; the launcher's own grace before SIGKILL is 5 s
+
+
+@needs_mpi
+def test_bad_input_inside_the_world_is_not_retried(tmp_path):
+    tag = uuid.uuid4().hex
+    proc = start(tmp_path, ["-n", "3", "--out", "r.h5", "--set", 'data.kind="quadratic"',
+                            "--set", f'data.path="{tmp_path / "missing.npz"}"'], tag)
+    out, err = proc.communicate(timeout=TIMEOUT)
+    assert proc.returncode == 2 and "missing.npz" in err and "restart" not in out
+    assert not (tmp_path / "r.h5").exists()  # bad input leaves nothing behind
+
+
+def test_a_run_killed_during_start_up_resumes_from_its_stub(tmp_path):
+    overrides = ["rounds=3", "data.clients=1500"]  # building 1500 devices' data takes a while
+    log = tmp_path / "r.h5"
+    sets = [a for o in overrides for a in ("--set", o)]
+    proc = subprocess.Popen([sys.executable, "-m", "edgefed", "run", "--out", str(log), "--quiet", *sets],
+                            env=clean_env("startup"), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    wait_for(log.exists, timeout=60, what="the stub")
+    proc.kill()
+    proc.wait()
+    assert rounds_done(log) == -1  # killed before round 0: only the stub
+    from edgefed.cli import main
+
+    assert main(["run", "--resume", str(log), "--quiet"]) == 0
+    same_as(read_run(log), simulator_log(tmp_path, overrides))
+
+
+# -- without MPI: the board list, the commands, the choices ----------------------------------------------------
+def test_board_list_parses_and_names_bad_lines(tmp_path):
+    path = tmp_path / "boards.txt"
+    path.write_text("# head first\nhead coordinator\npi-a pi4b 0.5\n\npi-b pi3b-plus  # no load\n")
+    assert read_boards(path) == [Board("head", None), Board("pi-a", "pi4b", 0.5), Board("pi-b", "pi3b-plus")]
+    for text, message in (("head\n", "lists no board after the head node"),
+                          ("head\npi-a\n", "line 2: board pi-a needs a hardware profile"),
+                          ("head\npi-a pi4b lots\n", "line 2: the load 'lots' must be a number in [0, 1)")):
+        path.write_text(text)
+        with pytest.raises(EdgefedError, match=message.replace("[", r"\[").replace("(", r"\(").replace(")", r"\)")):
+            read_boards(path)
+
+
+def test_world_commands_of_both_mpi_flavours(tmp_path):
+    run = ["--out", "r.h5"]
+    tail = [sys.executable, "-m", "edgefed", "run", *run]
+    assert world_command("mpiexec", "mpich", 3, None, tmp_path / "h", run) == ["mpiexec", "-n", "3", *tail]
+    assert world_command("mpirun", "openmpi", 3, None, tmp_path / "h", run)[:4] == ["mpirun", "--oversubscribe",
+                                                                                     "-n", "3"]
+    cmd = world_command("mpiexec", "mpich", 2, ["head", "pi-a"], tmp_path / "h", run)
+    assert cmd[:5] == ["mpiexec", "-f", str(tmp_path / "h"), "-n", "2"] and (tmp_path / "h").read_text() == "head:1\npi-a:1\n"
+    cmd = world_command("mpirun", "openmpi", 2, ["head", "pi-a"], tmp_path / "h", run)
+    assert cmd[:7] == ["mpirun", "--hostfile", str(tmp_path / "h"), "--map-by", "slot", "-np", "2"]
+    assert (tmp_path / "h").read_text() == "head slots=1\npi-a slots=1\n"
+
+
+@needs_mpi
+def test_a_board_that_does_not_answer_or_went_silent_is_left_out(tmp_path):
+    boards = [Board("head", None), Board("pi-a", "pi4b"), Board("pi-b", "pi4b", 0.5), Board("pi-c", "pi5")]
+    lines = []
+    launcher = Launcher(tmp_path / "r.h5", [], boards=boards, mpiexec=MPIEXEC, on_line=lines.append,
+                        answers=lambda host: host != "pi-c")
+    launcher._leave_out({"rank": 1, "host": "pi-a", "silent_s": 3.0})
+    assert [b.host for b in launcher.boards] == ["head", "pi-b"] and launcher.ranks == 2
+    assert lines == ["launch: leaving out pi-a (rank 1): it stopped answering",
+                     "launch: leaving out pi-c (rank 3): it does not answer over SSH"]
+    args = launcher._args(tmp_path / "status.json")
+    assert args[args.index("--set") + 1] == 'device.boards=["pi4b"]' and "device.contention=[0.5]" in args
+
+
+def test_placement_keys_may_change_on_resume(tmp_path):
+    cfg = config_mod.load_config(None, ["rounds=4", "mpi.rank_timeout_s=30"])
+    from helpers import run_until
+
+    run_until(cfg, tmp_path / "r.h5", 2)
+    resumed, point = runs.resolve_config(None, ["mpi.rank_timeout_s=5", "mpi.threads_per_rank=2"], str(tmp_path / "r.h5"))
+    assert (resumed.mpi.rank_timeout_s, resumed.mpi.threads_per_rank, point.rounds_done) == (5, 2, 2)
+    with pytest.raises(EdgefedError, match="differs in train.lr_local"):
+        runs.resolve_config(None, ["train.lr_local=0.5"], str(tmp_path / "r.h5"))
+
+
+def test_restart_records_survive_resumes_and_are_not_repeated(tmp_path):
+    cfg = config_mod.load_config(None, ["rounds=4"])
+    from helpers import run_until
+
+    path = tmp_path / "r.h5"
+    first = {"launch": "L1", "round": 2, "time": "t", "cause": "exit code 9", "ranks_before": 3, "ranks_after": 3}
+    point = run_until(cfg, path, 2)
+    second = dict(first, round=3, cause="rank 2 on pi-b stopped answering", ranks_after=2)
+    runs.run(cfg, path, resume_point=point, launch=runs.Launch(None, (first, second)))
+    rows = read_run(path)["launch/restarts"]
+    assert [(r["launch"], r["round"], r["ranks_after"]) for r in rows] == [(b"L1", 2, 3), (b"L1", 3, 2)]
