@@ -45,6 +45,8 @@ def build_parser() -> argparse.ArgumentParser:
     where.add_argument("--boards", metavar="FILE", help="a board list (launch/hostfile.example), reached over SSH")
     launch.add_argument("--restarts", type=int, default=3, metavar="N", help="worlds started again at most (3)")
     launch.add_argument("--mpiexec", metavar="PATH", help="the MPI launcher (default: the venv's, else PATH's)")
+    launch.add_argument("--mpiexec-args", default="", metavar="FLAGS",
+                        help='more flags for mpiexec, e.g. "-iface eth0" (MPICH) or "--mca btl_tcp_if_include eth0"')
     launch.add_argument("config", nargs="?", help="experiment TOML file; omit for the built-in default")
     launch.add_argument("--out", help="run log (default: [log] path, else runs/NAME-TIME.h5)")
     launch.add_argument("--resume", metavar="RUN.h5", help="continue a log")
@@ -195,6 +197,8 @@ def cmd_run(args) -> int:
 
 
 def cmd_launch(args) -> int:
+    import shlex
+
     from edgefed.orchestration.launcher import Launcher, read_boards
 
     if args.ranks is not None and args.ranks < 1:
@@ -206,7 +210,8 @@ def cmd_launch(args) -> int:
     run_args += ["--force"] if args.force else []
     boards = read_boards(Path(args.boards)) if args.boards else None
     return Launcher(log, run_args, ranks=args.ranks, boards=boards, restarts=args.restarts, mpiexec=args.mpiexec,
-                    quiet=args.quiet, resume=bool(args.resume), on_line=_info).run()
+                    mpiexec_args=shlex.split(args.mpiexec_args), quiet=args.quiet, resume=bool(args.resume),
+                    on_line=_info).run()
 
 
 def cmd_trace_record(args) -> int:

@@ -2,9 +2,10 @@
 # Run the default experiment under mpiexec on this machine, in deadline mode with devices under
 # 0/30/50/70/90 % CPU competitors (launch/local-deadline.toml), then print the steps completed per level.
 #
-#   launch/local.sh [RANKS] [more edgefed run options, e.g. --out runs/local.h5]
+#   launch/local.sh [RANKS] [more edgefed run options, e.g. --restarts 5]
 #
 # RANKS (default 3): rank 0 coordinates, ranks 1..RANKS-1 host the devices round-robin, each pinned to a core.
+# It runs under `edgefed launch`: a rank that dies or hangs costs a restart of the world, not the run.
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 ranks=${1:-3}
@@ -13,7 +14,7 @@ out=runs/local-deadline-$(date +%Y%m%d-%H%M%S).h5
 python=${PYTHON:-python}
 mpiexec=${MPIEXEC:-$(dirname "$(command -v "$python")")/mpiexec}
 [ -x "$mpiexec" ] || mpiexec=mpiexec
-"$mpiexec" -n "$ranks" "$python" -m edgefed run "$here/local-deadline.toml" --out "$out" "$@"
+"$python" -m edgefed launch -n "$ranks" --mpiexec "$mpiexec" "$here/local-deadline.toml" --out "$out" "$@"
 "$python" - "$out" <<'PY'
 import sys
 import numpy as np

@@ -4,7 +4,7 @@
 #   launch/pi-cluster.sh check   BOARDS            # SSH, Python, edgefed and MPI on every board; one MPI hello
 #   launch/pi-cluster.sh warmup  BOARDS            # compile every float32 kernel into each board's cache
 #   launch/pi-cluster.sh profile BOARDS            # measure every board -> hw_profiles/HOST.toml on the head
-#   launch/pi-cluster.sh run     BOARDS CONFIG [edgefed run options...]
+#   launch/pi-cluster.sh run     BOARDS CONFIG [edgefed launch/run options...]   # restarts without lost boards
 #
 # BOARDS is a board list like launch/hostfile.example (host, profile, contention per line). `run` passes each
 # board's profile as [device] boards and its load as [device] contention (a competitor beside every device
@@ -67,12 +67,6 @@ launch+=(${MPI_ARGS:-})
 run() {
     if [ "${DRY_RUN:-0}" = 1 ]; then printf '%q ' "$@"; echo; else "$@"; fi
 }
-toml_list() {  # a b c -> ["a", "b", "c"] (quoted) or [a, b, c] (numbers)
-    local quote=$1 out="" sep=""
-    shift
-    for item in "$@"; do out+="$sep$quote$item$quote"; sep=", "; done
-    echo "[$out]"
-}
 
 case "$verb" in
 check)
@@ -96,11 +90,9 @@ run)
     [ $# -ge 1 ] || usage
     config=$1
     shift
-    sets=(--set "device.boards=$(toml_list '"' "${profiles[@]}")")
-    if printf '%s\n' "${loads[@]}" | grep -qv '^0*\.\?0*$'; then  # any board under load
-        sets+=(--set "device.contention=$(toml_list '' "${loads[@]}")")
-    fi
-    run "${launch[@]}" "$python" -m edgefed run "$config" "${sets[@]}" "$@"
+    # edgefed launch reads the board list itself: each board's profile as [device] boards, its load as
+    # [device] contention; when the world dies it drops the boards that no longer answer and resumes
+    run "$python" -m edgefed launch --boards "$boards" --mpiexec "$MPIRUN" --mpiexec-args "${MPI_ARGS:-}" "$config" "$@"
     ;;
 *)
     usage

@@ -84,7 +84,7 @@ def mpi_flavour(mpiexec: str) -> str:
 
 
 def world_command(mpiexec: str, flavour: str, ranks: int, hosts: list[str] | None, hostfile: Path,
-                  run_args: list[str]) -> list[str]:
+                  run_args: list[str], extra=()) -> list[str]:
     """mpiexec with `edgefed run` on every rank; with hosts, one rank per host in order (rank r: hosts[r])."""
     if hosts is None:
         launch = [mpiexec, "--oversubscribe", "-n", str(ranks)] if flavour == "openmpi" else [mpiexec, "-n", str(ranks)]
@@ -93,7 +93,7 @@ def world_command(mpiexec: str, flavour: str, ranks: int, hosts: list[str] | Non
         hostfile.write_text("\n".join(slots) + "\n")
         launch = ([mpiexec, "--hostfile", str(hostfile), "--map-by", "slot", "-np", str(ranks)] if flavour == "openmpi"
                   else [mpiexec, "-f", str(hostfile), "-n", str(ranks)])
-    return launch + [sys.executable, "-m", "edgefed", "run", *run_args]
+    return launch + list(extra) + [sys.executable, "-m", "edgefed", "run", *run_args]
 
 
 def ssh_answers(host: str) -> bool:
@@ -112,12 +112,13 @@ class Launcher:
     """One launch: a world, and worlds again until the run completes, fails for good, or restarts run out."""
 
     def __init__(self, log: Path, run_args: list[str], *, ranks: int | None = None, boards: list[Board] | None = None,
-                 restarts: int = 3, mpiexec: str | None = None, quiet: bool = False, resume: bool = False,
+                 restarts: int = 3, mpiexec: str | None = None, mpiexec_args=(), quiet: bool = False,
+                 resume: bool = False,
                  on_line=print, answers=ssh_answers):
         """run_args: the first world's `edgefed run` arguments but --out/--resume (a restart resumes the log)."""
         self.log, self.run_args, self.restarts_left = Path(log), list(run_args), restarts
         self.boards, self.ranks = boards, (len(boards) if boards else ranks)
-        self.mpiexec = find_mpiexec(mpiexec)
+        self.mpiexec, self.mpiexec_args = find_mpiexec(mpiexec), list(mpiexec_args)
         self.flavour = mpi_flavour(self.mpiexec)
         self.quiet, self.resume, self.say, self.answers = quiet, resume, on_line, answers
         self.id = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%S.%f")
@@ -156,7 +157,8 @@ class Launcher:
         status = folder / "status.json"
         status.unlink(missing_ok=True)
         hosts = [b.host for b in self.boards] if self.boards else None
-        command = world_command(self.mpiexec, self.flavour, self.ranks, hosts, folder / "hosts", self._args(status))
+        command = world_command(self.mpiexec, self.flavour, self.ranks, hosts, folder / "hosts", self._args(status),
+                                self.mpiexec_args)
         self.child = subprocess.Popen(command, start_new_session=True)  # its own group: Ctrl-C is ours to pass on
         code = self.child.wait()
         self._kill_group(signal.SIGKILL)  # a stopped or orphaned rank must not outlive its world
