@@ -199,16 +199,18 @@ def cmd_run(args) -> int:
 def cmd_launch(args) -> int:
     import shlex
 
-    from edgefed.orchestration.launcher import Launcher, read_boards
+    from edgefed.orchestration.launcher import Launcher, board_overrides, read_boards
 
     if args.ranks is not None and args.ranks < 1:
         raise EdgefedError(f"-n {args.ranks}: give at least 1 rank")
     if args.restarts < 0:
         raise EdgefedError(f"--restarts {args.restarts}: give 0 or more")
-    cfg, _, log = _resolve(args)  # bad input ends here, before any world starts
+    boards = read_boards(Path(args.boards)) if args.boards else None
     run_args = ([args.config] if args.config else []) + [a for o in args.overrides for a in ("--set", o)]
     run_args += ["--force"] if args.force else []
-    boards = read_boards(Path(args.boards)) if args.boards else None
+    if boards:  # checked as the world will run it: with the boards' profiles and loads
+        args.overrides = args.overrides + board_overrides(boards)
+    _, _, log = _resolve(args)  # bad input ends here, before any world starts
     return Launcher(log, run_args, ranks=args.ranks, boards=boards, restarts=args.restarts, mpiexec=args.mpiexec,
                     mpiexec_args=shlex.split(args.mpiexec_args), quiet=args.quiet, resume=bool(args.resume),
                     on_line=_info).run()

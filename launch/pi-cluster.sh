@@ -12,7 +12,7 @@
 #
 # Environment:
 #   VENV     the virtualenv, at the same path on every board (default: this checkout's .venv)
-#   MPI      openmpi | mpich (default: what `$VENV/bin/mpirun --version` or `mpirun --version` says)
+#   MPI      openmpi | mpich for check and profile (default: what `mpirun --version` says; run: edgefed launch detects it)
 #   MPIRUN   the launcher (default: $VENV/bin/mpiexec if the pip mpich wheel is there, else mpirun)
 #   MPI_ARGS extra launcher flags, e.g. "--mca btl_tcp_if_include eth0" (Open MPI) or "-iface eth0" (MPICH)
 #   DRY_RUN  1: print the launch command instead of running it

@@ -25,7 +25,7 @@ from test_mpi import MPIEXEC
 
 needs_mpi = pytest.mark.skipif(MPIEXEC is None, reason="no mpiexec: pip install 'edgefed[mpi]'")
 TIMEOUT = 240
-FULL = ["rounds=150", "data.clients=8", "train.clients_per_round=4", "train.local_steps=40", "log.every=10"]
+FULL = ["rounds=80", "data.clients=8", "train.clients_per_round=4", "train.local_steps=40", "log.every=10"]
 TRACE = FULL + ['participation.mode="trace"', 'participation.trace="builtin:5"', 'participation.scheme="C"']
 
 
@@ -172,7 +172,7 @@ def test_bad_input_inside_the_world_is_not_retried(tmp_path):
 
 
 def test_a_run_killed_during_start_up_resumes_from_its_stub(tmp_path):
-    overrides = ["rounds=3", "data.clients=1500"]  # building 1500 devices' data takes a while
+    overrides = ["rounds=3", "data.clients=700"]  # building 700 devices' data takes a while
     log = tmp_path / "r.h5"
     sets = [a for o in overrides for a in ("--set", o)]
     proc = subprocess.Popen([sys.executable, "-m", "edgefed", "run", "--out", str(log), "--quiet", *sets],

@@ -135,3 +135,19 @@ def test_a_resume_that_fails_leaves_a_resumable_log(tmp_path, monkeypatch):
     runs.run(cfg, tmp_path / "whole.h5")
     assert calls == [5, 5]
     assert_same_logs(read_run(tmp_path / "whole.h5"), read_run(part))
+
+
+def test_a_log_caught_mid_round_is_read_up_to_its_last_completed_round(tmp_path):
+    """A reader that opens the log while round r + 1 is being written sees some datasets a row ahead; it
+    gets every dataset cut at round r, the last the marker says is complete."""
+    import h5py
+
+    cfg = config_mod.load_config(None, ["rounds=6", "data.clients=5", "train.clients_per_round=2"])
+    run_until(cfg, tmp_path / "r.h5", 3)
+    with h5py.File(tmp_path / "r.h5", "r+") as f:  # as a kill mid-round leaves it: rows of round 4 in some
+        for name in ("participation/steps", "metrics/train_loss", "trajectory/x"):
+            f[name].resize(f[name].shape[0] + 1, axis=0)
+    data = read_run(tmp_path / "r.h5")
+    assert data["participation/steps"].shape[0] == data["participation/selected"].shape[0] == 3
+    assert data["metrics/train_loss"].shape[0] == data["metrics/test_accuracy"].shape[0] == 4
+    assert data["trajectory/x"].shape[0] == data["trajectory/round"].shape[0]

@@ -108,6 +108,16 @@ def _toml_list(values, quote: bool) -> str:
     return "[" + ", ".join(json.dumps(v) if quote else repr(float(v)) for v in values) + "]"
 
 
+def board_overrides(boards: list[Board]) -> list[str]:
+    """The boards' profiles as [device] boards and, when any board is under load, their loads as [device]
+    contention (entry i: rank i + 1), as `--set` overrides."""
+    devices = boards[1:]
+    sets = [f"device.boards={_toml_list([b.profile for b in devices], True)}"]
+    if any(b.load for b in devices):
+        sets.append(f"device.contention={_toml_list([b.load for b in devices], False)}")
+    return sets
+
+
 class Launcher:
     """One launch: a world, and worlds again until the run completes, fails for good, or restarts run out."""
 
@@ -141,10 +151,7 @@ class Launcher:
         ours = self.log.exists() and (self.resume or self._identity() != self._before)
         args = ["--resume", str(self.log)] if ours else [*self.run_args, "--out", str(self.log)]
         if self.boards:
-            devices = self.boards[1:]
-            args += ["--set", f"device.boards={_toml_list([b.profile for b in devices], True)}"]
-            if any(b.load for b in devices):
-                args += ["--set", f"device.contention={_toml_list([b.load for b in devices], False)}"]
+            args += [a for o in board_overrides(self.boards) for a in ("--set", o)]
         if self.quiet:
             args.append("--quiet")
         args += ["--launch-status", str(status)]
