@@ -72,7 +72,7 @@ def swept(name: str, folder: Path | None) -> list[tuple[Run, dict]]:
 def schemes(args):
     """(1) as the paper's Table 3: a table per data set, a row per number of traces, a column per rule."""
     name = args.sweep.name if args.sweep else "schemes-synthetic"
-    print(f"(1) Final test accuracy (mean ± std over seeds) per rule as the built-in traces grow, from the sweep")
+    print("(1) Final test accuracy (mean ± std over seeds) per rule as the built-in traces grow, from the sweep")
     print(f"    examples/sweeps/{name}.toml; in brackets, the mean round the test accuracy first reached the")
     print("    sweep's target (seeds that never did left out; '-': none did).")
     swept(name, args.sweep)
@@ -184,7 +184,7 @@ def inconsistency(args, folder):
                 "built-in cpu0..cpu90 (no inactive rounds)": ["cpu0", "cpu30", "cpu50", "cpu70", "cpu90"],
                 "with lost uploads: cpu0, cpu50, cpu90, bw-high, bw-medium, bw-low": ["cpu0", "cpu50", "cpu90",
                                                                                      "bw-high", "bw-medium", "bw-low"]}
-    print(f"(5) Distance of the server model to the optimum of the uniform objective, relative to the devices'")
+    print("(5) Distance of the server model to the optimum of the uniform objective, relative to the devices'")
     print(f"    spread max_k |b_k - x*| = {spread:.3f}: mean over the last 200 of {args.rounds} rounds; a quadratic")
     print(f"    with N = {n}, d = {d}, exact gradients, K = {K}, lr = {lr}, every device every round, uniform weights.")
     print("\n| completed shares | " + " | ".join(RULES) + " |\n|" + " --- |" * (len(RULES) + 1))

@@ -23,27 +23,18 @@ import time
 import uuid
 from pathlib import Path
 
-import h5py
 import numpy as np
 import psutil
 
 from edgefed import config as config_mod
 from edgefed.orchestration import run as runs
-from edgefed.runlog import measured, read_run
+from edgefed.runlog import completed_rounds, measured, read_run
 
 
 def overrides(args) -> list[str]:
     return [f"rounds={args.rounds}", 'data.kind="mnist"', f'data.path="{args.data}"', "data.clients=20",
             'data.partition="iid"', 'model.kind="mlp"', "train.clients_per_round=10", "train.local_steps=20",
             "train.batch_size=10", "train.lr_local=0.05", "log.every=50", "log.eval_every=25", f"seed={args.seed}"]
-
-
-def rounds_done(log: Path) -> int:
-    try:
-        with h5py.File(log, "r", swmr=True) as f:
-            return int(f["state/round"][0]) if "state/round" in f else -1
-    except (OSError, KeyError, RuntimeError):
-        return -1
 
 
 def ranks_of(tag: str) -> dict[int, psutil.Process]:
@@ -76,16 +67,16 @@ def killed(args, folder: Path) -> tuple[Path, list[tuple[int, int, float]], floa
     proc = launch(args, log, tag)
     costs = []
     for target in at:
-        while rounds_done(log) < target and proc.poll() is None:
+        while completed_rounds(log) < target and proc.poll() is None:
             time.sleep(0.01)
         ranks = ranks_of(tag)
         if not ranks:
             break
         rank = rng.choice(sorted(ranks))
-        reached = rounds_done(log)
+        reached = completed_rounds(log)
         t0 = time.monotonic()
         ranks[rank].kill()
-        while rounds_done(log) <= reached and proc.poll() is None:
+        while completed_rounds(log) <= reached and proc.poll() is None:
             time.sleep(0.01)
         costs.append((rank, reached, time.monotonic() - t0))
     out, _ = proc.communicate()
@@ -99,7 +90,7 @@ def undisturbed(args, folder: Path) -> tuple[dict[int, tuple[float, float]], flo
     proc = launch(args, log, tag)
     first, last = {}, {}
     while proc.poll() is None:
-        done = rounds_done(log)
+        done = completed_rounds(log)
         if done >= 50:
             for rank, p in ranks_of(tag).items():
                 try:

@@ -87,7 +87,7 @@ def main():
         raise SystemExit("the measured setting needs mpiexec: pip install 'edgefed[mpi]'")
     print(f"# {platform.machine()}, {os.cpu_count()} cores; command: python benchmarks/time_to_accuracy.py "
           f"{args.setting} --seeds {' '.join(map(str, args.seeds))} --target {args.target}\n")
-    print(f"| policy | " + " | ".join(f"{s}: seconds to {args.target:g} | {s}: final" for s in SCHEMES)
+    print("| policy | " + " | ".join(f"{s}: seconds to {args.target:g} | {s}: final" for s in SCHEMES)
           + " |\n|" + " --- |" * (1 + 2 * len(SCHEMES)))
     with tempfile.TemporaryDirectory() as tmp:
         for policy, extra in POLICIES.items():

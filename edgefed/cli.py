@@ -18,19 +18,24 @@ class _Parser(argparse.ArgumentParser):
         raise SystemExit(EXIT_BAD_INPUT)
 
 
+def _run_options(verb) -> None:
+    """What `edgefed run` takes, and `edgefed launch` passes on to it."""
+    verb.add_argument("config", nargs="?", help="experiment TOML file; omit for the built-in default")
+    verb.add_argument("--out", help="run log to write (default: [log] path, else runs/NAME-TIME.h5)")
+    verb.add_argument("--resume", metavar="RUN.h5", help="continue a killed run in its log")
+    verb.add_argument("--set", dest="overrides", action="append", default=[], metavar="TABLE.KEY=VALUE",
+                      help="override a config key, e.g. --set train.local_steps=10 (repeatable)")
+    verb.add_argument("--force", action="store_true", help="replace an existing log at --out")
+    verb.add_argument("--quiet", action="store_true", help="no per-round progress lines")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="edgefed", description="Federated learning on the edge.")
     parser.add_argument("--version", action="version", version=f"edgefed {__version__}")
     verbs = parser.add_subparsers(dest="verb", required=True, parser_class=_Parser)
 
     run = verbs.add_parser("run", help="run an experiment (the built-in default without CONFIG)")
-    run.add_argument("config", nargs="?", help="experiment TOML file; omit for the built-in default")
-    run.add_argument("--out", help="run log to write (default: [log] path, else runs/NAME-TIME.h5)")
-    run.add_argument("--resume", metavar="RUN.h5", help="continue a killed run in its log")
-    run.add_argument("--set", dest="overrides", action="append", default=[], metavar="TABLE.KEY=VALUE",
-                     help="override a config key, e.g. --set train.local_steps=10 (repeatable)")
-    run.add_argument("--force", action="store_true", help="replace an existing log at --out")
-    run.add_argument("--quiet", action="store_true", help="no per-round progress lines")
+    _run_options(run)
     run.add_argument("--launch-status", help=argparse.SUPPRESS)  # edgefed launch: where to name a lost rank
     run.add_argument("--launch-restarts", help=argparse.SUPPRESS)  # edgefed launch: its restarts so far (JSON)
     run.set_defaults(func=cmd_run)
@@ -47,13 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
     launch.add_argument("--mpiexec", metavar="PATH", help="the MPI launcher (default: the venv's, else PATH's)")
     launch.add_argument("--mpiexec-args", default="", metavar="FLAGS",
                         help='more flags for mpiexec, e.g. "-iface eth0" (MPICH) or "--mca btl_tcp_if_include eth0"')
-    launch.add_argument("config", nargs="?", help="experiment TOML file; omit for the built-in default")
-    launch.add_argument("--out", help="run log (default: [log] path, else runs/NAME-TIME.h5)")
-    launch.add_argument("--resume", metavar="RUN.h5", help="continue a log")
-    launch.add_argument("--set", dest="overrides", action="append", default=[], metavar="TABLE.KEY=VALUE",
-                        help="override a config key (repeatable)")
-    launch.add_argument("--force", action="store_true", help="replace an existing log at --out")
-    launch.add_argument("--quiet", action="store_true", help="no per-round progress lines")
+    _run_options(launch)
     launch.set_defaults(func=cmd_launch)
 
     contend = verbs.add_parser("contend", help="a CPU competitor: busy LOAD of every 10 ms (the paper's 0..90 %% loads)")
@@ -335,8 +334,8 @@ def cmd_sweep(args) -> int:
         return run_sweep(Path(args.file), Path(args.out), args.jobs, on_line=lambda line: print(line, flush=True),
                          live=sys.stdout.isatty())
     except KeyboardInterrupt:
-        print(f"edgefed: sweep interrupted; the same command continues it (complete runs are kept, the "
-              f"interrupted one resumes)", file=sys.stderr, flush=True)
+        print("edgefed: sweep interrupted; the same command continues it (complete runs are kept, the "
+              "interrupted one resumes)", file=sys.stderr, flush=True)
         return EXIT_INTERRUPTED
 
 

@@ -544,6 +544,16 @@ def _cut_short(path: Path) -> tuple[int, int] | None:
     return (present, stored) if present < stored else None
 
 
+def completed_rounds(path: str | Path) -> int:
+    """The log's last completed round, read as a watcher would while the run goes on; -1 when there is none
+    yet (no file, a stub, a file that cannot be read now)."""
+    try:
+        with reading(path) as f:
+            return int(f["state/round"][0]) if "state/round" in f else -1
+    except (RunLogError, OSError, KeyError):
+        return -1
+
+
 def read_run(path: str | Path) -> dict:
     """Every dataset (path -> array) and the root attributes (under "attrs") of a run log."""
     """Every dataset (path -> array) and the root attributes (under "attrs") of a run log. A log whose run

@@ -25,8 +25,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from edgefed.errors import EXIT_BAD_INPUT, EXIT_INTERRUPTED, EXIT_RANK_LOST, EdgefedError, RunLogError
-from edgefed.runlog import read_resume_point
+from edgefed.errors import EXIT_BAD_INPUT, EXIT_INTERRUPTED, EXIT_RANK_LOST, EdgefedError
+from edgefed.runlog import completed_rounds
 
 STOP_GRACE_S = 5.0  # after Ctrl-C, how long the ranks get to leave on their own before they are killed
 
@@ -231,7 +231,7 @@ class Launcher:
                 self.say(f"launch: the world died ({cause}) and no rank is left to run it")
                 return code if code > 0 else 1
             self.restarts_left -= 1
-            record = {"launch": self.id, "round": self._rounds_done(), "cause": cause, "ranks_before": before,
+            record = {"launch": self.id, "round": max(completed_rounds(self.log), 0), "cause": cause, "ranks_before": before,
                       "ranks_after": self.ranks,
                       "time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
             self.records.append(record)
@@ -247,11 +247,6 @@ class Launcher:
             return f"mpiexec ended by signal {-code}"
         return f"exit code {code}" + (" (a rank was lost)" if code == EXIT_RANK_LOST else "")
 
-    def _rounds_done(self) -> int:
-        try:
-            return read_resume_point(self.log).rounds_done
-        except RunLogError:
-            return 0
 
     def _leave_out(self, lost: dict | None) -> None:
         """The next world: without the rank found silent; with a board list, without every board that does
