@@ -300,10 +300,11 @@ def drive(setup: Setup, transport, log_path: Path, *, resume_point=None, on_roun
         log.close()  # the log stays valid up to the last completed round, ready for --resume
         transport.close(failed=True)
         raise
-    transport.close()
     wall = time.perf_counter() - wall0
+    # complete before the devices are let go: a rank lost in the final drain then costs nothing logged
     log.close({"status": "complete",
                "finished": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")})
+    transport.close()
     return _summary(log_path, read_run(log_path), cfg.rounds - done, wall)
 
 
