@@ -205,12 +205,14 @@ def cmd_launch(args) -> int:
     if args.restarts < 0:
         raise EdgefedError(f"--restarts {args.restarts}: give 0 or more")
     boards = read_boards(Path(args.boards)) if args.boards else None
-    run_args = ([args.config] if args.config else []) + [a for o in args.overrides for a in ("--set", o)]
-    run_args += ["--force"] if args.force else []
+    overrides = list(args.overrides)
     if boards:  # checked as the world will run it: with the boards' profiles and loads
-        args.overrides = args.overrides + board_overrides(boards)
-    _, _, log = _resolve(args)  # bad input ends here, before any world starts
-    return Launcher(log, run_args, ranks=args.ranks, boards=boards, restarts=args.restarts, mpiexec=args.mpiexec,
+        args.overrides = overrides + board_overrides(boards)
+    cfg, _, log = _resolve(args)  # bad input ends here, before any world starts
+    placement = {"device.boards": cfg.device.boards, "device.contention": cfg.device.contention,
+                 "mpi.device_ranks": cfg.mpi.device_ranks}
+    return Launcher(log, args.config, overrides, force=args.force, ranks=args.ranks, boards=boards,
+                    placement=None if boards else placement, restarts=args.restarts, mpiexec=args.mpiexec,
                     mpiexec_args=shlex.split(args.mpiexec_args), quiet=args.quiet, resume=bool(args.resume),
                     on_line=_info).run()
 

@@ -126,6 +126,19 @@ def _read_restarts(f: h5py.File) -> tuple:
                   for name in RESTART.names} for row in f["launch/restarts"][()])
 
 
+def _remove_stale_copies(path: Path) -> None:
+    """Half-written copies of the log that a killed process left beside it (".NAME.PID.tmp", PID gone)."""
+    for tmp in path.parent.glob(f".{path.name}.*.tmp"):
+        pid = tmp.name[len(path.name) + 2:-4]
+        if pid.isdigit() and int(pid) != os.getpid():
+            try:
+                os.kill(int(pid), 0)
+            except ProcessLookupError:
+                tmp.unlink(missing_ok=True)
+            except PermissionError:
+                pass
+
+
 def write_stub(path: Path, config_toml: str, restarts=()) -> None:
     """A log with its config and no round, written before anything slow (building data, compiling), so a run
     killed during start-up still continues with --resume. Swapped in whole, like every log."""
@@ -229,8 +242,8 @@ class RunLogWriter:
         if limit is not None and limit != resource.RLIM_INFINITY:
             room = min(free, limit - size)
         if room < self._round_bytes:
-            raise ResourceError(f"the disk holding run log {self.path} is full ({_size(max(room, 0))} left, a round "
-                                f"may need {_size(self._round_bytes)}); free space or move the log, then "
+            raise ResourceError(f"the disk holding run log {self.path} is full ({size_text(max(room, 0))} left, a round "
+                                f"may need {size_text(self._round_bytes)}); free space or move the log, then "
                                 f"edgefed run --resume {self.path}")
 
     # -- creation ------------------------------------------------------------------------------------
@@ -247,6 +260,7 @@ class RunLogWriter:
                 path.parent.mkdir(parents=True)
             except OSError as exc:
                 raise RunLogError(f"cannot create the folder of run log {path} ({exc}); choose another --out") from None
+        _remove_stale_copies(path)
         tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
         try:
             with h5py.File(tmp, "w", libver=LIBVER) as f:
@@ -339,7 +353,8 @@ class RunLogWriter:
             self._f.close()
         if final_attrs:
             # Attributes cannot change under SWMR; reopen normally once the writer is gone.
-            with h5py.File(self.path, "r+", libver=LIBVER) as f:
+            # without HDF5's file lock: a reader watching the log (it holds a shared lock) must not fail the run
+            with h5py.File(self.path, "r+", libver=LIBVER, locking=False) as f:
                 for key, value in final_attrs.items():
                     f.attrs[key] = value
 
@@ -476,6 +491,7 @@ def _swmr_access():
     metadata is damaged back off for minutes. h5py does not expose H5Pset_metadata_read_attempts, so it is
     called in the HDF5 library h5py itself loaded; where that cannot be found, HDF5's default stays."""
     fapl = h5py.h5p.create(h5py.h5p.FILE_ACCESS)
+    fapl.set_file_locking(False, True)  # a reader takes no lock, so it never stands in the writer's way
     try:
         with open("/proc/self/maps") as maps:
             libs = sorted({line.split()[-1] for line in maps if "libhdf5" in line and "_hl" not in line
@@ -488,10 +504,11 @@ def _swmr_access():
     return fapl
 
 
-def _size(n: float) -> str:
+def size_text(n: float) -> str:
+    """12 B, 3.4 KB, 5.6 MB, 7.8 GB."""
     for unit in ("B", "KB", "MB"):
         if n < 1024:
-            return f"{n:.0f} {unit}"
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
     return f"{n:.1f} GB"
 
@@ -554,8 +571,16 @@ def completed_rounds(path: str | Path) -> int:
         return -1
 
 
+def run_status(path: str | Path) -> str | None:
+    """The log's status attribute (starting, running, complete), or None when it cannot be read now."""
+    try:
+        with reading(path) as f:
+            return str(f.attrs.get("status"))
+    except (RunLogError, OSError, KeyError):
+        return None
+
+
 def read_run(path: str | Path) -> dict:
-    """Every dataset (path -> array) and the root attributes (under "attrs") of a run log."""
     """Every dataset (path -> array) and the root attributes (under "attrs") of a run log. A log whose run
     goes on is read up to its last completed round (the marker is read first, and the rows written after it
     are left out), so every dataset agrees on the rounds."""

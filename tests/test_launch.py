@@ -208,7 +208,7 @@ def test_world_commands_of_both_mpi_flavours(tmp_path):
 def test_a_board_that_does_not_answer_or_went_silent_is_left_out(tmp_path):
     boards = [Board("head", None), Board("pi-a", "pi4b"), Board("pi-b", "pi4b", 0.5), Board("pi-c", "pi5")]
     lines = []
-    launcher = Launcher(tmp_path / "r.h5", [], boards=boards, mpiexec=MPIEXEC, on_line=lines.append,
+    launcher = Launcher(tmp_path / "r.h5", boards=boards, mpiexec=MPIEXEC, on_line=lines.append,
                         answers=lambda host: host != "pi-c")
     launcher._leave_out({"rank": 1, "host": "pi-a", "silent_s": 3.0})
     assert [b.host for b in launcher.boards] == ["head", "pi-b"] and launcher.ranks == 2
@@ -240,3 +240,19 @@ def test_restart_records_survive_resumes_and_are_not_repeated(tmp_path):
     runs.run(cfg, path, resume_point=point, launch=runs.Launch(None, (first, second)))
     rows = read_run(path)["launch/restarts"]
     assert [(r["launch"], r["round"], r["ranks_after"]) for r in rows] == [(b"L1", 2, 3), (b"L1", 3, 2)]
+
+
+@needs_mpi
+def test_per_rank_lists_follow_a_rank_left_out_and_overrides_reach_every_world(tmp_path):
+    log = tmp_path / "r.h5"
+    launcher = Launcher(log, None, ["train.lr_local=0.1"], ranks=3, mpiexec=MPIEXEC, on_line=lambda line: None,
+                        placement={"device.boards": ("pi4b", "pi5"), "device.contention": (0.0, 0.5),
+                                   "mpi.device_ranks": (1, 2, 1, 2)})
+    first = launcher._args(tmp_path / "s.json")
+    assert first[:2] == ["--out", str(log)] and first[first.index("--set") + 1] == "train.lr_local=0.1"
+    log.write_bytes(b"")  # the world made the log
+    launcher._leave_out({"rank": 1, "host": "h", "silent_s": 3.0})
+    again = launcher._args(tmp_path / "s.json")
+    sets = [again[i + 1] for i, a in enumerate(again) if a == "--set"]
+    assert again[:2] == ["--resume", str(log)] and launcher.ranks == 2
+    assert sets == ["train.lr_local=0.1", 'device.boards=["pi5"]', "device.contention=[0.5]", "mpi.device_ranks=[]"]

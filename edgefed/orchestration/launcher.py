@@ -11,6 +11,7 @@ again with `--resume` on the same log. Each restart is one line here and one row
 
 from __future__ import annotations
 
+import ctypes
 import datetime
 import json
 import os
@@ -26,9 +27,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from edgefed.errors import EXIT_BAD_INPUT, EXIT_INTERRUPTED, EXIT_RANK_LOST, EdgefedError
-from edgefed.runlog import completed_rounds
+from edgefed.runlog import completed_rounds, run_status
 
 STOP_GRACE_S = 5.0  # after Ctrl-C, how long the ranks get to leave on their own before they are killed
+FINISH_GRACE_S = 30.0  # after the log is complete, how long the world gets to end on its own
 
 
 @dataclass(frozen=True)
@@ -105,7 +107,7 @@ def ssh_answers(host: str) -> bool:
 
 
 def _toml_list(values, quote: bool) -> str:
-    return "[" + ", ".join(json.dumps(v) if quote else repr(float(v)) for v in values) + "]"
+    return "[" + ", ".join(json.dumps(v) if quote else repr(v) for v in values) + "]"
 
 
 def board_overrides(boards: list[Board]) -> list[str]:
@@ -114,20 +116,33 @@ def board_overrides(boards: list[Board]) -> list[str]:
     devices = boards[1:]
     sets = [f"device.boards={_toml_list([b.profile for b in devices], True)}"]
     if any(b.load for b in devices):
-        sets.append(f"device.contention={_toml_list([b.load for b in devices], False)}")
+        sets.append(f"device.contention={_toml_list([float(b.load) for b in devices], False)}")
     return sets
+
+
+def _die_with_parent() -> None:
+    """In the child, before mpiexec starts: SIGKILL when the launcher dies, however it dies (Linux)."""
+    try:
+        ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
 
 
 class Launcher:
     """One launch: a world, and worlds again until the run completes, fails for good, or restarts run out."""
 
-    def __init__(self, log: Path, run_args: list[str], *, ranks: int | None = None, boards: list[Board] | None = None,
+    def __init__(self, log: Path, config: str | None = None, overrides=(), *, force: bool = False,
+                 ranks: int | None = None, boards: list[Board] | None = None, placement: dict | None = None,
                  restarts: int = 3, mpiexec: str | None = None, mpiexec_args=(), quiet: bool = False,
-                 resume: bool = False,
-                 on_line=print, answers=ssh_answers):
-        """run_args: the first world's `edgefed run` arguments but --out/--resume (a restart resumes the log)."""
-        self.log, self.run_args, self.restarts_left = Path(log), list(run_args), restarts
+                 resume: bool = False, on_line=print, answers=ssh_answers):
+        """config, overrides, force: the first world's `edgefed run` (a restart resumes the log, with the same
+        overrides). placement: the config's per-rank lists ({"device.boards": [...], ...}), kept in step
+        when a rank is left out."""
+        self.log, self.config, self.overrides, self.force = Path(log), config, list(overrides), force
+        self.restarts_left = restarts
         self.boards, self.ranks = boards, (len(boards) if boards else ranks)
+        self.placement = {k: list(v) for k, v in (placement or {}).items() if v}
+        self._moved: list[str] = []  # placement overrides after ranks were left out
         self.mpiexec, self.mpiexec_args = find_mpiexec(mpiexec), list(mpiexec_args)
         self.flavour = mpi_flavour(self.mpiexec)
         self.quiet, self.resume, self.say, self.answers = quiet, resume, on_line, answers
@@ -149,9 +164,12 @@ class Launcher:
     def _args(self, status: Path) -> list[str]:
         # resume the log once this launch has one (an old log that --force was to replace does not count)
         ours = self.log.exists() and (self.resume or self._identity() != self._before)
-        args = ["--resume", str(self.log)] if ours else [*self.run_args, "--out", str(self.log)]
-        if self.boards:
-            args += [a for o in board_overrides(self.boards) for a in ("--set", o)]
+        if ours:
+            args = ["--resume", str(self.log)]
+        else:
+            args = ([self.config] if self.config else []) + ["--out", str(self.log)] + (["--force"] if self.force else [])
+        sets = self.overrides + (board_overrides(self.boards) if self.boards else []) + self._moved
+        args += [a for o in sets for a in ("--set", o)]
         if self.quiet:
             args.append("--quiet")
         args += ["--launch-status", str(status)]
@@ -166,8 +184,11 @@ class Launcher:
         hosts = [b.host for b in self.boards] if self.boards else None
         command = world_command(self.mpiexec, self.flavour, self.ranks, hosts, folder / "hosts", self._args(status),
                                 self.mpiexec_args)
-        self.child = subprocess.Popen(command, start_new_session=True)  # its own group: Ctrl-C is ours to pass on
-        code = self.child.wait()
+        if self.stopping:  # Ctrl-C between two worlds: no new one
+            return EXIT_INTERRUPTED, None
+        # its own group, so Ctrl-C is ours to pass on; and killed with us if we are killed
+        self.child = subprocess.Popen(command, start_new_session=True, preexec_fn=_die_with_parent)
+        code = self._wait_world()
         self._kill_group(signal.SIGKILL)  # a stopped or orphaned rank must not outlive its world
         lost = None
         if status.exists():
@@ -176,6 +197,24 @@ class Launcher:
             except (OSError, ValueError):
                 lost = None
         return code, lost
+
+    def _wait_world(self) -> int:
+        """The world's exit code; 0 when its run is complete but a rank hung on the way out (a stopped rank
+        holds up MPI_Finalize forever), ended after FINISH_GRACE_S."""
+        complete_at = None
+        while True:
+            try:
+                return self.child.wait(timeout=1.0)
+            except subprocess.TimeoutExpired:
+                pass
+            if complete_at is None and run_status(self.log) == "complete":
+                complete_at = time.monotonic()
+            if complete_at is not None and time.monotonic() - complete_at > FINISH_GRACE_S:
+                self.say(f"launch: {self.log} is complete but the world did not end within {FINISH_GRACE_S:.0f} s "
+                         "(a rank hung on its way out); ended it")
+                self._kill_group(signal.SIGKILL)
+                self.child.wait()
+                return 0
 
     def _kill_group(self, sig) -> None:
         if self.child is not None:
@@ -198,7 +237,8 @@ class Launcher:
 
     # -- the launch ---------------------------------------------------------------------------------------
     def run(self) -> int:
-        previous = {s: signal.signal(s, self._stop) for s in (signal.SIGINT, signal.SIGTERM)}
+        # SIGHUP too: a closed SSH session must not leave the world running without its launcher
+        previous = {s: signal.signal(s, self._stop) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
         try:
             with tempfile.TemporaryDirectory(prefix="edgefed-launch-") as folder:
                 return self._loop(Path(folder))
@@ -224,12 +264,12 @@ class Launcher:
             if self.restarts_left <= 0:
                 self.say(f"launch: the world died ({cause}) and no restart is left; the log {self.log} holds "
                          f"every completed round (--resume continues it)")
-                return code if code > 0 else 1
+                return code if code > 0 else 128 - code  # a signal: as a shell reports it
             before = self.ranks
             self._leave_out(lost)
             if self.ranks < 1:
                 self.say(f"launch: the world died ({cause}) and no rank is left to run it")
-                return code if code > 0 else 1
+                return code if code > 0 else 128 - code
             self.restarts_left -= 1
             record = {"launch": self.id, "round": max(completed_rounds(self.log), 0), "cause": cause, "ranks_before": before,
                       "ranks_after": self.ranks,
@@ -238,6 +278,17 @@ class Launcher:
             self.say(f"launch: restart {len(self.records)}: the world died at round {record['round']} after "
                      f"{time.monotonic() - started:.1f} s ({cause}); ranks {before} -> {self.ranks}; "
                      f"resuming {self.log} ({self.restarts_left} restarts left)")
+
+    def _move(self, rank: int) -> None:
+        """The per-rank lists of the config without the rank left out; an explicit device placement gives way
+        to round-robin (in full and trace mode neither changes a byte)."""
+        for key, values in self.placement.items():
+            if key == "mpi.device_ranks":
+                values.clear()
+            elif 0 < rank <= len(values):
+                del values[rank - 1]
+        self._moved = [f"{key}={_toml_list(values, key == 'device.boards') if values else '[]'}"
+                       for key, values in self.placement.items()]
 
     def _cause(self, code: int, lost: dict | None) -> str:
         if lost is not None:
@@ -254,6 +305,7 @@ class Launcher:
         if self.boards is None:
             if lost is not None:
                 self.ranks -= 1
+                self._move(int(lost["rank"]))
             return
         drop = {int(lost["rank"])} if lost is not None and int(lost["rank"]) > 0 else set()
         with ThreadPoolExecutor(max_workers=8) as pool:

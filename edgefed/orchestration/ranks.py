@@ -86,7 +86,7 @@ def run_coordinator(comm, resolve, force: bool, on_round, on_info, on_error, lau
     """Rank 0. `resolve()` returns (config, resume point, log path) or raises EdgefedError. A rank lost is
     written to the launcher's status file before the world ends."""
     machines = comm.allgather(machine())
-    point = path = None
+    point = path = setup = None
     try:
         cfg, point, path = resolve()
         setup = run_mod.prepare(cfg, path, resume_point=point, force=force, on_info=on_info, launch=launch)
@@ -95,7 +95,7 @@ def run_coordinator(comm, resolve, force: bool, on_round, on_info, on_error, lau
         setup = timing_for(setup, owners, on_info, point, distributed=True)
     except EdgefedError as exc:
         comm.bcast({"error": str(exc)}, root=0)
-        if path is not None and point is None:
+        if setup is not None and point is None:  # prepare wrote the stub (and removes it itself if it fails)
             discard_stub(path)
         on_error(str(exc))
         return EXIT_BAD_INPUT

@@ -29,7 +29,7 @@ from edgefed.participation.timing import Timing
 from edgefed.participation.traces import ReplayTrace
 from edgefed.problems import build_problem
 from edgefed.runlog import (Column, Header, RunLogWriter, discard_stub, read_participation, read_resume_point,
-                            read_run, write_stub)
+                            read_run, size_text, write_stub)
 from edgefed.runtime.local import LocalTransport
 from edgefed.tracefiles import sampled_traces
 
@@ -126,26 +126,18 @@ def check_device_memory(algorithm: Algorithm, cfg: Config, n: int, d: int, dtype
     in_memory = len(vectors) * n * d * item
     on_disk = 2 * in_memory + (stored_rounds(cfg) * in_memory if cfg.log.client_controls else 0)
     shape = f"{n} x {d}" if len(vectors) == 1 else f"{len(vectors)} x {n} x {d}"
-    on_info(f"{owner} {noun}: {shape} {np.dtype(dtype).name} = {_size(in_memory)} in memory, "
-            f"{_size(on_disk)} in the run log")
+    on_info(f"{owner} {noun}: {shape} {np.dtype(dtype).name} = {size_text(in_memory)} in memory, "
+            f"{size_text(on_disk)} in the run log")
     available = psutil.virtual_memory().available
     if in_memory > 0.8 * available:
         hint = "" if np.dtype(dtype) == np.float32 else 'model.dtype = "float32" halves it, or '
-        raise ResourceError(f"{owner}'s {noun} need {_size(in_memory)} but only {_size(available)} of memory "
+        raise ResourceError(f"{owner}'s {noun} need {size_text(in_memory)} but only {size_text(available)} of memory "
                             f"is available; {hint}use fewer devices (data.clients)")
     free = shutil.disk_usage(log_path.parent if log_path.parent.exists() else Path.cwd()).free
     if on_disk > free:
-        raise ResourceError(f"the run log would need {_size(on_disk)} for {owner}'s {noun} but the disk has "
-                            f"{_size(free)} free; log fewer rounds (log.every), set log.client_controls = false, "
+        raise ResourceError(f"the run log would need {size_text(on_disk)} for {owner}'s {noun} but the disk has "
+                            f"{size_text(free)} free; log fewer rounds (log.every), set log.client_controls = false, "
                             'or use model.dtype = "float32"')
-
-
-def _size(n_bytes: float) -> str:
-    for unit in ("B", "KB", "MB"):
-        if n_bytes < 1024:
-            return f"{n_bytes:.0f} {unit}" if unit == "B" else f"{n_bytes:.1f} {unit}"
-        n_bytes /= 1024
-    return f"{n_bytes:.1f} GB"
 
 
 @dataclass(frozen=True)
@@ -204,6 +196,8 @@ def _prepared(cfg: Config, log_path: Path, resume_point, on_info, config_toml: s
     on_info(f"{problem.describe()}; model {model.kind}, d = {model.dim} {model.dtype.name}; "
             f"{cfg.train.algorithm}, {cfg.rounds} rounds")
     check_device_memory(algorithm, cfg, problem.n_devices, model.dim, model.dtype, log_path, on_info)
+    if resume_point is None or resume_point.fresh:  # the config as run: with the clients a problem file fixes
+        config_toml = config_mod.to_toml(cfg)
     header = Header(
         config_toml=config_toml, restarts=restarts,
         seed=cfg.seed, rounds=cfg.rounds, n_devices=problem.n_devices, dim=model.dim, dtype=model.dtype,

@@ -13,6 +13,7 @@ that is gone ([mpi] rank_timeout_s).
 
 from __future__ import annotations
 
+import concurrent.futures
 import threading
 import time
 from collections import deque
@@ -161,7 +162,11 @@ class DeviceServer:
         """Finish (and drop) work still running, then say goodbye; the coordinator drains until it hears it."""
         if self._future is not None:
             self.transport.stop()
-            self._future[1].exception()  # waits for the worker; a late result is of no use any more
+            future = self._future[1]
+            while not future.done():  # a stalled device may take a while to stop: keep the heartbeat going
+                self._heartbeat()
+                concurrent.futures.wait([future], timeout=self.poll * 20)
+            future.exception()  # a late result is of no use any more
             self._future = None
         records = self._records(protocol.TAG_BYE, 1)
         records["rank"] = self.comm.Get_rank()
