@@ -151,3 +151,33 @@ def test_a_log_caught_mid_round_is_read_up_to_its_last_completed_round(tmp_path)
     assert data["participation/steps"].shape[0] == data["participation/selected"].shape[0] == 3
     assert data["metrics/train_loss"].shape[0] == data["metrics/test_accuracy"].shape[0] == 4
     assert data["trajectory/x"].shape[0] == data["trajectory/round"].shape[0]
+
+
+def test_a_reader_holding_the_log_open_never_fails_the_run(tmp_path):
+    """A watcher (a report, edgefed launch) may hold the log open at any moment, the end of the run included,
+    when the writer reopens it for the final attributes."""
+    path = tmp_path / "r.h5"
+    watcher = subprocess.Popen([sys.executable, "-c", f"""
+import time
+from edgefed.runlog import open_run
+end = time.monotonic() + 60
+while time.monotonic() < end:
+    try:
+        f = open_run({str(path)!r})
+    except Exception:
+        time.sleep(0.01)
+        continue
+    done = f.attrs.get("status") == "complete"
+    time.sleep(0.05)  # holding it open
+    f.close()
+    if done:
+        break
+"""])
+    try:
+        time.sleep(1.0)  # the watcher is up
+        cfg = config_mod.load_config(None, ["rounds=60", "data.clients=5", "train.clients_per_round=2"])
+        runs.run(cfg, path)
+        assert read_run(path)["attrs"]["status"] == "complete"
+    finally:
+        watcher.kill()
+        watcher.wait()
