@@ -256,3 +256,19 @@ def test_per_rank_lists_follow_a_rank_left_out_and_overrides_reach_every_world(t
     sets = [again[i + 1] for i, a in enumerate(again) if a == "--set"]
     assert again[:2] == ["--resume", str(log)] and launcher.ranks == 2
     assert sets == ["train.lr_local=0.1", 'device.boards=["pi5"]', "device.contention=[0.5]", "mpi.device_ranks=[]"]
+
+
+@needs_mpi
+def test_a_device_stalled_at_the_end_is_slow_not_lost(tmp_path):
+    """A stall in the last round outlasts the rank timeout while its rank says goodbye: the heartbeat goes on,
+    so the run ends normally rather than as a lost rank."""
+    cfg = tmp_path / "c.toml"
+    cfg.write_text('rounds = 3\n[data]\nclients = 4\n[train]\nclients_per_round = "all"\nlocal_steps = 5\n'
+                   '[participation]\nmode = "deadline"\ndeadline_s = 0.05\ngrace_s = 0.2\n'
+                   '[mpi]\nrank_timeout_s = 1.0\n[[fault]]\ndevice = 1\nround = 3\nkind = "stall"\nseconds = 3.0\n')
+    done = subprocess.run([MPIEXEC, "-n", "3", sys.executable, "-m", "edgefed", "run", str(cfg), "--out",
+                           str(tmp_path / "r.h5"), "--quiet"], env=clean_env("stall"), capture_output=True, text=True,
+                          timeout=TIMEOUT)
+    assert done.returncode == 0, done.stderr
+    assert "stopped answering" not in done.stderr
+    assert read_run(tmp_path / "r.h5")["participation/late"][2, 1]
