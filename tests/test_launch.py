@@ -272,3 +272,21 @@ def test_a_device_stalled_at_the_end_is_slow_not_lost(tmp_path):
     assert done.returncode == 0, done.stderr
     assert "stopped answering" not in done.stderr
     assert read_run(tmp_path / "r.h5")["participation/late"][2, 1]
+
+
+@needs_mpi
+def test_a_rank_that_hangs_while_building_its_devices_is_found_too(tmp_path):
+    overrides = ["rounds=3", "data.clients=1200", "mpi.rank_timeout_s=1.5"]  # its data takes seconds to build
+    tag, log = uuid.uuid4().hex, tmp_path / "run.h5"
+    proc = start(tmp_path, ["-n", "3", "--out", str(log), "--quiet", *[a for o in overrides for a in ("--set", o)]],
+                 tag)
+    try:
+        wait_for(lambda: log.exists() and 1 in ranks_of(tag), what="the stub and rank 1")
+        os.kill(ranks_of(tag)[1], signal.SIGSTOP)
+        out, err = proc.communicate(timeout=TIMEOUT)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, err
+    assert "rank 1 on " in err and "building its devices" in err and "ranks 3 -> 2" in out
+    same_as(read_run(log), simulator_log(tmp_path, overrides))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import socket
 import traceback
 from pathlib import Path
@@ -22,9 +23,10 @@ from edgefed.errors import (EXIT_BAD_INPUT, EXIT_INTERRUPTED, EXIT_RANK_LOST, Co
 from edgefed.orchestration import run as run_mod
 from edgefed.orchestration.timing import timing_for
 from edgefed.runlog import discard_stub
-from edgefed.runtime.mpi.comm import abort_with, world
-from edgefed.runtime.mpi.coordinator import MpiTransport
-from edgefed.runtime.mpi.device_server import DeviceServer
+from edgefed.runtime.mpi import protocol
+from edgefed.runtime.mpi.comm import abort_with, mpi_of, wait, world
+from edgefed.runtime.mpi.coordinator import MpiTransport, gather_setup, receive_setup, send_setup
+from edgefed.runtime.mpi.device_server import DeviceServer, Heart
 from edgefed.runtime.mpi.placement import device_owners
 from edgefed.runtime.mpi.protocol import Wire
 
@@ -94,16 +96,24 @@ def run_coordinator(comm, resolve, force: bool, on_round, on_info, on_error, lau
         check_device_ranks(setup.cfg, comm.Get_size() - 1)
         setup = timing_for(setup, owners, on_info, point, distributed=True)
     except EdgefedError as exc:
-        comm.bcast({"error": str(exc)}, root=0)
+        _complete(send_setup(comm, {"error": str(exc)}))
         if setup is not None and point is None:  # prepare wrote the stub (and removes it itself if it fails)
             discard_stub(path)
         on_error(str(exc))
         return EXIT_BAD_INPUT
     except BaseException as exc:  # a bug: the device ranks must not wait for a config that never comes
-        comm.bcast({"error": f"{type(exc).__name__}: {exc}"}, root=0)
+        _complete(send_setup(comm, {"error": f"{type(exc).__name__}: {exc}"}))
         raise
-    comm.bcast({"config": config_mod.to_toml(setup.cfg), "owners": owners}, root=0)
-    reports = comm.gather((None, (0, 0.0), 1), root=0)[1:]
+    sent = send_setup(comm, {"config": config_mod.to_toml(setup.cfg), "owners": owners})
+    try:
+        reports = gather_setup(comm, config_mod.rank_timeout(setup.cfg),
+                               {rank: host for rank, (host, _) in enumerate(machines)})
+        _complete(sent)  # every rank reported, so every rank took its setup
+    except RankLost as exc:  # hung while building its devices: the stub is there to resume
+        if launch is not None and launch.status is not None:
+            _say_lost(launch.status, exc)
+        return abort_with(comm, f"{exc}, building its devices; ending the world (--resume {path} starts the run "
+                          "again, edgefed launch does so without the rank)", EXIT_RANK_LOST)
     failures = [f for f, _, _ in reports if f]
     if failures:
         comm.bcast(False, root=0)
@@ -137,6 +147,11 @@ def run_coordinator(comm, resolve, force: bool, on_round, on_info, on_error, lau
     return result
 
 
+def _complete(sent: list) -> None:
+    for req in sent[1:]:  # sent[0] is the buffer, kept alive until here
+        wait(req)
+
+
 def _say_lost(status: Path, lost: RankLost) -> None:
     """Tell the launcher which rank to go on without (one small JSON file, swapped in whole)."""
     tmp = status.with_name(status.name + ".tmp")
@@ -147,16 +162,11 @@ def _say_lost(status: Path, lost: RankLost) -> None:
         pass  # the launcher then restarts with every rank, and the rank times out again
 
 
-def run_device_rank(comm) -> int:
-    """Ranks 1..P-1: build the devices this rank hosts, then serve the coordinator until it says stop."""
-    rank = comm.Get_rank()
-    machines = comm.allgather(machine())
-    info = comm.bcast(None, root=0)
-    if "error" in info:
-        return EXIT_BAD_INPUT
-    failure, transport, warm = None, None, (0, 0.0)
+def _build_devices(cfg, info, rank: int, machines):
+    """A device rank's setup (its devices' data, its lanes, the kernels compiled): (failure or None, transport,
+    problem, model, warm-up), so that its failure reaches rank 0 as a report rather than hanging the world."""
+    failure, transport, problem, model, warm = None, None, None, None, (0, 0.0)
     try:
-        cfg = config_mod.config_from_dict(config_mod.parse_toml(info["config"]))
         problem, model = run_mod.problem_and_model(cfg)
         own = np.flatnonzero(info["owners"] == rank)
         loads = cfg.participation.contention
@@ -168,15 +178,28 @@ def run_device_rank(comm) -> int:
         warm = transport.warmup()
     except EdgefedError as exc:
         failure = f"rank {rank}: {exc}"
-    except BaseException as exc:  # noqa: BLE001 - reported through rank 0 rather than hanging the gather
+    except BaseException as exc:  # noqa: BLE001 - reported through rank 0 rather than hanging the world
         failure = f"rank {rank}: {type(exc).__name__}: {exc}"
-    comm.gather((failure, warm, 1 if transport is None else transport.threads), root=0)
+    return failure, transport, problem, model, warm
+
+
+def run_device_rank(comm) -> int:
+    """Ranks 1..P-1: build the devices this rank hosts, then serve the coordinator until it says stop."""
+    rank = comm.Get_rank()
+    machines = comm.allgather(machine())
+    info = receive_setup(comm)
+    if "error" in info:
+        return EXIT_BAD_INPUT
+    cfg = config_mod.config_from_dict(config_mod.parse_toml(info["config"]))
+    heart = Heart(comm, config_mod.rank_timeout(cfg) / 4)
+    failure, transport, problem, model, warm = heart.beating(_build_devices, cfg, info, rank, machines)
+    report = np.frombuffer(pickle.dumps((failure, warm, 1 if transport is None else transport.threads)), np.uint8)
+    wait(comm.Isend([report, mpi_of(comm).BYTE], dest=0, tag=protocol.TAG_SETUP), also=heart.beat)
     if not comm.bcast(None, root=0):
         if transport is not None:
             transport.close()
         return EXIT_BAD_INPUT
-    server = DeviceServer(comm, wire_for(transport.algorithm, problem.n_devices, model), transport,
-                          heartbeat_s=config_mod.rank_timeout(cfg) / 4)
+    server = DeviceServer(comm, wire_for(transport.algorithm, problem.n_devices, model), transport, heart=heart)
     try:
         server.serve()
     except KeyboardInterrupt:  # Ctrl-C reaches every rank; rank 0 says what to do, and ends the world

@@ -19,6 +19,7 @@ would only cost every round it is selected in. The caller ends the world, naming
 from __future__ import annotations
 
 import dataclasses
+import pickle
 import time
 
 import numpy as np
@@ -201,3 +202,53 @@ class MpiTransport:
         if not failed:
             self._command(protocol.STOP)
             self._collect(protocol.TAG_BYE, list(self.hosted))
+
+
+def gather_setup(comm, timeout_s: float | None, hosts: dict | None = None, poll_max_s: float = 0.01) -> list:
+    """Every device rank's setup report (rank order), heard point to point with their heartbeats, so a rank
+    that hangs while it builds its devices is found (RankLost) instead of waited for in a collective."""
+    MPI = mpi_of(comm)
+    status = MPI.Status()
+    pending = set(range(1, comm.Get_size()))
+    heard = dict.fromkeys(pending, time.perf_counter())
+    got = {}
+    backoff = Backoff(poll_max_s)
+    while pending:
+        if comm.Iprobe(MPI.ANY_SOURCE, MPI.ANY_TAG, status):
+            src, tag, nbytes = status.Get_source(), status.Get_tag(), status.Get_count(MPI.BYTE)
+            buf = np.empty(nbytes, np.uint8)
+            comm.Recv([buf, MPI.BYTE], source=src, tag=tag)
+            heard[src] = time.perf_counter()
+            if tag == protocol.TAG_SETUP:
+                got[src] = pickle.loads(buf.tobytes())
+                pending.discard(src)
+            backoff.reset()
+            continue
+        now = time.perf_counter()
+        for rank in pending:
+            if timeout_s is not None and now - heard[rank] > timeout_s:
+                raise RankLost(rank, now - heard[rank], (hosts or {}).get(rank))
+        backoff.pause()
+    return [got[r] for r in sorted(got)]
+
+
+def send_setup(comm, message) -> list:
+    """The run's setup (or its error) to every device rank, point to point and without waiting: a collective
+    would hang on a rank that stopped before taking part, where gather_setup finds it. Returns the requests
+    (with their buffer), to complete once the ranks have reported."""
+    payload = np.frombuffer(pickle.dumps(message), np.uint8)
+    MPI = mpi_of(comm)
+    return [payload] + [comm.Isend([payload, MPI.BYTE], dest=r, tag=protocol.TAG_CONFIG)
+                        for r in range(1, comm.Get_size())]
+
+
+def receive_setup(comm, poll_max_s: float = 0.01):
+    """A device rank's side of send_setup, waiting without spinning."""
+    MPI = mpi_of(comm)
+    status = MPI.Status()
+    backoff = Backoff(poll_max_s)
+    while not comm.Iprobe(0, protocol.TAG_CONFIG, status):
+        backoff.pause()
+    buf = np.empty(status.Get_count(MPI.BYTE), np.uint8)
+    comm.Recv([buf, MPI.BYTE], source=0, tag=protocol.TAG_CONFIG)
+    return pickle.loads(buf.tobytes())

@@ -26,12 +26,50 @@ from edgefed.runtime.mpi.comm import POLL_MAX_S, mpi_of, wait
 from edgefed.runtime.mpi.protocol import Wire
 
 
-class DeviceServer:
-    def __init__(self, comm, wire: Wire, transport, poll_max_s: float = POLL_MAX_S, heartbeat_s: float | None = None):
-        self.comm, self.wire, self.transport, self.poll = comm, wire, transport, poll_max_s
-        self.heartbeat_s = heartbeat_s  # None: no heartbeats (the coordinator then never times a rank out)
+class Heart:
+    """A device rank's heartbeat to the coordinator: one tiny message every `heartbeat_s`, sent from the main
+    thread (the only one that calls MPI) whenever it is not busy, and around work handed to a helper thread."""
+
+    def __init__(self, comm, heartbeat_s: float | None, poll_max_s: float = POLL_MAX_S):
+        self.comm, self.heartbeat_s, self.poll = comm, heartbeat_s, poll_max_s  # None: no heartbeats
         self._alive = np.array([comm.Get_rank()], np.int64)
-        self._alive_req, self._alive_at = None, -float("inf")
+        self.request, self._at = None, -float("inf")
+
+    def beat(self) -> None:
+        now = time.perf_counter()
+        if self.heartbeat_s is None or now - self._at < self.heartbeat_s:
+            return
+        if self.request is None or self.request.Test():  # skip a beat while the last one is in flight
+            self.request = self.comm.Isend(self._alive, dest=0, tag=protocol.TAG_ALIVE)
+            self._at = now
+
+    def beating(self, fn, *args):
+        """fn(*args) on a helper thread while this thread keeps the heartbeat going; its result or error."""
+        if self.heartbeat_s is None:
+            return fn(*args)
+        out = {}
+
+        def call():
+            try:
+                out["value"] = fn(*args)
+            except BaseException as exc:  # noqa: BLE001 - re-raised on the main thread
+                out["error"] = exc
+
+        worker = threading.Thread(target=call, daemon=True)
+        worker.start()
+        while worker.is_alive():
+            self.beat()
+            worker.join(self.poll * 20)
+        if "error" in out:
+            raise out["error"]
+        return out["value"]
+
+
+class DeviceServer:
+    def __init__(self, comm, wire: Wire, transport, poll_max_s: float = POLL_MAX_S, heartbeat_s: float | None = None,
+                 heart: Heart | None = None):
+        self.comm, self.wire, self.transport, self.poll = comm, wire, transport, poll_max_s
+        self.heart = heart or Heart(comm, heartbeat_s, poll_max_s)
         self.command = wire.command_buffer()
         self.state = wire.state_buffer()
         self.own = transport.device_ids
@@ -65,33 +103,7 @@ class DeviceServer:
         self._send_req[i] = self.comm.Isend([self._send[i][: records.nbytes], self._mpi_byte], dest=0, tag=tag)
 
     def _heartbeat(self) -> None:
-        now = time.perf_counter()
-        if self.heartbeat_s is None or now - self._alive_at < self.heartbeat_s:
-            return
-        if self._alive_req is None or self._alive_req.Test():  # skip a beat while the last one is in flight
-            self._alive_req = self.comm.Isend(self._alive, dest=0, tag=protocol.TAG_ALIVE)
-            self._alive_at = now
-
-    def _beating(self, fn, *args):
-        """fn(*args) on a helper thread while this thread keeps the heartbeat going; its result or error."""
-        if self.heartbeat_s is None:
-            return fn(*args)
-        out = {}
-
-        def call():
-            try:
-                out["value"] = fn(*args)
-            except BaseException as exc:  # noqa: BLE001 - re-raised on the main thread
-                out["error"] = exc
-
-        worker = threading.Thread(target=call, daemon=True)
-        worker.start()
-        while worker.is_alive():
-            self._heartbeat()
-            worker.join(self.poll * 20)
-        if "error" in out:
-            raise out["error"]
-        return out["value"]
+        self.heart.beat()
 
     def _report_finished_work(self) -> None:
         """Send what is due: each finished device's record once its link delay has passed (with
@@ -171,7 +183,7 @@ class DeviceServer:
         records = self._records(protocol.TAG_BYE, 1)
         records["rank"] = self.comm.Get_rank()
         self._send_records(protocol.TAG_BYE, records)
-        for req in (*self._send_req, self._alive_req):
+        for req in (*self._send_req, self.heart.request):
             if req is not None:
                 wait(req, self.poll)
 
@@ -198,7 +210,7 @@ class DeviceServer:
         self._future = (plan, future, work)
 
     def _evaluate(self, x) -> None:
-        ev = self._beating(self.transport.evaluate, x)
+        ev = self.heart.beating(self.transport.evaluate, x)
         records = self._records(protocol.TAG_EVAL, self.own.size)
         self.wire.pack_evaluation(records, self.own, ev)
         self._send_records(protocol.TAG_EVAL, records)
@@ -207,7 +219,7 @@ class DeviceServer:
         ids = self.wire.addressed(self.command, self.own)
         if ids.size == 0:
             return
-        rows = self._beating(self.transport.start_devices, x, ids)
+        rows = self.heart.beating(self.transport.start_devices, x, ids)
         records = self._records(protocol.TAG_ROWS, ids.size)
         self.wire.pack_rows(records, ids, rows)
         self._send_records(protocol.TAG_ROWS, records)

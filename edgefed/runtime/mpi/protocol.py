@@ -22,6 +22,8 @@ from edgefed.transport import Evaluation, LocalResults, RoundPlan
 STOP, ROUND, EVAL, START_DEVICES, LOAD_DEVICES = range(5)
 TAG_WORK, TAG_EVAL, TAG_ROWS, TAG_LOAD, TAG_BYE, TAG_CANCEL = 11, 12, 13, 14, 15, 16
 TAG_ALIVE = 17  # a device rank's heartbeat: one int64, the rank; says only "still here"
+TAG_SETUP = 18  # a device rank's report after building its devices (pickled: failure, warm-up, lanes)
+TAG_CONFIG = 19  # rank 0's setup for the device ranks (pickled: the config and the owners, or an error)
 NO_ROUND = -1
 
 
