@@ -23,7 +23,6 @@ import argparse
 import json
 import os
 import platform
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -33,14 +32,15 @@ from pathlib import Path
 
 import numpy as np
 import psutil
+from edgefed.runtime.mpi.comm import local_mpiexec, outside_world_env
 
 HERE = Path(__file__).resolve().parent
-MPIEXEC = next((str(p) for p in (Path(sys.executable).parent / "mpiexec",) if p.exists()), shutil.which("mpiexec"))
+MPIEXEC = local_mpiexec()
 WORKLOAD = ["data.clients=10", 'train.clients_per_round="all"', "train.local_steps=5", "train.batch_size=20"]
 
 
 def clean_env() -> dict:
-    return {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "OMPI_", "PMIX_", "MPI_LOCAL"))}
+    return outside_world_env()
 
 
 def anon_mb(pid: int) -> float:

@@ -29,6 +29,7 @@ import psutil
 from edgefed import config as config_mod
 from edgefed.orchestration import run as runs
 from edgefed.runlog import completed_rounds, measured, read_run
+from edgefed.runtime.mpi.comm import outside_world_env
 
 
 def overrides(args) -> list[str]:
@@ -50,7 +51,7 @@ def ranks_of(tag: str) -> dict[int, psutil.Process]:
 
 
 def launch(args, log: Path, tag: str) -> subprocess.Popen:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "OMPI_", "PMIX_"))}
+    env = outside_world_env()
     env["EDGEFED_SOAK"] = tag
     sets = [a for o in overrides(args) for a in ("--set", o)]
     return subprocess.Popen([sys.executable, "-m", "edgefed", "launch", "-n", str(args.ranks), "--restarts",

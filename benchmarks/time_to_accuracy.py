@@ -22,16 +22,16 @@ from __future__ import annotations
 import argparse
 import os
 import platform
-import shutil
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 import numpy as np
+from edgefed.runtime.mpi.comm import local_mpiexec, outside_world_env
 
 HERE = Path(__file__).resolve().parent
-MPIEXEC = next((str(p) for p in (Path(sys.executable).parent / "mpiexec",) if p.exists()), shutil.which("mpiexec"))
+MPIEXEC = local_mpiexec()
 POLICIES = {
     "fixed": ['participation.mode="deadline"', "participation.deadline_s={fixed}"],
     "auto": ['participation.mode="deadline"', 'participation.deadline_s="auto"'],
@@ -62,7 +62,7 @@ def run(args: list[str], ranks: int | None, out: Path) -> dict:
            "--force", "--quiet"]
     if ranks:
         cmd = [MPIEXEC, "-n", str(ranks), *cmd]
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "OMPI_", "PMIX_", "MPI_LOCAL"))}
+    env = outside_world_env()
     done = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if done.returncode:
         raise SystemExit(f"{' '.join(cmd)} failed:\n{done.stderr[-2000:]}")

@@ -142,20 +142,37 @@ def _remove_stale_copies(path: Path) -> None:
 def write_stub(path: Path, config_toml: str, restarts=()) -> None:
     """A log with its config and no round, written before anything slow (building data, compiling), so a run
     killed during start-up still continues with --resume. Swapped in whole, like every log."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+
+    def fill(f):
+        for key, value in _root_attrs(config_toml, "starting").items():
+            f.attrs[key] = value
+        _write_restarts(f, restarts)
+
+    _swap_in(Path(path), fill)
+
+
+def _swap_in(path: Path, fill) -> None:
+    """Write a whole log beside path (fill(file) writes its contents), then put it in path's place: an
+    existing file is only ever replaced by a complete one."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise RunLogError(f"cannot create the folder of run log {path} ({exc}); choose another --out") from None
+    _remove_stale_copies(path)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
         with h5py.File(tmp, "w", libver=LIBVER) as f:
-            for key, value in {"format": FORMAT, "format_version": FORMAT_VERSION, "edgefed_version": __version__,
-                               "config": config_toml, "status": "starting",
-                               "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                               }.items():
-                f.attrs[key] = value
-            _write_restarts(f, restarts)
+            fill(f)
         os.replace(tmp, path)
     except OSError as exc:
         tmp.unlink(missing_ok=True)
         raise RunLogError(f"cannot write run log {path} ({exc}); choose another --out") from None
+
+
+def _root_attrs(config_toml: str, status: str) -> dict:
+    return {"format": FORMAT, "format_version": FORMAT_VERSION, "edgefed_version": __version__,
+            "config": config_toml, "status": status,
+            "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
 
 
 def discard_stub(path: Path) -> None:
@@ -255,22 +272,13 @@ class RunLogWriter:
         so a resume that fails at any moment leaves a log that can still be resumed.
         """
         path = Path(path)
-        if path.parent and not path.parent.exists():
-            try:
-                path.parent.mkdir(parents=True)
-            except OSError as exc:
-                raise RunLogError(f"cannot create the folder of run log {path} ({exc}); choose another --out") from None
-        _remove_stale_copies(path)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        try:
-            with h5py.File(tmp, "w", libver=LIBVER) as f:
-                _write_skeleton(f, header)
-                if resume is not None:
-                    _write_resume_point(f, resume)
-            os.replace(tmp, path)
-        except OSError as exc:
-            tmp.unlink(missing_ok=True)
-            raise RunLogError(f"cannot write run log {path} ({exc}); choose another --out") from None
+
+        def fill(f):
+            _write_skeleton(f, header)
+            if resume is not None:
+                _write_resume_point(f, resume)
+
+        _swap_in(path, fill)
         f = h5py.File(path, "r+", libver=LIBVER)
         f.swmr_mode = True
         return cls(path, f, header)
@@ -401,10 +409,7 @@ def _write_resume_point(f: h5py.File, point: "ResumePoint") -> None:
 
 def _write_skeleton(f: h5py.File, header: Header) -> None:
     attrs = {
-        "format": FORMAT,
-        "format_version": FORMAT_VERSION,
-        "edgefed_version": __version__,
-        "config": header.config_toml,
+        **_root_attrs(header.config_toml, "running"),
         "seed": header.seed,
         "rounds": header.rounds,
         "n_devices": header.n_devices,
@@ -412,8 +417,6 @@ def _write_skeleton(f: h5py.File, header: Header) -> None:
         "dtype": str(np.dtype(header.dtype)),
         "round_base": 1,
         "device_id_base": 0,
-        "status": "running",
-        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     }
     attrs.update(header.attrs)
     for key, value in attrs.items():

@@ -15,6 +15,7 @@ from edgefed.errors import ConfigError
 from edgefed.runlog import read_run
 from helpers import run_until
 from test_mpi import MPIEXEC, edgefed, write
+from edgefed.runtime.mpi.comm import outside_world_env
 
 BOARDS = {"pi-zero-2w", "pi3b-plus", "pi4b", "pi5", "x86-64-laptop"}
 
@@ -208,7 +209,7 @@ LAUNCHER = Path(__file__).resolve().parents[1] / "launch" / "pi-cluster.sh"
 def launcher(tmp_path, boards, *args, **env):
     path = tmp_path / "boards.txt"
     path.write_text(boards)
-    env = {**{k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "OMPI_", "PMIX_"))},
+    env = {**outside_world_env(),
            "VENV": str(Path(sys.executable).parent.parent), **env}
     return subprocess.run(["bash", str(LAUNCHER), *args[:1], str(path), *args[1:]], capture_output=True, text=True,
                           env=env, timeout=300)

@@ -21,6 +21,7 @@ from edgefed.runlog import completed_rounds, read_run
 
 from helpers import compared
 from test_mpi import MPIEXEC
+from edgefed.runtime.mpi.comm import outside_world_env
 
 needs_mpi = pytest.mark.skipif(MPIEXEC is None, reason="no mpiexec: pip install 'edgefed[mpi]'")
 TIMEOUT = 240
@@ -29,7 +30,7 @@ TRACE = FULL + ['participation.mode="trace"', 'participation.trace="builtin:5"',
 
 
 def clean_env(tag: str) -> dict:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "OMPI_", "PMIX_", "MPI_LOCAL"))}
+    env = outside_world_env()
     env["EDGEFED_TEST_LAUNCH"] = tag  # every rank inherits it: how the test finds the ranks of its world
     return env
 

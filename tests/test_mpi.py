@@ -1,17 +1,15 @@
 """The MPI runtime, each test a real `mpiexec` in a subprocess with a timeout (a hang fails the test)."""
 
-import os
-import shutil
 import subprocess
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 
 from edgefed.runlog import measured, read_run
+from edgefed.runtime.mpi.comm import local_mpiexec, outside_world_env
 
-MPIEXEC = next((str(p) for p in (Path(sys.executable).parent / "mpiexec",) if p.exists()), shutil.which("mpiexec"))
+MPIEXEC = local_mpiexec()
 pytestmark = pytest.mark.skipif(MPIEXEC is None, reason="no mpiexec: pip install 'edgefed[mpi]'")
 TIMEOUT = 240
 
@@ -29,7 +27,7 @@ def edgefed(args, ranks=None, timeout=TIMEOUT):
     cmd = [sys.executable, "-m", "edgefed", *args]
     if ranks:
         cmd = [MPIEXEC, "-n", str(ranks), *cmd]
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "OMPI_", "PMIX_", "MPI_LOCAL"))}
+    env = outside_world_env()
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
 
 

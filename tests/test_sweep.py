@@ -4,7 +4,6 @@ invocation, a failing cell, and -j 2 and mpiexec -n 3 writing the same logs as a
 import csv
 import re
 import math
-import os
 import shutil
 import subprocess
 import sys
@@ -19,10 +18,11 @@ from edgefed.cli import main
 from edgefed.errors import ConfigError
 from edgefed.orchestration.sweep import read_sweep
 from edgefed.runlog import read_run
+from edgefed.runtime.mpi.comm import local_mpiexec, outside_world_env
 
 from helpers import assert_same_logs, run_until
 
-MPIEXEC = next((str(p) for p in (Path(sys.executable).parent / "mpiexec",) if p.exists()), shutil.which("mpiexec"))
+MPIEXEC = local_mpiexec()
 
 BASE = """rounds = 9
 [data]
@@ -304,7 +304,7 @@ def test_jobs_at_a_time_write_the_serial_logs(serial, tmp_path, capsys):
 @pytest.mark.skipif(MPIEXEC is None, reason="no mpiexec: pip install 'edgefed[mpi]'")
 def test_mpiexec_spreads_the_runs_over_ranks_and_writes_the_serial_logs(serial, tmp_path):
     folder, _, _ = serial
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "OMPI_", "PMIX_", "MPI_LOCAL"))}
+    env = outside_world_env()
     done = subprocess.run([MPIEXEC, "-n", "3", sys.executable, "-m", "edgefed", "sweep",
                            str(folder.parent / "sweep.toml"), "--out", str(tmp_path / "m3")],
                           capture_output=True, text=True, timeout=300, env=env)

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import gzip
-import os
 import shutil
 import subprocess
 import sys
@@ -28,6 +27,8 @@ from pathlib import Path
 
 import h5py
 import numpy as np
+
+from edgefed.runtime.mpi.comm import local_mpiexec, outside_world_env
 
 # Datasets that hold wall time, load or compilation: the only ones two runs of one config may differ in;
 # where a log's clock is measured (attribute clock = "measured"), also the time it kept.
@@ -119,17 +120,11 @@ def cut_mnist(source: Path, out: Path) -> Path:
     return out
 
 
-def mpiexec() -> str | None:
-    """The launcher beside this Python (the `mpich` wheel's), else the one on PATH."""
-    beside = Path(sys.executable).parent / "mpiexec"
-    return str(beside) if beside.exists() else shutil.which("mpiexec")
-
-
 def edgefed(args: list[str], ranks: int | None) -> None:
     cmd = [sys.executable, "-m", "edgefed", *args]
     if ranks:
-        cmd = [mpiexec(), "-n", str(ranks), *cmd]
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "OMPI_", "PMIX_", "MPI_LOCAL"))}
+        cmd = [local_mpiexec(), "-n", str(ranks), *cmd]
+    env = outside_world_env()
     done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
     if done.returncode != 0:
         raise SystemExit(f"{' '.join(cmd)} failed:\n{done.stderr}")
@@ -145,7 +140,7 @@ def record(out: Path, mnist: Path | None, replay: Path | None) -> None:
         cfg.write_text(DEADLINE_SOURCE, encoding="utf-8")
         edgefed(["run", str(cfg), "--out", str(source), "--quiet"], None)
     images = cut_mnist(mnist, out / "images") if mnist is not None else None
-    mpi = mpiexec() is not None
+    mpi = local_mpiexec() is not None
     for name, text in configs(source, images).items():
         args = ["run"]
         if text is not None:

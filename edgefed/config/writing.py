@@ -42,8 +42,10 @@ def same_experiment(a: Config, b: Config) -> list[str]:
         for table, keys in PLACEMENT.items():
             for key in keys:
                 d.get(table, {}).pop(key, None)
-    for d in (da.get("participation"), db.get("participation")):
-        (d or {}).pop("trace", None)  # a replay may name its trace by another path; the trace itself is checked
+    traces = [(d.get("participation") or {}).get("trace") for d in (da, db)]
+    if all(isinstance(t, str) and t.endswith((".h5", ".hdf5")) for t in traces):
+        for d in (da, db):  # a replay may name its run log by another path; the log itself is checked
+            d["participation"].pop("trace")
     return [key for key, _ in dict_differences(da, db)]
 
 

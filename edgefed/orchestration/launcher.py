@@ -28,6 +28,7 @@ from pathlib import Path
 
 from edgefed.errors import EXIT_BAD_INPUT, EXIT_INTERRUPTED, EXIT_RANK_LOST, EdgefedError
 from edgefed.runlog import completed_rounds, run_status
+from edgefed.runtime.mpi.comm import local_mpiexec
 
 STOP_GRACE_S = 5.0  # after Ctrl-C, how long the ranks get to leave on their own before they are killed
 FINISH_GRACE_S = 30.0  # after the log is complete, how long the world gets to end on its own
@@ -68,8 +69,7 @@ def read_boards(path: Path) -> list[Board]:
 
 
 def find_mpiexec(given: str | None) -> str:
-    found = given or next((str(p) for p in (Path(sys.executable).parent / "mpiexec",) if p.exists()),
-                          shutil.which("mpiexec"))
+    found = given or local_mpiexec()
     if not found or not (shutil.which(found) or Path(found).is_file()):
         raise EdgefedError(f"no mpiexec{' at ' + given if given else ''}; pip install 'edgefed[mpi]' or give "
                            "--mpiexec PATH")

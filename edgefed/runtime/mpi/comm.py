@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import importlib
 import os
+import shutil
 import sys
 import threading
 import time
+from pathlib import Path
 
 from edgefed.errors import EdgefedError
 
@@ -29,6 +31,19 @@ def launched_size() -> int:
         if value and value.isdigit():
             return int(value)
     return 1
+
+
+def local_mpiexec() -> str | None:
+    """The mpiexec beside this Python (the `mpi` extra's MPICH wheel), else the first on PATH, else None."""
+    beside = Path(sys.executable).parent / "mpiexec"
+    return str(beside) if beside.exists() else shutil.which("mpiexec")
+
+
+def outside_world_env(environ=None) -> dict:
+    """The environment without any MPI launcher's variables: what a process that starts a world of its own
+    (a test, the launcher, a benchmark) hands to it, even when it runs inside a world itself."""
+    environ = os.environ if environ is None else environ
+    return {k: v for k, v in environ.items() if not k.startswith(("PMI_", "OMPI_", "PMIX_", "MPI_LOCAL", "MV2_"))}
 
 
 def world():

@@ -66,10 +66,10 @@ class Heart:
 
 
 class DeviceServer:
-    def __init__(self, comm, wire: Wire, transport, poll_max_s: float = POLL_MAX_S, heartbeat_s: float | None = None,
-                 heart: Heart | None = None):
+    def __init__(self, comm, wire: Wire, transport, poll_max_s: float = POLL_MAX_S, heart: Heart | None = None):
+        """heart: the rank's heartbeat (None: none, and the coordinator then never times the rank out)."""
         self.comm, self.wire, self.transport, self.poll = comm, wire, transport, poll_max_s
-        self.heart = heart or Heart(comm, heartbeat_s, poll_max_s)
+        self.heart = heart or Heart(comm, None, poll_max_s)
         self.command = wire.command_buffer()
         self.state = wire.state_buffer()
         self.own = transport.device_ids
