@@ -245,6 +245,7 @@ class CNN(Classifier):
                                  ((self.n_args,), np.int8))  # activations, deltas, pooling winners
         self._scratch = np.zeros(_cnn.scratch_size(side), self.dtype)  # unrolled windows, conv W^T
         self._wt = np.zeros(512 * s4 * s4 * 64, self.dtype)  # fc1 W^T
+        self._eval = None
 
     def initial_params(self) -> np.ndarray:
         g = generator(self.seed, Purpose.INIT)
@@ -280,8 +281,11 @@ class CNN(Classifier):
         if X.shape[0] == 0:
             return 0.0, 0
         acts, _, args = self._work.take(1)
+        if self._eval is None:  # the dense layers' inputs and outputs of EVAL_CHUNK samples
+            self._eval = tuple(np.zeros((self.EVAL_CHUNK, n), self.dtype)
+                               for n in ((self.side // 4) ** 2 * 64, 512, self.n_classes))
         loss, correct = _cnn._loss_correct(params, self.offsets, self.side, self.n_classes, X, y, acts[0], args[0],
-                                           self._scratch)
+                                           self._scratch, *self._eval)
         return float(loss), int(correct)
 
 

@@ -1,10 +1,27 @@
 """Helpers shared by the test modules."""
 
+from fractions import Fraction
+
+import numpy as np
 import pytest
 
 from edgefed.orchestration import run as runs
 from edgefed.problems import build_problem
 from edgefed.runlog import measured, read_run
+
+
+def fma_exact(a, b, c, dtype=None):
+    """IEEE 754 fma elementwise, independently of any CPU: a * b + c in exact rational arithmetic, rounded
+    once to the nearest value of dtype (ties to even). The reference for edgefed's kernels' fmas."""
+    dtype = np.dtype(dtype or np.result_type(a, b, c))
+    a, b, c = np.broadcast_arrays(*(np.asarray(v, dtype) for v in (a, b, c)))
+    out = np.empty(a.shape, dtype)
+    for i in np.ndindex(a.shape):
+        exact = Fraction(float(a[i])) * Fraction(float(b[i])) + Fraction(float(c[i]))
+        near = dtype.type(float(exact))  # within one step of the answer (float() rounds to float64 first)
+        steps = (near, np.nextafter(near, dtype.type(np.inf)), np.nextafter(near, dtype.type(-np.inf)))
+        out[i] = min(steps, key=lambda v: (abs(Fraction(float(v)) - exact), int(v.view(f"u{dtype.itemsize}")) & 1))
+    return out
 
 
 def problem_of(cfg):

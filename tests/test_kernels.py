@@ -10,6 +10,7 @@ from edgefed.kernels.sgd import step_terms
 from edgefed.models import LogReg, Quadratic
 from edgefed.problems import ClassificationData, QuadraticData
 from edgefed.rng import Purpose, kernel_state
+from helpers import fma_exact
 from naive import Xoshiro, logreg_sgd, softmax_ce
 
 
@@ -148,7 +149,7 @@ def test_quadratic_steps_and_loss_are_exact():
     x = np.array([0.5, 0.5, 0.5])
     ref = x.copy()
     for _ in range(4):
-        ref = ref - 0.1 * (a * (ref - b))
+        ref = fma_exact(-0.1, a * (ref - b), ref)  # x <- x - lr g, one rounding
     model.local_steps(x, data, model.begin(data, kernel_state(0, Purpose.LOCAL, 1, 0)), 4, None, 0.1)
     assert x.tobytes() == ref.tobytes()
     grad = np.zeros(3)
@@ -202,3 +203,71 @@ def test_kernel_state_is_numpys_seed_sequence(seed, purpose, round_idx, device):
     expected = np.random.SeedSequence(entropy=seed, spawn_key=(int(purpose), round_idx, device + 1))
     np.testing.assert_array_equal(kernel_state(seed, purpose, round_idx, device),
                                   expected.generate_state(4, np.uint64))
+
+
+def _sequential_product(A, W, Z):
+    """Z + A W with each output's terms added in reduction order, one exact fma each (linalg.py's order)."""
+    Z = Z.copy()
+    for k in range(A.shape[1]):
+        Z = fma_exact(A[:, k:k + 1], W[k:k + 1, :], Z)
+    return Z
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.integers(1, 8), st.integers(0, 9), st.integers(1, 70), st.sampled_from([np.float32, np.float64]),
+       st.integers(0, 2**32 - 1))
+def test_products_add_their_terms_in_order_by_fma(b, din, dout, dtype, seed):
+    """Every tile shape and edge (rows past a tile, masked columns, strided rows) gives the bits of the
+    sequential fma reference, so the tile choice per CPU cannot change a trajectory."""
+    from edgefed.kernels.linalg import accumulate_outer, accumulate_product
+
+    g = np.random.default_rng(seed)
+    A = g.standard_normal((b, din + 3)).astype(dtype)[:, 1:din + 1]  # rows strided, as a column block
+    W = g.standard_normal((din, dout)).astype(dtype)
+    Z = g.standard_normal((b, dout)).astype(dtype)
+    got = Z.copy()
+    accumulate_product(A, W, got, b, din, dout)
+    assert got.tobytes() == _sequential_product(A, W, Z).tobytes()
+    D = g.standard_normal((b, dout)).astype(dtype)
+    G = g.standard_normal((din, dout)).astype(dtype)
+    got = G.copy()
+    accumulate_outer(A, D, got, b, din, dout)
+    assert got.tobytes() == _sequential_product(np.ascontiguousarray(A.T), D, G).tobytes()
+
+
+def test_tile_shape_does_not_change_the_bits():
+    """The micro-kernel at other shapes than this CPU's (as an AVX2 laptop or a Pi would pick) gives the
+    same bits as the product the models use."""
+    from numba import njit
+
+    from edgefed.kernels.fma import tile
+    from edgefed.kernels.linalg import accumulate_product
+
+    def product_with(mr, nr_bytes):
+        full, edge = tile(mr, nr_bytes, False), tile(mr, nr_bytes, True)
+
+        @njit
+        def product(A, W, Z):
+            nr = nr_bytes // Z.itemsize
+            for j0 in range(0, Z.shape[1], nr):
+                cols = min(nr, Z.shape[1] - j0)
+                for i0 in range(0, Z.shape[0], mr):
+                    rows = min(mr, Z.shape[0] - i0)
+                    if cols == nr:
+                        full(A, i0 * A.shape[1], A.shape[1], 1, rows, W, j0, W.shape[1], Z, i0 * Z.shape[1] + j0,
+                             Z.shape[1], A.shape[1], cols)
+                    else:
+                        edge(A, i0 * A.shape[1], A.shape[1], 1, rows, W, j0, W.shape[1], Z, i0 * Z.shape[1] + j0,
+                             Z.shape[1], A.shape[1], cols)
+        return product
+
+    g = np.random.default_rng(3)
+    A = g.standard_normal((11, 300)).astype(np.float32)
+    W = g.standard_normal((300, 75)).astype(np.float32)
+    Z = g.standard_normal((11, 75)).astype(np.float32)
+    ours = Z.copy()
+    accumulate_product(A, W, ours, 11, 300, 75)
+    for mr, nr_bytes in ((1, 16), (4, 32), (8, 64), (5, 128)):
+        other = Z.copy()
+        product_with(mr, nr_bytes)(A, W, other)
+        assert other.tobytes() == ours.tobytes(), (mr, nr_bytes)

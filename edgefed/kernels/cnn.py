@@ -11,7 +11,7 @@ import numpy as np
 from numba import njit
 
 from edgefed.kernels import JIT
-from edgefed.kernels.linalg import accumulate_outer, accumulate_product, dot8
+from edgefed.kernels.linalg import accumulate_outer, accumulate_product, copy_into, transpose_into
 from edgefed.kernels.random import draw_batch
 from edgefed.kernels.softmax import cross_entropy, softmax_xent
 from edgefed.kernels.sgd import apply_step
@@ -108,22 +108,6 @@ def _pool_forward(inp, out, arg, side, ch):
 
 
 @njit(**JIT)
-def _dense_forward(inp, W, bias, out, relu):
-    for j in range(out.shape[0]):
-        out[j] = bias[j]
-    for k in range(inp.shape[0]):
-        a = inp[k]
-        if a != 0:
-            w = W[k]
-            for j in range(out.shape[0]):
-                out[j] += a * w[j]
-    if relu:
-        for j in range(out.shape[0]):
-            if out[j] < 0:
-                out[j] = 0
-
-
-@njit(**JIT)
 def _views(params, offsets, side, n_classes):
     s4 = side // 4
     o = offsets
@@ -136,15 +120,6 @@ def _views(params, offsets, side, n_classes):
     w4 = params[o[3]:o[3] + 512 * n_classes].reshape((512, n_classes))
     b4 = params[o[3] + 512 * n_classes:o[3] + 512 * n_classes + n_classes]
     return w1, b1, w2, b2, w3, b3, w4, b4
-
-
-@njit(**JIT)
-def _forward_one(params, offsets, side, n_classes, x, a1, p1, g1, a2, p2, g2, h, z, scratch):
-    """One sample through the whole network (evaluation); every buffer is one sample's slice."""
-    _features_one(params, offsets, side, n_classes, x, a1, p1, g1, a2, p2, g2, scratch)
-    _, _, _, _, w3, b3, w4, b4 = _views(params, offsets, side, n_classes)
-    _dense_forward(p2, w3, b3, h, True)
-    _dense_forward(h, w4, b4, z, False)
 
 
 @njit(**JIT)
@@ -177,11 +152,8 @@ def _conv_backward(inp, W, dout, gW, gb, dinp, side, cin, cout, need_dinp, scrat
     accumulate_outer(cols, d2, gW.reshape((depth, cout)), n, depth, cout)
     if not need_dinp:
         return
-    W2 = W.reshape((depth, cout))
     WT = scratch[n * depth:n * depth + cout * depth].reshape((cout, depth))
-    for k in range(depth):
-        for co in range(cout):
-            WT[co, k] = W2[k, co]
+    transpose_into(W.reshape((depth, cout)), WT, depth, cout)
     dcols = cols  # the windows are no longer needed
     dcols[:] = 0
     accumulate_product(d2, WT, dcols, n, cout, depth)
@@ -199,6 +171,20 @@ def _features_one(params, offsets, side, n_classes, x, a1, p1, g1, a2, p2, g2, s
     _conv_forward(p1.reshape((s2, s2, 32)), w2, b2, a2.reshape((s2, s2, 64)), s2, 32, 64, scratch)
     _pool_forward(a2.reshape((s2, s2, 64)), p2.reshape((s2 // 2, s2 // 2, 64)), g2.reshape((s2 // 2, s2 // 2, 64)),
                   s2, 64)
+
+
+@njit(**JIT)
+def _dense_forward(P2, H, Z, w3, b3, w4, b4, b):
+    """H <- ReLU(b3 + P2 w3), Z <- b4 + H w4 over the first b rows: the dense layers of a batch at once."""
+    for r in range(b):
+        copy_into(H[r], b3)
+        copy_into(Z[r], b4)
+    accumulate_product(P2, w3, H, b, w3.shape[0], w3.shape[1])
+    for r in range(b):
+        for j in range(H.shape[1]):
+            if H[r, j] < 0:
+                H[r, j] = 0
+    accumulate_product(H, w4, Z, b, w4.shape[0], w4.shape[1])
 
 
 @njit(**JIT)
@@ -220,20 +206,11 @@ def _batch_grad(params, offsets, side, n_classes, X, y, idx, b, scale, grad, act
     for r in range(b):
         a = acts[r]
         i = idx[r]
-        for k in range(o1):
-            a[k] = X[i, k]
+        copy_into(a[:o1], X[i])
         _features_one(params, offsets, side, n_classes, a[:o1], a[o1:o2], a[o2:o3], args[r, :n2], a[o3:o4],
                       a[o4:o5], args[r, n2:n2 + n4], scratch)
     P2, H, Z = acts[:b, o4:o5], acts[:b, o5:o6], acts[:b, o6:o6 + n_classes]
-    for r in range(b):
-        H[r] = b3
-        Z[r] = b4
-    accumulate_product(P2, w3, H, b, n4, 512)
-    for r in range(b):
-        for j in range(512):
-            if H[r, j] < 0:
-                H[r, j] = 0
-    accumulate_product(H, w4, Z, b, 512, n_classes)
+    _dense_forward(P2, H, Z, w3, b3, w4, b4, b)
     dP2, dH, dZ = deltas[:b, o4:o5], deltas[:b, o5:o6], deltas[:b, o6:o6 + n_classes]
     loss = 0.0
     for r in range(b):
@@ -241,16 +218,20 @@ def _batch_grad(params, offsets, side, n_classes, X, y, idx, b, scale, grad, act
         loss += softmax_xent(Z[r], y[idx[r]], scale, dz)
         for c in range(n_classes):
             gb4[c] += dz[c]
-        for k in range(512):
-            dH[r, k] = dot8(w4[k], dz) if H[r, k] > 0 else 0
+    W4T = wt[:n_classes * 512].reshape((n_classes, 512))
+    transpose_into(w4, W4T, 512, n_classes)
+    for r in range(b):
+        dH[r] = 0
+    accumulate_product(dZ, W4T, dH, b, n_classes, 512)
+    for r in range(b):
         for j in range(512):
+            if H[r, j] <= 0:
+                dH[r, j] = 0
             gb3[j] += dH[r, j]
     accumulate_outer(H, dZ, g4, b, 512, n_classes)
     accumulate_outer(P2, dH, g3, b, n4, 512)
-    W3T = wt[:512 * n4].reshape((512, n4))  # transposed once per step so dP2 = dH W3^T streams rows
-    for k in range(n4):
-        for j in range(512):
-            W3T[j, k] = w3[k, j]
+    W3T = wt[:512 * n4].reshape((512, n4))  # packed once per step so dP2 = dH W3^T streams rows
+    transpose_into(w3, W3T, n4, 512)
     for r in range(b):
         dP2[r] = 0
     accumulate_product(dH, W3T, dP2, b, 512, n4)
@@ -289,24 +270,28 @@ def _minibatch_grad(params, offsets, side, n_classes, X, y, b, inv_b, rng, perm,
 
 
 @njit(**JIT)
-def _loss_correct(params, offsets, side, n_classes, X, y, act, arg, scratch):
-    """(sum of losses, correct predictions) over all samples, one at a time (act/arg: one sample's buffers)."""
-    s2, s4 = side // 2, side // 4
-    n1, n2, n3, n4 = side * side * 32, s2 * s2 * 32, s2 * s2 * 64, s4 * s4 * 64
+def _loss_correct(params, offsets, side, n_classes, X, y, act, arg, scratch, P2, H, Z):
+    """(sum of losses, correct predictions) over all samples: the convolutions sample by sample into P2,
+    then the dense layers over P2.shape[0] samples at once, as in training (act/arg: one sample's buffers)."""
+    s2 = side // 2
+    n1, n2, n3 = side * side * 32, s2 * s2 * 32, s2 * s2 * 64
     o1 = side * side
     o2, o3, o4 = o1 + n1, o1 + n1 + n2, o1 + n1 + n2 + n3
-    o5, o6 = o4 + n4, o4 + n4 + 512
+    _, _, _, _, w3, b3, w4, b4 = _views(params, offsets, side, n_classes)
+    n, chunk = X.shape[0], P2.shape[0]
     loss = 0.0
     correct = 0
-    for i in range(X.shape[0]):
-        x_ = act[:o1]
-        for k in range(o1):
-            x_[k] = X[i, k]
-        z = act[o6:o6 + n_classes]
-        _forward_one(params, offsets, side, n_classes, x_, act[o1:o2], act[o2:o3], arg[:n2], act[o3:o4],
-                     act[o4:o5], arg[n2:n2 + n4], act[o5:o6], z, scratch)
-        sample_loss, best = cross_entropy(z, y[i])
-        loss += sample_loss
-        if best == y[i]:
-            correct += 1
+    for i0 in range(0, n, chunk):
+        m = min(chunk, n - i0)
+        for r in range(m):
+            x_ = act[:o1]
+            copy_into(x_, X[i0 + r])
+            _features_one(params, offsets, side, n_classes, x_, act[o1:o2], act[o2:o3], arg[:n2], act[o3:o4],
+                          P2[r], arg[n2:], scratch)
+        _dense_forward(P2, H, Z, w3, b3, w4, b4, m)
+        for r in range(m):
+            sample_loss, best = cross_entropy(Z[r], y[i0 + r])
+            loss += sample_loss
+            if best == y[i0 + r]:
+                correct += 1
     return loss, correct

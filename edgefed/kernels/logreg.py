@@ -8,7 +8,8 @@ to the parameter dtype so float32 runs stay float32 all the way through.
 from numba import njit
 
 from edgefed.kernels import JIT
-from edgefed.kernels.linalg import accumulate_outer, accumulate_product
+from edgefed.kernels.fma import fma
+from edgefed.kernels.linalg import accumulate_outer, accumulate_product, copy_into
 from edgefed.kernels.random import draw_batch
 from edgefed.kernels.sgd import apply_step
 from edgefed.kernels.softmax import cross_entropy, softmax_xent
@@ -25,7 +26,7 @@ def _logits(params, X, i, n_classes, z):
         xj = X[i, j]
         base = j * n_classes
         for c in range(n_classes):
-            z[c] += xj * params[base + c]
+            z[c] = fma(xj, params[base + c], z[c])
 
 
 @njit(**JIT)
@@ -37,7 +38,7 @@ def _accumulate_grad(X, i, n_classes, prob, grad):
         xj = X[i, j]
         base = j * n_classes
         for c in range(n_classes):
-            grad[base + c] += xj * prob[c]
+            grad[base + c] = fma(xj, prob[c], grad[base + c])
     for c in range(n_classes):
         grad[nw + c] += prob[c]
 
@@ -58,8 +59,8 @@ def _batch_grad(params, X, y, idx, b, n_classes, scale, grad, Z, Xb, GT):
     gW = grad[:nw].reshape((f, n_classes))
     gb = grad[nw:]
     for r in range(b):
-        Xb[r] = X[idx[r]]
-        Z[r] = bias
+        copy_into(Xb[r], X[idx[r]])
+        copy_into(Z[r], bias)
     accumulate_product(Xb, W, Z, b, f, n_classes)
     gb[:] = 0
     for r in range(b):
@@ -125,7 +126,7 @@ def _loss_correct(params, X, y, n_classes, Z):
     for i0 in range(0, n, chunk):
         m = min(chunk, n - i0)
         for r in range(m):
-            Z[r] = bias
+            copy_into(Z[r], bias)
         accumulate_product(X[i0:i0 + m], W, Z, m, f, n_classes)
         for r in range(m):
             sample_loss, best = cross_entropy(Z[r], y[i0 + r])

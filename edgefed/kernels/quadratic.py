@@ -4,6 +4,7 @@ import numpy as np
 from numba import njit
 
 from edgefed.kernels import JIT
+from edgefed.kernels.fma import fma
 from edgefed.kernels.random import normal
 from edgefed.kernels.sgd import step_coordinate
 
@@ -18,7 +19,7 @@ def _sgd_steps(x, a, b, n_steps, lr, noise_std, rng, terms):
         for j in range(d):
             g = a[j] * (x[j] - b[j])
             if noisy:
-                g += noise_std * normal(rng)
+                g = fma(noise_std, normal(rng), g)
             step_coordinate(x, j, g, lr, terms)
     return n_steps
 
@@ -40,4 +41,4 @@ def _oracle_grad(x, a, b, noise_std, rng, grad):
     for j in range(x.shape[0]):
         grad[j] = a[j] * (x[j] - b[j])
         if noise_std > 0:
-            grad[j] += noise_std * normal(rng)
+            grad[j] = fma(noise_std, normal(rng), grad[j])

@@ -10,6 +10,7 @@ import numpy as np
 from numba import njit
 
 from edgefed.kernels import JIT
+from edgefed.kernels.fma import fma
 
 _EMPTY = {np.dtype(np.float32): np.zeros(0, np.float32), np.dtype(np.float64): np.zeros(0, np.float64)}
 
@@ -25,21 +26,25 @@ def step_terms(dtype, correction: np.ndarray | None = None, anchor: np.ndarray |
 
 @njit(**JIT)
 def apply_step(params, grad, lr, terms):
-    """params <- params - lr * (grad + mu (params - anchor) + correction), each term only where given."""
+    """params <- params - lr * (grad + mu (params - anchor) + correction), each term only where given.
+
+    In fmas: g = fma(mu, params - anchor, grad), then + correction, then params = fma(-lr, g, params).
+    """
     correction, anchor, mu = terms[0], terms[1], terms[2][0]
+    step = -lr
     if anchor.shape[0] == params.shape[0]:
         corrected = correction.shape[0] == params.shape[0]
         for k in range(params.shape[0]):
-            g = grad[k] + mu * (params[k] - anchor[k])
+            g = fma(mu, params[k] - anchor[k], grad[k])
             if corrected:
                 g += correction[k]
-            params[k] -= lr * g
+            params[k] = fma(step, g, params[k])
     elif correction.shape[0] == params.shape[0]:
         for k in range(params.shape[0]):
-            params[k] -= lr * (grad[k] + correction[k])
+            params[k] = fma(step, grad[k] + correction[k], params[k])
     else:
         for k in range(params.shape[0]):
-            params[k] -= lr * grad[k]
+            params[k] = fma(step, grad[k], params[k])
 
 
 @njit(**JIT)
@@ -47,7 +52,7 @@ def step_coordinate(params, j, g, lr, terms):
     """apply_step for coordinate j alone, for kernels whose gradient comes one coordinate at a time."""
     correction, anchor, mu = terms[0], terms[1], terms[2][0]
     if anchor.shape[0] == params.shape[0]:
-        g += mu * (params[j] - anchor[j])
+        g = fma(mu, params[j] - anchor[j], g)
     if correction.shape[0] == params.shape[0]:
         g += correction[j]
-    params[j] -= lr * g
+    params[j] = fma(-lr, g, params[j])
