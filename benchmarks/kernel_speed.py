@@ -55,9 +55,59 @@ def best_time(fn, repeats: int) -> float:
 
 
 def gemm_peak(repeats: int = 20) -> float:
+    """OpenBLAS's float32 GEMM on a large product, one thread: what a tuned BLAS gets from this core."""
     a = np.random.rand(1024, 1024).astype(np.float32)
     b = np.random.rand(1024, 1024).astype(np.float32)
     return 2 * 1024**3 / best_time(lambda: a @ b, repeats) / 1e9
+
+
+def _fma_burst():
+    """A kernel of nothing but vector fmas on registers (16 independent chains of edgefed's tile width):
+    the core's float32 fma throughput, the ceiling any product can reach."""
+    from llvmlite import ir
+    from numba import njit
+    from numba.core import cgutils, types
+    from numba.extending import intrinsic
+
+    from edgefed.kernels.fma import TILE_BYTES
+
+    lanes = TILE_BYTES // 8  # one vector register of float32
+
+    @intrinsic
+    def burst(typingctx, n, x):
+        def codegen(context, builder, sig, args):
+            vty = ir.VectorType(ir.FloatType(), lanes)
+            fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vty, [vty] * 3),
+                                                f"llvm.fma.v{lanes}f32")
+            undef = ir.Constant(vty, ir.Undefined)
+            xv = builder.shuffle_vector(builder.insert_element(undef, args[1], ir.Constant(ir.IntType(32), 0)),
+                                        undef, ir.Constant(ir.VectorType(ir.IntType(32), lanes), [0] * lanes))
+            slots = []
+            for i in range(16):
+                slot = cgutils.alloca_once(builder, vty)
+                builder.store(xv, slot)
+                slots.append(slot)
+            mul = ir.Constant(vty, [ir.Constant(ir.FloatType(), 0.999999)] * lanes)
+            with cgutils.for_range(builder, args[0]):
+                for slot in slots:
+                    builder.store(builder.call(fn, [builder.load(slot), mul, xv]), slot)
+            total = builder.load(slots[0])
+            for slot in slots[1:]:
+                total = builder.fadd(total, builder.load(slot))
+            return builder.extract_element(total, ir.Constant(ir.IntType(32), 0))
+        return types.float32(n, x), codegen
+
+    @njit
+    def run(n):
+        return burst(n, np.float32(1e-3))
+
+    return run, 16 * lanes * 2
+
+
+def fma_peak() -> float:
+    run, flops_per_iter = _fma_burst()
+    n = 2_000_000
+    return flops_per_iter * n / best_time(lambda: run(n), 15) / 1e9
 
 
 def numpy_step(sizes, X, y, params, batch, lr):

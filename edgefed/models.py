@@ -241,10 +241,11 @@ class CNN(Classifier):
         s2, s4 = side // 2, side // 4
         self.n_args = s2 * s2 * 32 + s4 * s4 * 64
         self._grad = np.zeros(self.dim, self.dtype)
+        # activations, deltas, pooling winners, fc1's transposed deltas and input gradient
         self._work = GrowingRows(((self.per_sample,), self.dtype), ((self.per_sample,), self.dtype),
-                                 ((self.n_args,), np.int8))  # activations, deltas, pooling winners
-        self._scratch = np.zeros(_cnn.scratch_size(side), self.dtype)  # unrolled windows, conv W^T
-        self._wt = np.zeros(512 * s4 * s4 * 64, self.dtype)  # fc1 W^T
+                                 ((self.n_args,), np.int8), ((_cnn.transposed_size(side),), self.dtype))
+        self._scratch = np.zeros(_cnn.scratch_size(side), self.dtype)  # unrolled windows, conv2 W^T
+        self._w4t = np.zeros((n_classes, 512), self.dtype)  # fc2 W^T
         self._eval = None
 
     def initial_params(self) -> np.ndarray:
@@ -262,25 +263,25 @@ class CNN(Classifier):
         return CNN(self.n_features, self.n_classes, self.dtype, self.seed)
 
     def _sgd(self, params, X, y, n_steps, b, lr, inv_b, run, terms):
-        acts, deltas, args = self._work.take(b)
+        acts, deltas, args, tr = self._work.take(b)
         return _cnn._sgd_steps(params, self.offsets, self.side, self.n_classes, X, y, n_steps, b, lr, inv_b,
-                               run.rng, run.perm, terms, self._grad, acts, deltas, args, self._scratch, self._wt)
+                               run.rng, run.perm, terms, self._grad, acts, deltas, args, tr, self._scratch, self._w4t)
 
     def _minibatch(self, params, X, y, b, inv_b, run, grad_out):
-        acts, deltas, args = self._work.take(b)
+        acts, deltas, args, tr = self._work.take(b)
         _cnn._minibatch_grad(params, self.offsets, self.side, self.n_classes, X, y, b, inv_b, run.rng, run.perm,
-                             grad_out, acts, deltas, args, self._scratch, self._wt)
+                             grad_out, acts, deltas, args, tr, self._scratch, self._w4t, step_terms(self.dtype))
 
     def _chunk_grad(self, params, X, y, idx, scale, out) -> float:
-        acts, deltas, args = self._work.take(idx.size)
+        acts, deltas, args, tr = self._work.take(idx.size)
         return _cnn._batch_grad(params, self.offsets, self.side, self.n_classes, X, y, idx, idx.size, scale, out,
-                                acts, deltas, args, self._scratch, self._wt)
+                                acts, deltas, args, tr, self._scratch, self._w4t, False, scale, step_terms(self.dtype))
 
     def loss_correct(self, params, X: np.ndarray, y: np.ndarray) -> tuple[float, int]:
         self._check(params, X, y)
         if X.shape[0] == 0:
             return 0.0, 0
-        acts, _, args = self._work.take(1)
+        acts, _, args, _ = self._work.take(1)
         if self._eval is None:  # the dense layers' inputs and outputs of EVAL_CHUNK samples
             self._eval = tuple(np.zeros((self.EVAL_CHUNK, n), self.dtype)
                                for n in ((self.side // 4) ** 2 * 64, 512, self.n_classes))
@@ -339,13 +340,19 @@ def build_model(model, problem, seed: int = 0):
     raise ValueError(f"unknown model kind {model.kind!r}")
 
 
-def warm_model(model, data, batch_size) -> None:
-    """Call every kernel a round can reach, compiling (or loading from the cache) each for this model's dtype."""
+MODEL_CALLS = ("oracle_grad", "loss_grad")  # what an algorithm may call beyond local_steps and evaluation
+
+
+def warm_model(model, data, batch_size, calls=MODEL_CALLS) -> None:
+    """Call every kernel a round can reach, compiling (or loading from the cache) each for this model's
+    dtype: local steps, evaluation, and of MODEL_CALLS those named in calls (an algorithm's model_calls)."""
     x = model.initial_params()
     y, grad = x.copy(), np.zeros_like(x)
     run = model.begin(data, kernel_state(0, Purpose.LOCAL, 0, 0))
     model.local_steps(y, data, run, 1, batch_size, 0.0)
     model.local_steps(y, data, run, 1, batch_size, 0.0, step_terms(model.dtype, np.zeros_like(x)))
-    model.oracle_grad(x, data, run, batch_size, grad)
-    model.loss_grad(x, data, grad)
-    model.train_loss(x, data)
+    if "oracle_grad" in calls:
+        model.oracle_grad(x, data, run, batch_size, grad)
+    if "loss_grad" in calls:
+        model.loss_grad(x, data, grad)
+    model.train_loss(x, data)  # the classifiers' evaluation kernel (loss_correct) as well

@@ -16,14 +16,16 @@
 #   3. copies a snapshot of the repo (git archive HEAD, so uncommitted edits are not tested) to
 #      ROOT/srv/edgefed, keeping a venv from an earlier run;
 #   4. inside the chroot (uname -m must say aarch64): venv, pip install -e '.[mpi,test]', versions,
-#      the default experiment (5 rounds) in the simulator cold (compiling every kernel) and warm, the
+#      the golden hashes of tests/golden.py (short runs of every model), the default experiment (5 rounds) in the simulator cold (compiling every kernel) and warm, the
 #      same run under mpiexec -n 3, a byte comparison of the three run logs, then a pytest subset;
 #   5. optionally (X86_COMPARE=1, the default) the same run natively on the host with the same snapshot,
-#      compared with the aarch64 log: bit-identical or not, and how far apart the models are.
+#      compared with the aarch64 log: bit-identical or not, and how far apart the models are; and the
+#      golden hashes computed on the host beside those made on aarch64.
 #
 # Environment knobs: ARM_TESTS (pytest arguments, default below), ARM_RANKS (3), ARM_ROUNDS (5),
 # X86_COMPARE (1), HOST_PYTHON (python3 with numpy/numba/h5py for step 5), EDGEFED_REPO (the repo to
-# snapshot), FRESH_VENV (0; 1 recreates the arm64 venv).
+# snapshot), FRESH_VENV (0; 1 recreates the arm64 venv), GOLDEN_WRITE (0; 1 copies the golden hashes
+# made on aarch64 into the repo: after a kernel change meant to change the bits, see tests/golden.py).
 # Exit status: 0 when everything passed, 1 when a test, a run or a comparison failed.
 set -euo pipefail
 
@@ -54,6 +56,7 @@ DEFAULT_TESTS="tests/test_kernels.py tests/test_fedavg.py tests/test_scaffold.py
 ARM_TESTS=${ARM_TESTS:-$DEFAULT_TESTS}
 ARM_TESTS=${ARM_TESTS//$'\n'/ }   # one line: it is eval'ed inside the chroot
 FRESH_VENV=${FRESH_VENV:-0}        # 1: recreate the venv (to time a first install); default keeps it
+GOLDEN_WRITE=${GOLDEN_WRITE:-0}    # 1: copy the aarch64 golden hashes into the repo's tests/golden_hashes.json
 
 [ "$(id -u)" = 0 ] || { echo "check-aarch64: run as root (debootstrap, chroot and mounts need it)" >&2; exit 2; }
 [ "$(uname -m)" = aarch64 ] && echo "check-aarch64: note: host is already aarch64; no emulation involved"
@@ -190,6 +193,9 @@ python -c "import platform, sys; print(platform.machine(), platform.python_versi
 pip list 2>/dev/null | grep -iE "^(numpy|numba|llvmlite|h5py|mpi4py|psutil|mpich|pytest|hypothesis|edgefed) "
 python -c 'import llvmlite.binding as b; print("LLVM host CPU (what Numba compiles for):", b.get_host_cpu_name())' 
 
+echo; echo "=== golden hashes: short float32 runs of every model (tests/golden.py), cold compile included"
+t "golden hashes (6 short runs, cold)" python tests/golden.py --write $out/golden_hashes.json
+
 echo; echo "=== cold run in the simulator (compiles and caches every kernel)"
 t "simulator run, cold compile" python -m edgefed run --set rounds=$ROUNDS --out $out/arm-sim.h5 --force
 echo; echo "=== the same run again, warm (kernels from the cache)"
@@ -249,6 +255,13 @@ if [ "$X86_COMPARE" = 1 ] && [ -f "$ROOT/tmp/edgefed-check/arm-sim.h5" ]; then
     x86_log=$ROOT/tmp/edgefed-check/x86-sim.h5
     x86_cache=$(mktemp -d)
     (cd "$DEST" && NUMBA_CACHE_DIR=$x86_cache PYTHONPATH=$DEST "$HOST_PYTHON" -m edgefed run --set rounds="$ROUNDS" --out "$x86_log" --force >/dev/null)
+    echo "golden hashes, x86_64 beside aarch64:"
+    (cd "$DEST" && NUMBA_CACHE_DIR=$x86_cache PYTHONPATH=$DEST "$HOST_PYTHON" tests/golden.py \
+        --check "$ROOT/tmp/edgefed-check/golden_hashes.json") || STATUS=1
+    if [ "$GOLDEN_WRITE" = 1 ]; then
+        cp "$ROOT/tmp/edgefed-check/golden_hashes.json" "$REPO/tests/golden_hashes.json"
+        echo "copied the aarch64 hashes to $REPO/tests/golden_hashes.json (commit them with the change that made them)"
+    fi
     rm -rf "$x86_cache"
     (cd "$DEST" && PYTHONPATH=$DEST:$DEST/tests "$HOST_PYTHON" - "$ROOT/tmp/edgefed-check/arm-sim.h5" "$x86_log" <<'PY') || STATUS=1
 import sys

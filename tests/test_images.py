@@ -264,6 +264,18 @@ def test_cnn_matches_its_definition_and_finite_differences():
     stepped = x.copy()
     model.local_steps(stepped, data, model.begin(data, state), 1, 10, 0.1, step_terms(np.float64, corr))
     np.testing.assert_allclose(stepped, x - 0.1 * (sub_grad + corr), rtol=1e-10, atol=1e-13)
+    # the step updates fc1 block by block inside its backward pass: bit for bit the gradient, then the update
+    from edgefed.kernels.sgd import apply_step
+
+    terms = step_terms(np.float64, corr, x + 0.01, 0.5)
+    fused = x.copy()
+    model.local_steps(fused, data, model.begin(data, state.copy()), 1, 10, 0.1, terms)
+    oracle = np.zeros(model.dim)
+    model.oracle_grad(x, data, model.begin(data, state.copy()), 10, oracle)
+    unfused = x.copy()
+    apply_step(unfused, oracle, np.float64(0.1), terms)
+    assert fused.tobytes() == unfused.tobytes()
+    assert not np.array_equal(fused[52100:183168], x[52100:183168])  # fc1's W did move
 
 
 def test_emnist_letters_are_upright_and_zero_based(tmp_path):

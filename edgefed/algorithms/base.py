@@ -84,6 +84,9 @@ class Algorithm:
     server_vectors: tuple[ServerVector, ...] = ()
     device_vectors: tuple[DeviceVector, ...] = ()
     report_vectors: tuple[str, ...] = ()  # sent back beside Delta x
+    # model methods its updates call beyond local_steps and the evaluation, so a run compiles (and waits
+    # for) only the kernels it reaches: "oracle_grad" (one stochastic gradient), "loss_grad" (the full one)
+    model_calls: tuple[str, ...] = ()
 
     @classmethod
     def from_config(cls, cfg) -> "Algorithm":

@@ -37,6 +37,7 @@ class Scaffold(Algorithm):
     device_vectors = (DeviceVector("c_clients", "scaffold/c_clients", "device controls c_k (row k)", "delta_c",
                                    "SCAFFOLD", "controls"),)
     report_vectors = ("delta_c",)
+    model_calls = ("oracle_grad", "loss_grad")
 
     @classmethod
     def from_config(cls, cfg) -> "Scaffold":

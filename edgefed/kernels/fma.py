@@ -61,7 +61,7 @@ def _masked(builder, vty, bits, name, fnty):
     return cgutils.get_or_insert_function(builder.module, fnty, f"llvm.masked.{name}.v{vty.count}f{bits}.p0")
 
 
-def tile(mr: int, nr_bytes: int, masked: bool):
+def tile(mr: int, nr_bytes: int, masked: bool, fresh: bool = False):
     """The intrinsic C[i, j] = fold_k fma(A[i, k], B[k, j], C[i, j]) over an mr x nr block, k = 0 .. kc-1.
 
     Arguments, element offsets and strides into the arrays' data (the last dimension of B and C unit-stride):
@@ -69,6 +69,7 @@ def tile(mr: int, nr_bytes: int, masked: bool):
     B[k, j] is B.data[b0 + k sbk + j], C[i, j] is C.data[c0 + i sci + j]. Only the first `rows` (>= 1) rows are
     real: the others repeat the last real row, compute its very values and store them onto it, which costs
     their fmas but no branch. masked: only the first `cols` columns are read and written (the right edge).
+    fresh: C's old values are not read, the sums start from +0 (C = A B, the same bits as zeroing C first).
     """
 
     @intrinsic
@@ -122,7 +123,7 @@ def tile(mr: int, nr_bytes: int, masked: bool):
             for i in range(mr):
                 p = builder.gep(pc, [builder.add(c0_, builder.mul(row_of[i], sci_))])
                 slot = cgutils.alloca_once(builder, vty)  # promoted to a register by LLVM
-                builder.store(load(p), slot)
+                builder.store(zero if fresh else load(p), slot)
                 slots.append(slot)
                 c_ptrs.append(p)
             a_rows = [builder.add(a0_, builder.mul(r, sai_)) for r in row_of]

@@ -13,12 +13,15 @@ from edgefed.kernels.fma import TILE_BYTES, TILE_ROWS, fma, tile
 
 _TILE = tile(TILE_ROWS, TILE_BYTES, False)
 _EDGE = tile(TILE_ROWS, TILE_BYTES, True)  # the right-hand columns that do not fill a tile
+_TILE_SET = tile(TILE_ROWS, TILE_BYTES, False, fresh=True)  # C = A B without reading C
+_EDGE_SET = tile(TILE_ROWS, TILE_BYTES, True, fresh=True)
 _PANEL_BYTES = 16384  # of B per panel piece: half a 32 KB L1 data cache (Cortex-A72/A76, most x86 cores)
 
 
-@njit(**JIT)
-def _gemm(A, sai, sak, B, C, m, n, kc):
-    """C[:m, :n] += A~ B[:kc, :n], where A~[i, k] = A.data[i sai + k sak] (so A or its transpose).
+@njit(inline="always", **JIT)  # inlined into its two callers: one compilation fewer each (cold start)
+def _gemm(A, sai, sak, B, C, m, n, kc, fresh):
+    """C[:m, :n] += A~ B[:kc, :n], where A~[i, k] = A.data[i sai + k sak] (so A or its transpose);
+    fresh: C[:m, :n] = A~ B, C's old values never read (a weight gradient's first term: no zeroing pass).
 
     Column panels of B outermost, cut into _DEPTH rows that fit the L1 cache: every row tile then reads a
     panel piece from L1, and B streams from memory once (a small batch times a large weight matrix is bound
@@ -35,23 +38,28 @@ def _gemm(A, sai, sak, B, C, m, n, kc):
             kn = min(depth, kc - k0)
             for i0 in range(0, m, TILE_ROWS):
                 rows = min(TILE_ROWS, m - i0)
-                a0 = i0 * sai + k0 * sak
-                if cols == nr:
-                    _TILE(A, a0, sai, sak, rows, B, k0 * ldb + j0, ldb, C, i0 * ldc + j0, ldc, kn, cols)
+                a0, b0, c0 = i0 * sai + k0 * sak, k0 * ldb + j0, i0 * ldc + j0
+                if fresh and k0 == 0:
+                    if cols == nr:
+                        _TILE_SET(A, a0, sai, sak, rows, B, b0, ldb, C, c0, ldc, kn, cols)
+                    else:
+                        _EDGE_SET(A, a0, sai, sak, rows, B, b0, ldb, C, c0, ldc, kn, cols)
+                elif cols == nr:
+                    _TILE(A, a0, sai, sak, rows, B, b0, ldb, C, c0, ldc, kn, cols)
                 else:
-                    _EDGE(A, a0, sai, sak, rows, B, k0 * ldb + j0, ldb, C, i0 * ldc + j0, ldc, kn, cols)
+                    _EDGE(A, a0, sai, sak, rows, B, b0, ldb, C, c0, ldc, kn, cols)
 
 
 @njit(**JIT)
-def accumulate_product(A, W, Z, b, din, dout):
-    """Z[:b, :dout] += A[:b, :din] W[:din, :dout]."""
-    _gemm(A, A.strides[0] // A.itemsize, 1, W, Z, b, dout, din)
+def accumulate_product(A, W, Z, b, din, dout, fresh=False):
+    """Z[:b, :dout] += A[:b, :din] W[:din, :dout] (fresh: Z[:b, :dout] = A W)."""
+    _gemm(A, A.strides[0] // A.itemsize, 1, W, Z, b, dout, din, fresh)
 
 
 @njit(**JIT)
-def accumulate_outer(A, D, G, b, din, dout):
-    """G[:din, :dout] += A[:b, :din]^T D[:b, :dout] (a weight gradient: terms in sample order)."""
-    _gemm(A, 1, A.strides[0] // A.itemsize, D, G, din, dout, b)
+def accumulate_outer(A, D, G, b, din, dout, fresh=False):
+    """G[:din, :dout] += A[:b, :din]^T D[:b, :dout] (a weight gradient: terms in sample order; fresh: =)."""
+    _gemm(A, 1, A.strides[0] // A.itemsize, D, G, din, dout, b, fresh)
 
 
 @njit(**JIT)

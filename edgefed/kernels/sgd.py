@@ -48,6 +48,18 @@ def apply_step(params, grad, lr, terms):
 
 
 @njit(**JIT)
+def terms_slice(terms, start, stop):
+    """The terms of params[start:stop] (an absent term stays absent): a kernel that updates part of the
+    parameters itself (the CNN's fc1, fused with its gradient) updates the rest with these."""
+    correction, anchor, mu = terms[0], terms[1], terms[2]
+    if correction.shape[0] > 0:
+        correction = correction[start:stop]
+    if anchor.shape[0] > 0:
+        anchor = anchor[start:stop]
+    return correction, anchor, mu
+
+
+@njit(**JIT)
 def step_coordinate(params, j, g, lr, terms):
     """apply_step for coordinate j alone, for kernels whose gradient comes one coordinate at a time."""
     correction, anchor, mu = terms[0], terms[1], terms[2][0]

@@ -131,7 +131,7 @@ class LocalTransport:
         if self.device_ids.size == 0:
             return 0, 0.0
         before, t0 = jit_compilations(), time.perf_counter()
-        warm_model(self.model, self.data(int(self.device_ids[0])), self.batch_size)
+        warm_model(self.model, self.data(int(self.device_ids[0])), self.batch_size, self.algorithm.model_calls)
         return jit_compilations() - before, time.perf_counter() - t0
 
     # -- device vectors (SCAFFOLD's controls) ------------------------------------------------------------
