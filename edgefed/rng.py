@@ -43,7 +43,7 @@ def kernel_state(seed: int, purpose: Purpose, round_idx: int, device_id: int) ->
     run = _words(int(seed))
     spawn = _words(int(purpose)) + _words(int(round_idx)) + _words(int(device_id) + 1)
     state = np.zeros(4, np.uint64)
-    seed_sequence_state(np.array(run + [0] * (4 - len(run)) + spawn, np.uint64), state)
+    seed_sequence_state(np.array(run + [0] * (4 - len(run)) + spawn, np.uint64), np.zeros(4, np.uint64), state)
     if not state.any():  # xoshiro's one forbidden state; SeedSequence makes it astronomically unlikely
         state[0] = 1
     return state

@@ -233,6 +233,9 @@ def test_products_add_their_terms_in_order_by_fma(b, din, dout, dtype, seed):
     got = G.copy()
     accumulate_outer(A, D, got, b, din, dout)
     assert got.tobytes() == _sequential_product(np.ascontiguousarray(A.T), D, G).tobytes()
+    got = np.full_like(G, np.nan)  # fresh: the old values are never read, the sums start from +0
+    accumulate_outer(A, D, got, b, din, dout, True)
+    assert got.tobytes() == _sequential_product(np.ascontiguousarray(A.T), D, np.zeros_like(G)).tobytes()
 
 
 def test_tile_shape_does_not_change_the_bits():
@@ -255,10 +258,10 @@ def test_tile_shape_does_not_change_the_bits():
                     rows = min(mr, Z.shape[0] - i0)
                     if cols == nr:
                         full(A, i0 * A.shape[1], A.shape[1], 1, rows, W, j0, W.shape[1], Z, i0 * Z.shape[1] + j0,
-                             Z.shape[1], A.shape[1], cols)
+                             Z.shape[1], A.shape[1], cols, False)
                     else:
                         edge(A, i0 * A.shape[1], A.shape[1], 1, rows, W, j0, W.shape[1], Z, i0 * Z.shape[1] + j0,
-                             Z.shape[1], A.shape[1], cols)
+                             Z.shape[1], A.shape[1], cols, False)
         return product
 
     g = np.random.default_rng(3)

@@ -61,24 +61,25 @@ def _masked(builder, vty, bits, name, fnty):
     return cgutils.get_or_insert_function(builder.module, fnty, f"llvm.masked.{name}.v{vty.count}f{bits}.p0")
 
 
-def tile(mr: int, nr_bytes: int, masked: bool, fresh: bool = False):
+def tile(mr: int, nr_bytes: int, masked: bool):
     """The intrinsic C[i, j] = fold_k fma(A[i, k], B[k, j], C[i, j]) over an mr x nr block, k = 0 .. kc-1.
 
     Arguments, element offsets and strides into the arrays' data (the last dimension of B and C unit-stride):
-    tile(A, a0, sai, sak, rows, B, b0, sbk, C, c0, sci, kc[, cols]). A[i, k] is A.data[a0 + i sai + k sak],
+    tile(A, a0, sai, sak, rows, B, b0, sbk, C, c0, sci, kc, cols, fresh). A[i, k] is A.data[a0 + i sai + k sak],
     B[k, j] is B.data[b0 + k sbk + j], C[i, j] is C.data[c0 + i sci + j]. Only the first `rows` (>= 1) rows are
     real: the others repeat the last real row, compute its very values and store them onto it, which costs
     their fmas but no branch. masked: only the first `cols` columns are read and written (the right edge).
-    fresh: C's old values are not read, the sums start from +0 (C = A B, the same bits as zeroing C first).
+    fresh (a run-time flag): C's old values are not read, the sums start from +0 (C = A B, the same bits as
+    zeroing C first).
     """
 
     @intrinsic
-    def _tile(typingctx, A, a0, sai, sak, rows, B, b0, sbk, C, c0, sci, kc, cols):
+    def _tile(typingctx, A, a0, sai, sak, rows, B, b0, sbk, C, c0, sci, kc, cols, fresh):
         if not (isinstance(A, types.Array) and A.dtype == B.dtype == C.dtype and isinstance(A.dtype, types.Float)):
             return None
 
         def codegen(context, builder, sig, args):
-            A_, a0_, sai_, sak_, rows_, B_, b0_, sbk_, C_, c0_, sci_, kc_, cols_ = args
+            A_, a0_, sai_, sak_, rows_, B_, b0_, sbk_, C_, c0_, sci_, kc_, cols_, fresh_ = args
             dtype = sig.args[0].dtype
             bits, size = dtype.bitwidth, dtype.bitwidth // 8
             nr = nr_bytes // size
@@ -121,11 +122,15 @@ def tile(mr: int, nr_bytes: int, masked: bool, fresh: bool = False):
                 row_of.append(builder.select(builder.icmp_signed("<", ci, rows_), ci, last))
             slots, c_ptrs = [], []
             for i in range(mr):
-                p = builder.gep(pc, [builder.add(c0_, builder.mul(row_of[i], sci_))])
-                slot = cgutils.alloca_once(builder, vty)  # promoted to a register by LLVM
-                builder.store(zero if fresh else load(p), slot)
-                slots.append(slot)
-                c_ptrs.append(p)
+                c_ptrs.append(builder.gep(pc, [builder.add(c0_, builder.mul(row_of[i], sci_))]))
+                slots.append(cgutils.alloca_once(builder, vty))  # promoted to registers by LLVM
+            with builder.if_else(context.cast(builder, fresh_, sig.args[13], types.boolean)) as (start_zero, start_c):
+                with start_zero:
+                    for slot in slots:
+                        builder.store(zero, slot)
+                with start_c:
+                    for slot, p in zip(slots, c_ptrs):
+                        builder.store(load(p), slot)
             a_rows = [builder.add(a0_, builder.mul(r, sai_)) for r in row_of]
             undef = ir.Constant(vty, ir.Undefined)
             broadcast = ir.Constant(ir.VectorType(_I32, nr), [0] * nr)
@@ -142,6 +147,6 @@ def tile(mr: int, nr_bytes: int, masked: bool, fresh: bool = False):
                 store(builder.load(slot), p)
             return context.get_dummy_value()
 
-        return types.none(A, a0, sai, sak, rows, B, b0, sbk, C, c0, sci, kc, cols), codegen
+        return types.none(A, a0, sai, sak, rows, B, b0, sbk, C, c0, sci, kc, cols, fresh), codegen
 
     return _tile

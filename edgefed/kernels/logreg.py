@@ -15,7 +15,7 @@ from edgefed.kernels.sgd import apply_step
 from edgefed.kernels.softmax import cross_entropy, softmax_xent
 
 
-@njit(**JIT)
+@njit(inline="always", **JIT)
 def _logits(params, X, i, n_classes, z):
     """z <- x_i W + b."""
     f = X.shape[1]
@@ -29,7 +29,7 @@ def _logits(params, X, i, n_classes, z):
             z[c] = fma(xj, params[base + c], z[c])
 
 
-@njit(**JIT)
+@njit(inline="always", **JIT)
 def _accumulate_grad(X, i, n_classes, prob, grad):
     """grad += x_i^T delta, with prob holding delta = softmax - onehot."""
     f = X.shape[1]
@@ -43,7 +43,7 @@ def _accumulate_grad(X, i, n_classes, prob, grad):
         grad[nw + c] += prob[c]
 
 
-@njit(**JIT)
+@njit(inline="always", **JIT)
 def _batch_grad(params, X, y, idx, b, n_classes, scale, grad, Z, Xb, GT):
     """grad <- scale * sum of the gradients of rows idx[:b] (no loss: the SGD path does not need it).
 
@@ -68,8 +68,7 @@ def _batch_grad(params, X, y, idx, b, n_classes, scale, grad, Z, Xb, GT):
         softmax_xent(z, y[idx[r]], scale, z)
         for c in range(n_classes):
             gb[c] += z[c]
-    GT[:] = 0
-    accumulate_outer(Z, Xb, GT, b, n_classes, f)
+    accumulate_outer(Z, Xb, GT, b, n_classes, f, True)
     for k in range(f):
         for c in range(n_classes):
             gW[k, c] = GT[c, k]

@@ -17,7 +17,7 @@ from edgefed.kernels.softmax import cross_entropy, softmax_xent
 from edgefed.kernels.sgd import apply_step
 
 
-@njit(**JIT)
+@njit(inline="always", **JIT)
 def _layer(params, offsets, sizes, layer):
     """(W, b) of one layer as views of the flat parameters: W is d_l x d_{l+1}."""
     din, dout = sizes[layer], sizes[layer + 1]
@@ -25,7 +25,7 @@ def _layer(params, offsets, sizes, layer):
     return params[w0:w0 + din * dout].reshape((din, dout)), params[w0 + din * dout:w0 + din * dout + dout]
 
 
-@njit(**JIT)
+@njit(inline="always", **JIT)
 def _forward(params, sizes, offsets, X, idx, b, acts):
     """acts[l] (b x d_l, stacked) <- the activations for the rows idx[:b] of X; the last layer holds logits.
 
@@ -57,7 +57,7 @@ def _forward(params, sizes, offsets, X, idx, b, acts):
     return a_off  # where the logits start
 
 
-@njit(**JIT)
+@njit(inline="always", **JIT)
 def _softmax_rows(acts, out_off, b, n_classes, y, idx, deltas, scale):
     """The output layer's deltas (same offset in deltas as the logits in acts) <- scale * (softmax - onehot);
     returns the summed cross-entropy (float64)."""
@@ -69,7 +69,7 @@ def _softmax_rows(acts, out_off, b, n_classes, y, idx, deltas, scale):
     return loss
 
 
-@njit(**JIT)
+@njit(inline="always", **JIT)
 def _backward(params, sizes, offsets, a_offs, b, acts, deltas, grad, wt):
     """grad <- the gradient whose output deltas are already in deltas (last layer); acts from _forward.
 
@@ -77,31 +77,30 @@ def _backward(params, sizes, offsets, a_offs, b, acts, deltas, grad, wt):
     for the largest transposed hidden weight matrix.
     """
     n_layers = sizes.shape[0] - 1
-    grad[:] = 0
     for layer in range(n_layers - 1, -1, -1):
         din, dout = sizes[layer], sizes[layer + 1]
         W, _ = _layer(params, offsets, sizes, layer)
         gW, gb = _layer(grad, offsets, sizes, layer)
         A = acts[a_offs[layer]:a_offs[layer] + b * din].reshape((b, din))
         D = deltas[a_offs[layer + 1]:a_offs[layer + 1] + b * dout].reshape((b, dout))
+        gb[:] = 0
         for r in range(b):
             for j in range(dout):
                 gb[j] += D[r, j]
-        accumulate_outer(A, D, gW, b, din, dout)
+        accumulate_outer(A, D, gW, b, din, dout, True)  # written by its first term: grad is never zeroed
         if layer > 0:  # deltas of the hidden layer below: (D W^T) * relu'
             # W^T is packed first so the product streams contiguous rows like the forward pass.
             WT = wt[:dout * din].reshape((dout, din))
             transpose_into(W, WT, din, dout)
             P = deltas[a_offs[layer]:a_offs[layer] + b * din].reshape((b, din))
-            P[:] = 0
-            accumulate_product(D, WT, P, b, dout, din)
+            accumulate_product(D, WT, P, b, dout, din, True)
             for r in range(b):
                 for k in range(din):
                     if A[r, k] <= 0:
                         P[r, k] = 0
 
 
-@njit(**JIT)
+@njit(inline="always", **JIT)
 def _batch_grad(params, sizes, offsets, a_offs, X, y, idx, b, scale, grad, acts, deltas, wt):
     """grad <- scale * (sum of gradients over the rows idx[:b]); returns their summed loss."""
     out_off = _forward(params, sizes, offsets, X, idx, b, acts)

@@ -13,12 +13,12 @@ _MASK32 = np.uint64(0xFFFFFFFF)
 _TWO32 = np.uint64(1 << 32)
 
 
-@njit(**JIT)
+@njit(inline="always", **JIT)
 def _rotl(x, k):
     return (x << np.uint64(k)) | (x >> np.uint64(64 - k))
 
 
-@njit(**JIT)
+@njit(inline="always", **JIT)
 def next_u64(state):
     s0, s1, s2, s3 = state[0], state[1], state[2], state[3]
     result = _rotl(s1 * np.uint64(5), 7) * np.uint64(9)
@@ -33,7 +33,7 @@ def next_u64(state):
     return result
 
 
-@njit(**JIT)
+@njit(inline="always", **JIT)
 def bounded(state, m):
     """Uniform integer in [0, m) for 0 < m < 2**32, unbiased (Lemire's multiply-and-reject)."""
     mm = np.uint64(m)
@@ -47,13 +47,13 @@ def bounded(state, m):
     return np.int64(prod >> np.uint64(32))
 
 
-@njit(**JIT)
+@njit(inline="always", **JIT)
 def uniform(state):
     """Uniform float64 in [0, 1) with 53 random bits."""
     return np.float64(next_u64(state) >> np.uint64(11)) * (1.0 / 9007199254740992.0)
 
 
-@njit(**JIT)
+@njit(inline="always", **JIT)
 def normal(state):
     """Standard normal by Box-Muller (one draw per call, so the stream has no hidden cached value)."""
     u1 = 1.0 - uniform(state)
@@ -61,7 +61,7 @@ def normal(state):
     return np.sqrt(-2.0 * np.log(u1)) * np.cos(2.0 * np.pi * u2)
 
 
-@njit(**JIT)
+@njit(inline="always", **JIT)
 def draw_batch(state, perm, n, b):
     """Make perm[:b] a uniform random b-subset of perm[:n] by a partial Fisher-Yates shuffle, in place."""
     for i in range(b):
@@ -74,7 +74,7 @@ def draw_batch(state, perm, n, b):
 _M32 = np.uint64(0xFFFFFFFF)
 
 
-@njit(**JIT)
+@njit(inline="always", **JIT)
 def _hashmix(value, h):
     value ^= h
     h = (h * np.uint64(0x931E8875)) & _M32
@@ -82,22 +82,22 @@ def _hashmix(value, h):
     return value ^ (value >> np.uint64(16)), h
 
 
-@njit(**JIT)
+@njit(inline="always", **JIT)
 def _mix(x, y):
     r = (np.uint64(0xCA01F9DD) * x - np.uint64(0x4973F715) * y) & _M32
     return r ^ (r >> np.uint64(16))
 
 
 @njit(**JIT)
-def seed_sequence_state(entropy, out):
+def seed_sequence_state(entropy, pool, out):
     """out (uint64[n]) <- numpy's SeedSequence(...).generate_state(n, uint64) for the assembled entropy words
-    (uint64 holding uint32 values: the run entropy zero-padded to 4 words, then the spawn key's words).
+    (uint64 holding uint32 values: the run entropy zero-padded to 4 words, then the spawn key's words);
+    pool: uint64[4] scratch (passed in: an array made in here costs a second of compilation on a cold start).
 
     NumPy's own SeedSequence costs ~40 us per stream, a fifth of a simulated round of ten devices; this is
     its algorithm (pool of 4, hashmix / mix constants of numpy.random.bit_generator) at ~1 us, checked
     against NumPy in the tests.
     """
-    pool = np.zeros(4, np.uint64)
     h = np.uint64(0x43B0D7E5)
     for i in range(4):
         pool[i], h = _hashmix(entropy[i] if i < entropy.shape[0] else np.uint64(0), h)

@@ -24,7 +24,7 @@ def step_terms(dtype, correction: np.ndarray | None = None, anchor: np.ndarray |
             np.full(1, mu, np.dtype(dtype)))
 
 
-@njit(**JIT)
+@njit(inline="always", **JIT)
 def apply_step(params, grad, lr, terms):
     """params <- params - lr * (grad + mu (params - anchor) + correction), each term only where given.
 
@@ -47,7 +47,7 @@ def apply_step(params, grad, lr, terms):
             params[k] = fma(step, grad[k], params[k])
 
 
-@njit(**JIT)
+@njit(inline="always", **JIT)
 def terms_slice(terms, start, stop):
     """The terms of params[start:stop] (an absent term stays absent): a kernel that updates part of the
     parameters itself (the CNN's fc1, fused with its gradient) updates the rest with these."""
@@ -59,7 +59,7 @@ def terms_slice(terms, start, stop):
     return correction, anchor, mu
 
 
-@njit(**JIT)
+@njit(inline="always", **JIT)
 def step_coordinate(params, j, g, lr, terms):
     """apply_step for coordinate j alone, for kernels whose gradient comes one coordinate at a time."""
     correction, anchor, mu = terms[0], terms[1], terms[2][0]

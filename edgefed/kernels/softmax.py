@@ -10,7 +10,7 @@ from numba import njit
 from edgefed.kernels import JIT
 
 
-@njit(**JIT)
+@njit(inline="always", **JIT)
 def softmax_xent(z, label, scale, out):
     """out <- scale * (softmax(z) - onehot(label)); returns -log softmax(z)[label]. `out` may be `z`."""
     n = z.shape[0]
@@ -30,7 +30,7 @@ def softmax_xent(z, label, scale, out):
     return np.log(total) + zmax - z_label
 
 
-@njit(**JIT)
+@njit(inline="always", **JIT)
 def cross_entropy(z, label):
     """(-log softmax(z)[label], argmax z) without writing anything: evaluation."""
     best = 0
