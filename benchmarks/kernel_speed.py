@@ -3,14 +3,18 @@
     python benchmarks/kernel_speed.py [--repeats 300]
     python benchmarks/kernel_speed.py --terms [--repeats 300]   # only: what an algorithm's local term costs
 
-Prints the machine's measured single-core float32 GEMM peak first (NumPy/BLAS on a large product), then each
-model's time per SGD step (forward, backward and update of one minibatch), its GFLOP/s and its fraction of
-that peak. edgefed runs a device's K local steps in one kernel call, so its time per step is that of a
-K-step call divided by K (K = 20, the default local_steps, for logistic regression and the 2NN; 1 for the
-CNN, whose step is long enough that the call costs nothing); the one-step-per-call time is shown beside it.
-NumPy and PyTorch run one step per Python call, as their training loops do. PyTorch is optional: without it those columns say "-". Threads are pinned to one before anything
-loads a BLAS. A second table times each model's K-step call plain, with SCAFFOLD's correction and with
-FedProx's proximal term (kernels/sgd.py), the three interleaved so their ratios hold on a noisy machine.
+Prints this core's two ceilings first: its float32 fma throughput (a kernel of nothing but vector fmas on
+registers) and OpenBLAS's sgemm on a large product. Then each model's time per SGD step (forward,
+backward and update of one minibatch) beside NumPy and PyTorch, its GFLOP/s and its fraction of the
+sgemm; then the products the models are made of, alone; then CNN evaluation of 10,000 images and the
+cold start of the default experiment (a fresh kernel cache, in a subprocess). edgefed runs a device's K
+local steps in one kernel call, so its time per step is that of a K-step call divided by K (K = 20, the
+default local_steps, for logistic regression and the 2NN; 1 for the CNN, whose step is long enough that
+the call costs nothing); the one-step-per-call time is shown beside it. NumPy and PyTorch run one step per
+Python call, as their training loops do. PyTorch is optional: without it those columns say "-". Threads
+are pinned to one before anything loads a BLAS. A last table times each model's K-step call plain, with
+SCAFFOLD's correction and with FedProx's proximal term (kernels/sgd.py), interleaved so their ratios hold
+on a noisy machine.
 """
 
 from __future__ import annotations
@@ -22,10 +26,14 @@ for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "NUMBA
 
 import argparse  # noqa: E402
 import platform  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import tempfile  # noqa: E402
 import time  # noqa: E402
 
 import numpy as np  # noqa: E402
 
+from edgefed.kernels import linalg  # noqa: E402
 from edgefed.kernels.sgd import step_terms  # noqa: E402
 from edgefed.models import CNN, MLP, LogReg  # noqa: E402
 from edgefed.problems import ClassificationData  # noqa: E402
@@ -139,7 +147,21 @@ def torch_step(model, opt, X, y, batch):
     opt.step()
 
 
-def bench(name, sizes, batch, repeats, peak):
+def mlp_flops(sizes, batch) -> int:
+    """Forward, weight gradients, and input gradients of every layer but the first (none is computed)."""
+    macs = [a * b for a, b in zip(sizes[:-1], sizes[1:])]
+    return 2 * batch * (2 * sum(macs) + sum(macs[1:]))
+
+
+def row(name, batch, ours, single, numpy_s, torch_s, flops, peaks):
+    gf = flops / ours / 1e9
+    cell = lambda t: "-" if t is None else f"{t * 1e6:.0f}"  # noqa: E731
+    ratio = lambda t: "-" if t is None else f"{t / ours:.2f}x"  # noqa: E731
+    print(f"| {name} | {batch} | {ours * 1e6:.1f} | {single * 1e6:.1f} | {cell(numpy_s)} | {cell(torch_s)} | "
+          f"{ratio(torch_s)} | {ratio(numpy_s)} | {gf:.1f} | {gf / peaks[1]:.0%} | {gf / peaks[0]:.0%} |", flush=True)
+
+
+def bench(name, sizes, batch, repeats, peaks):
     g = np.random.default_rng(0)
     X = g.random((2000, sizes[0]), dtype=np.float32)
     y = g.integers(0, sizes[-1], 2000)
@@ -147,12 +169,9 @@ def bench(name, sizes, batch, repeats, peak):
     model = LogReg(sizes[0], sizes[-1], np.float32) if len(sizes) == 2 else MLP(sizes, np.float32, 0)
     x = model.initial_params()
     run = model.begin(data, kernel_state(0, Purpose.LOCAL, 1, 0))
-    numba_s = best_time(lambda: model.local_steps(x, data, run, K_STEPS, batch, 0.01), repeats) / K_STEPS
-    single_s = best_time(lambda: model.local_steps(x, data, run, 1, batch, 0.01), repeats)
     params = [(0.01 * g.standard_normal((a, b), dtype=np.float32), np.zeros(b, np.float32))
               for a, b in zip(sizes[:-1], sizes[1:])]
-    numpy_s = best_time(lambda: numpy_step(sizes, X, y, params, batch, 0.01), repeats)
-    torch_s = None
+    net = opt = tx = ty = None
     if torch is not None:
         layers = []
         for i, (a, b) in enumerate(zip(sizes[:-1], sizes[1:])):
@@ -162,16 +181,20 @@ def bench(name, sizes, batch, repeats, peak):
         net = torch.nn.Sequential(*layers)
         opt = torch.optim.SGD(net.parameters(), lr=0.01)
         tx, ty = torch.from_numpy(X), torch.from_numpy(y)
-        torch_s = best_time(lambda: torch_step(net, opt, tx, ty, batch), repeats)
-    flops = 6 * batch * sum(a * b for a, b in zip(sizes[:-1], sizes[1:]))  # forward, backward, weight gradient
-    gf = flops / numba_s / 1e9
-    torch_cell = "-" if torch_s is None else f"{torch_s * 1e6:.0f}"
-    ratio = "-" if torch_s is None else f"{torch_s / numba_s:.1f}x"
-    print(f"| {name} | {batch} | {numba_s * 1e6:.1f} | {single_s * 1e6:.1f} | {numpy_s * 1e6:.0f} | {torch_cell} | {ratio} | "
-          f"{numpy_s / numba_s:.1f}x | {gf:.1f} | {gf / peak:.0%} |", flush=True)
+    # interleaved rounds of the three, so a slow phase of the machine hits all of them alike
+    times = {"ours": [], "single": [], "numpy": [], "torch": []}
+    for _ in range(3):
+        times["ours"].append(best_time(lambda: model.local_steps(x, data, run, K_STEPS, batch, 0.01), repeats // 3)
+                             / K_STEPS)
+        times["single"].append(best_time(lambda: model.local_steps(x, data, run, 1, batch, 0.01), repeats // 3))
+        times["numpy"].append(best_time(lambda: numpy_step(sizes, X, y, params, batch, 0.01), repeats // 3))
+        if torch is not None:
+            times["torch"].append(best_time(lambda: torch_step(net, opt, tx, ty, batch), repeats // 3))
+    med = {k: (float(np.median(v)) if v else None) for k, v in times.items()}
+    row(name, batch, med["ours"], med["single"], med["numpy"], med["torch"], mlp_flops(sizes, batch), peaks)
 
 
-def bench_cnn(batch, repeats, peak):
+def bench_cnn(batch, repeats, peaks):
     """McMahan's CNN on 28x28 inputs: edgefed's kernel beside PyTorch (NumPy has no convolution to compare)."""
     g = np.random.default_rng(0)
     X = g.random((500, 784), dtype=np.float32)
@@ -180,8 +203,7 @@ def bench_cnn(batch, repeats, peak):
     model = CNN(784, 10, np.float32, 0)
     x = model.initial_params()
     run = model.begin(data, kernel_state(0, Purpose.LOCAL, 1, 0))
-    numba_s = best_time(lambda: model.local_steps(x, data, run, 1, batch, 0.01), repeats)
-    torch_s = None
+    net = opt = tx = ty = None
     if torch is not None:
         nn = torch.nn
         net = nn.Sequential(nn.Conv2d(1, 32, 5, padding=2), nn.ReLU(), nn.MaxPool2d(2),
@@ -189,13 +211,74 @@ def bench_cnn(batch, repeats, peak):
                             nn.Linear(3136, 512), nn.ReLU(), nn.Linear(512, 10))
         opt = torch.optim.SGD(net.parameters(), lr=0.01)
         tx, ty = torch.from_numpy(X).reshape(-1, 1, 28, 28), torch.from_numpy(y)
-        torch_s = best_time(lambda: torch_step(net, opt, tx, ty, batch), repeats)
-    macs = 28 * 28 * 25 * 32 + 14 * 14 * 25 * 32 * 64 + 3136 * 512 + 512 * 10
-    gf = 6 * batch * macs / numba_s / 1e9
-    torch_cell = "-" if torch_s is None else f"{torch_s * 1e6:.0f}"
-    ratio = "-" if torch_s is None else f"{torch_s / numba_s:.2f}x"
-    print(f"| CNN 5x5x32, 5x5x64, 512 | {batch} | {numba_s * 1e6:.0f} | {numba_s * 1e6:.0f} | - | {torch_cell} | {ratio} | - | {gf:.1f} | "
-          f"{gf / peak:.0%} |", flush=True)
+    times = {"ours": [], "torch": []}
+    for _ in range(3):
+        times["ours"].append(best_time(lambda: model.local_steps(x, data, run, 1, batch, 0.01), repeats))
+        if torch is not None:
+            times["torch"].append(best_time(lambda: torch_step(net, opt, tx, ty, batch), repeats))
+    ours = float(np.median(times["ours"]))
+    torch_s = float(np.median(times["torch"])) if times["torch"] else None
+    conv1, conv2, fc1, fc2 = 28 * 28 * 25 * 32, 14 * 14 * 25 * 32 * 64, 3136 * 512, 512 * 10
+    flops = 2 * batch * (2 * (conv1 + conv2 + fc1 + fc2) + conv2 + fc1 + fc2)  # no input gradient of conv1
+    row("CNN 5x5x32, 5x5x64, 512", batch, ours, ours, None, torch_s, flops, peaks)
+    return model, x
+
+
+def bench_products(peaks, repeats):
+    """Each dense product of the models alone (fresh operands, warm caches), as GFLOP/s."""
+    print("\n| product (m x k x n) | what | µs | GFLOP/s | of sgemm | of fma peak |\n| --- | --- | --- | --- | --- | --- |")
+    g = np.random.default_rng(1)
+    cases = (("2NN layer 1, batch 64", "Z += A W", 64, 784, 200, False),
+             ("2NN layer 1, batch 64", "G += A^T D", 64, 784, 200, True),
+             ("2NN layer 2, batch 64", "Z += A W", 64, 200, 200, False),
+             ("2NN layer 1, batch 10", "Z += A W", 10, 784, 200, False),
+             ("2NN layer 1, batch 10", "G += A^T D", 10, 784, 200, True),
+             ("CNN conv2 (im2col), one sample", "Z += A W", 196, 800, 64, False),
+             ("CNN conv2 weight gradient, one sample", "G += A^T D", 196, 800, 64, True),
+             ("CNN fc1, batch 10", "Z += A W", 10, 3136, 512, False))
+    for name, what, m, k, n, outer in cases:
+        A = g.random((m, k), dtype=np.float32)
+        if outer:
+            D, G = g.random((m, n), dtype=np.float32), np.zeros((k, n), np.float32)
+            fn = lambda: linalg.accumulate_outer(A, D, G, m, k, n)  # noqa: E731
+        else:
+            W, Z = g.random((k, n), dtype=np.float32), np.zeros((m, n), np.float32)
+            fn = lambda: linalg.accumulate_product(A, W, Z, m, k, n)  # noqa: E731
+        t = best_time(fn, repeats)
+        gf = 2 * m * k * n / t / 1e9
+        print(f"| {name} ({m} x {k} x {n}) | {what} | {t * 1e6:.1f} | {gf:.1f} | {gf / peaks[1]:.0%} | "
+              f"{gf / peaks[0]:.0%} |", flush=True)
+
+
+def bench_cnn_eval(model, x, n=10_000):
+    g = np.random.default_rng(2)
+    X = g.random((n, 784), dtype=np.float32)
+    y = g.integers(0, 10, n)
+    model.loss_correct(x, X[:64], y[:64])
+    t = time.perf_counter()
+    model.loss_correct(x, X, y)
+    print(f"\nCNN evaluation of {n:,} images (batched through the dense layers): {time.perf_counter() - t:.2f} s")
+
+
+def cold_start():
+    """The default experiment in a fresh process with an empty kernel cache: wall time and kernels compiled."""
+    with tempfile.TemporaryDirectory() as tmp:
+        env = {**os.environ, "NUMBA_CACHE_DIR": tmp}
+        out = f"{tmp}/run.h5"
+        t = time.perf_counter()
+        subprocess.run([sys.executable, "-m", "edgefed", "run", "--quiet", "--out", out], env=env, check=True,
+                       capture_output=True)
+        wall = time.perf_counter() - t
+        import h5py
+
+        with h5py.File(out, "r") as f:
+            compiled, warm_s = int(f.attrs["warmup_compiled"][0]), float(f.attrs["warmup_s"][0])
+        t = time.perf_counter()
+        subprocess.run([sys.executable, "-m", "edgefed", "run", "--quiet", "--force", "--out", out], env=env,
+                       check=True, capture_output=True)
+        warm = time.perf_counter() - t
+    print(f"cold start of the default experiment (`edgefed run`, 100 rounds): {wall:.2f} s for the whole process, "
+          f"{compiled} kernels compiled in {warm_s:.2f} s; the same run with the cache warm: {warm:.2f} s")
 
 
 def bench_terms(repeats):
@@ -237,17 +320,24 @@ def main():
         print(f"# {platform.machine()}, Python {platform.python_version()}, NumPy {np.__version__}")
         bench_terms(args.repeats)
         return
-    peak = gemm_peak()
+    import llvmlite.binding as llvm
+
+    peaks = (fma_peak(), gemm_peak())
     version = "not installed" if torch is None else torch.__version__
-    print(f"# {platform.machine()}, Python {platform.python_version()}, NumPy {np.__version__}, PyTorch {version}")
-    print(f"# single-core float32 GEMM peak (NumPy/BLAS, 1024^3): {peak:.1f} GFLOP/s\n")
-    print(f"| model | batch | Numba µs/step (K = {K_STEPS}) | Numba, 1 step per call | NumPy µs/step | PyTorch µs/step "
-          "| vs PyTorch | vs NumPy | GFLOP/s | of peak |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
-    bench("logreg 60→10", (60, 10), 20, args.repeats, peak)
-    bench("2NN 784-200-200-10", (784, 200, 200, 10), 10, args.repeats, peak)
-    bench("2NN 784-200-200-10", (784, 200, 200, 10), 64, max(args.repeats // 5, 20), peak)
-    bench_cnn(10, 5, peak)
+    print(f"# {platform.machine()} ({llvm.get_host_cpu_name()}), Python {platform.python_version()}, "
+          f"NumPy {np.__version__}, PyTorch {version}")
+    print(f"# single-core float32 fma peak (vector fmas on registers): {peaks[0]:.1f} GFLOP/s; "
+          f"OpenBLAS sgemm (1024^3): {peaks[1]:.1f} GFLOP/s\n")
+    print(f"| model | batch | edgefed µs/step (K = {K_STEPS}) | edgefed, 1 step per call | NumPy µs/step | PyTorch µs/step "
+          "| vs PyTorch | vs NumPy | GFLOP/s | of sgemm | of fma peak |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    bench("logreg 60→10", (60, 10), 20, args.repeats, peaks)
+    bench("2NN 784-200-200-10", (784, 200, 200, 10), 10, args.repeats, peaks)
+    bench("2NN 784-200-200-10", (784, 200, 200, 10), 64, max(args.repeats // 5, 30), peaks)
+    model, x = bench_cnn(10, max(args.repeats // 30, 5), peaks)
+    bench_products(peaks, max(args.repeats // 3, 20))
+    bench_cnn_eval(model, x)
+    cold_start()
     bench_terms(args.repeats)
 
 

@@ -13,6 +13,7 @@ from edgefed.kernels import cnn as _cnn
 from edgefed.kernels import logreg as _logreg
 from edgefed.kernels import mlp as _mlp
 from edgefed.kernels import quadratic as _quad
+from edgefed.kernels.random import draw_batch
 from edgefed.kernels.sgd import step_terms
 from edgefed.problems.data import ClassificationData, QuadraticData
 from edgefed.rng import Purpose, generator, kernel_state
@@ -263,14 +264,26 @@ class CNN(Classifier):
         return CNN(self.n_features, self.n_classes, self.dtype, self.seed)
 
     def _sgd(self, params, X, y, n_steps, b, lr, inv_b, run, terms):
+        """The steps one by one from Python: a step is milliseconds, so the loop costs nothing, and a kernel
+        that looped would be one more compilation of the whole network (tens of seconds cold on a Pi)."""
         acts, deltas, args, tr = self._work.take(b)
-        return _cnn._sgd_steps(params, self.offsets, self.side, self.n_classes, X, y, n_steps, b, lr, inv_b,
-                               run.rng, run.perm, terms, self._grad, acts, deltas, args, tr, self._scratch, self._w4t)
+        for _ in range(n_steps):
+            self._draw(X, b, run)
+            _cnn._batch_grad(params, self.offsets, self.side, self.n_classes, X, y, run.perm, b, inv_b, self._grad,
+                             acts, deltas, args, tr, self._scratch, self._w4t, True, lr, terms)
+        return n_steps
 
     def _minibatch(self, params, X, y, b, inv_b, run, grad_out):
         acts, deltas, args, tr = self._work.take(b)
-        _cnn._minibatch_grad(params, self.offsets, self.side, self.n_classes, X, y, b, inv_b, run.rng, run.perm,
-                             grad_out, acts, deltas, args, tr, self._scratch, self._w4t, step_terms(self.dtype))
+        self._draw(X, b, run)
+        _cnn._batch_grad(params, self.offsets, self.side, self.n_classes, X, y, run.perm, b, inv_b, grad_out, acts,
+                         deltas, args, tr, self._scratch, self._w4t, False, inv_b, step_terms(self.dtype))
+
+    @staticmethod
+    def _draw(X, b, run) -> None:
+        """The minibatch of one step into run.perm[:b], as the other models' kernels draw it."""
+        if b < X.shape[0]:
+            draw_batch(run.rng, run.perm, X.shape[0], b)
 
     def _chunk_grad(self, params, X, y, idx, scale, out) -> float:
         acts, deltas, args, tr = self._work.take(idx.size)

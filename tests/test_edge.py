@@ -142,6 +142,40 @@ def test_warmup_fills_the_cache_so_a_run_compiles_nothing(tmp_path):
         "edgefed: error: --models 'rnn': choose from logreg, mlp, cnn, quadratic"
 
 
+_KERNELS_USED = """
+import sys, numpy as np
+from numba.core.registry import CPUDispatcher
+from edgefed.cli import main
+import edgefed.kernels.cnn, edgefed.kernels.mlp, edgefed.kernels.logreg, edgefed.kernels.quadratic
+code = main(["run", "--quiet", "--force", "--out", sys.argv[1], "--set", "rounds=1", *sys.argv[2:]])
+if code:
+    sys.exit(code)
+for name, mod in sorted(sys.modules.items()):
+    if name.startswith("edgefed.kernels."):
+        for attr, f in vars(mod).items():
+            if isinstance(f, CPUDispatcher) and f.signatures:
+                arrays = {a.dtype.name for sig in f.signatures for a in sig if hasattr(a, "ndim")}
+                print("kernel", name.rsplit(".", 1)[1] + "." + attr, *sorted(arrays))
+"""
+
+
+def test_a_run_loads_only_the_kernels_of_its_model_dtype_and_algorithm(tmp_path):
+    """A run compiles (or loads) what it reaches and nothing else: on a Pi every kernel is seconds cold."""
+    def used(*sets):
+        out = subprocess.run([sys.executable, "-c", _KERNELS_USED, str(tmp_path / "r.h5"), *sets],
+                             capture_output=True, text=True, timeout=600)
+        assert out.returncode == 0, out.stderr
+        return {line.split()[1]: line.split()[2:] for line in out.stdout.splitlines() if line.startswith("kernel ")}
+
+    fedavg = used()  # the default: logistic regression, float32, FedAvg
+    assert {k.split(".")[0] for k in fedavg} == {"logreg", "random"}
+    assert {"logreg._sgd_steps", "logreg._loss_correct"} <= fedavg.keys()
+    assert not {"logreg._minibatch_grad", "logreg._loss_grad"} & fedavg.keys()  # SCAFFOLD's control kernels
+    assert not any("float64" in dtypes for dtypes in fedavg.values()), fedavg  # the run's dtype only
+    scaffold = used("--set", 'train.algorithm="scaffold"', "--set", 'scaffold.option="I"')
+    assert {"logreg._minibatch_grad", "logreg._loss_grad"} <= scaffold.keys()
+
+
 def test_a_round_that_compiled_is_noted(monkeypatch, tmp_path):
     """The bookkeeping: a device whose work included a compilation is flagged, the others not."""
     from edgefed.algorithms.base import ServerState

@@ -17,7 +17,6 @@ from numba import njit
 from edgefed.kernels import JIT
 from edgefed.kernels.fma import fma
 from edgefed.kernels.linalg import accumulate_outer, accumulate_product, copy_into, transpose_into
-from edgefed.kernels.random import draw_batch
 from edgefed.kernels.softmax import cross_entropy, softmax_xent
 from edgefed.kernels.sgd import apply_step, terms_slice
 
@@ -45,7 +44,7 @@ def layout(side: int, n_classes: int):
     for w, b in shapes:
         offsets.append(off)
         off += w + b
-    # per sample: input, conv1 (pre-pool, after ReLU), pool1, conv2, pool2, fc1, logits
+    # per sample: input, conv1 (before ReLU and pooling), pool1, conv2, pool2, fc1, logits
     acts = (side * side, side * side * 32, s2 * s2 * 32, s2 * s2 * 64, s4 * s4 * 64, 512, n_classes)
     return np.array(offsets, np.int64), off, np.array(acts, np.int64)
 
@@ -112,7 +111,8 @@ def _scratch(scratch, side):
 
 @njit(**JIT)
 def _conv_forward(inp, W, bias, out, side, cin, cout, cols_area, padded):
-    """out (side, side, cout) <- ReLU(conv(inp (side, side, cin), W (K, K, cin, cout)) + bias), zero padding.
+    """out (side, side, cout) <- conv(inp (side, side, cin), W (K, K, cin, cout)) + bias, zero padding (its ReLU
+    comes with the pooling).
 
     As a product of the unrolled windows (im2col) with W seen as (K*K*cin, cout): the blocked product then
     runs at the speed of a dense layer (measured 4x the direct loops on the 14x14x32 -> 64 convolution).
@@ -124,15 +124,13 @@ def _conv_forward(inp, W, bias, out, side, cin, cout, cols_area, padded):
     for r in range(n):
         copy_into(out2[r], bias)
     accumulate_product(cols, W.reshape((depth, cout)), out2, n, depth, cout)
-    for r in range(n):
-        for co in range(cout):
-            if out2[r, co] < 0:
-                out2[r, co] = 0
 
 
 @njit(**JIT)
 def _pool_forward(inp, out, arg, side, ch):
-    """2x2 max pooling of inp (side, side, ch) into out (side/2, side/2, ch); arg keeps the winner (0..3)."""
+    """out (side/2, side/2, ch) <- ReLU of the 2x2 max pooling of inp (side, side, ch), the convolution's
+    outputs before their ReLU; arg keeps the winner (0..3). ReLU after pooling equals pooling after ReLU
+    (both monotone), and costs a quarter of the pass."""
     half = side // 2
     for y in range(half):
         for x in range(half):
@@ -144,7 +142,7 @@ def _pool_forward(inp, out, arg, side, ch):
                     if v > best:
                         best = v
                         which = q
-                out[y, x, c] = best
+                out[y, x, c] = best if best > 0 else 0
                 arg[y, x, c] = which
 
 
@@ -165,7 +163,7 @@ def _views(params, offsets, side, n_classes):
 
 @njit(**JIT)
 def _pool_backward(dout, arg, din, side, ch, act):
-    """Route each pooled gradient to its winner; ReLU's derivative uses act (the pre-pool activations)."""
+    """Route each pooled gradient to its winner; ReLU's derivative uses act (the convolution's outputs)."""
     din[:] = 0
     half = side // 2
     for y in range(half):
@@ -315,27 +313,6 @@ def _batch_grad(params, offsets, side, n_classes, X, y, idx, b, scale, grad, act
         apply_step(params[:w3_start], grad[:w3_start], lr, terms_slice(terms, 0, w3_start))
         apply_step(params[w3_stop:], grad[w3_stop:], lr, terms_slice(terms, w3_stop, params.shape[0]))
     return loss
-
-
-@njit(**JIT)
-def _sgd_steps(params, offsets, side, n_classes, X, y, n_steps, b, lr, inv_b, rng, perm, terms, grad, acts,
-               deltas, args, tr, scratch, w4t):
-    for _ in range(n_steps):
-        if b < X.shape[0]:
-            draw_batch(rng, perm, X.shape[0], b)
-        _batch_grad(params, offsets, side, n_classes, X, y, perm, b, inv_b, grad, acts, deltas, args, tr, scratch,
-                    w4t, True, lr, terms)
-    return n_steps
-
-
-@njit(**JIT)
-def _minibatch_grad(params, offsets, side, n_classes, X, y, b, inv_b, rng, perm, grad, acts, deltas, args, tr,
-                    scratch, w4t, terms):
-    """grad <- one minibatch's mean gradient (terms: none, of the parameters' dtype; for the signature)."""
-    if b < X.shape[0]:
-        draw_batch(rng, perm, X.shape[0], b)
-    return _batch_grad(params, offsets, side, n_classes, X, y, perm, b, inv_b, grad, acts, deltas, args, tr, scratch,
-                       w4t, False, inv_b, terms)
 
 
 @njit(**JIT)

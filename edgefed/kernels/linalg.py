@@ -44,13 +44,13 @@ def _gemm(A, sai, sak, B, C, m, n, kc, fresh):
                     _EDGE(A, a0, sai, sak, rows, B, b0, ldb, C, c0, ldc, kn, cols, first)
 
 
-@njit(inline="always", **JIT)
+@njit(**JIT)
 def accumulate_product(A, W, Z, b, din, dout, fresh=False):
     """Z[:b, :dout] += A[:b, :din] W[:din, :dout] (fresh: Z[:b, :dout] = A W)."""
     _gemm(A, A.strides[0] // A.itemsize, 1, W, Z, b, dout, din, fresh)
 
 
-@njit(inline="always", **JIT)
+@njit(**JIT)
 def accumulate_outer(A, D, G, b, din, dout, fresh=False):
     """G[:din, :dout] += A[:b, :din]^T D[:b, :dout] (a weight gradient: terms in sample order; fresh: =)."""
     _gemm(A, 1, A.strides[0] // A.itemsize, D, G, din, dout, b, fresh)
