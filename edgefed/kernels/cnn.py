@@ -15,7 +15,6 @@ import numpy as np
 from numba import njit
 
 from edgefed.kernels import JIT
-from edgefed.kernels.fma import fma
 from edgefed.kernels.linalg import accumulate_outer, accumulate_product, copy_into, transpose_into
 from edgefed.kernels.softmax import cross_entropy, softmax_xent
 from edgefed.kernels.sgd import apply_step, terms_slice

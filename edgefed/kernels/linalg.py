@@ -9,7 +9,7 @@ Operands are 2-D views whose last dimension is unit-stride (rows may be strided,
 from numba import njit
 
 from edgefed.kernels import JIT
-from edgefed.kernels.fma import TILE_BYTES, TILE_ROWS, fma, tile
+from edgefed.kernels.fma import TILE_BYTES, TILE_ROWS, tile
 
 _TILE = tile(TILE_ROWS, TILE_BYTES, False)
 _EDGE = tile(TILE_ROWS, TILE_BYTES, True)  # the right-hand columns that do not fill a tile
@@ -21,9 +21,9 @@ def _gemm(A, sai, sak, B, C, m, n, kc, fresh):
     """C[:m, :n] += A~ B[:kc, :n], where A~[i, k] = A.data[i sai + k sak] (so A or its transpose);
     fresh: C[:m, :n] = A~ B, C's old values never read (a weight gradient's first term: no zeroing pass).
 
-    Column panels of B outermost, cut into pieces of `depth` rows that fit the L1 cache: every row tile then reads a
-    panel piece from L1, and B streams from memory once (a small batch times a large weight matrix is bound
-    by that stream: 18 -> 43 GFLOP/s on 10 x 3136 x 512). Cutting the reduction keeps its order: a tile
+    Column panels of B outermost, cut into pieces of `depth` rows that fit the L1 cache: every row tile then
+    reads a panel piece from L1, and B streams from memory once (a small batch times a large weight matrix
+    is bound by that stream: 18 -> 36 GFLOP/s on 10 x 3136 x 512). Cutting the reduction keeps its order: a tile
     stores its outputs and the next piece goes on from them.
     """
     nr = TILE_BYTES // C.itemsize
