@@ -50,6 +50,22 @@ except ImportError:  # optional: only for the comparison
 K_STEPS = 20
 
 
+def paired_times(fns: dict, repeats: int, rounds: int = 10) -> dict:
+    """Median seconds per call of each function, in `rounds` alternating blocks (A's calls, B's calls, A's,
+    ...), so a slow phase of the machine (this VM drifts by 2x within a minute) hits every function alike.
+    A block's first call is not timed: the one before it left the caches full of another function's data."""
+    times = {name: [] for name in fns}
+    per_block = max(repeats // rounds, 2)
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            fn()
+            for _ in range(per_block):
+                t = time.perf_counter()
+                fn()
+                times[name].append(time.perf_counter() - t)
+    return {name: float(np.median(ts)) for name, ts in times.items()}
+
+
 def best_time(fn, repeats: int) -> float:
     """Median seconds per call after a warm-up."""
     for _ in range(3):
@@ -184,19 +200,15 @@ def bench(name, sizes, batch, repeats, peaks):
         net = torch.nn.Sequential(*layers)
         opt = torch.optim.SGD(net.parameters(), lr=0.01)
         tx, ty = torch.from_numpy(X), torch.from_numpy(y)
-    # interleaved rounds of the three, so a slow phase of the machine hits all of them alike
-    times = {"ours": [], "single": [], "numpy": [], "torch": [], "sgemm": []}
-    for _ in range(3):
-        times["sgemm"].append(gemm_peak())
-        times["ours"].append(best_time(lambda: model.local_steps(x, data, run, K_STEPS, batch, 0.01), repeats // 3)
-                             / K_STEPS)
-        times["single"].append(best_time(lambda: model.local_steps(x, data, run, 1, batch, 0.01), repeats // 3))
-        times["numpy"].append(best_time(lambda: numpy_step(sizes, X, y, params, batch, 0.01), repeats // 3))
-        if torch is not None:
-            times["torch"].append(best_time(lambda: torch_step(net, opt, tx, ty, batch), repeats // 3))
-    med = {k: (float(np.median(v)) if v else None) for k, v in times.items()}
-    row(name, batch, med["ours"], med["single"], med["numpy"], med["torch"], mlp_flops(sizes, batch),
-        (peaks[0], med["sgemm"]))
+    a, b = _SGEMM
+    fns = {"ours": lambda: model.local_steps(x, data, run, K_STEPS, batch, 0.01),
+           "single": lambda: model.local_steps(x, data, run, 1, batch, 0.01),
+           "numpy": lambda: numpy_step(sizes, X, y, params, batch, 0.01), "sgemm": lambda: a @ b}
+    if torch is not None:
+        fns["torch"] = lambda: torch_step(net, opt, tx, ty, batch)
+    med = paired_times(fns, repeats)
+    row(name, batch, med["ours"] / K_STEPS, med["single"], med["numpy"], med.get("torch"), mlp_flops(sizes, batch),
+        (peaks[0], 2 * 1024**3 / med["sgemm"] / 1e9))
 
 
 def bench_cnn(batch, repeats, peaks):
@@ -216,17 +228,15 @@ def bench_cnn(batch, repeats, peaks):
                             nn.Linear(3136, 512), nn.ReLU(), nn.Linear(512, 10))
         opt = torch.optim.SGD(net.parameters(), lr=0.01)
         tx, ty = torch.from_numpy(X).reshape(-1, 1, 28, 28), torch.from_numpy(y)
-    times = {"ours": [], "torch": [], "sgemm": []}
-    for _ in range(3):
-        times["sgemm"].append(gemm_peak())
-        times["ours"].append(best_time(lambda: model.local_steps(x, data, run, 1, batch, 0.01), repeats))
-        if torch is not None:
-            times["torch"].append(best_time(lambda: torch_step(net, opt, tx, ty, batch), repeats))
-    ours = float(np.median(times["ours"]))
-    torch_s = float(np.median(times["torch"])) if times["torch"] else None
+    a, b = _SGEMM
+    fns = {"ours": lambda: model.local_steps(x, data, run, 1, batch, 0.01), "sgemm": lambda: a @ b}
+    if torch is not None:
+        fns["torch"] = lambda: torch_step(net, opt, tx, ty, batch)
+    med = paired_times(fns, repeats)
+    ours, torch_s = med["ours"], med.get("torch")
     conv1, conv2, fc1, fc2 = 28 * 28 * 25 * 32, 14 * 14 * 25 * 32 * 64, 3136 * 512, 512 * 10
     flops = 2 * batch * (2 * (conv1 + conv2 + fc1 + fc2) + conv2 + fc1 + fc2)  # no input gradient of conv1
-    row("CNN 5x5x32, 5x5x64, 512", batch, ours, ours, None, torch_s, flops, (peaks[0], float(np.median(times["sgemm"]))))
+    row("CNN 5x5x32, 5x5x64, 512", batch, ours, ours, None, torch_s, flops, (peaks[0], 2 * 1024**3 / med["sgemm"] / 1e9))
     return model, x
 
 
@@ -251,17 +261,15 @@ def bench_products(peaks, repeats):
         else:
             W, Z = g.random((k, n), dtype=np.float32), np.zeros((m, n), np.float32)
             fn = lambda: linalg.accumulate_product(A, W, Z, m, k, n)  # noqa: E731
-        ts, sgemm = [], []
-        for _ in range(3):
-            sgemm.append(gemm_peak())
-            ts.append(best_time(fn, repeats))
-        t, peak = float(np.median(ts)), float(np.median(sgemm))
+        a, b = _SGEMM
+        med = paired_times({"product": fn, "sgemm": lambda: a @ b}, repeats)
+        t, peak = med["product"], 2 * 1024**3 / med["sgemm"] / 1e9
         gf = 2 * m * k * n / t / 1e9
         print(f"| {name} ({m} x {k} x {n}) | {what} | {t * 1e6:.1f} | {gf:.1f} | {gf / peak:.0%} | "
               f"{gf / peaks[0]:.0%} |", flush=True)
 
 
-def bench_cnn_parts(peaks, batch=10, repeats=20):
+def bench_cnn_parts(peaks, batch=10, repeats=30):
     """Where a CNN step's time goes: each stage of kernels/cnn.py's step timed alone on its real shapes
     (ten samples' worth for the per-sample stages), beside two floors: its flops at the fma peak, and its
     bytes at this core's measured memory bandwidth (a copy of 100 MB)."""
@@ -285,7 +293,7 @@ def bench_cnn_parts(peaks, batch=10, repeats=20):
     w1, b1, w2, b2 = rnd(5, 5, 1, 32), rnd(32), rnd(5, 5, 32, 64), rnd(64)
     P2, H, Z, dH = rnd(batch, 3136), rnd(batch, 512), rnd(batch, 10), rnd(batch, 512)
     w3, b3, w4, b4 = rnd(3136, 512), rnd(512), rnd(512, 10), rnd(10)
-    params, grad = rnd(w3.size), rnd(w3.size)
+    params = rnd(w3.size)
     dP2, DT, PT, g3 = rnd(batch, 3136), rnd(512, batch), rnd(3136, batch), rnd(3136, 512)
     terms = step_terms(f32)
     small = rnd(1_663_370 - w3.size), rnd(1_663_370 - w3.size)
@@ -314,7 +322,8 @@ def bench_cnn_parts(peaks, batch=10, repeats=20):
     )
     print(f"\n| CNN step at batch {batch}, stage | ms per step | share | floor at the fma peak (ms) "
           "| floor at memory bandwidth (ms) |\n| --- | --- | --- | --- | --- |")
-    rows = [(name, best_time(fn, repeats) * calls, flops, nbytes) for name, fn, calls, flops, nbytes in stages]
+    med = paired_times({name: fn for name, fn, _, _, _ in stages}, repeats)  # interleaved: one phase for all
+    rows = [(name, med[name] * calls, flops, nbytes) for name, _, calls, flops, nbytes in stages]
     total = sum(t for _, t, _, _ in rows)
     for name, t, flops, nbytes in rows:
         print(f"| {name} | {t * 1e3:.2f} | {t / total:.0%} | {flops / peaks[0] / 1e6:.2f} | "
@@ -406,9 +415,9 @@ def main():
           "| vs PyTorch | vs NumPy | GFLOP/s | of sgemm (beside it) | of fma peak |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     bench("logreg 60→10", (60, 10), 20, args.repeats, peaks)
-    bench("2NN 784-200-200-10", (784, 200, 200, 10), 10, args.repeats, peaks)
+    bench("2NN 784-200-200-10", (784, 200, 200, 10), 10, args.repeats // 2, peaks)
     bench("2NN 784-200-200-10", (784, 200, 200, 10), 64, max(args.repeats // 5, 30), peaks)
-    model, x = bench_cnn(10, max(args.repeats // 30, 5), peaks)
+    model, x = bench_cnn(10, max(args.repeats // 10, 15), peaks)
     bench_products(peaks, max(args.repeats // 3, 20))
     bench_cnn_parts(peaks)
     bench_cnn_eval(model, x)
