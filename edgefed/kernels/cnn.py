@@ -53,7 +53,8 @@ def _unroll(fmap, side, cin, padded, cols):
     """im2col: cols (side*side, K*K*cin) <- every output pixel's 5x5 window of fmap (side, side, cin).
 
     Through padded, (side+4, side+4, cin) with a zero border that is never written: a window's row is then
-    5*cin contiguous values, copied without a bounds test (measured 3x the per-tap loop with tests).
+    5*cin contiguous values, copied without a bounds test, view to view (so LLVM vectorizes the copy):
+    measured 2x the per-tap loop with tests on conv1, the same on conv2.
     """
     width = K * cin
     for y in range(side):
@@ -67,15 +68,14 @@ def _unroll(fmap, side, cin, padded, cols):
         for x in range(side):
             dst = cols[y * side + x]
             for ky in range(K):
-                src = flat[y + ky]
-                for t in range(width):
-                    dst[ky * width + t] = src[x * cin + t]
+                copy_into(dst[ky * width:(ky + 1) * width], flat[y + ky, x * cin:x * cin + width])
 
 
 @njit(**JIT)
 def _fold(cols, side, cin, padded, dinp):
     """col2im, the adjoint of _unroll: dinp (side, side, cin) <- the rows of cols summed back onto their
-    windows (in pixel order), the part on the padding dropped. padded's border is restored to zero."""
+    windows (in pixel order), the part on the padding dropped. padded's border is restored to zero.
+    View to view, as _unroll: measured 5x the per-tap loop with bounds tests on conv2."""
     width = K * cin
     padded[:] = 0
     flat = padded.reshape((side + 2 * PAD, (side + 2 * PAD) * cin))
@@ -83,9 +83,10 @@ def _fold(cols, side, cin, padded, dinp):
         for x in range(side):
             src = cols[y * side + x]
             for ky in range(K):
-                dst = flat[y + ky]
+                dst = flat[y + ky, x * cin:x * cin + width]
+                part = src[ky * width:(ky + 1) * width]
                 for t in range(width):
-                    dst[x * cin + t] += src[ky * width + t]
+                    dst[t] += part[t]
     for y in range(side):
         row = padded[y + PAD]
         for x in range(side):
