@@ -5,10 +5,10 @@ every CPU: in hardware on x86-64 with FMA3 and on every ARMv8 core (every 64-bit
 library's correctly rounded `fma` elsewhere. (`fastmath={"contract"}` would let the compiler choose where to
 fuse, so bits would depend on the CPU; `llvm.fma` is never split and never reassociated.)
 
-`tile(mr, nr, masked)` builds a register-blocked micro-kernel (BLIS-style): an mr x nr block of outputs held
+`tile(mr, nr_bytes, masked)` builds a register-blocked micro-kernel (BLIS-style): an mr x nr block of outputs held
 in vector registers across the whole reduction, one vector load of B and mr broadcasts of A per step, mr
 vector fmas. Each output is its initial value followed by the reduction's terms in index order, one fma
-each: the tile shape changes the speed, never the bits, so it is chosen per CPU (`TILE_ROWS`, `TILE_COLS`).
+each: the tile shape changes the speed, never the bits, so it is chosen per CPU (`TILE_ROWS`, `TILE_BYTES`).
 """
 
 from llvmlite import ir
@@ -35,10 +35,6 @@ def _vector_bytes() -> int:
 
 TILE_ROWS = 6
 TILE_BYTES = _vector_bytes()
-
-
-def tile_cols(itemsize: int) -> int:
-    return TILE_BYTES // itemsize
 
 
 @intrinsic
