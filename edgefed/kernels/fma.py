@@ -22,7 +22,10 @@ _I32, _I64 = ir.IntType(32), ir.IntType(64)
 def _vector_bytes() -> int:
     """Bytes of one tile row (two or four vector registers): wide enough to hide the fma latency, narrow
     enough that the mr rows of accumulators stay in registers (16 vector registers on AVX2, 32 elsewhere)."""
-    features = config.CPU_FEATURES or llvm.get_host_cpu_features().flatten()
+    try:
+        features = config.CPU_FEATURES or llvm.get_host_cpu_features().flatten()
+    except RuntimeError:  # LLVM cannot read this host's features (some ARM hosts): the portable choice below
+        features = ""
     name = config.CPU_NAME or llvm.get_host_cpu_name()
     if "+avx512f" in features and name != "generic":
         return 128  # two zmm
