@@ -38,6 +38,7 @@ from edgefed.kernels.sgd import step_terms  # noqa: E402
 from edgefed.models import CNN, MLP, LogReg  # noqa: E402
 from edgefed.problems import ClassificationData  # noqa: E402
 from edgefed.rng import Purpose, kernel_state  # noqa: E402
+from edgefed.runlog import read_run  # noqa: E402
 
 try:
     import torch
@@ -78,14 +79,21 @@ def best_time(fn, repeats: int) -> float:
     return float(np.median(times))
 
 
-_SGEMM = [np.random.rand(1024, 1024).astype(np.float32) for _ in range(2)]
+_SGEMM_OPERANDS = [np.random.rand(1024, 1024).astype(np.float32) for _ in range(2)]
+
+
+def sgemm() -> None:
+    """One OpenBLAS float32 GEMM of 1024^3, one thread: what a tuned BLAS gets from this core. Each table
+    times it beside its rows (this VM's speed drifts by up to 2x within a run), so each ratio is of one moment."""
+    np.matmul(*_SGEMM_OPERANDS)
+
+
+def sgemm_gflops(seconds: float) -> float:
+    return 2 * 1024**3 / seconds / 1e9
 
 
 def gemm_peak(repeats: int = 10) -> float:
-    """OpenBLAS's float32 GEMM on a large product, one thread: what a tuned BLAS gets from this core. Measured
-    again beside every row (this VM's speed drifts by up to 2x within a run), so each ratio is of one moment."""
-    a, b = _SGEMM
-    return 2 * 1024**3 / best_time(lambda: a @ b, repeats) / 1e9
+    return sgemm_gflops(best_time(sgemm, repeats))
 
 
 def _fma_burst():
@@ -200,15 +208,14 @@ def bench(name, sizes, batch, repeats, peaks):
         net = torch.nn.Sequential(*layers)
         opt = torch.optim.SGD(net.parameters(), lr=0.01)
         tx, ty = torch.from_numpy(X), torch.from_numpy(y)
-    a, b = _SGEMM
     fns = {"ours": lambda: model.local_steps(x, data, run, K_STEPS, batch, 0.01),
            "single": lambda: model.local_steps(x, data, run, 1, batch, 0.01),
-           "numpy": lambda: numpy_step(sizes, X, y, params, batch, 0.01), "sgemm": lambda: a @ b}
+           "numpy": lambda: numpy_step(sizes, X, y, params, batch, 0.01), "sgemm": sgemm}
     if torch is not None:
         fns["torch"] = lambda: torch_step(net, opt, tx, ty, batch)
     med = paired_times(fns, repeats)
     row(name, batch, med["ours"] / K_STEPS, med["single"], med["numpy"], med.get("torch"), mlp_flops(sizes, batch),
-        (peaks[0], 2 * 1024**3 / med["sgemm"] / 1e9))
+        (peaks[0], sgemm_gflops(med["sgemm"])))
 
 
 def bench_cnn(batch, repeats, peaks):
@@ -228,15 +235,14 @@ def bench_cnn(batch, repeats, peaks):
                             nn.Linear(3136, 512), nn.ReLU(), nn.Linear(512, 10))
         opt = torch.optim.SGD(net.parameters(), lr=0.01)
         tx, ty = torch.from_numpy(X).reshape(-1, 1, 28, 28), torch.from_numpy(y)
-    a, b = _SGEMM
-    fns = {"ours": lambda: model.local_steps(x, data, run, 1, batch, 0.01), "sgemm": lambda: a @ b}
+    fns = {"ours": lambda: model.local_steps(x, data, run, 1, batch, 0.01), "sgemm": sgemm}
     if torch is not None:
         fns["torch"] = lambda: torch_step(net, opt, tx, ty, batch)
     med = paired_times(fns, repeats)
     ours, torch_s = med["ours"], med.get("torch")
     conv1, conv2, fc1, fc2 = 28 * 28 * 25 * 32, 14 * 14 * 25 * 32 * 64, 3136 * 512, 512 * 10
     flops = 2 * batch * (2 * (conv1 + conv2 + fc1 + fc2) + conv2 + fc1 + fc2)  # no input gradient of conv1
-    row("CNN 5x5x32, 5x5x64, 512", batch, ours, ours, None, torch_s, flops, (peaks[0], 2 * 1024**3 / med["sgemm"] / 1e9))
+    row("CNN 5x5x32, 5x5x64, 512", batch, ours, ours, None, torch_s, flops, (peaks[0], sgemm_gflops(med["sgemm"])))
     return model, x
 
 
@@ -261,9 +267,8 @@ def bench_products(peaks, repeats):
         else:
             W, Z = g.random((k, n), dtype=np.float32), np.zeros((m, n), np.float32)
             fn = lambda: linalg.accumulate_product(A, W, Z, m, k, n)  # noqa: E731
-        a, b = _SGEMM
-        med = paired_times({"product": fn, "sgemm": lambda: a @ b}, repeats)
-        t, peak = med["product"], 2 * 1024**3 / med["sgemm"] / 1e9
+        med = paired_times({"product": fn, "sgemm": sgemm}, repeats)
+        t, peak = med["product"], sgemm_gflops(med["sgemm"])
         gf = 2 * m * k * n / t / 1e9
         print(f"| {name} ({m} x {k} x {n}) | {what} | {t * 1e6:.1f} | {gf:.1f} | {gf / peak:.0%} | "
               f"{gf / peaks[0]:.0%} |", flush=True)
@@ -352,10 +357,8 @@ def cold_start():
         subprocess.run([sys.executable, "-m", "edgefed", "run", "--quiet", "--out", out], env=env, check=True,
                        capture_output=True)
         wall = time.perf_counter() - t
-        import h5py
-
-        with h5py.File(out, "r") as f:
-            compiled, warm_s = int(f.attrs["warmup_compiled"][0]), float(f.attrs["warmup_s"][0])
+        attrs = read_run(out)["attrs"]
+        compiled, warm_s = int(attrs["warmup_compiled"][0]), float(attrs["warmup_s"][0])
         t = time.perf_counter()
         subprocess.run([sys.executable, "-m", "edgefed", "run", "--quiet", "--force", "--out", out], env=env,
                        check=True, capture_output=True)

@@ -247,6 +247,7 @@ class CNN(Classifier):
                                  ((self.n_args,), np.int8), ((_cnn.transposed_size(side),), self.dtype))
         self._scratch = np.zeros(_cnn.scratch_size(side), self.dtype)  # unrolled windows, conv2 W^T
         self._w4t = np.zeros((n_classes, 512), self.dtype)  # fc2 W^T
+        self._no_terms = step_terms(self.dtype)  # the gradient-only calls' (unused) terms
         self._eval = None
 
     def initial_params(self) -> np.ndarray:
@@ -277,7 +278,7 @@ class CNN(Classifier):
         acts, deltas, args, tr = self._work.take(b)
         self._draw(X, b, run)
         _cnn._batch_grad(params, self.offsets, self.side, self.n_classes, X, y, run.perm, b, inv_b, grad_out, acts,
-                         deltas, args, tr, self._scratch, self._w4t, False, inv_b, step_terms(self.dtype))
+                         deltas, args, tr, self._scratch, self._w4t, False, inv_b, self._no_terms)
 
     @staticmethod
     def _draw(X, b, run) -> None:
@@ -288,7 +289,7 @@ class CNN(Classifier):
     def _chunk_grad(self, params, X, y, idx, scale, out) -> float:
         acts, deltas, args, tr = self._work.take(idx.size)
         return _cnn._batch_grad(params, self.offsets, self.side, self.n_classes, X, y, idx, idx.size, scale, out,
-                                acts, deltas, args, tr, self._scratch, self._w4t, False, scale, step_terms(self.dtype))
+                                acts, deltas, args, tr, self._scratch, self._w4t, False, scale, self._no_terms)
 
     def loss_correct(self, params, X: np.ndarray, y: np.ndarray) -> tuple[float, int]:
         self._check(params, X, y)

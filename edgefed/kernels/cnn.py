@@ -222,6 +222,19 @@ def _dense_forward(P2, H, Z, w3, b3, w4, b4, b):
     accumulate_product(H, w4, Z, b, w4.shape[0], w4.shape[1])
 
 
+@njit(inline="always", **JIT)
+def _starts(side):
+    """Where each part of one sample's activations starts (layout()'s order: input, conv1, pool1, conv2,
+    pool2, fc1, logits) and how many pooling winners pool1 keeps: (o1, o2, o3, o4, o5, o6, n2)."""
+    s2, s4 = side // 2, side // 4
+    o1 = side * side
+    o2 = o1 + side * side * 32
+    o3 = o2 + s2 * s2 * 32
+    o4 = o3 + s2 * s2 * 64
+    o5 = o4 + s4 * s4 * 64
+    return o1, o2, o3, o4, o5, o5 + 512, s2 * s2 * 32
+
+
 @njit(**JIT)
 def _fc1_backward(P2, dH, w3, g3, dP2, b, DT, PT, gblock, step, params, w3_start, lr, terms):
     """dP2 <- dH w3^T and g3 <- P2^T dH, block by block of FC1_ROWS rows of w3; with step, each block is
@@ -257,10 +270,8 @@ def _batch_grad(params, offsets, side, n_classes, X, y, idx, b, scale, grad, act
     per step. Every weight gradient is written by its first term, so grad is never zeroed as a whole.
     """
     s2, s4 = side // 2, side // 4
-    n1, n2, n3, n4 = side * side * 32, s2 * s2 * 32, s2 * s2 * 64, s4 * s4 * 64
-    o1 = side * side
-    o2, o3, o4 = o1 + n1, o1 + n1 + n2, o1 + n1 + n2 + n3
-    o5, o6 = o4 + n4, o4 + n4 + 512
+    o1, o2, o3, o4, o5, o6, n2 = _starts(side)
+    n4 = o5 - o4
     w1, b1, w2, b2, w3, b3, w4, b4 = _views(params, offsets, side, n_classes)
     g1, gb1, g2, gb2, g3, gb3, g4, gb4 = _views(grad, offsets, side, n_classes)
     for r in range(b):
@@ -319,10 +330,7 @@ def _batch_grad(params, offsets, side, n_classes, X, y, idx, b, scale, grad, act
 def _loss_correct(params, offsets, side, n_classes, X, y, act, arg, scratch, P2, H, Z):
     """(sum of losses, correct predictions) over all samples: the convolutions sample by sample into P2,
     then the dense layers over P2.shape[0] samples at once, as in training (act/arg: one sample's buffers)."""
-    s2 = side // 2
-    n1, n2, n3 = side * side * 32, s2 * s2 * 32, s2 * s2 * 64
-    o1 = side * side
-    o2, o3, o4 = o1 + n1, o1 + n1 + n2, o1 + n1 + n2 + n3
+    o1, o2, o3, o4, _, _, n2 = _starts(side)
     _, _, _, _, w3, b3, w4, b4 = _views(params, offsets, side, n_classes)
     n, chunk = X.shape[0], P2.shape[0]
     loss = 0.0
