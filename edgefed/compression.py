@@ -14,6 +14,9 @@ bytes agree. Kinds:
 
 Error feedback (Seide et al. 2014; Karimireddy et al. 2019): a device adds the residual of what it did not
 send to its next update before encoding, and keeps the new residual, `feedback`.
+
+A `Codec` is one direction's setting; its `layout` is the arrays an encoded vector travels as, fixed by the
+kind, the length and the dtype, so an MPI message can be sized once and carry the payload as raw bytes.
 """
 
 from __future__ import annotations
@@ -102,3 +105,77 @@ def feedback(kind: str, update: np.ndarray, residual: np.ndarray, rng=None, frac
     corrected = update + residual
     enc = encode(kind, corrected, rng, fraction)
     return enc, corrected - decode(enc, corrected.dtype)
+
+
+def residual_name(report: str) -> str:
+    """The run log's row state of a report vector's error-feedback residuals (row k: device k)."""
+    return f"residual_{report}"
+
+
+def replica_name(vector: str) -> str:
+    """The run log's resume slot of the devices' copy of a downlinked vector ("x", or a server vector)."""
+    return f"downlink_{vector}"
+
+
+def transfer_s(nbytes: int, mbps: float) -> float:
+    """Seconds nbytes take on a link of mbps megabits per second."""
+    return 8.0 * nbytes / (mbps * 1e6)
+
+
+def layout(kind: str, n: int, dtype, fraction: float = 0.01) -> tuple[tuple[np.dtype, int], ...]:
+    """The arrays an encoded vector of n coordinates (of a model in dtype) travels as: (dtype, length) each,
+    in the order of Encoded.arrays."""
+    dtype = np.dtype(dtype)
+    if kind == "none":
+        return ((dtype, n),)
+    if kind == "fp16":
+        return ((np.dtype(np.float16), n),)
+    if kind == "int8":
+        return ((np.dtype(np.float32), -(-n // CHUNK)), (np.dtype(np.int8), n))
+    if kind == "topk":
+        k = topk_count(n, fraction)
+        return ((np.dtype(np.int32), k), (dtype, k))
+    raise ValueError(f"unknown compression {kind!r}; choose from {', '.join(KINDS)}")
+
+
+@dataclass(frozen=True)
+class Codec:
+    """One direction of the wire: the kind, top-k's share, and whether the sender feeds back its residual."""
+
+    kind: str = "none"
+    fraction: float = 0.01
+    error_feedback: bool = False
+
+    @property
+    def lossy(self) -> bool:
+        return self.kind != "none"
+
+    def nbytes(self, n: int, dtype) -> int:
+        """What one encoded vector of n coordinates takes on the wire."""
+        return sum(dt.itemsize * count for dt, count in layout(self.kind, n, dtype, self.fraction))
+
+    def encode(self, x: np.ndarray, rng=None) -> Encoded:
+        return encode(self.kind, x, rng, self.fraction)
+
+    def send(self, update: np.ndarray, residual: np.ndarray | None, rng=None):
+        """(what to send, the new residual): with error feedback, of update + residual; else of the update
+        alone (residual None)."""
+        if self.error_feedback:
+            return feedback(self.kind, update, residual, rng, self.fraction)
+        return encode(self.kind, update, rng, self.fraction), None
+
+    def to_bytes(self, enc: Encoded, out: np.ndarray) -> None:
+        """The encoded arrays, back to back, into the uint8 buffer out (of nbytes)."""
+        at = 0
+        for a in enc.arrays:
+            out[at:at + a.nbytes] = a.view(np.uint8).reshape(-1)
+            at += a.nbytes
+
+    def from_bytes(self, raw: np.ndarray, n: int, dtype) -> Encoded:
+        """The Encoded a sender's to_bytes wrote into raw (copies: the buffer is reused)."""
+        arrays, at = [], 0
+        for dt, count in layout(self.kind, n, dtype, self.fraction):
+            size = dt.itemsize * count
+            arrays.append(raw[at:at + size].copy().view(dt))
+            at += size
+        return Encoded(self.kind, n, tuple(arrays))

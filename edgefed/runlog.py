@@ -210,6 +210,10 @@ def columns(n: int, d: int, dtype) -> tuple[Column, ...]:
                "model out to report in, less the local work: links and waiting, s (NaN: unknown)", np.nan),
         Column("participation/core", (n,), np.int16, "round",
                "the core a device's deadline-bound work ran on (-1: not pinned, or not a measured deadline)", -1),
+        Column("participation/bytes_up", (n,), np.int64, "round",
+               "payload of the device's report as it travelled ([compress] uplink; 0: no work sent)"),
+        Column("participation/bytes_down", (n,), np.int64, "round",
+               "payload of the round's model broadcast to the device ([compress] downlink; 0: not selected)"),
         Column("metrics/lr", (), np.float64, "round", "local learning rate used in the round"),
         Column("metrics/n_applied", (), np.int32, "round",
                "devices whose update was applied (0: the model did not change, e.g. Scheme A with K_r = 0)"),
@@ -241,6 +245,7 @@ class RunLogWriter:
         self._cols = {c.path: (f[c.path], np.dtype(c.dtype), tuple(c.row_shape)) for c in cols}
         self._rows = {name: ds.shape[0] for name, (ds, _, _) in self._cols.items()}
         self._state_ds = {}
+        self._row_names = [name for name, _, _ in header.row_states]
         # the most one round can add to the file: a new chunk of every column, plus room for HDF5's own index
         self._round_bytes = sum(int(np.prod(ds.chunks)) * dtype.itemsize for ds, dtype, _ in self._cols.values())
         self._round_bytes += 1 << 20
@@ -308,17 +313,23 @@ class RunLogWriter:
         """Write round_idx's resume state: slot vectors, and per-device rows behind an undo copy.
 
         `row_deltas` maps a row state to (ascending device ids, deltas added to those rows); `row_sets` to
-        (ascending device ids, new rows), e.g. the control a device gets when it arrives. Every row state
-        changes the same devices. Nothing is the resume point until `commit`.
+        (ascending device ids, new rows), e.g. the control a device gets when it arrives. The undo copy holds
+        the rows of every device any of them changes. Nothing is the resume point until `commit`.
         """
         names = sorted(set(row_deltas or {}) | set(row_sets or {}))
-        if names:
+        if names:  # every row state is staged (unchanged ones too), so a roll back restores each consistently
+            names = sorted(set(names) | set(self._row_names))
             empty = np.zeros(0, np.int64)
+            ids = empty
+            for name in names:
+                for given in ((row_deltas or {}).get(name), (row_sets or {}).get(name)):
+                    if given is not None:
+                        ids = np.union1d(ids, given[0])
+            ids = ids.astype(np.int64)
             changes = {}
             for name in names:
                 d_ids, deltas = (row_deltas or {}).get(name, (empty, None))
                 s_ids, rows = (row_sets or {}).get(name, (empty, None))
-                ids = np.union1d(d_ids, s_ids).astype(np.int64)
                 old = self._state(name)[ids] if ids.size else None
                 new = None
                 if ids.size:  # a fresh row first, then the round's Delta on top (an arriving device reports too)
@@ -329,7 +340,6 @@ class RunLogWriter:
                         at = np.searchsorted(ids, d_ids)
                         new[at] = new[at] + deltas
                 changes[name] = (ids, old, new)
-            ids = changes[names[0]][0]
             _write_row(self._state("undo/count"), 0, ids.size, np.int64)
             if ids.size:
                 self._state("undo/ids")[: ids.size] = ids

@@ -28,6 +28,7 @@ class RoundPlan:
     round_deadline_s: np.ndarray | None = None  # (S,) the deadline policy's, by which reports are due
     quorum: int | None = None  # over-selection: the round ends once this many devices completed their budget
     by_arrival: bool = False  # the transport ends the round at the quorum's arrival and stops the others
+    down_bytes: int = 0  # what the round's broadcast brings each selected device (for a shaped link's time)
 
     def steps_to_run(self, i: int) -> int:
         return int(self.budgets[i] if self.steps is None else self.steps[i])
@@ -50,6 +51,7 @@ class LocalResults:
     core: np.ndarray  # (S,) int16: the core the work ran on (-1: unknown)
     link_s: np.ndarray  # (S,) float32: of comm_s, the links alone (not the wait on the rank); NaN: unknown
     round_s: float = float("nan")  # when the round's last report it takes came (NaN: the caller's wall time)
+    bytes_up: np.ndarray | None = None  # (S,) int64: the payload of each report (0: no work sent); None: 0s
 
 
 @dataclass(frozen=True)
@@ -65,8 +67,13 @@ class Evaluation:
 class Transport(Protocol):
     """What an engine calls; `state` is the algorithm's ServerState (x and the vectors sent with it)."""
 
-    def local_work(self, plan: RoundPlan, state) -> LocalResults:
-        """Run the plan on the devices hosting the selected ones."""
+    def local_work(self, plan: RoundPlan, state, downlink=None) -> LocalResults:
+        """Run the plan on the devices hosting the selected ones. state: what the devices hold (with a
+        compressed downlink, their copy once this round's `downlink` {name: Encoded} difference is added)."""
+
+    def residuals(self, round_idx: int, device_ids: np.ndarray) -> dict[str, np.ndarray]:
+        """The error-feedback residuals these devices' reports of round_idx leave them (rows in their order),
+        before `accept` applies them."""
 
     def accept(self, round_idx: int, device_ids: np.ndarray) -> None:
         """These devices' reports of round_idx were applied: they update their own vectors."""
@@ -78,7 +85,7 @@ class Transport(Protocol):
         """Fresh device vectors for these devices (joining at x); returns their rows, in their order."""
 
     def load_devices(self, rows: Mapping[str, np.ndarray]) -> None:
-        """Restore every device's vectors (row k: device k), e.g. on --resume."""
+        """Restore every device's vectors and residuals (row k: device k), e.g. on --resume."""
 
     def close(self, failed: bool = False) -> None:
         """End the devices' work (and, under MPI, the device ranks)."""

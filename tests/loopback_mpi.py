@@ -74,6 +74,7 @@ class World:
         self.gathered = deque()  # (rank, pickled) sent to the root
         self.everyone = []  # (rank, pickled) of every allgather, in turn
         self.aborted = None
+        self.sent = []  # (source, dest, tag, bytes) of every point-to-point message; dest -1, tag None: Ibcast
 
     def comm(self, rank: int) -> "Comm":
         return Comm(self, rank)
@@ -129,6 +130,7 @@ class Comm:
     def Ibcast(self, buf, root=0):
         view, w = _view(buf), self.world
         if self.rank == root:
+            w.sent.append((root, -1, None, view.nbytes))
             sent = [Message(root, 0, view) for r in range(w.size) if r != root]
             with w.lock:
                 for r, message in zip((r for r in range(w.size) if r != root), sent):
@@ -147,6 +149,7 @@ class Comm:
     def Isend(self, buf, dest, tag=0):
         message = Message(self.rank, tag, _view(buf))
         with self.world.lock:
+            self.world.sent.append((self.rank, dest, tag, message.view.nbytes))
             self.world.mail[dest].append(message)
         return Request(lambda: message.taken)
 

@@ -10,6 +10,7 @@ import pytest
 from edgefed import algorithms
 from edgefed.algorithms.base import DELTA_X, DeviceVector, ServerState, ServerVector
 from edgefed.algorithms.fedavg import FedAvg, server_update
+from edgefed.config.schema import Config, LogConfig
 from edgefed.errors import ConfigError, ResourceError
 from edgefed.orchestration import run as runs
 from edgefed.participation import schemes
@@ -126,12 +127,16 @@ def test_an_update_that_breaks_its_declarations_is_stopped(toy, tmp_path, quad_f
         runs.run(toy_config(quad_file(np.ones((4, 2)), np.zeros((4, 2))), rounds=2), tmp_path / "r.h5")
 
 
+def _logging(client_controls: bool) -> Config:
+    return Config(log=LogConfig(client_controls=client_controls))
+
+
 def test_vector_names_the_log_keeps_for_itself_are_refused():
     for clash in (ServerVector("x", "toy/x", ""), ServerVector("m", "trajectory/x", "")):
         algorithm = MomentumWithMemory()
         object.__setattr__(algorithm, "server_vectors", (clash,))
         with pytest.raises(ValueError, match="are taken twice"):
-            Header("", 0, 1, 4, 3, np.float32, np.ones(4), **runs.log_layout(algorithm, True, 4, 3, np.float32))
+            Header("", 0, 1, 4, 3, np.float32, np.ones(4), **runs.log_layout(algorithm, _logging(True), 4, 3, np.float32))
 
 
 def test_declarations_are_what_the_engine_reads():
@@ -140,7 +145,7 @@ def test_declarations_are_what_the_engine_reads():
     assert scaffold.reports == ("delta_x", "delta_c")
     assert [v.column for v in scaffold.server_vectors] == ["scaffold/c"]
     assert [(v.name, v.delta) for v in scaffold.device_vectors] == [("c_clients", "delta_c")]
-    layout = runs.log_layout(scaffold, True, 4, 3, np.float32)
+    layout = runs.log_layout(scaffold, _logging(True), 4, 3, np.float32)
     assert [c.path for c in layout["extra_columns"]] == ["scaffold/c", "scaffold/c_clients"]
     assert layout["slots"] == (("c", (3,), np.float32),) and layout["row_states"] == (("c_clients", (4, 3), np.float32),)
-    assert [c.path for c in runs.log_layout(scaffold, False, 4, 3, np.float32)["extra_columns"]] == ["scaffold/c"]
+    assert [c.path for c in runs.log_layout(scaffold, _logging(False), 4, 3, np.float32)["extra_columns"]] == ["scaffold/c"]

@@ -295,7 +295,7 @@ def test_devices_hold_exactly_the_controls_the_log_tracks(tmp_path, quad_file):
     algorithm = build_algorithm(cfg)
     transport = LocalTransport(problem, model, algorithm, cfg.seed, None)
     header = Header(config_mod.to_toml(cfg), 0, 4, 4, 2, model.dtype, problem.n_train,
-                    **runs.log_layout(algorithm, cfg.log.client_controls, 4, 2, model.dtype))
+                    **runs.log_layout(algorithm, cfg, 4, 2, model.dtype))
     log = RunLogWriter.create(tmp_path / "run.h5", header)
     engine = RoundEngine(cfg, algorithm, problem.n_train, transport, log)
     engine.start(model.initial_params())

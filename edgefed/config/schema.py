@@ -118,6 +118,16 @@ class DeviceConfig:
     contention: tuple[float, ...] = ()  # under MPI, the CPU competitor load on each device rank's board
     # (entry i: rank i + 1), for every device it hosts; overrides participation.contention there
     speed: tuple[float, ...] = ()  # relative speed of each device (cycled; default 1.0) for simulated clocks
+    link_mbps: tuple[float, ...] = ()  # each device's link, megabits per second both ways (cycled; empty:
+    # not shaped): a round's bytes take 8 bytes / (mbps 10^6) seconds on it
+
+
+@dataclass(frozen=True)
+class CompressConfig:
+    uplink: str = "none"  # what a device's report travels as: "none", "fp16", "int8", "topk"
+    downlink: str = "none"  # the round's model broadcast, the same kinds (as a difference to the devices' copy)
+    topk_fraction: float = 0.01  # topk: the share of coordinates sent
+    error_feedback: bool | None = None  # None: true for a lossy uplink (a device adds back what it did not send)
 
 
 @dataclass(frozen=True)
@@ -153,6 +163,7 @@ class Config:
     dynamics: DynamicsConfig = field(default_factory=DynamicsConfig)
     mpi: MpiConfig = field(default_factory=MpiConfig)
     device: DeviceConfig = field(default_factory=DeviceConfig)
+    compress: CompressConfig = field(default_factory=CompressConfig)
     fault: tuple[FaultConfig, ...] = ()
 
     @property

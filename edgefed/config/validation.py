@@ -13,8 +13,9 @@ import math
 
 from edgefed import hwprofile
 from edgefed.algorithms import ALGORITHMS
+from edgefed import compression
 from edgefed.algorithms import scaffold
-from edgefed.config.schema import (Config, DataConfig, DeviceConfig, DynamicsConfig, FedProxConfig, ModelConfig,
+from edgefed.config.schema import (CompressConfig, Config, DataConfig, DeviceConfig, DynamicsConfig, FedProxConfig, ModelConfig,
                                    ParticipationConfig, TrainConfig)
 from edgefed.errors import ConfigError
 from edgefed.participation.schemes import SCHEMES, WEIGHTINGS
@@ -69,6 +70,7 @@ def validate(cfg: Config) -> Config:
     if cfg.mpi.rank_timeout_s is not None:
         _positive(cfg.mpi.rank_timeout_s, "mpi.rank_timeout_s", "rank_timeout_s = 30")
     _validate_device(cfg.device, cfg.participation)
+    compress = _validate_compress(cfg.compress)
     _validate_dynamics(cfg.dynamics, cfg.data.clients, cfg.rounds)
     for i, fault in enumerate(cfg.fault):
         _choice(fault.kind, FAULT_KINDS, f"fault[{i}].kind")
@@ -80,7 +82,22 @@ def validate(cfg: Config) -> Config:
             raise ConfigError(f"config: fault[{i}].seconds = {fault.seconds} must be a finite number >= 0")
     _positive(cfg.log.every, "log.every", "every = 10")
     _positive(cfg.log.eval_every, "log.eval_every", "eval_every = 5")
-    return dataclasses.replace(cfg, data=data, model=model, train=train, fedprox=fedprox, participation=participation)
+    return dataclasses.replace(cfg, data=data, model=model, train=train, fedprox=fedprox, participation=participation,
+                               compress=compress)
+
+
+def _validate_compress(c: CompressConfig) -> CompressConfig:
+    _choice(c.uplink, compression.KINDS, "compress.uplink")
+    _choice(c.downlink, compression.KINDS, "compress.downlink")
+    if not 0 < c.topk_fraction <= 1:
+        raise ConfigError(f"config: compress.topk_fraction = {c.topk_fraction} must lie in (0, 1] "
+                          "(the share of coordinates a top-k message keeps, e.g. 0.01)")
+    if c.error_feedback is None:
+        return dataclasses.replace(c, error_feedback=c.uplink in compression.LOSSY)
+    if c.error_feedback and c.uplink not in compression.LOSSY:
+        raise ConfigError(f'config: compress.error_feedback = true needs a lossy compress.uplink (fp16, int8, topk), '
+                          f'not {c.uplink!r}; remove error_feedback or choose an uplink')
+    return c
 
 
 def _validate_fedprox(f: FedProxConfig, algorithm: str) -> FedProxConfig:
@@ -108,6 +125,10 @@ def _validate_device(dev: DeviceConfig, p: ParticipationConfig) -> None:
     for i, speed in enumerate(dev.speed):
         if not (speed > 0 and math.isfinite(speed)):
             raise ConfigError(f"config: device.speed[{i}] = {speed} must be a positive number (1.0: the board's speed)")
+    for i, mbps in enumerate(dev.link_mbps):
+        if not (mbps > 0 and math.isfinite(mbps)):
+            raise ConfigError(f"config: device.link_mbps[{i}] = {mbps} must be a positive number of megabits "
+                              "per second (e.g. 20 for a Pi's Wi-Fi)")
     if isinstance(p.deadline_s, str) and p.deadline_s != "adaptive" and dev.profile is None and not dev.boards:
         raise ConfigError(f"config: participation.deadline_s = {p.deadline_s!r} derives each deadline from the "
                           "board's hardware profile; set [device] profile = \"NAME\" (shipped: "

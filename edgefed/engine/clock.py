@@ -54,7 +54,7 @@ class RoundClock:
         if self.mode != "deadline":
             return RoundDeadlines(None, None, None)
         prior_step = None if t.boards is None else t.boards.step_s[ids]
-        links = self.history.comm(ids, None if t.boards is None else t.boards.comm_s[ids]) if t.covers == "round" else 0.0
+        links = self.history.comm(ids, t.link_prior(ids)) if t.covers == "round" else 0.0
         if t.quantile is None:
             due = t.deadlines[ids]
         else:  # adaptive: about a share q of the selected devices can finish their K_k steps (and, with
@@ -74,10 +74,11 @@ class RoundClock:
         late, steps = res.late.copy(), res.steps.copy()
         if self.simulated:
             work = steps * t.boards.step_s[ids]
-            delays = t.delays(ids, r)
+            delays = t.delays(ids, r) + t.transfer_s(ids, plan.down_bytes + (0 if res.bytes_up is None else res.bytes_up))
             comm = t.boards.comm_or_zero(ids) + delays
             finish = work + comm
-            comm_log = link = np.where(np.isfinite(t.boards.comm_s[ids]) | (delays > 0), comm, np.nan)
+            known = np.isfinite(t.boards.comm_s[ids]) | (delays > 0) | (t.link_mbps is not None)
+            comm_log = link = np.where(known, comm, np.nan)
             if plan.round_deadline_s is not None:
                 overdue = finish > plan.round_deadline_s + plan.grace_s  # the coordinator stopped waiting
                 late |= overdue

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from edgefed import compression
 from edgefed.algorithms.base import Algorithm, RoundReports, ServerState
 from edgefed.config import Config
 from edgefed.engine.clock import RoundClock
@@ -23,6 +24,7 @@ from edgefed.participation.dynamics import Dynamics
 from edgefed.participation.sampling import select_devices
 from edgefed.participation.timing import Timing, overselected
 from edgefed.participation.traces import ReplayTrace
+from edgefed.rng import Purpose, generator
 from edgefed.transport import Evaluation, RoundPlan
 
 
@@ -64,6 +66,11 @@ class RoundEngine:
         self.clock = RoundClock(self.timing, self.n_devices, cfg.participation.mode,
                                 trace if isinstance(trace, ReplayTrace) else None)
         self.state: ServerState | None = None
+        c = cfg.compress
+        self.uplink = compression.Codec(c.uplink, c.topk_fraction, bool(c.error_feedback))
+        self.downlink = compression.Codec(c.downlink, c.topk_fraction)
+        self.residual_names = tuple(compression.residual_name(r) for r in algorithm.reports) if c.error_feedback else ()
+        self.replica: ServerState | None = None  # the model the devices hold, with a compressed downlink
 
     # -- planning ----------------------------------------------------------------------------------------
     def learning_rate(self, round_idx: int, shift_round: int = 0) -> float:
@@ -100,7 +107,40 @@ class RoundEngine:
             steps = np.where(silent, 0, budgets if steps is None else steps).astype(np.int32)
         return RoundPlan(round_idx, selected, budgets, lr, steps=None if steps is None else np.minimum(steps, budgets),
                          deadline_s=deadlines.compute_s, grace_s=p.grace_s, round_deadline_s=deadlines.due_s,
-                         quorum=quorum, by_arrival=quorum is not None and not self.clock.simulated)
+                         quorum=quorum, by_arrival=quorum is not None and not self.clock.simulated,
+                         down_bytes=self.down_bytes())
+
+    # -- the wire ----------------------------------------------------------------------------------------
+    def down_bytes(self) -> int:
+        """What the round's broadcast brings each selected device: x and the server vectors, as encoded."""
+        x = self.state.x
+        return (1 + len(self.algorithm.server_vectors)) * self.downlink.nbytes(x.size, x.dtype)
+
+    def _broadcast(self, round_idx: int):
+        """(what the devices hold this round, the encoded differences that bring it to them, or None).
+
+        With a compressed downlink the devices keep a copy of the server's vectors; each round the server
+        sends the difference to that copy, encoded, and both sides add its decoding to the copy, so what
+        the copy misses is sent again in later rounds (docs/design.md 2.13)."""
+        if not self.downlink.lossy:
+            return self.state, None
+        rng = generator(self.cfg.seed, Purpose.COMPRESS, round_idx) if self.downlink.kind == "int8" else None
+        current, held = self._vectors(self.state), self._vectors(self.replica)
+        encoded, copy = {}, {}
+        for name, value in current.items():  # x first, then the server vectors, each from the one stream
+            encoded[name] = self.downlink.encode(value - held[name], rng)
+            copy[name] = held[name] + compression.decode(encoded[name], value.dtype)
+        self.replica = ServerState(copy.pop("x"), copy)
+        return self.replica, encoded
+
+    @staticmethod
+    def _vectors(state: ServerState) -> dict:
+        return {"x": state.x, **state.vectors}
+
+    def _replica_slots(self) -> dict:
+        if self.replica is None:
+            return {}
+        return {compression.replica_name(name): value for name, value in self._vectors(self.replica).items()}
 
     # -- evaluation --------------------------------------------------------------------------------------
     def metrics(self, ev: Evaluation) -> tuple[float, float, float]:
@@ -146,6 +186,8 @@ class RoundEngine:
             for name, values in rows.items():
                 self.log.set_rows(name, values)
         self.state = self._declared(ServerState(x0, self.algorithm.server_start(x0, self._members(rows))), "server_start")
+        if self.downlink.lossy:  # every device starts from x_0 (and the server's first vectors), sent in full
+            self.replica = ServerState(x0.copy(), {name: v.copy() for name, v in self.state.vectors.items()})
         train, test_loss, test_acc = self.metrics(self.transport.evaluate(x0))
         self.log.append({"metrics/train_loss": train, "metrics/test_loss": test_loss,
                          "metrics/test_accuracy": test_acc, "metrics/clock_s": 0.0})
@@ -161,8 +203,12 @@ class RoundEngine:
             self.clock.restore(prefix, done)
         algo = self.algorithm
         self.state = ServerState(state["x"], {v.name: state[v.name] for v in algo.server_vectors})
-        if algo.device_vectors:
-            self.transport.load_devices({v.name: state[v.name] for v in algo.device_vectors})
+        if self.downlink.lossy:
+            held = {name: state[compression.replica_name(name)] for name in self._vectors(self.state)}
+            self.replica = ServerState(held.pop("x"), held)
+        rows = [v.name for v in algo.device_vectors] + list(self.residual_names)
+        if rows:
+            self.transport.load_devices({name: state[name] for name in rows})
         return self.state
 
     def run(self, done: int = 0) -> ServerState:
@@ -200,7 +246,8 @@ class RoundEngine:
         sets = self._shift(round_idx)
         plan = self.plan(round_idx)
         work0 = time.perf_counter()
-        res = self.transport.local_work(plan, self.state)
+        held, downlink = self._broadcast(round_idx)
+        res = self.transport.local_work(plan, held, downlink)
         worked = time.perf_counter()
         settled = self.clock.settle(plan, res)
 
@@ -226,7 +273,9 @@ class RoundEngine:
         self.state = self._declared(self.algorithm.server_update(
             self.state, RoundReports(plan.device_ids, res.vectors, coeffs, reported, t.lr_global, active_ids.size)),
             "server_update")
-        self.transport.accept(round_idx, plan.device_ids[reported])
+        accepted = plan.device_ids[reported]
+        residuals = self.transport.residuals(round_idx, accepted) if self.residual_names else {}
+        self.transport.accept(round_idx, accepted)
         done = time.perf_counter()
         clock = self.clock.advance(round_idx, settled, done - work0, done - worked)
 
@@ -237,6 +286,7 @@ class RoundEngine:
         self.log.append(self._round_row(plan, res, settled, coeffs, nonfinite, metrics, elapsed, clock))
         changes = {v.name: (plan.device_ids[reported], res.vectors[v.delta][reported])
                    for v in self.algorithm.device_vectors}
+        sets = {**(sets or {}), **{name: (accepted, rows) for name, rows in residuals.items()}}
         self._stage_and_commit(round_idx, changes, store, sets)
         self.on_round(RoundSummary(round_idx, self.cfg.rounds, *metrics, int(np.count_nonzero(counted_steps)),
                                    int(self.active.sum()), int(nonfinite.sum()), elapsed, int(late.sum()),
@@ -250,10 +300,10 @@ class RoundEngine:
         changes: {device vector: (reporting ids, their Deltas)} of the round (None at the start).
         """
         state, algo = self.state, self.algorithm
-        slots = {"x": state.x, **{v.name: state.vectors[v.name] for v in algo.server_vectors}}
+        slots = {"x": state.x, **{v.name: state.vectors[v.name] for v in algo.server_vectors}, **self._replica_slots()}
         stored = {"trajectory/round": round_idx, "trajectory/x": state.x,
                   **{v.column: state.vectors[v.name] for v in algo.server_vectors}}
-        self.log.stage(round_idx, slots, changes or None, sets)
+        self.log.stage(round_idx, slots, changes or None, sets or None)
         if store:
             if self.cfg.log.client_controls:
                 stored.update({v.column: self.log.rows(v.name) for v in algo.device_vectors})
@@ -286,6 +336,8 @@ class RoundEngine:
                                                 np.float64, np.nan),
             "participation/comm_s": scatter(self.clock.comm_log(plan.round_idx, ids, settled), np.float32, np.nan),
             "participation/core": scatter(res.core if raced else -1, np.int16, -1),
+            "participation/bytes_up": scatter(0 if res.bytes_up is None else res.bytes_up, np.int64),
+            "participation/bytes_down": scatter(plan.down_bytes, np.int64),
             "metrics/lr": plan.lr,
             "metrics/n_applied": int(np.count_nonzero(coeffs)),
             "metrics/round_elapsed_s": elapsed,

@@ -28,6 +28,7 @@ from edgefed.runtime.mpi.comm import abort_with, mpi_of, wait, world
 from edgefed.runtime.mpi.coordinator import MpiTransport, gather_setup, receive_setup, send_setup
 from edgefed.runtime.mpi.device_server import DeviceServer, Heart
 from edgefed.runtime.mpi.placement import device_owners
+from edgefed.compression import Codec
 from edgefed.runtime.mpi.protocol import Wire
 
 
@@ -51,10 +52,12 @@ def execute(resolve, force: bool, on_round, on_info, on_error, launch: run_mod.L
         raise Interrupted(path) from None
 
 
-def wire_for(algorithm: Algorithm, n_devices: int, model) -> Wire:
+def wire_for(cfg, algorithm: Algorithm, n_devices: int, model) -> Wire:
     """The MPI records of a run: the same on every rank, since every rank builds them from the same config."""
+    c = cfg.compress
     return Wire(n_devices, model.dim, model.dtype, algorithm.reports, tuple(v.name for v in algorithm.server_vectors),
-                tuple(v.name for v in algorithm.device_vectors))
+                tuple(v.name for v in algorithm.device_vectors),
+                Codec(c.uplink, c.topk_fraction, bool(c.error_feedback)), Codec(c.downlink, c.topk_fraction))
 
 
 def check_device_ranks(cfg, n_ranks: int) -> None:
@@ -127,7 +130,7 @@ def run_coordinator(comm, resolve, force: bool, on_round, on_info, on_error, lau
     on_info(f"MPI: {comm.Get_size() - 1} device ranks; devices per rank "
             f"{np.bincount(owners, minlength=comm.Get_size())[1:].tolist()}"
             + ("" if set(threads.values()) == {1} else f"; run at once per rank {list(threads.values())}"))
-    transport = MpiTransport(comm, wire_for(setup.algorithm, setup.problem.n_devices, setup.model), owners, threads,
+    transport = MpiTransport(comm, wire_for(setup.cfg, setup.algorithm, setup.problem.n_devices, setup.model), owners, threads,
                              rank_timeout_s=config_mod.rank_timeout(setup.cfg),
                              hosts={rank: host for rank, (host, _) in enumerate(machines)})
     try:
@@ -199,7 +202,7 @@ def run_device_rank(comm) -> int:
         if transport is not None:
             transport.close()
         return EXIT_BAD_INPUT
-    server = DeviceServer(comm, wire_for(transport.algorithm, problem.n_devices, model), transport, heart=heart)
+    server = DeviceServer(comm, wire_for(cfg, transport.algorithm, problem.n_devices, model), transport, heart=heart)
     try:
         server.serve()
     except KeyboardInterrupt:  # Ctrl-C reaches every rank; rank 0 says what to do, and ends the world

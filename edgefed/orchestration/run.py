@@ -17,13 +17,14 @@ from pathlib import Path
 import numpy as np
 import psutil
 
+from edgefed import compression
 from edgefed import config as config_mod
 from edgefed.algorithms import Algorithm, build_algorithm
 from edgefed.config import Config
 from edgefed.engine.rounds import RoundEngine
 from edgefed.errors import EdgefedError, ResourceError, RunLogError
 from edgefed.models import build_model
-from edgefed.orchestration.timing import timing_for
+from edgefed.orchestration.timing import link_speeds, timing_for
 from edgefed.participation.budgets import local_budgets
 from edgefed.participation.timing import Timing
 from edgefed.participation.traces import ReplayTrace
@@ -102,13 +103,20 @@ def problem_and_model(cfg: Config):
     return problem, build_model(cfg.model, problem, cfg.seed)
 
 
-def log_layout(algorithm: Algorithm, device_columns: bool, n: int, d: int, dtype) -> dict:
-    """The run-log columns and resume state an algorithm's vectors add to FedAvg's (Header fields)."""
+def log_layout(algorithm: Algorithm, cfg: Config, n: int, d: int, dtype) -> dict:
+    """The run-log columns and resume state an algorithm's vectors (and the wire's: error-feedback residuals,
+    the devices' copy of a compressed downlink) add to FedAvg's (Header fields)."""
     columns = [Column(v.column, (d,), dtype, "stored", v.meaning) for v in algorithm.server_vectors]
-    if device_columns:
+    if cfg.log.client_controls:
         columns += [Column(v.column, (n, d), dtype, "stored", v.meaning) for v in algorithm.device_vectors]
-    return {"extra_columns": tuple(columns), "slots": tuple((v.name, (d,), dtype) for v in algorithm.server_vectors),
-            "row_states": tuple((v.name, (n, d), dtype) for v in algorithm.device_vectors)}
+    slots = [v.name for v in algorithm.server_vectors]
+    if cfg.compress.downlink != "none":
+        slots += [compression.replica_name(name) for name in ("x", *slots)]
+    rows = [v.name for v in algorithm.device_vectors]
+    if cfg.compress.error_feedback:
+        rows += [compression.residual_name(r) for r in algorithm.reports]
+    return {"extra_columns": tuple(columns), "slots": tuple((name, (d,), dtype) for name in slots),
+            "row_states": tuple((name, (n, d), dtype) for name in rows)}
 
 
 def stored_rounds(cfg: Config) -> int:
@@ -202,7 +210,7 @@ def _prepared(cfg: Config, log_path: Path, resume_point, on_info, config_toml: s
         config_toml=config_toml, restarts=restarts,
         seed=cfg.seed, rounds=cfg.rounds, n_devices=problem.n_devices, dim=model.dim, dtype=model.dtype,
         n_train=problem.n_train,
-        **log_layout(algorithm, cfg.log.client_controls, problem.n_devices, model.dim, model.dtype),
+        **log_layout(algorithm, cfg, problem.n_devices, model.dim, model.dtype),
         attrs={"problem": problem.describe(), "model": model.kind,
                "train_objective": "(1/N_r) sum_k f_k" if cfg.train.weighting == "uniform" else "sum_k n_k/n F_k"},
     )
@@ -219,7 +227,10 @@ def local_transport(cfg: Config, algorithm: Algorithm, problem, model, device_id
     if cores is None and cfg.mpi.threads_per_rank and cfg.mpi.threads_per_rank > 1:
         usable = usable_cores()
         cores = [usable[t % len(usable)] for t in range(cfg.mpi.threads_per_rank)]
-    return LocalTransport(problem, model, algorithm, cfg.seed, batch, device_ids, cfg.fault, loads, cores)
+    c = cfg.compress
+    return LocalTransport(problem, model, algorithm, cfg.seed, batch, device_ids, cfg.fault, loads, cores,
+                          compression.Codec(c.uplink, c.topk_fraction, bool(c.error_feedback)),
+                          link_speeds(cfg, problem.n_devices))
 
 
 def usable_cores() -> list[int]:

@@ -9,6 +9,7 @@ import dataclasses
 import numpy as np
 
 from edgefed import hwprofile
+from edgefed.compression import Codec
 from edgefed.errors import ConfigError
 from edgefed.participation.budgets import local_budgets
 from edgefed.participation.timing import Boards, Timing
@@ -41,6 +42,19 @@ def _comm_seconds(setup, names, profiles) -> np.ndarray:
     return np.array([np.nan if s is None else s for s in seconds])
 
 
+def link_speeds(cfg, n_devices: int) -> np.ndarray | None:
+    """Each device's shaped link, megabits per second ([device] link_mbps cycled; None: not shaped)."""
+    mbps = cfg.device.link_mbps
+    return np.array([mbps[k % len(mbps)] for k in range(n_devices)], np.float64) if mbps else None
+
+
+def round_bytes(cfg, algorithm, model) -> int:
+    """What a selected device's round moves: the broadcast (x, server vectors) and its report, encoded."""
+    c = cfg.compress
+    down = (1 + len(algorithm.server_vectors)) * Codec(c.downlink, c.topk_fraction).nbytes(model.dim, model.dtype)
+    return down + len(algorithm.reports) * Codec(c.uplink, c.topk_fraction).nbytes(model.dim, model.dtype)
+
+
 def timing_for(setup, owners: np.ndarray | None = None, on_info=None, resume_point=None, distributed: bool = False):
     """Setup with its Timing. owners: the rank hosting each device under mpirun (None: this process hosts
     every device, on [device] profile's board). A resumed run keeps the clock and deadlines its log holds,
@@ -64,7 +78,8 @@ def timing_for(setup, owners: np.ndarray | None = None, on_info=None, resume_poi
     timing = Timing(clock=str(clock), boards=boards, deadlines=deadlines,
                     quantile=p.deadline_quantile if p.deadline_s == "adaptive" else None, covers=p.deadline_covers,
                     overselect=p.overselect,
-                    link_delays={(f.device, f.round): f.seconds for f in cfg.fault if f.kind == "slow_link"})
+                    link_delays={(f.device, f.round): f.seconds for f in cfg.fault if f.kind == "slow_link"},
+                    link_mbps=link_speeds(cfg, n), round_bytes=round_bytes(cfg, setup.algorithm, setup.model))
     setup.header.attrs["clock"] = timing.clock
     # whose late devices were over-selected surplus, outside the rounds' weights (a replay weighs alike)
     setup.header.attrs["overselected"] = p.overselect > 0 or (isinstance(setup.trace, ReplayTrace)

@@ -108,6 +108,23 @@ class Timing:
     covers: str = "compute"  # "round": a device computes for its deadline less its communication
     overselect: float = 0.0
     link_delays: dict = field(default_factory=dict)  # {(device, round): seconds} of [[fault]] slow_link
+    link_mbps: np.ndarray | None = None  # (N,) each device's shaped link ([device] link_mbps); None: not shaped
+    round_bytes: int = 0  # what a selected device's round moves (broadcast and report), for the links' prior
 
     def delays(self, ids: np.ndarray, round_idx: int) -> np.ndarray:
         return np.array([self.link_delays.get((int(k), round_idx), 0.0) for k in ids])
+
+    def transfer_s(self, ids: np.ndarray, nbytes) -> np.ndarray:
+        """Seconds each device's shaped link takes for nbytes (0 where links are not shaped)."""
+        if self.link_mbps is None:
+            return np.zeros(ids.size)
+        return 8.0 * np.asarray(nbytes, np.float64) / (self.link_mbps[ids] * 1e6)
+
+    def link_prior(self, ids: np.ndarray) -> np.ndarray | None:
+        """Each device's communication time before any is measured: its profile's, plus its shaped link's
+        time for a round's bytes; None when neither is known."""
+        profiled = None if self.boards is None else self.boards.comm_s[ids]
+        if self.link_mbps is None:
+            return profiled
+        base = np.zeros(ids.size) if profiled is None else np.where(np.isfinite(profiled), profiled, 0.0)
+        return base + self.transfer_s(ids, self.round_bytes)

@@ -23,11 +23,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from edgefed.algorithms.base import LocalTask
+from edgefed import compression
+from edgefed.algorithms.base import DELTA_X, LocalTask
 from edgefed.errors import EdgefedError
 from edgefed.kernels import jit_compilations
 from edgefed.models import warm_model
-from edgefed.rng import kernel_state
+from edgefed.rng import Purpose, generator, kernel_state
 from edgefed.runtime.contention import Competitor, pin
 from edgefed.runtime.deadline import BoardReadings, DeadlineRunner, run_all
 from edgefed.transport import Evaluation, LocalResults, RoundPlan
@@ -67,8 +68,11 @@ class Lane:
 class RoundWork:
     """The arrays one round's work fills, a row per selected device in plan order."""
 
-    def __init__(self, n_sel: int, d: int, dtype, reports):
-        self.vectors = {name: np.zeros((n_sel, d), dtype=dtype) for name in reports}
+    def __init__(self, n_sel: int, d: int, dtype, reports, feedback: bool = False):
+        self.vectors = {name: np.zeros((n_sel, d), dtype=dtype) for name in reports}  # as decoded
+        self.payload = [None] * n_sel  # {report: Encoded} of each device that sent work (compressed uplink)
+        self.residuals = {name: np.zeros((n_sel, d), dtype=dtype) for name in reports} if feedback else {}
+        self.bytes_up = np.zeros(n_sel, np.int64)
         self.steps = np.zeros(n_sel, np.int32)
         self.elapsed, self.cpu = np.zeros(n_sel, np.float32), np.full(n_sel, np.nan, np.float32)
         self.freq, self.temp = np.full(n_sel, np.nan, np.float32), np.full(n_sel, np.nan, np.float32)
@@ -81,14 +85,17 @@ class RoundWork:
         """In one process the link is all the communication there is (a slow_link fault's, or none)."""
         return LocalResults({name: _read_only(v[rows]) for name, v in self.vectors.items()}, self.steps[rows],
                             self.elapsed[rows], self.cpu[rows], self.late[rows], self.freq[rows], self.temp[rows],
-                            self.compiled[rows], self.finish[rows], self.comm[rows], self.core[rows], self.comm[rows])
+                            self.compiled[rows], self.finish[rows], self.comm[rows], self.core[rows], self.comm[rows],
+                            bytes_up=self.bytes_up[rows])
 
 
 class LocalTransport:
     def __init__(self, problem, model, algorithm, seed: int, batch_size: int | None, device_ids=None,
-                 faults=(), contention=(), cores=None):
+                 faults=(), contention=(), cores=None, uplink: compression.Codec = compression.Codec(),
+                 links: np.ndarray | None = None):
         """cores: the cores this process's lanes are pinned to, one lane each (None: one unpinned lane;
-        with contention, a lane on core 0)."""
+        with contention, a lane on core 0); uplink: how reports are compressed; links: each device's
+        shaped link in megabits per second (index: device id; None: not shaped)."""
         self.problem, self.model, self.algorithm = problem, model, algorithm
         self.eval_model = model.clone()  # evaluation may run while a late worker still computes
         self.seed, self.batch_size = seed, batch_size
@@ -100,7 +107,9 @@ class LocalTransport:
         self._devices = {}
         self._faults = {(f.device, f.round): f for f in faults}
         self.vectors = None  # {device vector: (hosted devices, d) rows in device_ids order}, e.g. SCAFFOLD's c_k
-        self._pending = None  # (round, device ids, {delta name: rows}) until the coordinator accepts them
+        self._pending = None  # (round, device ids, {delta name: rows}, {report: residual rows}) until accepted
+        self.uplink, self.links = uplink, links
+        self.residual_rows = None  # {report: (hosted devices, d) error-feedback residuals}, with error feedback
         self.contention = tuple(contention)
         if cores is None and self.contention:
             cores = (min(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 0,)
@@ -150,22 +159,43 @@ class LocalTransport:
         return rows
 
     def load_devices(self, rows: dict[str, np.ndarray]) -> None:
-        """Restore the hosted devices' vectors (rows in device_ids order; in the simulator, every device)."""
-        self.vectors = {name: np.array(values, dtype=self.model.dtype) for name, values in rows.items()}
+        """Restore the hosted devices' vectors and residuals (rows in device_ids order; in the simulator,
+        every device)."""
+        own = lambda values: np.array(values, dtype=self.model.dtype)  # noqa: E731
+        self.vectors = {v.name: own(rows[v.name]) for v in self.algorithm.device_vectors}
+        if self.uplink.error_feedback:
+            self.residual_rows = {r: own(rows[compression.residual_name(r)]) for r in self.algorithm.reports}
 
     def accept(self, round_idx: int, device_ids: np.ndarray) -> None:
-        """The coordinator kept these devices' reports of round_idx: they add their Deltas to their vectors."""
+        """The coordinator kept these devices' reports of round_idx: they add their Deltas to their vectors
+        and keep the residuals those reports left."""
         if self._pending is None or self._pending[0] != round_idx:
             return  # nothing pending, or a late round the coordinator dropped
-        _, ids, deltas = self._pending
+        _, ids, deltas, residuals = self._pending
         for i in np.flatnonzero(np.isin(ids, device_ids)):
+            row = self._row[int(ids[i])]
             for v in self.algorithm.device_vectors:
-                self.vectors[v.name][self._row[int(ids[i])]] += deltas[v.delta][i]
+                self.vectors[v.name][row] += deltas[v.delta][i]
+            for name, values in residuals.items():
+                self.residual_rows[name][row] = values[i]
         self._pending = None
 
+    def residuals(self, round_idx: int, device_ids: np.ndarray) -> dict[str, np.ndarray]:
+        """The residuals these devices' reports of round_idx leave them (before `accept`), as the log
+        names them."""
+        _, ids, _, residuals = self._pending
+        at = np.searchsorted(ids, device_ids)
+        return {compression.residual_name(name): values[at] for name, values in residuals.items()}
+
     # -- local work --------------------------------------------------------------------------------------
-    def local_work(self, plan: RoundPlan, state) -> LocalResults:
+    def local_work(self, plan: RoundPlan, state, downlink=None) -> LocalResults:
+        """In one process the devices read the copy of the model they hold (state) directly; a compressed
+        downlink's difference only counts in plan.down_bytes."""
         return self.work(plan, state).results()
+
+    def _round_work(self, plan: RoundPlan, state) -> RoundWork:
+        return RoundWork(plan.device_ids.size, state.x.shape[0], state.x.dtype, self.algorithm.reports,
+                         self.uplink.error_feedback)
 
     def submit(self, plan: RoundPlan, state, on_device=None):
         """Start the round's work on a thread of its own (MPI device ranks); returns (Future of the
@@ -173,7 +203,7 @@ class LocalTransport:
         if self._dispatch is None:
             self._dispatch = ThreadPoolExecutor(1)
         self._stop.clear()
-        work = RoundWork(plan.device_ids.size, state.x.shape[0], state.x.dtype, self.algorithm.reports)
+        work = self._round_work(plan, state)
         return self._dispatch.submit(self.work, plan, state, on_device, work), work
 
     def stop(self) -> None:
@@ -184,10 +214,14 @@ class LocalTransport:
     def work(self, plan: RoundPlan, state, on_device=None, work: RoundWork | None = None) -> RoundWork:
         """Run the plan's (hosted) devices in the lanes, each from the server state."""
         if work is None:
-            work = RoundWork(plan.device_ids.size, state.x.shape[0], state.x.dtype, self.algorithm.reports)
-        if self.algorithm.device_vectors:  # from the start: an over-selected round is accepted as devices finish
+            work = self._round_work(plan, state)
+        if self.uplink.error_feedback and self.residual_rows is None:
+            self.residual_rows = {r: np.zeros((self.device_ids.size, state.x.size), state.x.dtype)
+                                  for r in self.algorithm.reports}
+        if self.algorithm.device_vectors or work.residuals:  # from the start: an over-selected round is
+            # accepted as devices finish
             self._pending = (plan.round_idx, plan.device_ids.copy(),
-                             {v.delta: work.vectors[v.delta] for v in self.algorithm.device_vectors})
+                             {v.delta: work.vectors[v.delta] for v in self.algorithm.device_vectors}, work.residuals)
         for k in plan.device_ids:  # data is built here, once, not by the lanes at the same time
             self.data(int(k))
         lanes = [(lane, list(range(t, plan.device_ids.size, len(self.lanes)))) for t, lane in enumerate(self.lanes)]
@@ -252,21 +286,46 @@ class LocalTransport:
                          self._streams(lane.model, data, plan.round_idx, k))
         work.steps[i] = self.algorithm.client_update(lane.model, data, task,
                                                      {name: rows[i] for name, rows in work.vectors.items()})
+        if work.steps[i] > 0:
+            self._compress(i, k, plan.round_idx, work)
         wall = time.perf_counter() - wall0
         work.compiled[i] = jit_compilations() > compiled_before
         work.elapsed[i] = wall
         work.cpu[i] = 100.0 * (time.thread_time() - cpu0) / wall if wall > 0 else math.nan
         work.freq[i], work.temp[i] = lane.readings.frequency_mhz(), lane.readings.temperature_c()
-        delay = self.link_delay(k, plan.round_idx)
+        delay = self.link_delay(k, plan.round_idx, plan.down_bytes + int(work.bytes_up[i]))
         if delay:
             work.comm[i] = delay  # in one process the link is accounted for, not slept through
         work.finish[i] = wall + delay
         work.core[i] = -1 if lane.core is None else lane.core
 
-    def link_delay(self, device_id: int, round_idx: int) -> float:
-        """Seconds a `[[fault]] kind = "slow_link"` holds this device's report in this round."""
+    def _compress(self, i: int, k: int, round_idx: int, work: RoundWork) -> None:
+        """Encode device k's report as the uplink sends it (with its residual added, under error feedback):
+        the report rows become what the coordinator decodes, the new residuals wait for acceptance."""
+        codec, d = self.uplink, work.vectors[DELTA_X].shape[1]
+        if not codec.lossy:
+            work.bytes_up[i] = len(work.vectors) * codec.nbytes(d, self.model.dtype)
+            return
+        rng = generator(self.seed, Purpose.COMPRESS, round_idx, k) if codec.kind == "int8" else None
+        sent = {}
+        for name, rows in work.vectors.items():  # Delta x first, then the algorithm's, each from the one stream
+            residual = self.residual_rows[name][self._row[k]] if codec.error_feedback else None
+            enc, left = codec.send(rows[i], residual, rng)
+            rows[i] = compression.decode(enc, rows.dtype)
+            if left is not None:
+                work.residuals[name][i] = left
+            sent[name] = enc
+        work.payload[i] = sent
+        work.bytes_up[i] = sum(enc.nbytes for enc in sent.values())
+
+    def link_delay(self, device_id: int, round_idx: int, nbytes: int = 0) -> float:
+        """Seconds this device's link holds its report in this round: a `[[fault]] kind = "slow_link"`'s,
+        plus the time the round's nbytes (down and up) take on a shaped link ([device] link_mbps)."""
         fault = self._faults.get((device_id, round_idx))
-        return fault.seconds if fault is not None and fault.kind == "slow_link" else 0.0
+        delay = fault.seconds if fault is not None and fault.kind == "slow_link" else 0.0
+        if self.links is not None:
+            delay += compression.transfer_s(nbytes, float(self.links[device_id]))
+        return delay
 
     def _streams(self, model, data, round_idx: int, device_id: int):
         """stream(purpose): the model's generator workspace on (seed, purpose, round, device)."""

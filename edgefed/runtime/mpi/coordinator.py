@@ -47,16 +47,27 @@ class MpiTransport:
         self.hosted = {r: np.flatnonzero(owners == r) for r in range(1, comm.Get_size())}
         self._recv = {r: np.zeros(max(ids.size, 1) * wire.record_bytes(), np.uint8) for r, ids in self.hosted.items()}
         self._accepted = None  # (round, device ids) to announce with the next command
+        self._down = wire.downlink_buffer()
+        self._copy_sent = False  # the ranks hold the copy a compressed downlink's differences add to
+        self._residuals = (None, {})  # (round, {device: its residual record}) as they arrive
         self._status = MPI.Status()
 
     # -- down ---------------------------------------------------------------------------------------------
-    def _command(self, command: int, plan: RoundPlan | None = None, devices=None, x=None, vectors=None) -> None:
-        self.wire.encode_command(self.command, command, plan, devices, self._accepted)
+    def _command(self, command: int, plan: RoundPlan | None = None, devices=None, x=None, vectors=None,
+                 downlink=None) -> None:
+        """downlink: a round's encoded differences, sent instead of the state once the ranks hold the copy
+        they add to (the first round, and the first after a resume, sends that copy in full)."""
+        encoded = downlink is not None and self._copy_sent
+        self.wire.encode_command(self.command, command, plan, devices, self._accepted, downlink=encoded)
         self._accepted = None
         wait(self.comm.Ibcast(self.command.view(np.uint8), root=0), self.poll, also=self._listen)
-        if x is not None:
+        if encoded:
+            self.wire.pack_downlink(self._down, downlink)
+            wait(self.comm.Ibcast(self._down, root=0), self.poll, also=self._listen)
+        elif x is not None:
             self.wire.pack_state(self.state, x, vectors)
             wait(self.comm.Ibcast(self.state, root=0), self.poll, also=self._listen)
+            self._copy_sent = self._copy_sent or downlink is not None
 
     # -- who is alive -------------------------------------------------------------------------------------
     def _listen(self) -> None:
@@ -106,9 +117,9 @@ class MpiTransport:
         return got
 
     # -- the transport interface --------------------------------------------------------------------------
-    def local_work(self, plan: RoundPlan, state) -> LocalResults:
+    def local_work(self, plan: RoundPlan, state, downlink=None) -> LocalResults:
         t0 = time.perf_counter()
-        self._command(protocol.ROUND, plan, x=state.x, vectors=state.vectors)
+        self._command(protocol.ROUND, plan, x=state.x, vectors=state.vectors, downlink=downlink)
         messages, arrivals, ended = self._collect_work(plan, t0, self._timeout(plan))
         return dataclasses.replace(self.wire.unpack_work(plan, messages, arrivals), round_s=ended)
 
@@ -142,6 +153,8 @@ class MpiTransport:
                 buf = self._recv[src]
                 self.comm.Recv([buf[:nbytes], MPI.BYTE], source=src, tag=msg_tag)
                 self._heard[src] = time.perf_counter()
+                if msg_tag == protocol.TAG_RESIDUAL:
+                    self._keep_residuals(buf[:nbytes])
                 records = buf[:nbytes].view(record) if msg_tag == protocol.TAG_WORK else None
                 if records is not None and records.size and records[0]["round"] == plan.round_idx:
                     messages.append(records.copy())
@@ -168,6 +181,45 @@ class MpiTransport:
         for rank in np.unique(self.owners[np.fromiter(device_ids, np.int64)]):
             wait(self.comm.Isend(message, dest=int(rank), tag=protocol.TAG_CANCEL), self.poll)
 
+    def _keep_residuals(self, raw: np.ndarray) -> None:
+        records = raw.view(self.wire.residual)
+        if not records.size:
+            return
+        round_idx = int(records[0]["round"])
+        if round_idx != self._residuals[0]:
+            if self._residuals[0] is not None and round_idx < self._residuals[0]:
+                return  # of a round already over: its devices' reports were not taken
+            self._residuals = (round_idx, {})
+        for rec in records:
+            self._residuals[1][int(rec["device"])] = rec.copy()
+
+    def residuals(self, round_idx: int, device_ids: np.ndarray) -> dict[str, np.ndarray]:
+        """The residuals these devices' reports of round_idx leave them, waited for: each rank sends them
+        right after its reports."""
+        MPI, status = self.MPI, self._status
+        wanted = [int(k) for k in device_ids]
+        backoff = Backoff(self.poll)
+
+        def missing():
+            got = self._residuals[1] if self._residuals[0] == round_idx else {}
+            return [k for k in wanted if k not in got]
+
+        while missing():
+            if self.comm.Iprobe(MPI.ANY_SOURCE, MPI.ANY_TAG, status):
+                src, msg_tag, nbytes = status.Get_source(), status.Get_tag(), status.Get_count(MPI.BYTE)
+                buf = self._recv[src]
+                self.comm.Recv([buf[:nbytes], MPI.BYTE], source=src, tag=msg_tag)
+                self._heard[src] = time.perf_counter()
+                if msg_tag == protocol.TAG_RESIDUAL:
+                    self._keep_residuals(buf[:nbytes])
+                backoff.reset()  # anything else is a late report: dropped
+                continue
+            self._check_alive(lambda: np.unique(self.owners[missing()]))
+            backoff.pause()
+        got = self._residuals[1]
+        return {name: np.array([got[k]["vectors"][j] for k in wanted]).reshape(len(wanted), self.wire.dim)
+                for j, name in enumerate(self.wire.residuals)}
+
     def accept(self, round_idx: int, device_ids: np.ndarray) -> None:
         """Sent with the next command: the devices whose reports of round_idx were applied."""
         self._accepted = (round_idx, np.asarray(device_ids))
@@ -185,11 +237,11 @@ class MpiTransport:
         return self.wire.unpack_rows(got.values(), device_ids)
 
     def load_devices(self, rows: dict[str, np.ndarray]) -> None:
-        """Every device's vectors (row k: device k) to the rank hosting it."""
+        """Every device's vectors and residuals (row k: device k) to the rank hosting it."""
         self._command(protocol.LOAD_DEVICES)
         for rank, ids in self.hosted.items():
             if ids.size:
-                records = np.zeros(ids.size, self.wire.rows)
+                records = np.zeros(ids.size, self.wire.load)
                 self.wire.pack_rows(records, ids, {name: values[ids] for name, values in rows.items()})
                 wait(self.comm.Isend(records.view(np.uint8), dest=rank, tag=protocol.TAG_LOAD), self.poll)
 

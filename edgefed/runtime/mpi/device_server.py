@@ -72,6 +72,8 @@ class DeviceServer:
         self.heart = heart or Heart(comm, None, poll_max_s)
         self.command = wire.command_buffer()
         self.state = wire.state_buffer()
+        self.downlink = wire.downlink_buffer()
+        self.copy = None  # with a compressed downlink: {"x": ..., server vectors} as the devices hold them
         self.own = transport.device_ids
         nbytes = max(self.own.size, 1) * wire.record_bytes()
         self._send = [np.zeros(nbytes, np.uint8), np.zeros(nbytes, np.uint8)]  # double-buffered
@@ -116,7 +118,8 @@ class DeviceServer:
         now = time.perf_counter()
         while self._finished:
             row, when = self._finished.popleft()
-            self._due.append((when + self.transport.link_delay(int(plan.device_ids[row]), plan.round_idx), row))
+            sent = plan.down_bytes + int(work.bytes_up[row])
+            self._due.append((when + self.transport.link_delay(int(plan.device_ids[row]), plan.round_idx, sent), row))
         done = future.done()
         if done:
             future.result()  # re-raises a device's error here, on the main thread
@@ -129,8 +132,14 @@ class DeviceServer:
             held = np.array([now - due for _, due in ready])
             wait_s = np.nan_to_num(work.started[rows] - self._begun) + held
             records = self._records(protocol.TAG_WORK, rows.size)
-            self.wire.pack_work(records, plan.round_idx, plan.device_ids[rows], work.results(rows), wait_s)
+            self.wire.pack_work(records, plan.round_idx, plan.device_ids[rows], work.results(rows), wait_s,
+                                [work.payload[r] for r in rows])
             self._send_records(protocol.TAG_WORK, records)
+            if work.residuals:  # right behind the reports: the coordinator keeps them for --resume
+                left = self._records(protocol.TAG_RESIDUAL, rows.size)
+                self.wire.pack_residuals(left, plan.round_idx, plan.device_ids[rows],
+                                         {name: values[rows] for name, values in work.residuals.items()})
+                self._send_records(protocol.TAG_RESIDUAL, left)
             self._sent.update(rows.tolist())
         if done and len(self._sent) == plan.device_ids.size:
             self._future = None
@@ -161,14 +170,28 @@ class DeviceServer:
             if command == protocol.LOAD_DEVICES:
                 self._load_devices()
                 continue
-            self._wait_broadcast(self.state)
-            x, vectors = self.wire.unpack_state(self.state)
+            x, vectors = self._receive_state(command)
             if command == protocol.ROUND:
                 self._start_work(ServerState(x, vectors))
             elif command == protocol.EVAL:
                 self._evaluate(x)
             elif command == protocol.START_DEVICES:
                 self._start_devices(x)
+
+    def _receive_state(self, command: int):
+        """(x, server vectors) of the command: in full, or a compressed downlink's differences added to the
+        copy this rank holds (which a round's full state replaces)."""
+        if self.command[0]["downlink"]:
+            self._wait_broadcast(self.downlink)
+            self.copy = self.wire.apply_downlink(self.downlink, self.copy)
+        else:
+            self._wait_broadcast(self.state)
+            x, vectors = self.wire.unpack_state(self.state)
+            if command != protocol.ROUND or not self.wire.downlink.lossy:
+                return x, vectors
+            self.copy = {"x": x, **vectors}
+        held = dict(self.copy)
+        return held.pop("x"), held
 
     def _goodbye(self) -> None:
         """Finish (and drop) work still running, then say goodbye; the coordinator drains until it hears it."""
@@ -225,7 +248,7 @@ class DeviceServer:
         self._send_records(protocol.TAG_ROWS, records)
 
     def _load_devices(self) -> None:
-        records = np.zeros(self.own.size, self.wire.rows)
+        records = np.zeros(self.own.size, self.wire.load)
         if self.own.size:
             wait(self.comm.Irecv(records.view(np.uint8), source=0, tag=protocol.TAG_LOAD), self.poll)
-        self.transport.load_devices(self.wire.unpack_rows([records], self.own))
+        self.transport.load_devices(self.wire.unpack_rows([records], self.own, self.wire.restored))

@@ -7,7 +7,11 @@ receiver makes of it. The buffers themselves are allocated once (in the coordina
 travel as bytes with the buffer collectives; nothing on the per-round path is pickled.
 
 Per round: down, a command record (Ibcast) and then the server state (Ibcast, x and the algorithm's server
-vectors as rows of one array); up, one message per device rank holding a work record per device it ran.
+vectors as rows of one array), or with a compressed downlink the encoded differences to the copy every rank
+holds (Ibcast of their bytes); up, one message per device rank holding a work record per device it ran,
+whose payload is each report vector as the uplink encodes it (int8 codes, top-k index/value pairs: the
+message is as small as the encoding), then with error feedback one message of the residuals those reports
+leave, which the coordinator keeps for --resume.
 """
 
 from __future__ import annotations
@@ -16,6 +20,8 @@ import math
 
 import numpy as np
 
+from edgefed import compression
+from edgefed.compression import Codec
 from edgefed.transport import Evaluation, LocalResults, RoundPlan
 
 # Commands (the command record's `command`), and the tags of the messages that answer them.
@@ -24,6 +30,7 @@ TAG_WORK, TAG_EVAL, TAG_ROWS, TAG_LOAD, TAG_BYE, TAG_CANCEL = 11, 12, 13, 14, 15
 TAG_ALIVE = 17  # a device rank's heartbeat: one int64, the rank; says only "still here"
 TAG_SETUP = 18  # a device rank's report after building its devices (pickled: failure, warm-up, lanes)
 TAG_CONFIG = 19  # rank 0's setup for the device ranks (pickled: the config and the owners, or an error)
+TAG_RESIDUAL = 20  # error feedback: the residuals a rank's reports of a round leave its devices
 NO_ROUND = -1
 
 
@@ -33,13 +40,20 @@ class Wire:
     n_devices, dim, dtype: the federation and the model; reports: the names of the vectors a work report
     carries (Delta x first); server: the names of the vectors that travel down beside x; device: the names
     of the vectors each device keeps (sent up when they start, down when a resumed run restores them).
-    Vectors travel in these orders, whatever order a mapping holds them in.
+    Vectors travel in these orders, whatever order a mapping holds them in. uplink, downlink: the compression
+    of the reports and of the broadcast; with the uplink's error feedback a resumed run restores the devices'
+    residuals beside their vectors.
     """
 
     def __init__(self, n_devices: int, dim: int, dtype, reports: tuple[str, ...], server: tuple[str, ...] = (),
-                 device: tuple[str, ...] = ()):
+                 device: tuple[str, ...] = (), uplink: Codec = Codec(), downlink: Codec = Codec()):
         self.n_devices, self.dim, self.dtype = n_devices, dim, np.dtype(dtype)
         self.reports, self.server, self.device = tuple(reports), tuple(server), tuple(device)
+        self.uplink, self.downlink = uplink, downlink
+        self.residuals = tuple(compression.residual_name(r) for r in self.reports) if uplink.error_feedback else ()
+        self.restored = self.device + self.residuals  # what LOAD_DEVICES carries per device
+        self._up = uplink.nbytes(dim, self.dtype)  # one encoded report vector
+        self._down = downlink.nbytes(dim, self.dtype)  # one encoded broadcast vector
         n = n_devices
         self.command = np.dtype([
             ("command", "<i8"),
@@ -53,6 +67,8 @@ class Wire:
             ("deadline_s", "<f8", (n,)),  # what each device computes for; NaN: no deadline
             ("due_s", "<f8", (n,)),  # the round deadline its report is due by; NaN: none
             ("by_arrival", "?"),  # over-selection: a device may be told to stop
+            ("downlink", "?"),  # the state follows as encoded differences to the ranks' copy (else in full)
+            ("down_bytes", "<i8"),  # what the broadcast brings each selected device (a shaped link's time)
             ("accepted", "?", (n,)),  # the coordinator applied these devices' reports of accepted_round
         ], align=True)
         self.work = np.dtype([
@@ -67,14 +83,18 @@ class Wire:
             ("temperature_c", "<f4"),
             ("core", "<i2"),
             ("wait_s", "<f4"),  # of the time from the command to the report leaving: neither work nor link
-            ("vectors", self.dtype, (len(self.reports), dim)),
+            ("bytes_up", "<i8"),  # the payload's bytes that carry work (0: none sent)
+            ("payload", "u1", (len(self.reports) * self._up,)),  # the report vectors, encoded, back to back
         ], align=True)
+        self.residual = np.dtype([("round", "<i8"), ("device", "<i8"),
+                                  ("vectors", self.dtype, (len(self.reports), dim))], align=True)
         self.evaluation = np.dtype([("device", "<i8"), ("train_loss", "<f8"), ("test_loss_sum", "<f8"),
                                     ("test_correct", "<i8"), ("n_test", "<i8")], align=True)
         self.rows = np.dtype([("device", "<i8"), ("vectors", self.dtype, (len(self.device), dim))], align=True)
+        self.load = np.dtype([("device", "<i8"), ("vectors", self.dtype, (len(self.restored), dim))], align=True)
         self.bye = np.dtype([("rank", "<i8")])
-        self.tags = {TAG_WORK: self.work, TAG_EVAL: self.evaluation, TAG_ROWS: self.rows, TAG_LOAD: self.rows,
-                     TAG_BYE: self.bye}
+        self.tags = {TAG_WORK: self.work, TAG_EVAL: self.evaluation, TAG_ROWS: self.rows, TAG_LOAD: self.load,
+                     TAG_BYE: self.bye, TAG_RESIDUAL: self.residual}
 
     def record_bytes(self) -> int:
         """The largest record of any upward message: a device rank's send buffers hold that per device."""
@@ -87,11 +107,31 @@ class Wire:
     def command_buffer(self) -> np.ndarray:
         return np.zeros(1, self.command)
 
+    def downlink_buffer(self) -> np.ndarray:
+        """The broadcast buffer of a compressed downlink: x's encoding, then each server vector's."""
+        return np.zeros((1 + len(self.server)) * self._down, np.uint8)
+
+    # -- down: a compressed broadcast ------------------------------------------------------------------
+    def pack_downlink(self, buf: np.ndarray, encoded: dict) -> None:
+        """The encoded differences of x and the server vectors (Encoded each), back to back."""
+        for i, name in enumerate(("x",) + self.server):
+            self.downlink.to_bytes(encoded[name], buf[i * self._down:(i + 1) * self._down])
+
+    def apply_downlink(self, buf: np.ndarray, held: dict) -> dict:
+        """The ranks' copy {"x": ..., server vectors} once the broadcast's differences are added, as the
+        coordinator adds them."""
+        out = {}
+        for i, name in enumerate(("x",) + self.server):
+            enc = self.downlink.from_bytes(buf[i * self._down:(i + 1) * self._down], self.dim, self.dtype)
+            out[name] = held[name] + compression.decode(enc, self.dtype)
+        return out
+
     # -- down: commands --------------------------------------------------------------------------------
     def encode_command(self, buf: np.ndarray, command: int, plan: RoundPlan | None = None,
-                       devices: np.ndarray | None = None, accepted: tuple[int, np.ndarray] | None = None) -> None:
+                       devices: np.ndarray | None = None, accepted: tuple[int, np.ndarray] | None = None,
+                       downlink: bool = False) -> None:
         """Fill the command record: a round's plan, or the devices a command is for, and the reports of the
-        previous round the coordinator applied."""
+        previous round the coordinator applied; downlink: the state follows encoded, not in full."""
         rec = buf[0]
         buf.view(np.uint8)[:] = 0
         rec["command"] = command
@@ -115,6 +155,8 @@ class Wire:
             if plan.round_deadline_s is not None:
                 rec["due_s"][ids] = plan.round_deadline_s
             rec["by_arrival"] = plan.by_arrival
+            rec["down_bytes"] = plan.down_bytes
+        rec["downlink"] = downlink
 
     @staticmethod
     def accepted(buf: np.ndarray) -> tuple[int, np.ndarray] | None:
@@ -141,7 +183,7 @@ class Wire:
                          deadline_s=None if np.isnan(deadlines).all() else deadlines.astype(np.float64),
                          grace_s=float(rec["grace_s"]),
                          round_deadline_s=None if np.isnan(due).all() else due.astype(np.float64),
-                         by_arrival=bool(rec["by_arrival"]))
+                         by_arrival=bool(rec["by_arrival"]), down_bytes=int(rec["down_bytes"]))
 
     # -- down: the server state ------------------------------------------------------------------------
     def pack_state(self, buf: np.ndarray, x: np.ndarray, vectors=None) -> None:
@@ -158,9 +200,10 @@ class Wire:
 
     # -- up: work reports ------------------------------------------------------------------------------
     def pack_work(self, records: np.ndarray, round_idx: int, ids: np.ndarray, res: LocalResults | None,
-                  wait_s=0.0) -> None:
+                  wait_s=0.0, payload=None) -> None:
         """One record per device; res None: the devices could not start in time (late, no work). wait_s: how
-        long each report waited on the rank (for its lane, for the rank's other devices), not working."""
+        long each report waited on the rank (for its lane, for the rank's other devices), not working.
+        payload: with a compressed uplink, each device's {report: Encoded} (None: it sent no work)."""
         records["round"], records["device"], records["wait_s"] = round_idx, ids, wait_s
         if res is None:
             records["late"] = True
@@ -168,8 +211,33 @@ class Wire:
         records["steps"], records["late"], records["compiled"] = res.steps, res.late, res.compiled
         records["elapsed_s"], records["cpu_percent"] = res.elapsed_s, res.cpu_percent
         records["cpu_freq_mhz"], records["temperature_c"], records["core"] = res.cpu_freq_mhz, res.temperature_c, res.core
+        records["bytes_up"] = 0 if res.bytes_up is None else res.bytes_up
+        size = self._up
         for j, name in enumerate(self.reports):
-            records["vectors"][:, j] = res.vectors[name]
+            cut = records["payload"][:, j * size:(j + 1) * size]
+            if not self.uplink.lossy:
+                cut[...] = np.ascontiguousarray(res.vectors[name]).view(np.uint8).reshape(len(records), size)
+                continue
+            for i, sent in enumerate(payload):
+                if sent is not None:
+                    self.uplink.to_bytes(sent[name], cut[i])
+
+    def _report_vectors(self, rec) -> dict:
+        """A work record's report vectors, decoded as the coordinator applies them."""
+        size, out = self._up, {}
+        for j, name in enumerate(self.reports):
+            raw = rec["payload"][j * size:(j + 1) * size]
+            if self.uplink.lossy:
+                out[name] = compression.decode(self.uplink.from_bytes(raw, self.dim, self.dtype), self.dtype)
+            else:
+                out[name] = raw.view(self.dtype)
+        return out
+
+    def pack_residuals(self, records: np.ndarray, round_idx: int, ids: np.ndarray, residuals: dict) -> None:
+        """The residuals (rows in ids order, one array per report) the devices' reports of the round leave."""
+        records["round"], records["device"] = round_idx, ids
+        for j, name in enumerate(self.reports):
+            records["vectors"][:, j] = residuals[name]
 
     def unpack_work(self, plan: RoundPlan, messages, arrivals=None) -> LocalResults:
         """The round's LocalResults from the work records received (arrivals: seconds from the round's start
@@ -183,6 +251,7 @@ class Wire:
         compiled = np.zeros(n_sel, bool)
         core = np.full(n_sel, -1, np.int16)
         finish, wait_s = np.full(n_sel, np.nan), np.zeros(n_sel)
+        bytes_up = np.zeros(n_sel, np.int64)
         measured = {name: np.full(n_sel, np.nan, np.float32)
                     for name in ("elapsed_s", "cpu_percent", "cpu_freq_mhz", "temperature_c")}
         messages = list(messages)
@@ -191,17 +260,17 @@ class Wire:
             for rec in records:
                 i = row[int(rec["device"])]
                 late[i], compiled[i], core[i], finish[i] = rec["late"], rec["compiled"], rec["core"], arrival
-                wait_s[i] = rec["wait_s"]
+                wait_s[i], bytes_up[i] = rec["wait_s"], rec["bytes_up"]
                 steps[i] = 0 if rec["late"] else rec["steps"]
                 for name, values in measured.items():
                     values[i] = rec[name]
                 if not rec["late"]:
-                    for j, name in enumerate(self.reports):
-                        vectors[name][i] = rec["vectors"][j]
+                    for name, values in self._report_vectors(rec).items():
+                        vectors[name][i] = values
         comm = finish - measured["elapsed_s"]
         return LocalResults(vectors, steps, measured["elapsed_s"], measured["cpu_percent"], late,
                             measured["cpu_freq_mhz"], measured["temperature_c"], compiled, finish,
-                            comm.astype(np.float32), core, (comm - wait_s).astype(np.float32))
+                            comm.astype(np.float32), core, (comm - wait_s).astype(np.float32), bytes_up=bytes_up)
 
     # -- up: evaluation --------------------------------------------------------------------------------
     @staticmethod
@@ -221,18 +290,24 @@ class Wire:
 
     # -- both ways: device vectors ---------------------------------------------------------------------
     def pack_rows(self, records: np.ndarray, ids: np.ndarray, rows: dict[str, np.ndarray]) -> None:
-        """Devices' vectors, a record per device: rows[name] holds one row per id, in ids order."""
+        """Devices' vectors, a record per device: rows[name] holds one row per id, in ids order (records of
+        `rows`: the device vectors; of `load`: those and the residuals)."""
         records["device"] = ids
-        for j, name in enumerate(self.device):
+        for j, name in enumerate(self._row_names(records)):
             records["vectors"][:, j] = rows[name]
 
-    def unpack_rows(self, messages, device_ids: np.ndarray) -> dict[str, np.ndarray]:
-        """{name: rows of device_ids, in that order} from the records received."""
+    def unpack_rows(self, messages, device_ids: np.ndarray, names: tuple | None = None) -> dict[str, np.ndarray]:
+        """{name: rows of device_ids, in that order} from the records received (names: in the records'
+        order, by default the device vectors)."""
+        names = self.device if names is None else names
         at = {int(k): i for i, k in enumerate(device_ids)}
-        out = {name: np.zeros((len(device_ids), self.dim), self.dtype) for name in self.device}
+        out = {name: np.zeros((len(device_ids), self.dim), self.dtype) for name in names}
         for records in messages:
             for rec in records:
                 i = at[int(rec["device"])]
-                for j, name in enumerate(self.device):
+                for j, name in enumerate(names):
                     out[name][i] = rec["vectors"][j]
         return out
+
+    def _row_names(self, records: np.ndarray) -> tuple:
+        return self.restored if records.dtype == self.load else self.device
