@@ -19,7 +19,7 @@ from edgefed.analysis.logs import Run
 from edgefed.cli import main
 from edgefed.orchestration import run as runs
 from edgefed.orchestration.sweep import run_sweep
-from edgefed.runlog import read_run
+from edgefed.runlog import read_run, size_text
 
 TRACE = ["rounds=5", "data.clients=6", "train.clients_per_round=4", "train.local_steps=6", "train.batch_size=10",
          'participation.mode="trace"', 'participation.trace="builtin:8"', 'participation.scheme="C"']
@@ -96,6 +96,8 @@ def test_summary_says_what_differs_what_it_reached_and_each_device(logs, capsys)
     assert f"test accuracy: final {acc[-1]:.4f}, best {acc.max():.4f}" in out
     first = int(np.flatnonzero(acc >= target)[0])
     assert f"to test accuracy {target:g}: round {first}, clock {run['metrics/clock_s'][first]:.3f} s" in out
+    up = run["participation/bytes_up"].sum(axis=1).mean()
+    assert f"wire per round: {size_text(up)} up, " in out and "(uplink none, downlink none)" in out
     table = lines[lines.index("device  selected  fraction  inactive   late  cpu %") + 1:]
     assert len(table) == 6
     d0 = run.devices()[0]

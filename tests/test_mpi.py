@@ -239,3 +239,26 @@ def test_new_rules_under_mpiexec_write_the_simulators_bytes(tmp_path, algorithm,
         logs.append(read_run(tmp_path / name))
     assert same_datasets(*logs) == []
     assert (logs[0]["participation/steps"] < 10).any() and logs[0]["participation/coeff"].any()
+
+
+COMPRESSED = SMALL.replace("[train]\n", '[train]\nalgorithm = "scaffold"\n') + """[participation]
+mode = "trace"
+trace = "builtin"
+[compress]
+uplink = "{uplink}"
+downlink = "{downlink}"
+topk_fraction = 0.05
+"""
+
+
+@pytest.mark.parametrize("uplink,downlink", [("int8", "topk"), ("topk", "fp16")])
+def test_compressed_runs_under_mpiexec_write_the_simulators_bytes(tmp_path, uplink, downlink):
+    cfg = write(tmp_path, "c.toml", COMPRESSED.format(uplink=uplink, downlink=downlink))
+    logs = []
+    for ranks, name in ((None, "sim.h5"), (3, "mpi.h5")):
+        done = edgefed(["run", cfg, "--out", str(tmp_path / name), "--quiet"], ranks)
+        assert done.returncode == 0, done.stderr
+        logs.append(read_run(tmp_path / name))
+    assert same_datasets(*logs) == []
+    worked = logs[0]["participation/steps"] > 0
+    assert (logs[1]["participation/bytes_up"][worked] < 610 * 4).all() and logs[1]["state/residual_delta_c"].any()

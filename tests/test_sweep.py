@@ -48,7 +48,7 @@ test_accuracy = 0.3
 
 SUMMARY_COLUMNS = ["cell", "participation.scheme", "data.alpha", "data.beta", "seed", "log", "status", "rounds",
                    "final_test_accuracy", "best_test_accuracy", "final_train_loss", "wall_s", "clock_s",
-                   "rounds_to_target", "clock_to_target_s", "error"]
+                   "bytes_up_per_round", "bytes_down_per_round", "rounds_to_target", "clock_to_target_s", "error"]
 
 
 def write_sweep(folder: Path, text: str = SWEEP, base: str = BASE) -> Path:
@@ -201,6 +201,7 @@ def test_summary_rows_are_the_logs_own_figures(serial):
         assert float(row["final_train_loss"]) == loss[-1]
         assert float(row["clock_s"]) == clock[-1]
         assert float(row["wall_s"]) == pytest.approx(log["metrics/round_elapsed_s"].sum())
+        assert float(row["bytes_up_per_round"]) == log["participation/bytes_up"].sum(axis=1).mean()
         reached = np.flatnonzero(acc >= 0.3)
         if reached.size:
             assert int(row["rounds_to_target"]) == reached[0]

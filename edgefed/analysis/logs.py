@@ -75,6 +75,14 @@ class Run:
     def wall_s(self) -> float:
         return float(np.nansum(self.data.get("metrics/round_elapsed_s", np.zeros(0))))
 
+    def bytes_per_round(self, direction: str) -> float:
+        """Mean over the rounds of what travelled "up" (reports) or "down" (broadcasts), summed over the
+        devices; NaN for a log from before the wire was logged."""
+        sent = self.data.get(f"participation/bytes_{direction}")
+        if sent is None or not sent.shape[0]:
+            return math.nan
+        return float(sent.sum(axis=1).mean())
+
     def to_target(self, accuracy: float) -> tuple[float, float]:
         """(rounds, clock seconds) of the first evaluated round whose test accuracy reaches `accuracy`;
         NaN where it never does."""

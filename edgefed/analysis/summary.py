@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 from edgefed.analysis.logs import Run
+from edgefed.runlog import size_text
 
 
 def _num(value: float, spec: str = ".4f") -> str:
@@ -21,6 +22,11 @@ def summary_lines(run: Run, target: float | None = None) -> list[str]:
     lines.append(f"test accuracy: final {_num(run.final('test_accuracy'))}, best {_num(run.best('test_accuracy'))}; "
                  f"train loss: final {_num(run.final('train_loss'), '.6g')}; "
                  f"clock {_num(clock, '.3f')} s ({run.attrs.get('clock', 'measured')}), wall {run.wall_s():.2f} s")
+    up, down = run.bytes_per_round("up"), run.bytes_per_round("down")
+    if not math.isnan(up):
+        lines.append(f"wire per round: {size_text(up)} up, {size_text(down)} down "
+                     f"(uplink {run.config_dict().get('compress', {}).get('uplink', 'none')}, "
+                     f"downlink {run.config_dict().get('compress', {}).get('downlink', 'none')})")
     if target is not None:
         rounds, seconds = run.to_target(target)
         lines.append(f"to test accuracy {target:g}: " + ("never reached" if math.isnan(rounds) else

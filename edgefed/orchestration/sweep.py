@@ -35,7 +35,8 @@ from edgefed.runtime.mpi.comm import wait, world
 
 KEYS = ("base", "seeds", "set", "axes", "target")
 TARGETS = ("test_accuracy",)
-FIGURES = ("final_test_accuracy", "best_test_accuracy", "final_train_loss", "wall_s", "clock_s")
+FIGURES = ("final_test_accuracy", "best_test_accuracy", "final_train_loss", "wall_s", "clock_s", "bytes_up_per_round",
+           "bytes_down_per_round")
 TARGET_FIGURES = ("rounds_to_target", "clock_to_target_s")
 
 
@@ -281,7 +282,9 @@ def row_of(folder: Path, job: Job, target: float | None, error: str | None) -> d
             status = "failed" if error else run.status
             figures.update({"rounds": run.rounds, "final_test_accuracy": run.final("test_accuracy"),
                             "best_test_accuracy": run.best("test_accuracy"), "final_train_loss": run.final("train_loss"),
-                            "wall_s": run.wall_s(), "clock_s": float(run.clock[-1])})
+                            "wall_s": run.wall_s(), "clock_s": float(run.clock[-1]),
+                            "bytes_up_per_round": run.bytes_per_round("up"),
+                            "bytes_down_per_round": run.bytes_per_round("down")})
             if target is not None:
                 rounds, seconds = run.to_target(target)
                 figures.update({"rounds_to_target": "" if math.isnan(rounds) else int(rounds),
