@@ -3,19 +3,21 @@
 Pure (no I/O, no transport), so the simulator and the MPI wire run the same encode and decode and their
 bytes agree. Kinds:
 
-- `fp16`: each coordinate rounded to the nearest float16 (ties to even); values beyond float16's range
-  saturate at +-65504 rather than become infinite.
+- `fp16`: each coordinate rounded to the nearest float16 (ties to even); finite values beyond float16's
+  range saturate at +-65504 rather than become infinite (inf and NaN stay what they are, so a diverged
+  update is still seen as one).
 - `int8`: chunks of CHUNK coordinates, each with its own float32 scale max|x| / 127; a coordinate is
   x / scale rounded stochastically (down or up, up with probability its fractional part), so the decoded
   vector is unbiased; the uniforms come from the caller's generator (a device's own stream: replayable).
   Decoded |error| < scale per coordinate.
-- `topk`: the k = max(1, ceil(fraction * n)) coordinates of largest magnitude, exactly; ties broken by the
-  lower index; sent as (int32 index, value) pairs in index order.
+- `topk`: the k = max(1, ceil(fraction * n)) coordinates of largest magnitude, exactly (NaN ranks as the
+  largest, so exactly k always go); ties broken by the lower index; sent as (int32 index, value) pairs in
+  index order.
 
 Error feedback (Seide et al. 2014; Karimireddy et al. 2019): a device adds the residual of what it did not
 send to its next update before encoding, and keeps the new residual, `feedback`.
 
-A `Codec` is one direction's setting; its `layout` is the arrays an encoded vector travels as, fixed by the
+A `Codec` is one direction's setting; `layout` gives the arrays an encoded vector travels as, fixed by the
 kind, the length and the dtype, so an MPI message can be sized once and carry the payload as raw bytes.
 """
 
@@ -46,7 +48,7 @@ class Encoded:
 
 
 def topk_count(n: int, fraction: float) -> int:
-    return min(n, max(1, math.ceil(fraction * n)))
+    return min(n, max(1, math.ceil(fraction * n - 1e-9)))  # 0.07 * 100 is 7.000000000000001 in floats
 
 
 def encode(kind: str, x: np.ndarray, rng: np.random.Generator | None = None, fraction: float = 0.01) -> Encoded:
@@ -55,7 +57,8 @@ def encode(kind: str, x: np.ndarray, rng: np.random.Generator | None = None, fra
     if kind == "none":
         return Encoded(kind, n, (np.ascontiguousarray(x),))
     if kind == "fp16":
-        return Encoded(kind, n, (np.clip(x, -_FP16_MAX, _FP16_MAX).astype(np.float16),))
+        saturated = np.where(np.isfinite(x), np.clip(x, -_FP16_MAX, _FP16_MAX), x)
+        return Encoded(kind, n, (saturated.astype(np.float16),))
     if kind == "int8":
         if rng is None:
             raise ValueError("int8 compression rounds stochastically: it needs the device's generator")
@@ -72,6 +75,7 @@ def encode(kind: str, x: np.ndarray, rng: np.random.Generator | None = None, fra
     if kind == "topk":
         k = topk_count(n, fraction)
         mag = np.abs(x)
+        mag[np.isnan(mag)] = np.inf
         threshold = np.partition(mag, n - k)[n - k]  # the k-th largest magnitude
         above = np.flatnonzero(mag > threshold)
         ties = np.flatnonzero(mag == threshold)[:k - above.size]  # the lowest indices among the equal ones
@@ -166,6 +170,8 @@ class Codec:
 
     def to_bytes(self, enc: Encoded, out: np.ndarray) -> None:
         """The encoded arrays, back to back, into the uint8 buffer out (of nbytes)."""
+        if enc.nbytes != out.size:
+            raise ValueError(f"a {enc.kind} payload of {enc.nbytes} bytes for a slot of {out.size}")
         at = 0
         for a in enc.arrays:
             out[at:at + a.nbytes] = a.view(np.uint8).reshape(-1)
@@ -179,3 +185,9 @@ class Codec:
             arrays.append(raw[at:at + size].copy().view(dt))
             at += size
         return Encoded(self.kind, n, tuple(arrays))
+
+
+def codecs(compress) -> tuple[Codec, Codec]:
+    """(uplink, downlink) of a config's [compress] table."""
+    c = compress
+    return Codec(c.uplink, c.topk_fraction, bool(c.error_feedback)), Codec(c.downlink, c.topk_fraction)

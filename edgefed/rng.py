@@ -24,7 +24,7 @@ class Purpose(IntEnum):
     TRACE = 8         # the completed fraction a trace gives a device in a round
     TRACE_ASSIGN = 9  # which trace a device follows
     TRACE_DROP = 10   # uploads lost while recording a trace
-    COMPRESS = 11     # a device's stochastic rounding of its int8-compressed update in one round
+    COMPRESS = 11     # int8's stochastic rounding: a device's report, or (no device) the server's broadcast
 
 
 def seed_sequence(seed: int, purpose: Purpose, round_idx: int = 0, device_id: int | None = None):

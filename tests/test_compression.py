@@ -77,3 +77,29 @@ def test_error_feedback_sends_everything_in_the_end(kind):
 def test_an_unknown_kind_is_named():
     with pytest.raises(ValueError, match="unknown compression 'zip'; choose from none, fp16, int8, topk"):
         comp.encode("zip", np.zeros(3))
+
+
+def test_a_diverged_update_stays_non_finite_and_top_k_always_sends_k():
+    x = np.array([1.0, np.inf, -np.inf, np.nan, 70000.0], np.float32)
+    half = comp.decode(comp.encode("fp16", x), np.float32)
+    assert half[1] == np.inf and half[2] == -np.inf and np.isnan(half[3]) and half[4] == 65504
+    for k_share, kept in ((0.4, [1, 2]), (0.6, [1, 2, 3])):  # inf, inf, then NaN ranked the largest
+        enc = comp.encode("topk", x, fraction=k_share)
+        assert enc.arrays[0].tolist() == kept and enc.nbytes == comp.Codec("topk", k_share).nbytes(5, np.float32)
+    many = np.full(10, np.nan, np.float32)
+    assert comp.encode("topk", many, fraction=0.3).arrays[0].tolist() == [0, 1, 2]
+    assert comp.topk_count(100, 0.07) == 7  # not 8: 0.07 * 100 is 7.000000000000001 in floats
+
+
+def test_payload_bytes_round_trip_in_the_layout_of_each_kind():
+    g = np.random.default_rng(5)
+    x = g.normal(size=5000).astype(np.float64)
+    for kind in comp.KINDS:
+        codec = comp.Codec(kind, 0.01)
+        enc = codec.encode(x, generator(0, Purpose.COMPRESS, 1, 0))
+        raw = np.zeros(codec.nbytes(x.size, x.dtype), np.uint8)
+        codec.to_bytes(enc, raw)
+        back = codec.from_bytes(raw, x.size, x.dtype)
+        assert comp.decode(back, x.dtype).tobytes() == comp.decode(enc, x.dtype).tobytes()
+        with pytest.raises(ValueError, match="bytes for a slot of"):
+            codec.to_bytes(enc, raw[:-1])

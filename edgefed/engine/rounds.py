@@ -66,10 +66,9 @@ class RoundEngine:
         self.clock = RoundClock(self.timing, self.n_devices, cfg.participation.mode,
                                 trace if isinstance(trace, ReplayTrace) else None)
         self.state: ServerState | None = None
-        c = cfg.compress
-        self.uplink = compression.Codec(c.uplink, c.topk_fraction, bool(c.error_feedback))
-        self.downlink = compression.Codec(c.downlink, c.topk_fraction)
-        self.residual_names = tuple(compression.residual_name(r) for r in algorithm.reports) if c.error_feedback else ()
+        _, self.downlink = compression.codecs(cfg.compress)
+        self.residual_names = (tuple(compression.residual_name(r) for r in algorithm.reports)
+                               if cfg.compress.error_feedback else ())
         self.replica: ServerState | None = None  # the model the devices hold, with a compressed downlink
 
     # -- planning ----------------------------------------------------------------------------------------
@@ -132,6 +131,20 @@ class RoundEngine:
             copy[name] = held[name] + compression.decode(encoded[name], value.dtype)
         self.replica = ServerState(copy.pop("x"), copy)
         return self.replica, encoded
+
+    def _bytes_down(self, plan: RoundPlan) -> np.ndarray:
+        """The broadcast's bytes each device received: the selected ones the model; with a compressed
+        downlink every member the difference (each keeps the copy it adds to), and an arriving device the
+        whole copy (x_0, which every device builds from the seed, is never sent)."""
+        row = np.zeros(self.n_devices, np.int64)
+        if not self.downlink.lossy:
+            row[plan.device_ids] = plan.down_bytes
+            return row
+        row[self.active] = plan.down_bytes
+        if self.dynamics.shifts_at(plan.round_idx):
+            x = self.state.x
+            row[self.dynamics.arriving(plan.round_idx)] = (1 + len(self.algorithm.server_vectors)) * x.size * x.itemsize
+        return row
 
     @staticmethod
     def _vectors(state: ServerState) -> dict:
@@ -273,10 +286,12 @@ class RoundEngine:
         self.state = self._declared(self.algorithm.server_update(
             self.state, RoundReports(plan.device_ids, res.vectors, coeffs, reported, t.lr_global, active_ids.size)),
             "server_update")
+        done = time.perf_counter()
+        # the residuals come to the log for --resume, as the evaluation comes: the bench's traffic, outside
+        # the round's clock and bytes (a deployment's devices would keep them)
         accepted = plan.device_ids[reported]
         residuals = self.transport.residuals(round_idx, accepted) if self.residual_names else {}
         self.transport.accept(round_idx, accepted)
-        done = time.perf_counter()
         clock = self.clock.advance(round_idx, settled, done - work0, done - worked)
 
         evaluate, store = self._due(round_idx)
@@ -337,7 +352,7 @@ class RoundEngine:
             "participation/comm_s": scatter(self.clock.comm_log(plan.round_idx, ids, settled), np.float32, np.nan),
             "participation/core": scatter(res.core if raced else -1, np.int16, -1),
             "participation/bytes_up": scatter(0 if res.bytes_up is None else res.bytes_up, np.int64),
-            "participation/bytes_down": scatter(plan.down_bytes, np.int64),
+            "participation/bytes_down": self._bytes_down(plan),
             "metrics/lr": plan.lr,
             "metrics/n_applied": int(np.count_nonzero(coeffs)),
             "metrics/round_elapsed_s": elapsed,

@@ -28,7 +28,7 @@ from edgefed.runtime.mpi.comm import abort_with, mpi_of, wait, world
 from edgefed.runtime.mpi.coordinator import MpiTransport, gather_setup, receive_setup, send_setup
 from edgefed.runtime.mpi.device_server import DeviceServer, Heart
 from edgefed.runtime.mpi.placement import device_owners
-from edgefed.compression import Codec
+from edgefed.compression import codecs
 from edgefed.runtime.mpi.protocol import Wire
 
 
@@ -54,10 +54,8 @@ def execute(resolve, force: bool, on_round, on_info, on_error, launch: run_mod.L
 
 def wire_for(cfg, algorithm: Algorithm, n_devices: int, model) -> Wire:
     """The MPI records of a run: the same on every rank, since every rank builds them from the same config."""
-    c = cfg.compress
     return Wire(n_devices, model.dim, model.dtype, algorithm.reports, tuple(v.name for v in algorithm.server_vectors),
-                tuple(v.name for v in algorithm.device_vectors),
-                Codec(c.uplink, c.topk_fraction, bool(c.error_feedback)), Codec(c.downlink, c.topk_fraction))
+                tuple(v.name for v in algorithm.device_vectors), *codecs(cfg.compress))
 
 
 def check_device_ranks(cfg, n_ranks: int) -> None:

@@ -227,10 +227,8 @@ def local_transport(cfg: Config, algorithm: Algorithm, problem, model, device_id
     if cores is None and cfg.mpi.threads_per_rank and cfg.mpi.threads_per_rank > 1:
         usable = usable_cores()
         cores = [usable[t % len(usable)] for t in range(cfg.mpi.threads_per_rank)]
-    c = cfg.compress
     return LocalTransport(problem, model, algorithm, cfg.seed, batch, device_ids, cfg.fault, loads, cores,
-                          compression.Codec(c.uplink, c.topk_fraction, bool(c.error_feedback)),
-                          link_speeds(cfg, problem.n_devices))
+                          compression.codecs(cfg.compress)[0], link_speeds(cfg, problem.n_devices))
 
 
 def usable_cores() -> list[int]:

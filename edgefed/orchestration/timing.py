@@ -9,7 +9,7 @@ import dataclasses
 import numpy as np
 
 from edgefed import hwprofile
-from edgefed.compression import Codec
+from edgefed.compression import codecs
 from edgefed.errors import ConfigError
 from edgefed.participation.budgets import local_budgets
 from edgefed.participation.timing import Boards, Timing
@@ -50,9 +50,9 @@ def link_speeds(cfg, n_devices: int) -> np.ndarray | None:
 
 def round_bytes(cfg, algorithm, model) -> int:
     """What a selected device's round moves: the broadcast (x, server vectors) and its report, encoded."""
-    c = cfg.compress
-    down = (1 + len(algorithm.server_vectors)) * Codec(c.downlink, c.topk_fraction).nbytes(model.dim, model.dtype)
-    return down + len(algorithm.reports) * Codec(c.uplink, c.topk_fraction).nbytes(model.dim, model.dtype)
+    uplink, downlink = codecs(cfg.compress)
+    return ((1 + len(algorithm.server_vectors)) * downlink.nbytes(model.dim, model.dtype)
+            + len(algorithm.reports) * uplink.nbytes(model.dim, model.dtype))
 
 
 def timing_for(setup, owners: np.ndarray | None = None, on_info=None, resume_point=None, distributed: bool = False):

@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from edgefed.compression import transfer_s
+
 
 @dataclass(frozen=True)
 class Boards:
@@ -118,7 +120,7 @@ class Timing:
         """Seconds each device's shaped link takes for nbytes (0 where links are not shaped)."""
         if self.link_mbps is None:
             return np.zeros(ids.size)
-        return 8.0 * np.asarray(nbytes, np.float64) / (self.link_mbps[ids] * 1e6)
+        return transfer_s(np.asarray(nbytes, np.float64), self.link_mbps[ids])
 
     def link_prior(self, ids: np.ndarray) -> np.ndarray | None:
         """Each device's communication time before any is measured: its profile's, plus its shaped link's

@@ -10,8 +10,9 @@ Per round: down, a command record (Ibcast) and then the server state (Ibcast, x 
 vectors as rows of one array), or with a compressed downlink the encoded differences to the copy every rank
 holds (Ibcast of their bytes); up, one message per device rank holding a work record per device it ran,
 whose payload is each report vector as the uplink encodes it (int8 codes, top-k index/value pairs: the
-message is as small as the encoding), then with error feedback one message of the residuals those reports
-leave, which the coordinator keeps for --resume.
+report is as small as the encoding). With error feedback a second, dense message follows it, after the
+round's clock: the residuals those reports leave, which the coordinator keeps so --resume restores them
+(the bench's bookkeeping, like the evaluation; not counted as the round's bytes).
 """
 
 from __future__ import annotations
@@ -97,7 +98,7 @@ class Wire:
                      TAG_BYE: self.bye, TAG_RESIDUAL: self.residual}
 
     def record_bytes(self) -> int:
-        """The largest record of any upward message: a device rank's send buffers hold that per device."""
+        """The largest record of any message but the command: a rank's buffers hold that per device."""
         return max(dt.itemsize for dt in self.tags.values())
 
     def state_buffer(self) -> np.ndarray:
