@@ -7,12 +7,12 @@ feedback, for the 2NN and the CNN on MNIST (t10k in data/mnist).
 - slow-link: the simulator on the simulated clock of Raspberry Pi 4 boards (hw_profiles/pi4b) behind a
   20 Mbit/s link each ([device] link_mbps, both ways), deadlines that cover the round
   (deadline_covers = "round": the link's time comes out of the computing time). Deterministic.
-- measured: `mpiexec -n 3` on this machine (two device ranks, the real wire over shared memory), no
-  deadline, the measured clock: what encoding costs where the link is fast.
+- measured: each run under `mpiexec -n 3` on this machine (two device ranks, the real wire over shared
+  memory), no deadline, the measured clock: what encoding costs where the link is fast.
 
 Each cell is one `edgefed sweep` cell (the grid is written to OUT/<setting>-<model>/sweep.toml, the runs
-and cells.csv next to it): bytes per device and round up and down, the clock when the target was first
-reached (mean +- std over the seeds that reached it; in brackets how many did when not all), the steps a
+and cells.csv next to it): the bytes of a report and of a broadcast to one device, the bytes of a round
+over all devices, the clock when the target was first reached (mean +- std over the seeds that reached it; in brackets how many did when not all), the steps a
 device completed per round, and the final accuracy.
 """
 
@@ -27,6 +27,8 @@ import sys
 from pathlib import Path
 
 import numpy as np
+from edgefed import config as config_mod
+from edgefed.orchestration.sweep import read_sweep, row_of
 from edgefed.runlog import read_run
 from edgefed.runtime.mpi.comm import local_mpiexec, outside_world_env
 
@@ -62,38 +64,62 @@ def run(model: str, setting: str, seeds, out: Path) -> list[dict]:
     sweep, base = sweep_text(model, setting, seeds)
     (folder / "sweep.toml").write_text(sweep)
     (folder / "base.toml").write_text(base)
-    cmd = [sys.executable, "-m", "edgefed", "sweep", str(folder / "sweep.toml"), "--out", str(folder / "out")]
     if setting == "measured":
-        mpiexec = local_mpiexec()
-        if mpiexec is None:
-            sys.exit("measured needs mpiexec: pip install 'edgefed[mpi]'")
-        cmd = [mpiexec, "-n", "3", *cmd]
-    subprocess.run(cmd, check=True, env=outside_world_env(), cwd=ROOT)
-    with open(folder / "out" / "summary.csv") as f:
-        rows = list(csv.DictReader(f))
-    for row in rows:  # the steps a selected device completed per round, from its log
+        rows = run_on_ranks(folder)
+    else:
+        cmd = [sys.executable, "-m", "edgefed", "sweep", str(folder / "sweep.toml"), "--out", str(folder / "out")]
+        subprocess.run(cmd, check=True, env=outside_world_env(), cwd=ROOT)
+        with open(folder / "out" / "summary.csv") as f:
+            rows = list(csv.DictReader(f))
+    for row in rows:  # per device, from its log: the steps a selected one completed, what one sent and got
         log = read_run(folder / "out" / row["log"])
         row["steps"] = float(log["participation/steps"][log["participation/selected"]].mean())
+        for way in ("up", "down"):
+            sent = log[f"participation/bytes_{way}"]
+            row[way] = float(sent[sent > 0].mean())
+    return rows
+
+
+def run_on_ranks(folder: Path) -> list[dict]:
+    """The sweep's runs one after another, each under `mpiexec -n 3` (two device ranks: the real wire), into
+    the sweep's own log names; their summary rows as `edgefed sweep` writes them."""
+    mpiexec = local_mpiexec()
+    if mpiexec is None:
+        sys.exit("measured needs mpiexec: pip install 'edgefed[mpi]'")
+    plan = read_sweep(folder / "sweep.toml")
+    out = folder / "out"
+    rows = []
+    for job in plan.jobs:
+        log = out / job.log
+        if not log.exists():
+            log.parent.mkdir(parents=True, exist_ok=True)
+            config = log.with_suffix(".toml")
+            config.write_text(config_mod.to_toml(config_mod.config_from_dict(job.raw)))
+            subprocess.run([mpiexec, "-n", "3", sys.executable, "-m", "edgefed", "run", str(config), "--out", str(log),
+                            "--quiet"], check=True, env=outside_world_env(), cwd=ROOT)
+        rows.append(row_of(out, job, plan.target, None))
+        print(f"{job.cell}, seed {job.seed}: clock to target {rows[-1]['clock_to_target_s']}", flush=True)
     return rows
 
 
 def table(model: str, setting: str, rows: list[dict]) -> list[str]:
     _, _, rounds, target, _ = MODELS[model]
     lines = [f"{model}, {setting}: clock to test accuracy {target} (s), {rounds} rounds, 5 of 10 devices a round",
-             "", "| uplink | error feedback | downlink | KB up / device, round | KB down | clock to target (s) "
-             "| steps / round | final accuracy |", "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: |"]
+             "", "| uplink | error feedback | downlink | KB per report | KB per broadcast | MB per round, all devices "
+             "| clock to target (s) | steps / round | final accuracy |",
+             "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for kind, feedback, downlink in KINDS:
         mine = [r for r in rows if (r["compress.uplink"], r["compress.error_feedback"], r["compress.downlink"])
                 == (kind, str(feedback).lower(), downlink)]
-        reached = np.array([float(r["clock_to_target_s"]) for r in mine if r["clock_to_target_s"]])
+        reached = np.array([float(r["clock_to_target_s"]) for r in mine if r["clock_to_target_s"] != ""])
+        reached = reached[np.isfinite(reached)]
         clock = (f"{reached.mean():.1f} ± {reached.std():.1f}" if reached.size else "never") + (
             f" [{reached.size}/{len(mine)}]" if 0 < reached.size < len(mine) else "")
-        per = 5 * 1024
-        up = np.mean([float(r["bytes_up_per_round"]) for r in mine]) / per
-        down = np.mean([float(r["bytes_down_per_round"]) for r in mine]) / per
+        up, down = np.mean([r["up"] for r in mine]) / 1024, np.mean([r["down"] for r in mine]) / 1024
+        total = np.mean([float(r["bytes_up_per_round"]) + float(r["bytes_down_per_round"]) for r in mine]) / 2**20
         steps = np.mean([r["steps"] for r in mine])
         acc = np.array([float(r["final_test_accuracy"]) for r in mine])
-        lines.append(f"| {kind} | {'yes' if feedback else 'no'} | {downlink} | {up:.1f} | {down:.1f} | {clock} | {steps:.1f} "
+        lines.append(f"| {kind} | {'yes' if feedback else 'no'} | {downlink} | {up:.1f} | {down:.1f} | {total:.2f} | {clock} | {steps:.1f} "
                      f"| {acc.mean():.4f} ± {acc.std():.4f} |")
     return lines
 

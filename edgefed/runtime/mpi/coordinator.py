@@ -91,21 +91,30 @@ class MpiTransport:
                 raise RankLost(int(rank), silent, self.hosts.get(int(rank)))
 
     # -- up -----------------------------------------------------------------------------------------------
+    def _receive(self):
+        """(source, tag, the bytes in its receive buffer) of a message waiting from any rank, or None; a
+        message of any kind says its rank is alive."""
+        MPI, status = self.MPI, self._status
+        if not self.comm.Iprobe(MPI.ANY_SOURCE, MPI.ANY_TAG, status):
+            return None
+        src, tag, nbytes = status.Get_source(), status.Get_tag(), status.Get_count(MPI.BYTE)
+        raw = self._recv[src][:nbytes]
+        self.comm.Recv([raw, MPI.BYTE], source=src, tag=tag)
+        self._heard[src] = time.perf_counter()
+        return src, tag, raw
+
     def _collect(self, tag: int, ranks, round_idx: int | None = None, timeout_s: float | None = None) -> dict:
         """One message per rank in `ranks` with this tag (work: of this round); anything else that arrives is
         an old late report, received and dropped."""
-        MPI, status = self.MPI, self._status
         record = self.wire.tags[tag]
         got, expected = {}, set(int(r) for r in ranks)
         backoff = Backoff(self.poll)
         while expected - set(got):
-            if self.comm.Iprobe(MPI.ANY_SOURCE, MPI.ANY_TAG, status):
-                src, msg_tag, nbytes = status.Get_source(), status.Get_tag(), status.Get_count(MPI.BYTE)
-                buf = self._recv[src]
-                self.comm.Recv([buf[:nbytes], MPI.BYTE], source=src, tag=msg_tag)
-                self._heard[src] = time.perf_counter()
+            message = self._receive()
+            if message is not None:
+                src, msg_tag, raw = message
                 if msg_tag == tag and src in expected:
-                    records = buf[:nbytes].view(record)
+                    records = raw.view(record)
                     if round_idx is None or (records.size and records[0]["round"] == round_idx):
                         got[src] = records.copy()
                 backoff.reset()
@@ -141,21 +150,18 @@ class MpiTransport:
         once `quorum` devices have completed their budget the ranks still working are told to stop, and
         what they did is collected for up to grace_s more. Also returns when the round ended: the quorum's
         arrival, else the last report's or the timeout."""
-        MPI, status = self.MPI, self._status
         record = self.wire.work
         budget = dict(zip(plan.device_ids.tolist(), plan.budgets.tolist()))
         pending, messages, arrivals = set(budget), [], []
         complete, stopped_at = 0, None
         backoff = Backoff(self.poll)
         while pending:
-            if self.comm.Iprobe(MPI.ANY_SOURCE, MPI.ANY_TAG, status):
-                src, msg_tag, nbytes = status.Get_source(), status.Get_tag(), status.Get_count(MPI.BYTE)
-                buf = self._recv[src]
-                self.comm.Recv([buf[:nbytes], MPI.BYTE], source=src, tag=msg_tag)
-                self._heard[src] = time.perf_counter()
+            message = self._receive()
+            if message is not None:
+                src, msg_tag, raw = message
                 if msg_tag == protocol.TAG_RESIDUAL:
-                    self._keep_residuals(buf[:nbytes])
-                records = buf[:nbytes].view(record) if msg_tag == protocol.TAG_WORK else None
+                    self._keep_residuals(raw)
+                records = raw.view(record) if msg_tag == protocol.TAG_WORK else None
                 if records is not None and records.size and records[0]["round"] == plan.round_idx:
                     messages.append(records.copy())
                     arrivals.append(time.perf_counter() - t0)
@@ -196,7 +202,6 @@ class MpiTransport:
     def residuals(self, round_idx: int, device_ids: np.ndarray) -> dict[str, np.ndarray]:
         """The residuals these devices' reports of round_idx leave them, waited for: each rank sends them
         right after its reports."""
-        MPI, status = self.MPI, self._status
         wanted = [int(k) for k in device_ids]
         backoff = Backoff(self.poll)
 
@@ -205,13 +210,11 @@ class MpiTransport:
             return [k for k in wanted if k not in got]
 
         while missing():
-            if self.comm.Iprobe(MPI.ANY_SOURCE, MPI.ANY_TAG, status):
-                src, msg_tag, nbytes = status.Get_source(), status.Get_tag(), status.Get_count(MPI.BYTE)
-                buf = self._recv[src]
-                self.comm.Recv([buf[:nbytes], MPI.BYTE], source=src, tag=msg_tag)
-                self._heard[src] = time.perf_counter()
+            message = self._receive()
+            if message is not None:
+                src, msg_tag, raw = message
                 if msg_tag == protocol.TAG_RESIDUAL:
-                    self._keep_residuals(buf[:nbytes])
+                    self._keep_residuals(raw)
                 backoff.reset()  # anything else is a late report: dropped
                 continue
             self._check_alive(lambda: np.unique(self.owners[missing()]))
