@@ -25,6 +25,7 @@ class Purpose(IntEnum):
     TRACE_ASSIGN = 9  # which trace a device follows
     TRACE_DROP = 10   # uploads lost while recording a trace
     COMPRESS = 11     # int8's stochastic rounding: a device's report, or (no device) the server's broadcast
+    ASYNC_SELECT = 12  # buffered async: the n-th device drawn to start a task (round = n)
 
 
 def seed_sequence(seed: int, purpose: Purpose, round_idx: int = 0, device_id: int | None = None):

@@ -1,0 +1,115 @@
+"""Buffered asynchronous aggregation (FedBuff; Nguyen et al., AISTATS 2022) as arithmetic: the staleness
+weights, the buffer's coefficients, and the schedule of tasks on a simulated clock.
+
+C devices train at any time, each from the latest server model (version v) when it starts; reports are
+taken in the order they finish (ties: the lower device id); every M taken reports make server update t:
+x_t = x_{t-1} + eta_g sum_{k in the buffer} (w(tau_k) / M) Delta_k with tau_k = t - 1 - v_k. A report staler
+than max_staleness is discarded (it counts towards no buffer). As soon as a report is taken (or discarded)
+its device's slot starts a new task on a device drawn uniformly from the idle members: not training, and
+not holding a report in the buffer being filled, so no buffer holds two reports of one device and no device
+starts two tasks from one version. A task is named by (device, start version): the key of its streams.
+
+Nothing here reads a clock or runs a model: the caller says how long a task takes on its device.
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from edgefed.rng import Purpose, generator
+
+STALENESS = ("constant", "polynomial")
+
+
+def staleness_weights(tau: np.ndarray, rule: str, exponent: float = 0.5) -> np.ndarray:
+    """w(tau): 1 ("constant"), or (1 + tau)^-a ("polynomial"), in float64."""
+    tau = np.asarray(tau, np.float64)
+    if rule == "constant":
+        return np.ones_like(tau)
+    if rule == "polynomial":
+        return (1.0 + tau) ** -float(exponent)
+    raise ValueError(f"unknown staleness rule {rule!r}; choose from {', '.join(STALENESS)}")
+
+
+def buffer_coefficients(tau: np.ndarray, buffer: int, rule: str, exponent: float = 0.5) -> np.ndarray:
+    """p_k = w(tau_k) / M of the buffer's reports: what FedAvg's server update (2.4) multiplies Delta_k by."""
+    return staleness_weights(tau, rule, exponent) / float(buffer)
+
+
+@dataclass(frozen=True, order=True)
+class Task:
+    """One device's local work: ordered by when its report arrives, then by device id."""
+
+    finish_s: float
+    device: int
+    version: int = field(compare=False)  # the server model it started from
+    start_s: float = field(compare=False)
+    steps: int = field(compare=False)
+
+
+@dataclass(frozen=True)
+class Update:
+    """The reports that made server update t (taken: in arrival order) and those discarded while it filled."""
+
+    version: int  # t
+    time_s: float  # when the M-th report arrived
+    taken: tuple[Task, ...]
+    discarded: tuple[Task, ...]
+
+    def staleness(self) -> np.ndarray:
+        return np.array([self.version - 1 - task.version for task in self.taken], np.int64)
+
+
+class Schedule:
+    """Tasks in flight on a simulated clock. `duration(device) -> (steps, seconds)` says how much a task of
+    that device does and how long it takes (its steps at its board's speed, plus its links)."""
+
+    def __init__(self, seed: int, concurrency: int, buffer: int, max_staleness: int, duration):
+        self.seed, self.concurrency, self.buffer, self.max_staleness = seed, concurrency, buffer, max_staleness
+        self.duration = duration
+        self.version = 0  # the latest server model
+        self.draws = 0  # devices drawn so far: the key of the next draw's stream
+        self.flight: list[Task] = []  # a heap
+        self.buffered: list[Task] = []
+
+    def busy(self) -> set[int]:
+        return {t.device for t in self.flight} | {t.device for t in self.buffered}
+
+    def _start(self, members: np.ndarray, now: float) -> None:
+        """One new task on an idle member drawn uniformly (none when every member is busy)."""
+        busy = self.busy()
+        idle = np.array([k for k in np.asarray(members, np.int64) if int(k) not in busy], np.int64)
+        if idle.size == 0:
+            return
+        self.draws += 1
+        device = int(generator(self.seed, Purpose.ASYNC_SELECT, self.draws).choice(idle))
+        steps, seconds = self.duration(device)
+        heapq.heappush(self.flight, Task(now + float(seconds), device, self.version, now, int(steps)))
+
+    def fill(self, members: np.ndarray, now: float = 0.0) -> None:
+        """Start tasks until `concurrency` are in flight (or every member is busy)."""
+        while len(self.flight) < self.concurrency and len(self.busy()) < len(members):
+            self._start(members, now)
+
+    def next_update(self, members: np.ndarray) -> Update:
+        """Take reports in arrival order until M are buffered; each taken or discarded report's slot starts
+        a new task at its arrival. Returns server update version + 1 (the caller applies it)."""
+        discarded = []
+        while len(self.buffered) < self.buffer:
+            if not self.flight:
+                raise RuntimeError("no task in flight: the federation has fewer idle members than the buffer needs")
+            task = heapq.heappop(self.flight)
+            if self.version - task.version > self.max_staleness:
+                discarded.append(task)
+            else:
+                self.buffered.append(task)
+            if len(self.buffered) < self.buffer:  # the M-th report's slot starts once the model is new
+                self._start(members, task.finish_s)
+        taken, self.buffered = tuple(self.buffered), []
+        self.version += 1
+        now = taken[-1].finish_s
+        self.fill(members, now)
+        return Update(self.version, now, taken, tuple(discarded))
