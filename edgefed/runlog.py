@@ -698,6 +698,9 @@ def read_participation(path: str | Path) -> RecordedParticipation:
             raise stub
         try:
             p = f["participation"]
+            if "staleness" in p:  # its rows are server updates, not rounds
+                raise RunLogError(f"{path} is an async run's log; replaying one (participation.trace) is not yet "
+                                  "supported: run its config again, which the simulator does bit for bit")
             late = p["late"][()] if "late" in p else np.zeros(p["selected"].shape, bool)
             rounds = p["selected"].shape[0]
             clock = f["metrics/clock_s"][()] if "metrics/clock_s" in f else None

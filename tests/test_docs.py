@@ -21,7 +21,8 @@ DOCS = ROOT / "docs"
 
 SECTIONS = {  # docs/config.md heading -> (dataclass, where its resolved defaults live in the built-in config)
     "Top level": (schema.Config, lambda cfg: cfg),
-    **{f"`[{name}]`": (type(getattr(schema.Config(), name)), lambda cfg, name=name: getattr(cfg, name))
+    **{f"`[{name}]`": (type(getattr(schema.Config(), schema.FIELDS[name])),
+                       lambda cfg, name=schema.FIELDS[name]: getattr(cfg, name))
        for name in schema.TABLES},
     "`[[dynamics.arrive]]`": (schema.ArrivalConfig, None),
     "`[[dynamics.depart]]`": (schema.DepartureConfig, None),

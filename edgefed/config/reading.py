@@ -9,7 +9,7 @@ import types
 import typing
 from pathlib import Path
 
-from edgefed.config.schema import TABLES, TOP_KEYS, Config
+from edgefed.config.schema import FIELDS, TABLES, TOP_KEYS, Config
 from edgefed.config.validation import validate
 from edgefed.errors import ConfigError
 
@@ -74,7 +74,7 @@ def config_from_dict(raw: dict) -> Config:
         sub = raw.get(name, {})
         if not isinstance(sub, dict):
             raise ConfigError(f"config: {name} must be a table ([{name}]), found {_describe(sub)}")
-        tables[name] = _build(cls, sub, name)
+        tables[FIELDS[name]] = _build(cls, sub, name)
     top = _build_fields(Config, {k: raw[k] for k in TOP_KEYS if k in raw}, "")
     return validate(Config(**top, **tables))
 

@@ -66,7 +66,8 @@ class FedProxConfig:
 
 @dataclass(frozen=True)
 class ParticipationConfig:
-    mode: str = "full"  # "full": K steps; "trace": the steps a trace gives; "deadline": what fits in deadline_s
+    mode: str = "full"  # "full": K steps; "trace": the steps a trace gives; "deadline": what fits in deadline_s;
+    # "async": FedBuff ([async])
     scheme: str = "B"
     trace: str | tuple[str, ...] | None = None  # trace mode: "builtin[:k]", a trace file, a run log, or names
     deadline_s: float | str | None = None  # deadline mode: seconds per device and round, or "auto" / "1.5x":
@@ -131,6 +132,17 @@ class CompressConfig:
 
 
 @dataclass(frozen=True)
+class AsyncConfig:
+    """Buffered asynchronous aggregation (FedBuff), with participation.mode = "async"; TOML table [async]."""
+
+    concurrency: int = 10  # C: devices training at any time
+    buffer: int = 5  # M: reports per server update
+    staleness: str = "polynomial"  # w(tau): "constant" 1, or "polynomial" (1 + tau)^-a
+    staleness_exponent: float = 0.5  # a
+    max_staleness: int = 20  # reports staler than this are discarded (logged late)
+
+
+@dataclass(frozen=True)
 class FaultConfig:
     """A fault injected into one device's local work in one round, to test what the runtime does."""
 
@@ -164,6 +176,7 @@ class Config:
     mpi: MpiConfig = field(default_factory=MpiConfig)
     device: DeviceConfig = field(default_factory=DeviceConfig)
     compress: CompressConfig = field(default_factory=CompressConfig)
+    asynchronous: AsyncConfig = field(default_factory=AsyncConfig)  # TOML [async] (a Python keyword)
     fault: tuple[FaultConfig, ...] = ()
 
     @property
@@ -190,5 +203,9 @@ def rank_timeout(cfg: Config) -> float:
 PLACEMENT = {"mpi": ("device_ranks", "threads_per_rank", "rank_timeout_s"), "device": ("boards", "contention")}
 
 
-TABLES = {f.name: f.default_factory for f in dataclasses.fields(Config) if f.default_factory is not dataclasses.MISSING}
-TOP_KEYS = tuple(f.name for f in dataclasses.fields(Config) if f.name not in TABLES)  # seed, rounds, fault
+TOML_NAMES = {"asynchronous": "async"}  # fields whose table is named by a Python keyword in TOML
+TABLES = {TOML_NAMES.get(f.name, f.name): f.default_factory for f in dataclasses.fields(Config)
+          if f.default_factory is not dataclasses.MISSING}
+FIELDS = {TOML_NAMES.get(f.name, f.name): f.name for f in dataclasses.fields(Config)}  # TOML name -> field
+TOP_KEYS = tuple(f.name for f in dataclasses.fields(Config)
+                 if f.default_factory is dataclasses.MISSING)  # seed, rounds, fault

@@ -18,6 +18,7 @@ from edgefed.algorithms import scaffold
 from edgefed.config.schema import (CompressConfig, Config, DataConfig, DeviceConfig, DynamicsConfig, FedProxConfig, ModelConfig,
                                    ParticipationConfig, TrainConfig)
 from edgefed.errors import ConfigError
+from edgefed.participation import asynchrony
 from edgefed.participation.schemes import SCHEMES, WEIGHTINGS
 from edgefed.problems.idx import EMNIST_SPLITS
 from edgefed.problems.partition import PARTITIONS
@@ -29,7 +30,8 @@ MODELS_FOR_DATA = {"synthetic": ("logreg", "mlp"), "quadratic": ("quadratic",), 
 DTYPES = ("float32", "float64")
 LR_SCHEDULES = ("constant", "staircase")
 SAMPLE_LAWS = ("lognormal", "pareto")
-PARTICIPATION_MODES = ("full", "trace", "deadline")
+PARTICIPATION_MODES = ("full", "trace", "deadline", "async")
+ASYNC_ALGORITHMS = ("fedavg", "fedprox")
 FAULT_KINDS = ("stall", "raise", "slow_link")
 CLOCKS = ("measured", "simulated")
 DEADLINE_COVERS = ("compute", "round")
@@ -71,6 +73,7 @@ def validate(cfg: Config) -> Config:
         _positive(cfg.mpi.rank_timeout_s, "mpi.rank_timeout_s", "rank_timeout_s = 30")
     _validate_device(cfg.device, cfg.participation)
     compress = _validate_compress(cfg.compress)
+    _validate_async(cfg, train.algorithm, compress)
     _validate_dynamics(cfg.dynamics, cfg.data.clients, cfg.rounds)
     for i, fault in enumerate(cfg.fault):
         _choice(fault.kind, FAULT_KINDS, f"fault[{i}].kind")
@@ -84,6 +87,35 @@ def validate(cfg: Config) -> Config:
     _positive(cfg.log.eval_every, "log.eval_every", "eval_every = 5")
     return dataclasses.replace(cfg, data=data, model=model, train=train, fedprox=fedprox, participation=participation,
                                compress=compress)
+
+
+def _validate_async(cfg: Config, algorithm: str, compress: CompressConfig) -> None:
+    a = cfg.asynchronous
+    _positive(a.concurrency, "async.concurrency", "concurrency = 10")
+    _positive(a.buffer, "async.buffer", "buffer = 5")
+    _choice(a.staleness, asynchrony.STALENESS, "async.staleness")
+    if not (a.staleness_exponent >= 0 and math.isfinite(a.staleness_exponent)):
+        raise ConfigError(f"config: async.staleness_exponent = {a.staleness_exponent} must be a finite number >= 0")
+    if a.max_staleness < 0:
+        raise ConfigError(f"config: async.max_staleness = {a.max_staleness} must be at least 0")
+    if cfg.participation.mode != "async":
+        return
+    if algorithm not in ASYNC_ALGORITHMS:
+        raise ConfigError(f'config: participation.mode = "async" runs FedBuff over FedAvg or FedProx local updates, '
+                          f'not {algorithm!r} (SCAFFOLD\'s controls need synchronous rounds); set train.algorithm '
+                          '= "fedavg" or "fedprox"')
+    clash = [key for key, used in (("dynamics.arrive/depart", cfg.dynamics.arrive or cfg.dynamics.depart),
+                                   ("participation.overselect", cfg.participation.overselect > 0),
+                                   ("compress.downlink", compress.downlink != "none"),
+                                   ("compress.error_feedback", compress.error_feedback),
+                                   ("[[fault]]", bool(cfg.fault))) if used]
+    if clash:
+        raise ConfigError(f'config: participation.mode = "async" does not take {clash[0]} yet; remove it or run '
+                          'synchronous rounds')
+    n = cfg.data.clients
+    for key, value in (("concurrency", a.concurrency), ("buffer", a.buffer)):
+        if n is not None and value > n:
+            raise ConfigError(f"config: async.{key} = {value} exceeds the {n} devices (data.clients)")
 
 
 def _validate_compress(c: CompressConfig) -> CompressConfig:
@@ -147,8 +179,16 @@ def _validate_participation(p: ParticipationConfig) -> ParticipationConfig:
                 hwprofile.parse_deadline(p.deadline_s)
         else:
             _positive(p.deadline_s, "participation.deadline_s", "deadline_s = 0.05")
+    elif p.mode == "async" and p.deadline_s is not None:  # a task stops at its deadline
+        if p.deadline_s == "adaptive":
+            raise ConfigError('config: participation.deadline_s = "adaptive" needs synchronous rounds; give an async '
+                              'task\'s deadline in seconds or as a multiple of its profiled time ("1.5x")')
+        if isinstance(p.deadline_s, str):
+            hwprofile.parse_deadline(p.deadline_s)
+        else:
+            _positive(p.deadline_s, "participation.deadline_s", "deadline_s = 0.05")
     elif p.deadline_s is not None:
-        raise ConfigError(f'config: participation.deadline_s applies to mode = "deadline", not {p.mode!r}')
+        raise ConfigError(f'config: participation.deadline_s applies to mode = "deadline" or "async", not {p.mode!r}')
     if p.deadline_s == "adaptive":
         q = DEFAULT_QUANTILE if p.deadline_quantile is None else p.deadline_quantile
         if not 0 < q <= 1:

@@ -7,7 +7,7 @@ import dataclasses
 
 import tomli_w
 
-from edgefed.config.schema import PLACEMENT, Config
+from edgefed.config.schema import PLACEMENT, TOML_NAMES, Config
 
 
 def to_dict(cfg: Config) -> dict:
@@ -20,7 +20,7 @@ def to_dict(cfg: Config) -> dict:
             table = {k: list(v) if isinstance(v, tuple) else v
                      for k, v in dataclasses.asdict(value).items() if v is not None}
             if table:
-                out[f.name] = table
+                out[TOML_NAMES.get(f.name, f.name)] = table
         elif isinstance(value, tuple):
             if value:
                 out[f.name] = [dataclasses.asdict(item) for item in value]

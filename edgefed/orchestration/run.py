@@ -21,6 +21,7 @@ from edgefed import compression
 from edgefed import config as config_mod
 from edgefed.algorithms import Algorithm, build_algorithm
 from edgefed.config import Config
+from edgefed.engine.asynchronous import AsyncEngine
 from edgefed.engine.rounds import RoundEngine
 from edgefed.errors import EdgefedError, ResourceError, RunLogError
 from edgefed.models import build_model
@@ -112,6 +113,9 @@ def log_layout(algorithm: Algorithm, cfg: Config, n: int, d: int, dtype) -> dict
     slots = [v.name for v in algorithm.server_vectors]
     if cfg.compress.downlink != "none":
         slots += [compression.replica_name(name) for name in ("x", *slots)]
+    if cfg.participation.mode == "async":
+        columns.append(Column("participation/staleness", (n,), np.int32, "round",
+                              "async: tau = t - 1 - v of the device's report in server update t (-1: none)", -1))
     rows = [v.name for v in algorithm.device_vectors]
     if cfg.compress.error_feedback:
         rows += [compression.residual_name(r) for r in algorithm.reports]
@@ -290,8 +294,9 @@ def drive(setup: Setup, transport, log_path: Path, *, resume_point=None, on_roun
         transport.close(failed=True)
         raise
     try:
-        engine = RoundEngine(cfg, setup.algorithm, setup.problem.n_train, transport, log, on_round, setup.trace,
-                             setup.timing)
+        engine_class = AsyncEngine if cfg.participation.mode == "async" else RoundEngine
+        engine = engine_class(cfg, setup.algorithm, setup.problem.n_train, transport, log, on_round, setup.trace,
+                              setup.timing)
         if resume_point is None:
             engine.start(setup.model.initial_params())
             done = 0

@@ -62,7 +62,7 @@ def timing_for(setup, owners: np.ndarray | None = None, on_info=None, resume_poi
     cfg, p, n = setup.cfg, setup.cfg.participation, setup.problem.n_devices
     attrs = {} if resume_point is None else resume_point.attrs
     names = board_names(cfg, n, owners)
-    profiled = names is not None and setup.model.kind in hwprofile.MODELS
+    profiled = names is not None and setup.model.kind in hwprofile.TIMED
     boards = profiles = board_step = None
     if profiled:
         board_step, profiles = _board_step_seconds(setup, names)
@@ -71,6 +71,10 @@ def timing_for(setup, owners: np.ndarray | None = None, on_info=None, resume_poi
     replay = isinstance(setup.trace, ReplayTrace) and setup.trace.clock_s is not None
     clock = attrs.get("clock") or ("replayed" if replay else p.clock) or (
         "simulated" if profiled and not distributed and cfg.device.profile is not None else "measured")
+    if p.mode == "async" and (distributed or clock != "simulated" or boards is None or resume_point is not None):
+        raise ConfigError('config: participation.mode = "async" runs in the simulator on the simulated clock for '
+                          'now: set [device] profile (not yet under mpirun, and --resume of an async run is not '
+                          'yet supported)')
     if clock == "simulated" and boards is None:
         raise ConfigError('config: participation.clock = "simulated" times each device by its board\'s profile; '
                           'set [device] profile (or boards under mpirun) for a profiled model (logreg, mlp, cnn)')
@@ -93,7 +97,7 @@ def _deadlines(setup, board_step, profiles, names, on_info, attrs) -> np.ndarray
     """The fixed deadline policies: the configured seconds, or a multiple of the time each device's budget
     of K_k steps takes on its board (its profile's speed, not its simulated relative speed)."""
     cfg, p, n = setup.cfg, setup.cfg.participation, setup.problem.n_devices
-    if p.mode != "deadline" or p.deadline_s == "adaptive":
+    if p.mode not in ("deadline", "async") or p.deadline_s in (None, "adaptive"):
         return None
     logged = attrs.get("deadline_s")
     if logged is not None and np.shape(logged) == (n,):
@@ -101,7 +105,7 @@ def _deadlines(setup, board_step, profiles, names, on_info, attrs) -> np.ndarray
     factor = hwprofile.parse_deadline(p.deadline_s)
     if factor is None:
         return np.full(n, float(p.deadline_s))
-    if setup.model.kind not in hwprofile.MODELS:
+    if setup.model.kind not in hwprofile.TIMED:
         raise ConfigError(f"config: participation.deadline_s = {p.deadline_s!r} needs a profiled model "
                           f"({', '.join(hwprofile.MODELS)}); give the {setup.model.kind} model's deadline in seconds")
     if board_step is None:

@@ -1,0 +1,137 @@
+"""The async loop: FedBuff's server updates on the simulated clock (docs/design.md 2.14).
+
+`rounds` counts server updates. The schedule (participation/asynchrony.py) decides, as arithmetic on the
+boards' step and link times, which reports make each update and how stale they are; the engine then runs
+each of those tasks through the transport from the server model it started from (kept here for as long
+as a task of it can still be taken), with the streams of (its start version + 1, its device), so a task's
+report is the same whenever it is computed. Everything else (evaluation, the log, the resume state) is the
+round engine's.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+import numpy as np
+
+from edgefed.algorithms.base import RoundReports, ServerState
+from edgefed.engine.clock import Settled
+from edgefed.engine.rounds import RoundEngine, RoundSummary
+from edgefed.participation.asynchrony import Schedule, Task, buffer_coefficients
+from edgefed.participation.timing import steps_within
+from edgefed.transport import LocalResults, RoundPlan
+
+
+class AsyncEngine(RoundEngine):
+    def __init__(self, cfg, algorithm, n_train, transport, log, on_round=None, trace=None, timing=None):
+        super().__init__(cfg, algorithm, n_train, transport, log, on_round, trace, timing)
+        a = cfg.asynchronous
+        self.schedule = Schedule(cfg.seed, a.concurrency, a.buffer, a.max_staleness, self._duration)
+        self.versions: dict[int, ServerState] = {}  # the server models a task in flight may have started from
+
+    def _duration(self, device: int) -> tuple[int, float]:
+        """(steps, seconds) of a task of this device: its budget (or what fits in its deadline) at its
+        board's step time, plus its links."""
+        boards, k = self.timing.boards, np.array([device])
+        steps = self._budgets[k]
+        if self.timing.deadlines is not None:
+            steps = steps_within(steps, boards.step_s[k], self.timing.deadlines[k])
+        comm = boards.comm_or_zero(k) + self.timing.transfer_s(k, self.timing.round_bytes)
+        return int(steps[0]), float(steps[0] * boards.step_s[device] + comm[0])
+
+    def start(self, x0: np.ndarray) -> ServerState:
+        state = super().start(x0)
+        self.versions[0] = state
+        self.schedule.fill(np.flatnonzero(self.active))
+        return state
+
+    def _reports(self, tasks: tuple[Task, ...]) -> LocalResults:
+        """The tasks' reports, a row each in ascending device id, each run from its start version."""
+        tasks = tuple(sorted(tasks, key=lambda task: task.device))
+        n, d, dtype = len(tasks), self.state.x.size, self.state.x.dtype
+        vectors = {name: np.zeros((n, d), dtype) for name in self.algorithm.reports}
+        measured = {name: np.full(n, np.nan, np.float32) for name in ("elapsed", "cpu", "freq", "temp")}
+        compiled, bytes_up = np.zeros(n, bool), np.zeros(n, np.int64)
+        for version in sorted({task.version for task in tasks}):
+            rows = np.array([i for i, task in enumerate(tasks) if task.version == version])
+            ids = np.array([tasks[i].device for i in rows], np.int64)
+            plan = RoundPlan(version + 1, ids, self._budgets[ids], self.learning_rate(version + 1),
+                             steps=np.array([tasks[i].steps for i in rows], np.int32), down_bytes=self.down_bytes())
+            res = self.transport.local_work(plan, self.versions[version])
+            for name in vectors:
+                vectors[name][rows] = res.vectors[name]
+            for name, values in zip(measured, (res.elapsed_s, res.cpu_percent, res.cpu_freq_mhz, res.temperature_c)):
+                measured[name][rows] = values
+            compiled[rows], bytes_up[rows] = res.compiled, 0 if res.bytes_up is None else res.bytes_up
+        ids = np.array([task.device for task in tasks], np.int64)
+        steps = np.array([task.steps for task in tasks], np.int32)
+        comm = (self.timing.boards.comm_or_zero(ids) + self.timing.transfer_s(ids, self.down_bytes() + bytes_up))
+        finish = np.array([task.finish_s for task in tasks])
+        return LocalResults(vectors, steps, measured["elapsed"], measured["cpu"], np.zeros(n, bool), measured["freq"],
+                            measured["temp"], compiled, finish, comm.astype(np.float32), np.full(n, -1, np.int16),
+                            comm.astype(np.float32), bytes_up=bytes_up)
+
+    def round(self, round_idx: int) -> ServerState:
+        wall0 = time.perf_counter()
+        a, t = self.cfg.asynchronous, self.cfg.train
+        update = self.schedule.next_update(np.flatnonzero(self.active))
+        res = self._reports(update.taken)
+        ids = np.array(sorted(task.device for task in update.taken), np.int64)
+        version_of = {task.device: task.version for task in update.taken}
+        staleness = np.array([round_idx - 1 - version_of[int(k)] for k in ids], np.int64)
+        nonfinite = np.zeros(ids.size, bool)
+        for values in res.vectors.values():
+            nonfinite |= ~np.isfinite(values).all(axis=1)
+        coeffs = np.where(nonfinite, 0.0, buffer_coefficients(staleness, a.buffer, a.staleness, a.staleness_exponent))
+        reported = (coeffs != 0.0) & (res.steps > 0)
+        coeffs[~reported] = 0.0
+        self.state = self._declared(self.algorithm.server_update(
+            self.state, RoundReports(ids, res.vectors, coeffs, reported, t.lr_global, int(self.active.sum()))),
+            "server_update")
+        self.versions[round_idx] = self.state
+        for v in [v for v in self.versions if v < round_idx - a.max_staleness]:
+            del self.versions[v]  # no task of it can be taken any more
+        self.clock.clock_s = update.time_s
+
+        evaluate, store = self._due(round_idx)
+        metrics = self.metrics(self.transport.evaluate(self.state.x)) if evaluate else (math.nan,) * 3
+        elapsed = time.perf_counter() - wall0
+        self.log.ensure_room()
+        self.log.append(self._update_row(round_idx, update, ids, res, coeffs, nonfinite, staleness, metrics, elapsed))
+        self._stage_and_commit(round_idx, None, store)
+        self.on_round(RoundSummary(round_idx, self.cfg.rounds, *metrics, int(reported.sum()), int(self.active.sum()),
+                                   int(nonfinite.sum()), elapsed, len(update.discarded), int(res.steps.sum()),
+                                   int(self._budgets[ids].sum()), int(reported.sum()), evaluate))
+        return self.state
+
+    def _update_row(self, round_idx, update, ids, res, coeffs, nonfinite, staleness, metrics, elapsed) -> dict:
+        """Row t of the log: the taken reports as a round's selected devices, the discarded ones late."""
+        discarded = sorted((task for task in update.discarded if task.device not in set(ids.tolist())),
+                           key=lambda task: task.device)  # a device redrawn after its discard may report too
+        late_ids = np.array([task.device for task in discarded], np.int64)
+        every = np.concatenate([ids, late_ids])
+        order = np.argsort(every, kind="stable")
+        n_late = late_ids.size
+
+        def widen(values, fill):  # the taken reports' values, then the discarded ones', in device order
+            return np.concatenate([values, np.full(n_late, fill, np.asarray(values).dtype)])[order]
+
+        late_steps = np.array([task.steps for task in discarded], np.int32)
+        steps = np.concatenate([res.steps, late_steps])[order]
+        late = np.concatenate([np.zeros(ids.size, bool), np.ones(n_late, bool)])[order]
+        plan = RoundPlan(round_idx, every[order], self._budgets[every[order]], self.learning_rate(round_idx),
+                         down_bytes=self.down_bytes())
+        comm = widen(res.comm_s, np.nan)
+        row_res = LocalResults({}, steps, widen(res.elapsed_s, np.nan), widen(res.cpu_percent, np.nan), late,
+                               widen(res.cpu_freq_mhz, np.nan), widen(res.temperature_c, np.nan),
+                               widen(res.compiled, False), widen(res.finish_s, np.nan), comm, widen(res.core, -1), comm,
+                               bytes_up=widen(res.bytes_up, 0))
+        settled = Settled(late, steps, comm, math.nan, math.nan)
+        row = self._round_row(plan, row_res, settled, widen(coeffs, 0.0), widen(nonfinite, False), metrics, elapsed,
+                              self.clock.clock_s)
+        tau = np.full(self.n_devices, -1, np.int32)
+        tau[ids] = staleness
+        tau[late_ids] = [round_idx - 1 - task.version for task in discarded]
+        row["participation/staleness"] = tau
+        return row
