@@ -47,6 +47,10 @@ class Profile:
     speeds: tuple[Speed, ...]
     extra: dict = field(default_factory=dict)  # startup, memory, mpi: reported, not used by the runtime
 
+    def times(self, model: str) -> bool:
+        """Whether the profile has a speed for this model."""
+        return any(s.model == model for s in self.speeds)
+
     def step_seconds(self, model: str, batch: int, params: int) -> float:
         """Seconds per local step of `model` with `params` parameters at `batch`, from this board's speeds.
 

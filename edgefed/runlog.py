@@ -679,6 +679,7 @@ class RecordedParticipation:
     clock_s: np.ndarray | None = None  # (R + 1,)
     comm_s: np.ndarray | None = None  # (R, N)
     overselected: bool = False  # its late devices were surplus (over-selection), not part of the round's weights
+    staleness: np.ndarray | None = None  # (R, N) int32 of an async run (its rows are server updates); else None
 
 
 def no_round_yet(path, attrs, data: dict | None = None) -> RunLogError | None:
@@ -698,9 +699,6 @@ def read_participation(path: str | Path) -> RecordedParticipation:
             raise stub
         try:
             p = f["participation"]
-            if "staleness" in p:  # its rows are server updates, not rounds
-                raise RunLogError(f"{path} is an async run's log; replaying one (participation.trace) is not yet "
-                                  "supported: run its config again, which the simulator does bit for bit")
             late = p["late"][()] if "late" in p else np.zeros(p["selected"].shape, bool)
             rounds = p["selected"].shape[0]
             clock = f["metrics/clock_s"][()] if "metrics/clock_s" in f else None
@@ -710,7 +708,8 @@ def read_participation(path: str | Path) -> RecordedParticipation:
             text = str(f.attrs["config"])
             overselected = bool(f.attrs["overselected"]) if "overselected" in f.attrs else (
                 tomllib.loads(text).get("participation", {}).get("overselect", 0) > 0)
+            staleness = p["staleness"][()] if "staleness" in p else None
             return RecordedParticipation(p["selected"][()], p["steps"][()], p["budget"][()], late, text, clock, comm,
-                                         overselected)
+                                         overselected, staleness)
         except KeyError as exc:
             raise _lacks(path, exc, "an edgefed run log with participation") from None

@@ -4,11 +4,11 @@ of the log on a quadratic, the log's invariants, determinism, and what it refuse
 import numpy as np
 import pytest
 
-from edgefed.errors import ConfigError, RunLogError
+from edgefed.errors import ConfigError
 from edgefed.orchestration import run as runs
 from edgefed.runlog import read_run
 from conftest import config_with
-from helpers import assert_same_logs
+from helpers import assert_same_logs, interrupted_then_resumed, run_until
 
 N, D, K, LR, M = 8, 6, 3, 0.1, 2
 PROFILE = """format = 1
@@ -83,11 +83,43 @@ def test_async_runs_are_deterministic_and_fast_boards_report_more(tmp_path, prob
     assert per_device[[0, 3, 6]].sum() > per_device[[2, 5]].sum()  # speed 1.0 against 0.25
 
 
+def test_an_async_log_replays_bit_for_bit(tmp_path, problem):
+    """trace = RUN.h5 with mode = "async": the recorded order, staleness and clock, the same trajectory."""
+    _, _, path, profile = problem
+    cfg = _config(path, profile, **{"async.staleness": "polynomial"})
+    runs.run(cfg, tmp_path / "orig.h5")
+    replay = _config(path, profile, **{"participation.trace": str(tmp_path / "orig.h5"), "rounds": 12})
+    runs.run(replay, tmp_path / "replay.h5")
+    orig, again = read_run(tmp_path / "orig.h5"), read_run(tmp_path / "replay.h5")
+    assert again["attrs"]["clock"] == "replayed"
+    for name in ("trajectory/x", "participation/staleness", "participation/coeff", "participation/steps",
+                 "participation/selected", "participation/late", "metrics/train_loss"):
+        rows = 13 if name in ("trajectory/x", "metrics/train_loss") else 12
+        assert again[name].tobytes() == orig[name][:rows].tobytes(), name
+    assert again["metrics/clock_s"].tobytes() == orig["metrics/clock_s"][:13].tobytes()
+    with pytest.raises(ConfigError, match=r"holds 15 server updates but this run needs 20"):
+        runs.run(_config(path, profile, **{"participation.trace": str(tmp_path / "orig.h5"), "rounds": 20}),
+                 tmp_path / "long.h5")
+    runs.run(config_with({"rounds": 2}), tmp_path / "sync.h5")
+    with pytest.raises(ConfigError, match=r"is not an async run's log; replay it with participation.mode = \"trace\""):
+        runs.run(_config(path, profile, **{"participation.trace": str(tmp_path / "sync.h5")}), tmp_path / "s.h5")
+
+
+def test_a_killed_async_run_resumes_to_the_same_log(tmp_path, problem):
+    _, _, path, profile = problem
+    whole, resumed = interrupted_then_resumed(_config(path, profile), tmp_path, 7)
+    assert_same_logs(whole, resumed)
+    cfg = _config(path, profile, **{"log.every": 2})
+    point = run_until(cfg, tmp_path / "sparse.h5", 4)
+    with pytest.raises(ConfigError, match=r"--resume of an async run needs .* \[log\] every = 1"):
+        runs.run(cfg, tmp_path / "sparse.h5", resume_point=point)
+
+
 def test_fedprox_runs_async_and_what_async_refuses_is_said_in_one_line(tmp_path, problem):
     _, _, path, profile = problem
     runs.run(_config(path, profile, **{"train.algorithm": "fedprox", "rounds": 4}), tmp_path / "p.h5")
     assert read_run(tmp_path / "p.h5")["participation/coeff"].sum() > 0
-    with pytest.raises(RunLogError, match=r"is an async run's log; replaying one .* is not yet supported"):
+    with pytest.raises(ConfigError, match=r"is an async run's log .*; replay it with participation.mode = \"async\""):
         runs.run(config_with({"participation.mode": "trace", "participation.trace": str(tmp_path / "p.h5"),
                               "rounds": 2}), tmp_path / "r.h5")
     with pytest.raises(ConfigError, match=r'mode = "async" runs FedBuff over FedAvg or FedProx .* not \'scaffold\''):

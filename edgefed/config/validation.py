@@ -210,7 +210,11 @@ def _validate_participation(p: ParticipationConfig) -> ParticipationConfig:
     if p.mode == "trace" and not p.trace:
         raise ConfigError('config: participation.mode = "trace" needs participation.trace: "builtin", "builtin:k", '
                           "a trace file, a run log to replay, or a list of trace names")
-    if p.mode != "trace" and p.trace is not None:
+    replay = isinstance(p.trace, str) and p.trace.endswith((".h5", ".hdf5"))
+    if p.mode == "async" and p.trace is not None and not replay:
+        raise ConfigError('config: participation.trace with mode = "async" replays an async run\'s log: give its '
+                          'RUN.h5')
+    if p.mode not in ("trace", "async") and p.trace is not None:
         raise ConfigError(f'config: participation.trace applies to mode = "trace", not {p.mode!r}')
     if not (p.grace_s >= 0 and math.isfinite(p.grace_s)):
         raise ConfigError(f"config: participation.grace_s = {p.grace_s} must be a finite number >= 0")

@@ -18,7 +18,7 @@ import numpy as np
 from edgefed.algorithms.base import RoundReports, ServerState
 from edgefed.engine.clock import Settled
 from edgefed.engine.rounds import RoundEngine, RoundSummary
-from edgefed.participation.asynchrony import Schedule, Task, buffer_coefficients
+from edgefed.participation.asynchrony import Recorded, Schedule, Task, buffer_coefficients
 from edgefed.participation.timing import steps_within
 from edgefed.transport import LocalResults, RoundPlan
 
@@ -27,8 +27,12 @@ class AsyncEngine(RoundEngine):
     def __init__(self, cfg, algorithm, n_train, transport, log, on_round=None, trace=None, timing=None):
         super().__init__(cfg, algorithm, n_train, transport, log, on_round, trace, timing)
         a = cfg.asynchronous
-        self.schedule = Schedule(cfg.seed, a.concurrency, a.buffer, a.max_staleness, self._duration)
+        # a replay's schedule is the recorded one (participation.trace = RUN.h5); else the simulated clock's
+        self.schedule = trace if isinstance(trace, Recorded) else Schedule(cfg.seed, a.concurrency, a.buffer,
+                                                                           a.max_staleness, self._duration)
         self.versions: dict[int, ServerState] = {}  # the server models a task in flight may have started from
+        recorded = self.schedule.staleness.max(initial=0) if isinstance(trace, Recorded) else 0
+        self.window = max(a.max_staleness, int(recorded))  # the oldest version a taken report can start from
 
     def _duration(self, device: int) -> tuple[int, float]:
         """(steps, seconds) of a task of this device: its budget (or what fits in its deadline) at its
@@ -44,6 +48,19 @@ class AsyncEngine(RoundEngine):
         state = super().start(x0)
         self.versions[0] = state
         self.schedule.fill(np.flatnonzero(self.active))
+        return state
+
+    def resume(self, state: dict, done: int, prefix: dict | None = None) -> ServerState:
+        """The server state after update `done`, the schedule as it stood then (simulated again: it is
+        arithmetic on the boards' times, or the recorded one), and the models its tasks in flight started
+        from (the log's trajectory: every version is stored with [log] every = 1)."""
+        state = super().resume(state, done, prefix)
+        self.schedule.fill(np.flatnonzero(self.active))
+        for _ in range(done):
+            self.schedule.next_update(np.flatnonzero(self.active))
+        stored = dict(zip(prefix["trajectory/round"].tolist(), prefix["trajectory/x"]))
+        for v in range(max(done - self.window, 0), done + 1):
+            self.versions[v] = ServerState(stored[v].copy()) if v < done else state
         return state
 
     def _reports(self, tasks: tuple[Task, ...]) -> LocalResults:
@@ -66,7 +83,10 @@ class AsyncEngine(RoundEngine):
             compiled[rows], bytes_up[rows] = res.compiled, 0 if res.bytes_up is None else res.bytes_up
         ids = np.array([task.device for task in tasks], np.int64)
         steps = np.array([task.steps for task in tasks], np.int32)
-        comm = (self.timing.boards.comm_or_zero(ids) + self.timing.transfer_s(ids, self.down_bytes() + bytes_up))
+        if self.timing.boards is None:  # a replay without the boards: the links' time is not known
+            comm = np.full(n, np.nan)
+        else:
+            comm = self.timing.boards.comm_or_zero(ids) + self.timing.transfer_s(ids, self.down_bytes() + bytes_up)
         finish = np.array([task.finish_s for task in tasks])
         return LocalResults(vectors, steps, measured["elapsed"], measured["cpu"], np.zeros(n, bool), measured["freq"],
                             measured["temp"], compiled, finish, comm.astype(np.float32), np.full(n, -1, np.int16),
@@ -90,7 +110,7 @@ class AsyncEngine(RoundEngine):
             self.state, RoundReports(ids, res.vectors, coeffs, reported, t.lr_global, int(self.active.sum()))),
             "server_update")
         self.versions[round_idx] = self.state
-        for v in [v for v in self.versions if v < round_idx - a.max_staleness]:
+        for v in [v for v in self.versions if v < round_idx - self.window]:
             del self.versions[v]  # no task of it can be taken any more
         self.clock.clock_s = update.time_s
 

@@ -23,11 +23,12 @@ from edgefed.algorithms import Algorithm, build_algorithm
 from edgefed.config import Config
 from edgefed.engine.asynchronous import AsyncEngine
 from edgefed.engine.rounds import RoundEngine
-from edgefed.errors import EdgefedError, ResourceError, RunLogError
+from edgefed.errors import ConfigError, EdgefedError, ResourceError, RunLogError
 from edgefed.models import build_model
 from edgefed.orchestration.timing import link_speeds, timing_for
 from edgefed.participation.budgets import local_budgets
 from edgefed.participation.timing import Timing
+from edgefed.participation import asynchrony
 from edgefed.participation.traces import ReplayTrace
 from edgefed.problems import build_problem
 from edgefed.runlog import (Column, Header, RunLogWriter, discard_stub, read_participation, read_resume_point,
@@ -167,12 +168,28 @@ class Setup:
 
 def _trace(cfg: Config, problem):
     spec = cfg.participation.trace
+    if cfg.participation.mode == "async":
+        return None if spec is None else _recorded_updates(read_participation(spec), spec, problem.n_devices,
+                                                           cfg.rounds)
     if cfg.participation.mode != "trace":
         return None
     if isinstance(spec, str) and spec.endswith((".h5", ".hdf5")):
         return ReplayTrace.checked(read_participation(spec), spec, problem.n_devices, cfg.rounds,
                                    local_budgets(cfg.train, problem.n_train))
     return sampled_traces(spec, cfg.seed, problem.n_devices)
+
+
+def _recorded_updates(recorded, spec: str, n_devices: int, rounds: int) -> asynchrony.Recorded:
+    where = f"participation.trace = {spec!r}"
+    if recorded.staleness is None:
+        raise ConfigError(f'config: {where} is not an async run\'s log; replay it with participation.mode = "trace"')
+    if recorded.staleness.shape[1] != n_devices:
+        raise ConfigError(f"config: {where} has {recorded.staleness.shape[1]} devices but this run has {n_devices}")
+    if recorded.staleness.shape[0] < rounds:
+        raise ConfigError(f"config: {where} holds {recorded.staleness.shape[0]} server updates but this run needs "
+                          f"{rounds}; lower rounds to at most {recorded.staleness.shape[0]}")
+    return asynchrony.Recorded(recorded.staleness[:rounds], recorded.late[:rounds], recorded.steps[:rounds],
+                               recorded.clock_s)
 
 
 def prepare(cfg: Config, log_path: Path, *, resume_point=None, force: bool = False, on_info=None,

@@ -13,6 +13,7 @@ from edgefed.compression import codecs
 from edgefed.errors import ConfigError
 from edgefed.participation.budgets import local_budgets
 from edgefed.participation.timing import Boards, Timing
+from edgefed.participation.asynchrony import Recorded
 from edgefed.participation.traces import ReplayTrace
 
 
@@ -63,18 +64,24 @@ def timing_for(setup, owners: np.ndarray | None = None, on_info=None, resume_poi
     attrs = {} if resume_point is None else resume_point.attrs
     names = board_names(cfg, n, owners)
     profiled = names is not None and setup.model.kind in hwprofile.TIMED
+    if profiled and setup.model.kind not in hwprofile.MODELS:  # the quadratic: only by a profile that times it
+        profiled = all(hwprofile.load_profile(name).times(setup.model.kind) for name in set(names))
     boards = profiles = board_step = None
     if profiled:
         board_step, profiles = _board_step_seconds(setup, names)
         speed = np.array([cfg.device.speed[k % len(cfg.device.speed)] if cfg.device.speed else 1.0 for k in range(n)])
         boards = Boards(board_step / speed, _comm_seconds(setup, names, profiles))
-    replay = isinstance(setup.trace, ReplayTrace) and setup.trace.clock_s is not None
+    replay = ((isinstance(setup.trace, ReplayTrace) and setup.trace.clock_s is not None)
+              or (isinstance(setup.trace, Recorded) and setup.trace.clock_s is not None))
     clock = attrs.get("clock") or ("replayed" if replay else p.clock) or (
         "simulated" if profiled and not distributed and cfg.device.profile is not None else "measured")
-    if p.mode == "async" and (distributed or clock != "simulated" or boards is None or resume_point is not None):
+    timed = isinstance(setup.trace, Recorded) or (clock == "simulated" and boards is not None)
+    if p.mode == "async" and (distributed or not timed):
         raise ConfigError('config: participation.mode = "async" runs in the simulator on the simulated clock for '
-                          'now: set [device] profile (not yet under mpirun, and --resume of an async run is not '
-                          'yet supported)')
+                          'now: set [device] profile (not yet under mpirun)')
+    if p.mode == "async" and resume_point is not None and cfg.log.every != 1:
+        raise ConfigError(f"--resume of an async run needs every server model its tasks in flight started from, "
+                          f"which [log] every = 1 keeps; this log has every = {cfg.log.every}: run it again")
     if clock == "simulated" and boards is None:
         raise ConfigError('config: participation.clock = "simulated" times each device by its board\'s profile; '
                           'set [device] profile (or boards under mpirun) for a profiled model (logreg, mlp, cnn)')
@@ -105,7 +112,7 @@ def _deadlines(setup, board_step, profiles, names, on_info, attrs) -> np.ndarray
     factor = hwprofile.parse_deadline(p.deadline_s)
     if factor is None:
         return np.full(n, float(p.deadline_s))
-    if setup.model.kind not in hwprofile.TIMED:
+    if board_step is None and setup.model.kind not in hwprofile.MODELS:
         raise ConfigError(f"config: participation.deadline_s = {p.deadline_s!r} needs a profiled model "
                           f"({', '.join(hwprofile.MODELS)}); give the {setup.model.kind} model's deadline in seconds")
     if board_step is None:

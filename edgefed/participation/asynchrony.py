@@ -15,6 +15,7 @@ Nothing here reads a clock or runs a model: the caller says how long a task take
 from __future__ import annotations
 
 import heapq
+import math
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -113,3 +114,27 @@ class Schedule:
         now = taken[-1].finish_s
         self.fill(members, now)
         return Update(self.version, now, taken, tuple(discarded))
+
+
+class Recorded:
+    """The schedule of a recorded async run, update by update as its log holds it (participation.trace =
+    RUN.h5 with mode = "async"): which reports each update took and discarded, from which versions, with
+    how many steps, and when."""
+
+    def __init__(self, staleness: np.ndarray, late: np.ndarray, steps: np.ndarray, clock_s: np.ndarray | None):
+        self.staleness, self.late, self.steps, self.clock_s = staleness, late, steps, clock_s
+        self.version = 0
+
+    def fill(self, members: np.ndarray, now: float = 0.0) -> None:
+        """Nothing to start: the recorded tasks are the log's."""
+
+    def next_update(self, members: np.ndarray) -> Update:
+        t = self.version + 1
+        tau, late, steps = self.staleness[t - 1], self.late[t - 1], self.steps[t - 1]
+
+        def tasks(mask):
+            return tuple(Task(math.nan, int(k), int(t - 1 - tau[k]), math.nan, int(steps[k])) for k in np.flatnonzero(mask))
+
+        self.version = t
+        when = math.nan if self.clock_s is None else float(self.clock_s[t])
+        return Update(t, when, tasks((tau >= 0) & ~late), tasks((tau >= 0) & late))

@@ -34,6 +34,9 @@ class ReplayTrace:
         """A trace that fits this run: the same N, at least R rounds, the same K_k wherever it selected."""
         selected, steps, budget = recorded.selected, recorded.steps, recorded.budget
         where = f"participation.trace = {source!r}"
+        if recorded.staleness is not None:
+            raise ConfigError(f'config: {where} is an async run\'s log (its rows are server updates); replay it with '
+                              'participation.mode = "async"')
         if selected.shape[1] != n_devices:
             raise ConfigError(f"config: {where} has {selected.shape[1]} devices but this run has {n_devices}")
         if selected.shape[0] < rounds:
