@@ -5,10 +5,10 @@
 
 The default experiment (SYNTHETIC(1,1), logistic regression, batch 20, lr 0.01), K = 500 local steps, under
 each policy: a fixed deadline, "auto" (1.1 x the profiled time of K steps), adaptive with q = 0.5, 0.8 and
-0.95, and over-selection with o = 0.3 (no deadline), each with Schemes B and C and FedNova; in the simulated
-setting also FedBuff (buffered asynchronous aggregation, C = 10 devices training at once, buffers of M = 2,
-5 and 10 reports, polynomial staleness weights) on the same cluster, for as many reports in all as the
-100 rounds take (1,000: 1000 / M server updates).
+0.95, and over-selection with o = 0.3 (no deadline), each with Schemes B and C and FedNova; and FedBuff
+(buffered asynchronous aggregation, buffers of M = 2, 5 and 10 reports, polynomial staleness weights) on
+the same cluster, with as many devices training at once as a round selects and as many reports in all as
+the rounds take (simulated: C = 10, 1,000 reports; measured: C = 4, 240).
 
 - simulated: 30 devices, 10 per round, 100 rounds, on this machine's profile (hw_profiles/x86-64-laptop)
   with relative speeds 1, 0.7, 0.5, 0.3, 0.1 (cycled: the share of a core a 0/30/50/70/90 % competitor
@@ -47,15 +47,14 @@ POLICIES = {
     "over-select 0.3": ["participation.overselect=0.3"],
 }
 SCHEMES = ("B", "C", "fednova")
-FEDBUFF = ['participation.mode="async"', "async.concurrency=10", 'async.staleness="polynomial"',
-           'train.clients_per_round="all"']
+FEDBUFF = ['participation.mode="async"', 'async.staleness="polynomial"', 'train.clients_per_round="all"']
 FEDBUFF_BUFFERS = (2, 5, 10)
 COMMON = ["train.local_steps=500", "train.lr_local=0.01", "participation.grace_s=0.5", "log.every=1000"]
 SETTINGS = {
-    "simulated": {"ranks": None, "fixed": 0.004, "overrides": [
+    "simulated": {"ranks": None, "fixed": 0.004, "rounds": 100, "reports": 1000, "concurrency": 10, "overrides": [
         "rounds=100", "data.clients=30", "train.clients_per_round=10", 'participation.clock="simulated"',
         'device.profile="x86-64-laptop"', "device.speed=[1.0, 0.7, 0.5, 0.3, 0.1]", "log.eval_every=2"]},
-    "measured": {"ranks": 3, "fixed": 0.01, "overrides": [
+    "measured": {"ranks": 3, "fixed": 0.01, "rounds": 60, "reports": 240, "concurrency": 4, "overrides": [
         "rounds=60", "data.clients=10", "train.clients_per_round=4", 'participation.clock="measured"',
         'device.boards=["x86-64-laptop", "x86-64-laptop"]', "device.contention=[0.0, 0.7]", "log.eval_every=2"]},
 }
@@ -111,22 +110,24 @@ def main():
                 cells.append("never" if not hit.size else f"{hit.mean():.3f} ± {hit.std():.3f}{reached}")
                 cells.append(f"{np.mean(finals):.4f}")
             print(f"| {policy} | " + " | ".join(cells) + " |", flush=True)
-        if args.setting == "simulated":  # FedBuff on the same cluster, as many reports in all as the rounds take
-            print("\n| FedBuff, C = 10 | seconds to " f"{args.target:g} | final | server updates |\n| --- | --- | --- | --- |")
-            for buffer in FEDBUFF_BUFFERS:
-                updates = 100 * 10 // buffer
-                times, finals = [], []
-                for seed in args.seeds:
-                    overrides = (COMMON + setting["overrides"] + FEDBUFF
-                                 + [f"async.buffer={buffer}", f"rounds={updates}", f"log.eval_every={20 // buffer}",
-                                    f"seed={seed}"])
-                    t, final = time_to(run(overrides, None, Path(tmp) / "r.h5"), args.target)
-                    times.append(t)
-                    finals.append(final)
-                hit = np.array([t for t in times if np.isfinite(t)])
-                reached = "" if hit.size == len(times) else f" ({hit.size}/{len(times)})"
-                cell = "never" if not hit.size else f"{hit.mean():.3f} ± {hit.std():.3f}{reached}"
-                print(f"| M = {buffer} | {cell} | {np.mean(finals):.4f} | {updates} |", flush=True)
+        # FedBuff on the same cluster, as many reports in all as the rounds take (evaluated as often)
+        reports, concurrency = setting["reports"], setting["concurrency"]
+        print(f"\n| FedBuff, C = {concurrency} | seconds to {args.target:g} | final | server updates |\n"
+              "| --- | --- | --- | --- |")
+        for buffer in FEDBUFF_BUFFERS:
+            updates = reports // buffer
+            times, finals = [], []
+            for seed in args.seeds:
+                overrides = (COMMON + setting["overrides"] + FEDBUFF
+                             + [f"async.concurrency={concurrency}", f"async.buffer={buffer}", f"rounds={updates}",
+                                f"log.eval_every={max(1, 2 * reports // setting['rounds'] // buffer)}", f"seed={seed}"])
+                t, final = time_to(run(overrides, setting["ranks"], Path(tmp) / "r.h5"), args.target)
+                times.append(t)
+                finals.append(final)
+            hit = np.array([t for t in times if np.isfinite(t)])
+            reached = "" if hit.size == len(times) else f" ({hit.size}/{len(times)})"
+            cell = "never" if not hit.size else f"{hit.mean():.3f} ± {hit.std():.3f}{reached}"
+            print(f"| M = {buffer} | {cell} | {np.mean(finals):.4f} | {updates} |", flush=True)
 
 
 if __name__ == "__main__":

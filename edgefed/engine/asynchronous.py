@@ -18,7 +18,7 @@ import numpy as np
 from edgefed.algorithms.base import RoundReports, ServerState
 from edgefed.engine.clock import Settled
 from edgefed.engine.rounds import RoundEngine, RoundSummary
-from edgefed.participation.asynchrony import Recorded, Schedule, Task, buffer_coefficients
+from edgefed.participation.asynchrony import Recorded, Schedule, Task, Update, buffer_coefficients, draw_idle
 from edgefed.participation.timing import steps_within
 from edgefed.transport import LocalResults, RoundPlan
 
@@ -27,9 +27,14 @@ class AsyncEngine(RoundEngine):
     def __init__(self, cfg, algorithm, n_train, transport, log, on_round=None, trace=None, timing=None):
         super().__init__(cfg, algorithm, n_train, transport, log, on_round, trace, timing)
         a = cfg.asynchronous
-        # a replay's schedule is the recorded one (participation.trace = RUN.h5); else the simulated clock's
-        self.schedule = trace if isinstance(trace, Recorded) else Schedule(cfg.seed, a.concurrency, a.buffer,
-                                                                           a.max_staleness, self._duration)
+        # a replay's schedule is the recorded one (participation.trace = RUN.h5); a measured clock's is the
+        # real federation's (under MPI); else the simulated clock's
+        if isinstance(trace, Recorded):
+            self.schedule = trace
+        elif self.timing.clock == "measured":
+            self.schedule = LiveSchedule(self)
+        else:
+            self.schedule = Schedule(cfg.seed, a.concurrency, a.buffer, a.max_staleness, self._duration)
         self.versions: dict[int, ServerState] = {}  # the server models a task in flight may have started from
         recorded = self.schedule.staleness.max(initial=0) if isinstance(trace, Recorded) else 0
         self.window = max(a.max_staleness, int(recorded))  # the oldest version a taken report can start from
@@ -64,8 +69,11 @@ class AsyncEngine(RoundEngine):
         return state
 
     def _reports(self, tasks: tuple[Task, ...]) -> LocalResults:
-        """The tasks' reports, a row each in ascending device id, each run from its start version."""
+        """The tasks' reports, a row each in ascending device id, each run from its start version (or, on a
+        real federation, as they came)."""
         tasks = tuple(sorted(tasks, key=lambda task: task.device))
+        if isinstance(self.schedule, LiveSchedule):
+            return _stacked([self.schedule.reports[task.device] for task in tasks])
         n, d, dtype = len(tasks), self.state.x.size, self.state.x.dtype
         vectors = {name: np.zeros((n, d), dtype) for name in self.algorithm.reports}
         measured = {name: np.full(n, np.nan, np.float32) for name in ("elapsed", "cpu", "freq", "temp")}
@@ -113,6 +121,7 @@ class AsyncEngine(RoundEngine):
         for v in [v for v in self.versions if v < round_idx - self.window]:
             del self.versions[v]  # no task of it can be taken any more
         self.clock.clock_s = update.time_s
+        self.schedule.after_update(np.flatnonzero(self.active))
 
         evaluate, store = self._due(round_idx)
         metrics = self.metrics(self.transport.evaluate(self.state.x)) if evaluate else (math.nan,) * 3
@@ -155,3 +164,71 @@ class AsyncEngine(RoundEngine):
         tau[late_ids] = [round_idx - 1 - task.version for task in discarded]
         row["participation/staleness"] = tau
         return row
+
+
+def _stacked(results: list[LocalResults]) -> LocalResults:
+    """One LocalResults of single-device ones, rows in the list's order."""
+    join = lambda name: np.concatenate([getattr(r, name) for r in results])  # noqa: E731
+    vectors = {name: np.concatenate([r.vectors[name] for r in results]) for name in results[0].vectors}
+    return LocalResults(vectors, join("steps"), join("elapsed_s"), join("cpu_percent"), join("late"),
+                        join("cpu_freq_mhz"), join("temperature_c"), join("compiled"), join("finish_s"), join("comm_s"),
+                        join("core"), join("link_s"), bytes_up=join("bytes_up"))
+
+
+class LiveSchedule:
+    """FedBuff on a real federation (under MPI, the measured clock): each task goes to its device's rank as
+    it starts, from the latest model; reports are taken in the order they arrive, which the log records, so
+    a replay of the log is exact."""
+
+    def __init__(self, engine: AsyncEngine):
+        self.engine, self.a = engine, engine.cfg.asynchronous
+        self.version = self.draws = 0
+        self.flight: dict[int, tuple[int, float]] = {}  # device -> (start version, start s)
+        self.buffered: list[tuple[Task, LocalResults]] = []
+        self.reports: dict[int, LocalResults] = {}  # of the update just made
+        self.t0 = time.perf_counter()
+
+    def busy(self) -> set[int]:
+        return set(self.flight) | {task.device for task, _ in self.buffered}
+
+    def _start(self, members: np.ndarray, now: float) -> None:
+        e = self.engine
+        device = draw_idle(e.cfg.seed, self.draws + 1, members, self.busy())
+        if device is None:
+            return
+        self.draws += 1
+        ids = np.array([device], np.int64)
+        deadline = None if e.timing.deadlines is None else e.timing.deadlines[ids]  # the task stops at it
+        plan = RoundPlan(self.version + 1, ids, e._budgets[ids], e.learning_rate(self.version + 1),
+                         steps=e._budgets[ids].astype(np.int32), deadline_s=deadline, down_bytes=e.down_bytes())
+        e.transport.start_task(plan, e.state.x)
+        self.flight[device] = (self.version, now)
+
+    def fill(self, members: np.ndarray, now: float | None = None) -> None:
+        now = time.perf_counter() - self.t0 if now is None else now
+        while len(self.flight) < self.a.concurrency and len(self.busy()) < len(members):
+            self._start(members, now)
+
+    def after_update(self, members: np.ndarray) -> None:
+        """The M-th report's slot, and any free one, start from the new model."""
+        self.fill(members)
+
+    def next_update(self, members: np.ndarray) -> Update:
+        discarded = []
+        while len(self.buffered) < self.a.buffer:
+            if not self.flight:
+                raise RuntimeError("no task in flight: the federation has fewer idle members than the buffer needs")
+            device, res, when = self.engine.transport.next_report()
+            now = when - self.t0
+            version, start = self.flight.pop(device)
+            task = Task(now, device, version, start, int(res.steps[0]))
+            if self.version - version > self.a.max_staleness:
+                discarded.append(task)
+            else:
+                self.buffered.append((task, res))
+            if len(self.buffered) < self.a.buffer:
+                self._start(members, now)
+        self.version += 1
+        taken, self.buffered = self.buffered, []
+        self.reports = {task.device: res for task, res in taken}
+        return Update(self.version, taken[-1][0].finish_s, tuple(task for task, _ in taken), tuple(discarded))

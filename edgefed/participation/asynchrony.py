@@ -64,6 +64,15 @@ class Update:
         return np.array([self.version - 1 - task.version for task in self.taken], np.int64)
 
 
+def draw_idle(seed: int, draw: int, members: np.ndarray, busy: set[int]) -> int | None:
+    """The device the draw-th draw (1-based) starts a task on: uniform over the idle members, from its own
+    stream; None when every member is busy."""
+    idle = np.array([k for k in np.asarray(members, np.int64) if int(k) not in busy], np.int64)
+    if idle.size == 0:
+        return None
+    return int(generator(seed, Purpose.ASYNC_SELECT, draw).choice(idle))
+
+
 class Schedule:
     """Tasks in flight on a simulated clock. `duration(device) -> (steps, seconds)` says how much a task of
     that device does and how long it takes (its steps at its board's speed, plus its links)."""
@@ -81,12 +90,10 @@ class Schedule:
 
     def _start(self, members: np.ndarray, now: float) -> None:
         """One new task on an idle member drawn uniformly (none when every member is busy)."""
-        busy = self.busy()
-        idle = np.array([k for k in np.asarray(members, np.int64) if int(k) not in busy], np.int64)
-        if idle.size == 0:
+        device = draw_idle(self.seed, self.draws + 1, members, self.busy())
+        if device is None:
             return
         self.draws += 1
-        device = int(generator(self.seed, Purpose.ASYNC_SELECT, self.draws).choice(idle))
         steps, seconds = self.duration(device)
         heapq.heappush(self.flight, Task(now + float(seconds), device, self.version, now, int(steps)))
 
@@ -115,6 +122,9 @@ class Schedule:
         self.fill(members, now)
         return Update(self.version, now, taken, tuple(discarded))
 
+    def after_update(self, members: np.ndarray) -> None:
+        """Nothing: the new tasks started with the update (their reports are computed when taken)."""
+
 
 class Recorded:
     """The schedule of a recorded async run, update by update as its log holds it (participation.trace =
@@ -138,3 +148,6 @@ class Recorded:
         self.version = t
         when = math.nan if self.clock_s is None else float(self.clock_s[t])
         return Update(t, when, tasks((tau >= 0) & ~late), tasks((tau >= 0) & late))
+
+    def after_update(self, members: np.ndarray) -> None:
+        """Nothing: the recorded tasks are the log's."""

@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import pickle
 import time
+from collections import deque
 
 import numpy as np
 
@@ -50,6 +51,9 @@ class MpiTransport:
         self._down = wire.downlink_buffer()
         self._copy_sent = False  # the ranks hold the copy a compressed downlink's differences add to
         self._residuals = (None, {})  # (round, {device: its residual record}) as they arrive
+        self._sending = []  # async: (request, buffer) of the tasks still on their way
+        self._out = {}  # async: device -> (its task's plan, when it was sent)
+        self._arrived = deque()  # async: (work record, when) of the reports not yet taken
         self._status = MPI.Status()
 
     # -- down ---------------------------------------------------------------------------------------------
@@ -113,6 +117,7 @@ class MpiTransport:
             message = self._receive()
             if message is not None:
                 src, msg_tag, raw = message
+                self._keep_task_report(msg_tag, raw)
                 if msg_tag == tag and src in expected:
                     records = raw.view(record)
                     if round_idx is None or (records.size and records[0]["round"] == round_idx):
@@ -223,6 +228,41 @@ class MpiTransport:
         return {name: np.array([got[k]["vectors"][j] for k in wanted]).reshape(len(wanted), self.wire.dim)
                 for j, name in enumerate(self.wire.residuals)}
 
+    # -- async: tasks one by one, reports as they come -------------------------------------------------
+    def start_task(self, plan: RoundPlan, x: np.ndarray) -> None:
+        """Send one device's task (a plan of one device) and the model it starts from to its rank."""
+        raw = self.wire.pack_task(plan, x)
+        self._sending = [(req, buf) for req, buf in self._sending if not req.Test()]
+        device = int(plan.device_ids[0])
+        self._out[device] = (plan, time.perf_counter())
+        self._sending.append((self.comm.Isend([raw, self.MPI.BYTE], dest=int(self.owners[device]),
+                                              tag=protocol.TAG_TASK), raw))
+
+    def _keep_task_report(self, tag: int, raw: np.ndarray) -> None:
+        """An async task's report that came while something else was collected (an evaluation): kept, with
+        when it came, for next_report."""
+        if tag == protocol.TAG_WORK and self._out:
+            records = raw.view(self.wire.work)
+            if records.size and int(records[0]["device"]) in self._out:
+                self._arrived.append((records.copy(), time.perf_counter()))
+
+    def next_report(self) -> tuple[int, LocalResults, float]:
+        """(device, its report, when it came: perf_counter) of the next task to finish; the ranks with tasks
+        out must stay alive meanwhile."""
+        backoff = Backoff(self.poll)
+        while not self._arrived:
+            message = self._receive()
+            if message is not None:
+                self._keep_task_report(message[1], message[2])
+                backoff.reset()
+                continue
+            self._check_alive(lambda: np.unique(self.owners[np.fromiter(self._out, np.int64)]))
+            backoff.pause()
+        records, now = self._arrived.popleft()
+        device = int(records[0]["device"])
+        plan, sent = self._out.pop(device)
+        return device, self.wire.unpack_work(plan, [records], [now - sent]), now
+
     def accept(self, round_idx: int, device_ids: np.ndarray) -> None:
         """Sent with the next command: the devices whose reports of round_idx were applied."""
         self._accepted = (round_idx, np.asarray(device_ids))
@@ -255,6 +295,8 @@ class MpiTransport:
         After a failure the caller aborts the world instead.
         """
         if not failed:
+            for req, _ in self._sending:  # async tasks the ranks take (and drop) before they hear the stop
+                wait(req, self.poll, also=self._listen)
             self._command(protocol.STOP)
             self._collect(protocol.TAG_BYE, list(self.hosted))
 

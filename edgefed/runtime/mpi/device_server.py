@@ -87,6 +87,9 @@ class DeviceServer:
         self._stopped_round = -1  # the last round the coordinator said it has enough of
         self._begun = 0.0  # when the work in progress was handed to the worker
         self._done = threading.Event()  # the worker finished: report now rather than after the next sleep
+        self._task_buf = np.zeros(wire.task.itemsize, np.uint8)
+        self._tasks = deque()  # async: (plan, x) of the tasks rank 0 sent, not started yet
+        self._task = None  # async: (plan, Future, RoundWork) of the task running
 
     def _records(self, tag: int, n: int) -> np.ndarray:
         """n zeroed records to fill, living in the next free send buffer (no allocation per round)."""
@@ -112,6 +115,7 @@ class DeviceServer:
         over-selection, device by device; else all of them once the round's work is done)."""
         self._heartbeat()
         self._take_stops()
+        self._serve_tasks()
         if self._future is None:
             return
         plan, future, work = self._future
@@ -143,6 +147,31 @@ class DeviceServer:
             self._sent.update(rows.tolist())
         if done and len(self._sent) == plan.device_ids.size:
             self._future = None
+
+    def _serve_tasks(self) -> None:
+        """Async: take the tasks rank 0 sends, run them one after another on the worker, and send each one's
+        work record as soon as it is done."""
+        while self.comm.Iprobe(source=0, tag=protocol.TAG_TASK):
+            self.comm.Recv(self._task_buf, source=0, tag=protocol.TAG_TASK)
+            self._tasks.append(self.wire.unpack_task(self._task_buf))
+        if self._task is not None and self._task[1].done() and self._send_free():
+            plan, future, work = self._task
+            future.result()  # a device's error surfaces here, on the main thread
+            records = self._records(protocol.TAG_WORK, 1)
+            self.wire.pack_work(records, plan.round_idx, plan.device_ids, work.results(), 0.0, work.payload)
+            self._send_records(protocol.TAG_WORK, records)
+            self._task = None
+        if self._task is None and self._tasks:
+            plan, x = self._tasks.popleft()
+            future, work = self.transport.submit(plan, ServerState(x, {}))
+            future.add_done_callback(lambda _: self._done.set())
+            self._task = (plan, future, work)
+
+    def _send_free(self) -> bool:
+        """Whether the next send buffer is free now: a report never waits here for rank 0 to take an older
+        one, since rank 0 may itself be waiting for this rank to take part in a broadcast."""
+        req = self._send_req[self._next]
+        return req is None or req.Test()
 
     def _take_stops(self) -> None:
         """A stop from the coordinator (over-selection: the round has enough) ends this rank's work of it,
@@ -195,14 +224,16 @@ class DeviceServer:
 
     def _goodbye(self) -> None:
         """Finish (and drop) work still running, then say goodbye; the coordinator drains until it hears it."""
-        if self._future is not None:
+        self._tasks.clear()  # async tasks not started are not needed any more, nor the one running
+        running = [job[1] for job in (self._future, self._task) if job is not None]
+        if running:
             self.transport.stop()
-            future = self._future[1]
+        for future in running:
             while not future.done():  # a stalled device may take a while to stop: keep the heartbeat going
                 self._heartbeat()
                 concurrent.futures.wait([future], timeout=self.poll * 20)
             future.exception()  # a late result is of no use any more
-            self._future = None
+        self._future = self._task = None
         records = self._records(protocol.TAG_BYE, 1)
         records["rank"] = self.comm.Get_rank()
         self._send_records(protocol.TAG_BYE, records)

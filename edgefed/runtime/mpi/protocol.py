@@ -32,6 +32,7 @@ TAG_ALIVE = 17  # a device rank's heartbeat: one int64, the rank; says only "sti
 TAG_SETUP = 18  # a device rank's report after building its devices (pickled: failure, warm-up, lanes)
 TAG_CONFIG = 19  # rank 0's setup for the device ranks (pickled: the config and the owners, or an error)
 TAG_RESIDUAL = 20  # error feedback: the residuals a rank's reports of a round leave its devices
+TAG_TASK = 21  # async: one device's task, point to point to its rank (the model it starts from inside)
 NO_ROUND = -1
 
 
@@ -94,8 +95,29 @@ class Wire:
         self.rows = np.dtype([("device", "<i8"), ("vectors", self.dtype, (len(self.device), dim))], align=True)
         self.load = np.dtype([("device", "<i8"), ("vectors", self.dtype, (len(self.restored), dim))], align=True)
         self.bye = np.dtype([("rank", "<i8")])
+        self.task = np.dtype([("round", "<i8"), ("device", "<i8"), ("steps", "<i4"), ("budget", "<i4"),
+                              ("lr", "<f8"), ("deadline_s", "<f8"), ("down_bytes", "<i8"),
+                              ("x", self.dtype, (dim,))], align=True)
         self.tags = {TAG_WORK: self.work, TAG_EVAL: self.evaluation, TAG_ROWS: self.rows, TAG_LOAD: self.load,
                      TAG_BYE: self.bye, TAG_RESIDUAL: self.residual}
+
+    # -- async: a task down, its work record up -------------------------------------------------------
+    def pack_task(self, plan: RoundPlan, x: np.ndarray) -> np.ndarray:
+        """One device's task (plan of one device: round = its start version + 1) and its model, as bytes."""
+        rec = np.zeros(1, self.task)
+        rec["round"], rec["device"], rec["lr"] = plan.round_idx, plan.device_ids[0], plan.lr
+        rec["steps"], rec["budget"] = plan.steps_to_run(0), plan.budgets[0]
+        rec["down_bytes"], rec["x"] = plan.down_bytes, x
+        rec["deadline_s"] = math.nan if plan.deadline_s is None else plan.deadline_s[0]
+        return rec.view(np.uint8)
+
+    def unpack_task(self, raw: np.ndarray) -> tuple[RoundPlan, np.ndarray]:
+        rec = raw.view(self.task)[0]
+        deadline = None if np.isnan(rec["deadline_s"]) else np.array([rec["deadline_s"]], np.float64)
+        plan = RoundPlan(int(rec["round"]), np.array([rec["device"]], np.int64), np.array([rec["budget"]], np.int32),
+                         float(rec["lr"]), steps=np.array([rec["steps"]], np.int32), deadline_s=deadline,
+                         down_bytes=int(rec["down_bytes"]))
+        return plan, rec["x"].copy()
 
     def record_bytes(self) -> int:
         """The largest record of any message but the command: a rank's buffers hold that per device."""
