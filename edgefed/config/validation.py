@@ -73,7 +73,7 @@ def validate(cfg: Config) -> Config:
         _positive(cfg.mpi.rank_timeout_s, "mpi.rank_timeout_s", "rank_timeout_s = 30")
     _validate_device(cfg.device, cfg.participation)
     compress = _validate_compress(cfg.compress)
-    _validate_async(cfg, train.algorithm, compress)
+    _validate_async(cfg, data, train, compress)
     _validate_dynamics(cfg.dynamics, cfg.data.clients, cfg.rounds)
     for i, fault in enumerate(cfg.fault):
         _choice(fault.kind, FAULT_KINDS, f"fault[{i}].kind")
@@ -89,7 +89,7 @@ def validate(cfg: Config) -> Config:
                                compress=compress)
 
 
-def _validate_async(cfg: Config, algorithm: str, compress: CompressConfig) -> None:
+def _validate_async(cfg: Config, data: DataConfig, train: TrainConfig, compress: CompressConfig) -> None:
     a = cfg.asynchronous
     _positive(a.concurrency, "async.concurrency", "concurrency = 10")
     _positive(a.buffer, "async.buffer", "buffer = 5")
@@ -100,19 +100,25 @@ def _validate_async(cfg: Config, algorithm: str, compress: CompressConfig) -> No
         raise ConfigError(f"config: async.max_staleness = {a.max_staleness} must be at least 0")
     if cfg.participation.mode != "async":
         return
-    if algorithm not in ASYNC_ALGORITHMS:
+    if train.algorithm not in ASYNC_ALGORITHMS:
         raise ConfigError(f'config: participation.mode = "async" runs FedBuff over FedAvg or FedProx local updates, '
-                          f'not {algorithm!r} (SCAFFOLD\'s controls need synchronous rounds); set train.algorithm '
-                          '= "fedavg" or "fedprox"')
-    clash = [key for key, used in (("dynamics.arrive/depart", cfg.dynamics.arrive or cfg.dynamics.depart),
-                                   ("participation.overselect", cfg.participation.overselect > 0),
-                                   ("compress.downlink", compress.downlink != "none"),
-                                   ("compress.error_feedback", compress.error_feedback),
-                                   ("[[fault]]", bool(cfg.fault))) if used]
+                          f'not {train.algorithm!r} (SCAFFOLD\'s controls need synchronous rounds); set '
+                          'train.algorithm = "fedavg" or "fedprox"')
+    p = cfg.participation
+    clash = [(key, fix) for key, used, fix in (
+        ("dynamics.arrive/depart", cfg.dynamics.arrive or cfg.dynamics.depart, "remove them"),
+        ("participation.overselect", p.overselect > 0, "remove it"),
+        ('participation.deadline_covers = "round"', p.deadline_covers == "round", "remove it (a task's deadline "
+                                                                                   "bounds its local work)"),
+        ('train.lr_schedule = "staircase"', train.lr_schedule == "staircase", "remove it (it counts rounds)"),
+        ("compress.downlink", compress.downlink != "none", "remove it"),
+        ("compress.error_feedback", compress.error_feedback, "set compress.error_feedback = false"),
+        ("[[fault]]", bool(cfg.fault), "remove them")) if used]
     if clash:
-        raise ConfigError(f'config: participation.mode = "async" does not take {clash[0]} yet; remove it or run '
+        key, fix = clash[0]
+        raise ConfigError(f'config: participation.mode = "async" does not take {key} yet; {fix}, or run '
                           'synchronous rounds')
-    n = cfg.data.clients
+    n = data.clients
     for key, value in (("concurrency", a.concurrency), ("buffer", a.buffer)):
         if n is not None and value > n:
             raise ConfigError(f"config: async.{key} = {value} exceeds the {n} devices (data.clients)")
@@ -170,25 +176,19 @@ def _validate_device(dev: DeviceConfig, p: ParticipationConfig) -> None:
 def _validate_participation(p: ParticipationConfig) -> ParticipationConfig:
     _choice(p.mode, PARTICIPATION_MODES, "participation.mode")
     _choice(p.scheme, tuple(SCHEMES), "participation.scheme")
-    if p.mode == "deadline":
-        if p.deadline_s is None:
-            raise ConfigError('config: participation.mode = "deadline" needs participation.deadline_s (e.g. 0.05, '
-                              '"auto" or "adaptive")')
-        if isinstance(p.deadline_s, str):
-            if p.deadline_s != "adaptive":
-                hwprofile.parse_deadline(p.deadline_s)
-        else:
-            _positive(p.deadline_s, "participation.deadline_s", "deadline_s = 0.05")
-    elif p.mode == "async" and p.deadline_s is not None:  # a task stops at its deadline
-        if p.deadline_s == "adaptive":
-            raise ConfigError('config: participation.deadline_s = "adaptive" needs synchronous rounds; give an async '
-                              'task\'s deadline in seconds or as a multiple of its profiled time ("1.5x")')
-        if isinstance(p.deadline_s, str):
-            hwprofile.parse_deadline(p.deadline_s)
-        else:
-            _positive(p.deadline_s, "participation.deadline_s", "deadline_s = 0.05")
-    elif p.deadline_s is not None:
+    if p.mode == "deadline" and p.deadline_s is None:
+        raise ConfigError('config: participation.mode = "deadline" needs participation.deadline_s (e.g. 0.05, '
+                          '"auto" or "adaptive")')
+    if p.mode == "async" and p.deadline_s == "adaptive":
+        raise ConfigError('config: participation.deadline_s = "adaptive" needs synchronous rounds; give an async '
+                          'task\'s deadline in seconds or as a multiple of its profiled time ("1.5x")')
+    if p.deadline_s is not None and p.mode not in ("deadline", "async"):
         raise ConfigError(f'config: participation.deadline_s applies to mode = "deadline" or "async", not {p.mode!r}')
+    if isinstance(p.deadline_s, str):  # an async task stops at its deadline as a round's device does
+        if p.deadline_s != "adaptive":
+            hwprofile.parse_deadline(p.deadline_s)
+    elif p.deadline_s is not None:
+        _positive(p.deadline_s, "participation.deadline_s", "deadline_s = 0.05")
     if p.deadline_s == "adaptive":
         q = DEFAULT_QUANTILE if p.deadline_quantile is None else p.deadline_quantile
         if not 0 < q <= 1:

@@ -1,11 +1,12 @@
-"""The async loop: FedBuff's server updates on the simulated clock (docs/design.md 2.14).
+"""The async loop: FedBuff's server updates (docs/design.md 2.14).
 
-`rounds` counts server updates. The schedule (participation/asynchrony.py) decides, as arithmetic on the
-boards' step and link times, which reports make each update and how stale they are; the engine then runs
-each of those tasks through the transport from the server model it started from (kept here for as long
-as a task of it can still be taken), with the streams of (its start version + 1, its device), so a task's
-report is the same whenever it is computed. Everything else (evaluation, the log, the resume state) is the
-round engine's.
+`rounds` counts server updates. On a simulated clock the schedule (participation/asynchrony.py) decides,
+as arithmetic on the boards' step and link times, which reports make each update and how stale they are;
+the engine then runs each of those tasks through the transport from the server model it started from
+(kept here for as long as a task of it can still be taken), with the streams of (its start version + 1,
+its device), so a task's report is the same whenever it is computed. On a measured clock (a real
+federation, under mpirun) `LiveSchedule` sends each task to its device's rank as it starts and takes the
+reports as they arrive. Everything else (evaluation, the log, the resume state) is the round engine's.
 """
 
 from __future__ import annotations
@@ -121,7 +122,8 @@ class AsyncEngine(RoundEngine):
         for v in [v for v in self.versions if v < round_idx - self.window]:
             del self.versions[v]  # no task of it can be taken any more
         self.clock.clock_s = update.time_s
-        self.schedule.after_update(np.flatnonzero(self.active))
+        if round_idx < self.cfg.rounds:  # the last update starts no task: none of them would be used
+            self.schedule.after_update(np.flatnonzero(self.active))
 
         evaluate, store = self._due(round_idx)
         metrics = self.metrics(self.transport.evaluate(self.state.x)) if evaluate else (math.nan,) * 3
@@ -129,8 +131,9 @@ class AsyncEngine(RoundEngine):
         self.log.ensure_room()
         self.log.append(self._update_row(round_idx, update, ids, res, coeffs, nonfinite, staleness, metrics, elapsed))
         self._stage_and_commit(round_idx, None, store)
+        discarded = sum(1 for task in update.discarded if task.device not in set(ids.tolist()))  # as the row says
         self.on_round(RoundSummary(round_idx, self.cfg.rounds, *metrics, int(reported.sum()), int(self.active.sum()),
-                                   int(nonfinite.sum()), elapsed, len(update.discarded), int(res.steps.sum()),
+                                   int(nonfinite.sum()), elapsed, discarded, int(res.steps.sum()),
                                    int(self._budgets[ids].sum()), int(reported.sum()), evaluate))
         return self.state
 

@@ -55,7 +55,8 @@ def execute(resolve, force: bool, on_round, on_info, on_error, launch: run_mod.L
 def wire_for(cfg, algorithm: Algorithm, n_devices: int, model) -> Wire:
     """The MPI records of a run: the same on every rank, since every rank builds them from the same config."""
     return Wire(n_devices, model.dim, model.dtype, algorithm.reports, tuple(v.name for v in algorithm.server_vectors),
-                tuple(v.name for v in algorithm.device_vectors), *codecs(cfg.compress))
+                tuple(v.name for v in algorithm.device_vectors), *codecs(cfg.compress),
+                tasks=cfg.participation.mode == "async")
 
 
 def check_device_ranks(cfg, n_ranks: int) -> None:

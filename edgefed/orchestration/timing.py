@@ -79,10 +79,11 @@ def timing_for(setup, owners: np.ndarray | None = None, on_info=None, resume_poi
     if p.mode == "async" and not timed and not distributed:
         raise ConfigError('config: participation.mode = "async" in the simulator runs on the simulated clock: set '
                           '[device] profile (a real federation\'s time is measured under mpirun)')
-    if p.mode == "async" and resume_point is not None and not resume_point.complete and not timed:
+    resuming = resume_point is not None and not resume_point.complete and not resume_point.fresh
+    if p.mode == "async" and resuming and not timed:
         raise ConfigError("--resume of an async run on a measured clock cannot restore the tasks that were in "
                           "flight; its log replays exactly (participation.trace = RUN.h5), or run it again")
-    if p.mode == "async" and resume_point is not None and cfg.log.every != 1:
+    if p.mode == "async" and resuming and cfg.log.every != 1:
         raise ConfigError(f"--resume of an async run needs every server model its tasks in flight started from, "
                           f"which [log] every = 1 keeps; this log has every = {cfg.log.every}: run it again")
     if clock == "simulated" and boards is None:

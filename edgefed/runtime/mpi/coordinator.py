@@ -295,7 +295,11 @@ class MpiTransport:
         After a failure the caller aborts the world instead.
         """
         if not failed:
-            for req, _ in self._sending:  # async tasks the ranks take (and drop) before they hear the stop
+            if self.wire.tasks:  # async: the last record of the tasks a rank gets, so it takes every one
+                end = self.wire.end_of_tasks()
+                self._sending += [(self.comm.Isend([end, self.MPI.BYTE], dest=r, tag=protocol.TAG_TASK), end)
+                                  for r in self.hosted]
+            for req, _ in self._sending:
                 wait(req, self.poll, also=self._listen)
             self._command(protocol.STOP)
             self._collect(protocol.TAG_BYE, list(self.hosted))

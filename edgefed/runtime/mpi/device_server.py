@@ -90,6 +90,8 @@ class DeviceServer:
         self._task_buf = np.zeros(wire.task.itemsize, np.uint8)
         self._tasks = deque()  # async: (plan, x) of the tasks rank 0 sent, not started yet
         self._task = None  # async: (plan, Future, RoundWork) of the task running
+        self._task_due = None  # async: when the finished task's report may leave (after its link's time)
+        self._tasks_ended = False  # async: rank 0's end-of-tasks record came
 
     def _records(self, tag: int, n: int) -> np.ndarray:
         """n zeroed records to fill, living in the next free send buffer (no allocation per round)."""
@@ -153,14 +155,23 @@ class DeviceServer:
         work record as soon as it is done."""
         while self.comm.Iprobe(source=0, tag=protocol.TAG_TASK):
             self.comm.Recv(self._task_buf, source=0, tag=protocol.TAG_TASK)
-            self._tasks.append(self.wire.unpack_task(self._task_buf))
-        if self._task is not None and self._task[1].done() and self._send_free():
+            if protocol.Wire.is_end_of_tasks(self._task_buf, self.wire.task):
+                self._tasks_ended = True
+            else:
+                self._tasks.append(self.wire.unpack_task(self._task_buf))
+        if self._task is not None and self._task[1].done():
             plan, future, work = self._task
             future.result()  # a device's error surfaces here, on the main thread
+            if self._task_due is None:  # a shaped link, or a slow_link fault, holds the report
+                sent = plan.down_bytes + int(work.bytes_up[0])
+                self._task_due = time.perf_counter() + self.transport.link_delay(int(plan.device_ids[0]),
+                                                                                 plan.round_idx, sent)
+            if time.perf_counter() < self._task_due or not self._send_free():
+                return
             records = self._records(protocol.TAG_WORK, 1)
             self.wire.pack_work(records, plan.round_idx, plan.device_ids, work.results(), 0.0, work.payload)
             self._send_records(protocol.TAG_WORK, records)
-            self._task = None
+            self._task = self._task_due = None
         if self._task is None and self._tasks:
             plan, x = self._tasks.popleft()
             future, work = self.transport.submit(plan, ServerState(x, {}))
@@ -224,6 +235,10 @@ class DeviceServer:
 
     def _goodbye(self) -> None:
         """Finish (and drop) work still running, then say goodbye; the coordinator drains until it hears it."""
+        while self.wire.tasks and not self._tasks_ended:  # take every task rank 0 sent, up to its last record
+            self._heartbeat()
+            self._serve_tasks()
+            time.sleep(self.poll)
         self._tasks.clear()  # async tasks not started are not needed any more, nor the one running
         running = [job[1] for job in (self._future, self._task) if job is not None]
         if running:

@@ -48,10 +48,12 @@ class Wire:
     """
 
     def __init__(self, n_devices: int, dim: int, dtype, reports: tuple[str, ...], server: tuple[str, ...] = (),
-                 device: tuple[str, ...] = (), uplink: Codec = Codec(), downlink: Codec = Codec()):
+                 device: tuple[str, ...] = (), uplink: Codec = Codec(), downlink: Codec = Codec(),
+                 tasks: bool = False):
         self.n_devices, self.dim, self.dtype = n_devices, dim, np.dtype(dtype)
         self.reports, self.server, self.device = tuple(reports), tuple(server), tuple(device)
         self.uplink, self.downlink = uplink, downlink
+        self.tasks = tasks  # async: tasks may come point to point, and an end-of-tasks record ends them
         self.residuals = tuple(compression.residual_name(r) for r in self.reports) if uplink.error_feedback else ()
         self.restored = self.device + self.residuals  # what LOAD_DEVICES carries per device
         self._up = uplink.nbytes(dim, self.dtype)  # one encoded report vector
@@ -114,10 +116,23 @@ class Wire:
     def unpack_task(self, raw: np.ndarray) -> tuple[RoundPlan, np.ndarray]:
         rec = raw.view(self.task)[0]
         deadline = None if np.isnan(rec["deadline_s"]) else np.array([rec["deadline_s"]], np.float64)
+        # a task stops at its deadline and reports what it did: no report of it is ever late (its due time is
+        # infinite), and a stop (the run is over) ends it within a chunk
         plan = RoundPlan(int(rec["round"]), np.array([rec["device"]], np.int64), np.array([rec["budget"]], np.int32),
                          float(rec["lr"]), steps=np.array([rec["steps"]], np.int32), deadline_s=deadline,
+                         round_deadline_s=None if deadline is None else np.array([math.inf]), by_arrival=True,
                          down_bytes=int(rec["down_bytes"]))
         return plan, rec["x"].copy()
+
+    def end_of_tasks(self) -> np.ndarray:
+        """The task record that tells a rank no more tasks follow (device -1): sent last, before the stop."""
+        rec = np.zeros(1, self.task)
+        rec["device"] = -1
+        return rec.view(np.uint8)
+
+    @staticmethod
+    def is_end_of_tasks(raw: np.ndarray, task: np.dtype) -> bool:
+        return int(raw.view(task)[0]["device"]) < 0
 
     def record_bytes(self) -> int:
         """The largest record of any message but the command: a rank's buffers hold that per device."""
