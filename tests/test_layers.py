@@ -11,7 +11,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "edgefed"
 LAYERS = [
     {"__init__", "errors", "kernels"},  # the version, the error hierarchy, the Numba kernels
     {"rng"},  # random streams (their kernel lives in kernels/)
-    {"algorithms", "participation", "compression"},  # the math: pure, no I/O, no transport
+    {"algorithms", "participation", "compression", "secagg"},  # the math: pure, no I/O, no transport
     {"problems", "models", "hwprofile", "tracefiles"},  # problems and models, and the data files they read
     {"config"},  # the schema, checked against the registries below it
     {"transport", "runlog"},  # the engine-transport interface; the run log's format

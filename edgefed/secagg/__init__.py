@@ -1,0 +1,1 @@
+"""Secure aggregation's math (Bonawitz et al., CCS 2017): pure, no I/O, no transport."""
