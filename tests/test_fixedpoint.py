@@ -18,7 +18,7 @@ def test_the_sum_of_encodings_decodes_within_the_bound(n, bits, clip, seed):
     masks = g.integers(0, 2**bits, (n, 7), dtype=np.uint64).astype(np.dtype(f"uint{bits}"))
     with np.errstate(over="ignore"):
         for k in range(n):  # each device adds a mask; the masks' sum is taken off again, as recovery does
-            total = fp.add(total, fp.add(fp.encode(values[k], n, clip, bits), masks[k]))
+            total = total + (fp.encode(values[k], n, clip, bits) + masks[k])
         for k in range(n):
             total = total - masks[k]
     want = np.clip(values, -clip, clip).sum(axis=0)
@@ -31,7 +31,7 @@ def test_the_extremes_do_not_overflow_and_bad_settings_are_refused():
     top = np.full(3, clip)
     total = np.zeros(3, np.uint16)
     for _ in range(n):
-        total = fp.add(total, fp.encode(top, n, clip, bits))
+        total = total + fp.encode(top, n, clip, bits)
     np.testing.assert_allclose(fp.decode_sum(total, n, clip, bits), n * clip, atol=fp.rounding_bound(n, clip, bits))
     assert fp.rounding_bound(100, 1.0, 32) < 3e-6
     with pytest.raises(ValueError, match="bits = 24: choose one of 16, 32, 64"):

@@ -37,6 +37,17 @@ def write(tmp_path, name, text):
     return str(path)
 
 
+def simulator_then_ranks(tmp_path, text: str, ranks: int = 3) -> list[dict]:
+    """The logs of one config run in the simulator and under `mpiexec -n ranks`."""
+    cfg = write(tmp_path, "c.toml", text)
+    logs = []
+    for n, name in ((None, "sim.h5"), (ranks, "mpi.h5")):
+        done = edgefed(["run", cfg, "--out", str(tmp_path / name), "--quiet"], n)
+        assert done.returncode == 0, done.stderr
+        logs.append(read_run(tmp_path / name))
+    return logs
+
+
 def same_datasets(a, b, skip=()):
     skip = set(skip) | measured(a["attrs"]) | measured(b["attrs"])
     return [k for k in a if k != "attrs" and k not in skip and a[k].tobytes() != b[k].tobytes()]
@@ -231,12 +242,7 @@ scheme = "{scheme}"
 @pytest.mark.parametrize("algorithm,trace,scheme", [("fedprox", '"builtin"', "fednova"),
                                                     ("scaffold", '["cpu30", "cpu90", "bw-low"]', "drop")])
 def test_new_rules_under_mpiexec_write_the_simulators_bytes(tmp_path, algorithm, trace, scheme):
-    cfg = write(tmp_path, "c.toml", RULES.format(algorithm=algorithm, trace=trace, scheme=scheme))
-    logs = []
-    for ranks, name in ((None, "sim.h5"), (3, "mpi.h5")):
-        done = edgefed(["run", cfg, "--out", str(tmp_path / name), "--quiet"], ranks)
-        assert done.returncode == 0, done.stderr
-        logs.append(read_run(tmp_path / name))
+    logs = simulator_then_ranks(tmp_path, RULES.format(algorithm=algorithm, trace=trace, scheme=scheme))
     assert same_datasets(*logs) == []
     assert (logs[0]["participation/steps"] < 10).any() and logs[0]["participation/coeff"].any()
 
@@ -253,12 +259,7 @@ topk_fraction = 0.05
 
 @pytest.mark.parametrize("uplink,downlink", [("int8", "topk"), ("topk", "fp16")])
 def test_compressed_runs_under_mpiexec_write_the_simulators_bytes(tmp_path, uplink, downlink):
-    cfg = write(tmp_path, "c.toml", COMPRESSED.format(uplink=uplink, downlink=downlink))
-    logs = []
-    for ranks, name in ((None, "sim.h5"), (3, "mpi.h5")):
-        done = edgefed(["run", cfg, "--out", str(tmp_path / name), "--quiet"], ranks)
-        assert done.returncode == 0, done.stderr
-        logs.append(read_run(tmp_path / name))
+    logs = simulator_then_ranks(tmp_path, COMPRESSED.format(uplink=uplink, downlink=downlink))
     assert same_datasets(*logs) == []
     worked = logs[0]["participation/steps"] > 0
     assert (logs[1]["participation/bytes_up"][worked] < 610 * 4).all() and logs[1]["state/residual_delta_c"].any()

@@ -11,6 +11,7 @@ reports as they arrive. Everything else (evaluation, the log, the resume state) 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 
@@ -171,11 +172,10 @@ class AsyncEngine(RoundEngine):
 
 def _stacked(results: list[LocalResults]) -> LocalResults:
     """One LocalResults of single-device ones, rows in the list's order."""
-    join = lambda name: np.concatenate([getattr(r, name) for r in results])  # noqa: E731
     vectors = {name: np.concatenate([r.vectors[name] for r in results]) for name in results[0].vectors}
-    return LocalResults(vectors, join("steps"), join("elapsed_s"), join("cpu_percent"), join("late"),
-                        join("cpu_freq_mhz"), join("temperature_c"), join("compiled"), join("finish_s"), join("comm_s"),
-                        join("core"), join("link_s"), bytes_up=join("bytes_up"))
+    rows = {f.name: np.concatenate([getattr(r, f.name) for r in results])
+            for f in dataclasses.fields(LocalResults) if f.name not in ("vectors", "round_s")}
+    return LocalResults(vectors, **rows)
 
 
 class LiveSchedule:

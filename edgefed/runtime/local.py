@@ -161,10 +161,10 @@ class LocalTransport:
     def load_devices(self, rows: dict[str, np.ndarray]) -> None:
         """Restore the hosted devices' vectors and residuals (rows in device_ids order; in the simulator,
         every device)."""
-        own = lambda values: np.array(values, dtype=self.model.dtype)  # noqa: E731
-        self.vectors = {v.name: own(rows[v.name]) for v in self.algorithm.device_vectors}
+        dtype = self.model.dtype
+        self.vectors = {v.name: np.array(rows[v.name], dtype) for v in self.algorithm.device_vectors}
         if self.uplink.error_feedback:
-            self.residual_rows = {r: own(rows[compression.residual_name(r)]) for r in self.algorithm.reports}
+            self.residual_rows = {r: np.array(rows[compression.residual_name(r)], dtype) for r in self.algorithm.reports}
 
     def accept(self, round_idx: int, device_ids: np.ndarray) -> None:
         """The coordinator kept these devices' reports of round_idx: they add their Deltas to their vectors

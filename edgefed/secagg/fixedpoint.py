@@ -38,12 +38,8 @@ def encode(values: np.ndarray, n: int, clip: float, bits: int) -> np.ndarray:
     return q.astype(np.dtype(f"uint{bits}"))  # two's complement: a negative q wraps mod 2^bits
 
 
-def add(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """a + b mod 2^bits (unsigned integer arrays wrap)."""
-    return a + b
-
-
 def decode_sum(total: np.ndarray, n: int, clip: float, bits: int) -> np.ndarray:
-    """The float64 sum of the n values whose encodings (and masks that cancel) add up to total."""
+    """The float64 sum of the n values whose encodings (and masks that cancel) add up to total, mod 2^bits:
+    unsigned arrays of that width wrap as they add."""
     signed = total.view(np.dtype(f"int{bits}")).astype(np.float64)
     return signed / scale(n, clip, bits)

@@ -155,7 +155,7 @@ class DeviceServer:
         work record as soon as it is done."""
         while self.comm.Iprobe(source=0, tag=protocol.TAG_TASK):
             self.comm.Recv(self._task_buf, source=0, tag=protocol.TAG_TASK)
-            if protocol.Wire.is_end_of_tasks(self._task_buf, self.wire.task):
+            if self.wire.is_end_of_tasks(self._task_buf):
                 self._tasks_ended = True
             else:
                 self._tasks.append(self.wire.unpack_task(self._task_buf))

@@ -130,9 +130,8 @@ class Wire:
         rec["device"] = -1
         return rec.view(np.uint8)
 
-    @staticmethod
-    def is_end_of_tasks(raw: np.ndarray, task: np.dtype) -> bool:
-        return int(raw.view(task)[0]["device"]) < 0
+    def is_end_of_tasks(self, raw: np.ndarray) -> bool:
+        return int(raw.view(self.task)[0]["device"]) < 0
 
     def record_bytes(self) -> int:
         """The largest record of any message but the command: a rank's buffers hold that per device."""
