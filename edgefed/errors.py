@@ -42,3 +42,12 @@ class RankLost(Exception):
         super().__init__(f"rank {rank}{where} stopped answering: nothing heard for {silent_s:.1f} s "
                          "([mpi] rank_timeout_s)")
         self.rank, self.silent_s, self.host = rank, silent_s, host
+
+
+class SecAggError(EdgefedError):
+    """Secure aggregation found a message it cannot trust: a share, key or mask seed that was changed on its way."""
+
+
+class Unrecoverable(SecAggError):
+    """Too few devices survived a round for secure aggregation to remove the masks ([secagg] threshold): the
+    round is aborted, nothing is applied."""

@@ -26,6 +26,8 @@ class Purpose(IntEnum):
     TRACE_DROP = 10   # uploads lost while recording a trace
     COMPRESS = 11     # int8's stochastic rounding: a device's report, or (no device) the server's broadcast
     ASYNC_SELECT = 12  # buffered async: the n-th device drawn to start a task (round = n)
+    SECAGG_GRAPH = 13  # secure aggregation: the ring order of a round's selected devices (SecAgg+'s graph)
+    SECAGG_KEYS = 14  # secure aggregation's test mode ([secagg] key_source = "seeded"): a device's key material
 
 
 def seed_sequence(seed: int, purpose: Purpose, round_idx: int = 0, device_id: int | None = None):

@@ -49,7 +49,8 @@ LIBVER = ("v110", "v110")
 
 # Datasets holding measured wall time or load: the only ones that differ between two runs of one config.
 MEASURED = frozenset({"participation/elapsed_s", "participation/cpu_percent", "participation/cpu_freq_mhz",
-                      "participation/temperature_c", "participation/compiled", "metrics/round_elapsed_s"})
+                      "participation/temperature_c", "participation/compiled", "metrics/round_elapsed_s",
+                      "participation/secagg_s"})
 # ... and, where the clock is measured (root attribute clock = "measured"), the time the federation kept.
 MEASURED_CLOCK = frozenset({"metrics/clock_s", "participation/comm_s", "participation/deadline_s",
                             "participation/core"})

@@ -29,6 +29,7 @@ class RoundPlan:
     quorum: int | None = None  # over-selection: the round ends once this many devices completed their budget
     by_arrival: bool = False  # the transport ends the round at the quorum's arrival and stops the others
     down_bytes: int = 0  # what the round's broadcast brings each selected device (for a shaped link's time)
+    prescale: np.ndarray | None = None  # secure aggregation: (S,) c_k, each device's factor known before the work
 
     def steps_to_run(self, i: int) -> int:
         return int(self.budgets[i] if self.steps is None else self.steps[i])
@@ -52,6 +53,11 @@ class LocalResults:
     link_s: np.ndarray  # (S,) float32: of comm_s, the links alone (not the wait on the rank); NaN: unknown
     round_s: float = float("nan")  # when the round's last report it takes came (NaN: the caller's wall time)
     bytes_up: np.ndarray | None = None  # (S,) int64: the payload of each report (0: no work sent); None: 0s
+    # secure aggregation: the masked inputs (vectors is then empty: no update leaves a device in the clear)
+    masked: np.ndarray | None = None  # (S, d) uint{bits}: y_k (zeros: none sent)
+    nonfinite: np.ndarray | None = None  # (S,) bool: the device found its update non-finite and sent no y_k
+    secagg_s: np.ndarray | None = None  # (S,) float32: the device's protocol time through its masked input
+    secagg_clipped: np.ndarray | None = None  # (S,) int64: coordinates the clip cut
 
 
 @dataclass(frozen=True)
@@ -77,6 +83,18 @@ class Transport(Protocol):
 
     def accept(self, round_idx: int, device_ids: np.ndarray) -> None:
         """These devices' reports of round_idx were applied: they update their own vectors."""
+
+    def secagg_keys(self, plan: RoundPlan) -> np.ndarray:
+        """Secure aggregation, phase 1: every selected device's KEYS record (ascending device id)."""
+
+    def secagg_shares(self, round_idx: int, keys: np.ndarray) -> np.ndarray:
+        """Phase 2: every selected device's sealed SHARE records, given every device's keys."""
+
+    def secagg_deliver(self, round_idx: int, shares: np.ndarray) -> None:
+        """Phase 3: each sealed share to the device it is addressed to."""
+
+    def secagg_reveal(self, round_idx: int, survivors: np.ndarray) -> np.ndarray:
+        """Phase 5 (after the masked inputs): the survivors' REVEAL records."""
 
     def evaluate(self, x: np.ndarray) -> Evaluation:
         """Every device's train loss and held-out counts at x."""

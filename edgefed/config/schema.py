@@ -143,6 +143,20 @@ class AsyncConfig:
 
 
 @dataclass(frozen=True)
+class SecAggConfig:
+    """Secure aggregation with pairwise masks (Bonawitz et al.; SecAgg+ neighbourhoods): the coordinator
+    learns only the sum of the applied devices' scaled updates."""
+
+    enabled: bool = False
+    neighbours: int | None = None  # k: the devices each is linked to (SecAgg+); None: all the round's others
+    threshold: int | None = None  # t: shares of a device's secrets that rebuild them; None: ceil(2k/3) + 1
+    clip: float = 10.0  # a coordinate of a device's scaled update is clipped to [-clip, clip] before encoding
+    bits: int = 32  # masks and encodings live in Z_{2^bits}: 16, 32 or 64
+    key_source: str = "os"  # "os": key material from the OS's CSPRNG; "seeded": the test mode's stream on
+    # (seed, round, device), which makes every key reproducible (and known to anyone with the config)
+
+
+@dataclass(frozen=True)
 class FaultConfig:
     """A fault injected into one device's local work in one round, to test what the runtime does."""
 
@@ -177,6 +191,7 @@ class Config:
     device: DeviceConfig = field(default_factory=DeviceConfig)
     compress: CompressConfig = field(default_factory=CompressConfig)
     asynchronous: AsyncConfig = field(default_factory=AsyncConfig)  # TOML [async] (a Python keyword)
+    secagg: SecAggConfig = field(default_factory=SecAggConfig)
     fault: tuple[FaultConfig, ...] = ()
 
     @property

@@ -14,6 +14,10 @@ import math
 from edgefed import hwprofile
 from edgefed.algorithms import ALGORITHMS
 from edgefed import compression
+from edgefed.participation import schemes
+from edgefed.secagg import crypto as secagg_crypto
+from edgefed.secagg import fixedpoint
+from edgefed.secagg import protocol as secagg_protocol
 from edgefed.algorithms import scaffold
 from edgefed.config.schema import (CompressConfig, Config, DataConfig, DeviceConfig, DynamicsConfig, FedProxConfig, ModelConfig,
                                    ParticipationConfig, TrainConfig)
@@ -74,6 +78,7 @@ def validate(cfg: Config) -> Config:
     _validate_device(cfg.device, cfg.participation)
     compress = _validate_compress(cfg.compress)
     _validate_async(cfg, data, train, compress)
+    _validate_secagg(cfg, train, compress)
     _validate_dynamics(cfg.dynamics, cfg.data.clients, cfg.rounds)
     for i, fault in enumerate(cfg.fault):
         _choice(fault.kind, FAULT_KINDS, f"fault[{i}].kind")
@@ -122,6 +127,35 @@ def _validate_async(cfg: Config, data: DataConfig, train: TrainConfig, compress:
     for key, value in (("concurrency", a.concurrency), ("buffer", a.buffer)):
         if n is not None and value > n:
             raise ConfigError(f"config: async.{key} = {value} exceeds the {n} devices (data.clients)")
+
+
+def _validate_secagg(cfg: Config, train: TrainConfig, compress: CompressConfig) -> None:
+    s = cfg.secagg
+    _choice(s.bits, fixedpoint.BITS, "secagg.bits")
+    _positive(s.clip, "secagg.clip", "clip = 10.0")
+    _choice(s.key_source, secagg_protocol.KEY_SOURCES, "secagg.key_source")
+    for key, value in (("neighbours", s.neighbours), ("threshold", s.threshold)):
+        if value is not None and value < 1:
+            raise ConfigError(f"config: secagg.{key} = {value} must be at least 1")
+    if s.neighbours is not None and s.threshold is not None and s.threshold > s.neighbours + 1:
+        raise ConfigError(f"config: secagg.threshold = {s.threshold} exceeds the {s.neighbours + 1} shares a device "
+                          f"makes (its secagg.neighbours and itself); use at most {s.neighbours + 1}")
+    if not s.enabled:
+        return
+    if train.algorithm == "scaffold":
+        raise ConfigError('config: [secagg] enabled = true sums one vector, x\'s update; SCAFFOLD\'s controls '
+                          'need a second sum with weights of their own; set train.algorithm = "fedavg" or "fedprox"')
+    p = cfg.participation
+    clash = [(key, fix) for key, used, fix in (
+        ('participation.mode = "async"', p.mode == "async", "run synchronous rounds"),
+        ("compress.uplink", compress.uplink != "none", 'set compress.uplink = "none" (a masked update looks '
+                                                      "random: nothing to compress)"),
+        ("participation.scheme = " + repr(p.scheme), p.scheme not in schemes.DEVICE_MULTIPLIERS,
+         "choose a rule a device can pre-scale its update for")) if used]
+    if clash:
+        key, fix = clash[0]
+        raise ConfigError(f"config: [secagg] enabled = true does not take {key}; {fix}, or disable [secagg]")
+    secagg_crypto.available()
 
 
 def _validate_compress(c: CompressConfig) -> CompressConfig:

@@ -18,6 +18,7 @@ from edgefed import compression
 from edgefed.algorithms.base import Algorithm, RoundReports, ServerState
 from edgefed.config import Config
 from edgefed.engine.clock import RoundClock
+from edgefed.engine.secure import SecureSum
 from edgefed.participation import schemes
 from edgefed.participation.budgets import local_budgets
 from edgefed.participation.dynamics import Dynamics
@@ -46,6 +47,7 @@ class RoundSummary:
     steps_asked: int = 0
     n_applied: int = 0
     evaluated: bool = True  # the round's metrics were computed (log.eval_every); NaN otherwise
+    note: str = ""  # what else the line should say (a secure aggregation the survivors could not unmask)
 
 
 class RoundEngine:
@@ -70,6 +72,7 @@ class RoundEngine:
         self.residual_names = (tuple(compression.residual_name(r) for r in algorithm.reports)
                                if cfg.compress.error_feedback else ())
         self.replica: ServerState | None = None  # the model the devices hold, with a compressed downlink
+        self.secure = None  # secure aggregation's server side, set once the model's size is known (start)
 
     # -- planning ----------------------------------------------------------------------------------------
     def learning_rate(self, round_idx: int, shift_round: int = 0) -> float:
@@ -104,10 +107,14 @@ class RoundEngine:
         silent = self.dynamics.silent(round_idx)[selected]
         if silent.any():  # departed but still in the objective: selected, never reporting
             steps = np.where(silent, 0, budgets if steps is None else steps).astype(np.int32)
+        prescale = None
+        if self.cfg.secagg.enabled:
+            prescale = (schemes.prescales(self.cfg.train.weighting, selected, self.n_train)
+                        * self.dynamics.boost(selected, round_idx))
         return RoundPlan(round_idx, selected, budgets, lr, steps=None if steps is None else np.minimum(steps, budgets),
                          deadline_s=deadlines.compute_s, grace_s=p.grace_s, round_deadline_s=deadlines.due_s,
                          quorum=quorum, by_arrival=quorum is not None and not self.clock.simulated,
-                         down_bytes=self.down_bytes())
+                         down_bytes=self.down_bytes(), prescale=prescale)
 
     # -- the wire ----------------------------------------------------------------------------------------
     def down_bytes(self) -> int:
@@ -199,6 +206,7 @@ class RoundEngine:
             for name, values in rows.items():
                 self.log.set_rows(name, values)
         self.state = self._declared(ServerState(x0, self.algorithm.server_start(x0, self._members(rows))), "server_start")
+        self._secure_side(x0.size)
         if self.downlink.lossy:  # every device starts from x_0 (and the server's first vectors), sent in full
             self.replica = ServerState(x0.copy(), {name: v.copy() for name, v in self.state.vectors.items()})
         train, test_loss, test_acc = self.metrics(self.transport.evaluate(x0))
@@ -216,6 +224,7 @@ class RoundEngine:
             self.clock.restore(prefix, done)
         algo = self.algorithm
         self.state = ServerState(state["x"], {v.name: state[v.name] for v in algo.server_vectors})
+        self._secure_side(self.state.x.size)
         if self.downlink.lossy:
             held = {name: state[compression.replica_name(name)] for name in self._vectors(self.state)}
             self.replica = ServerState(held.pop("x"), held)
@@ -223,6 +232,10 @@ class RoundEngine:
         if rows:
             self.transport.load_devices({name: state[name] for name in rows})
         return self.state
+
+    def _secure_side(self, dim: int) -> None:
+        if self.cfg.secagg.enabled:
+            self.secure = SecureSum(self.cfg, dim, self.transport, self.n_devices)
 
     def run(self, done: int = 0) -> ServerState:
         """Rounds done+1 .. R from the current state (the one after round `done`)."""
@@ -259,6 +272,8 @@ class RoundEngine:
         sets = self._shift(round_idx)
         plan = self.plan(round_idx)
         work0 = time.perf_counter()
+        if self.secure is not None:
+            self.secure.begin(plan)
         held, downlink = self._broadcast(round_idx)
         res = self.transport.local_work(plan, held, downlink)
         worked = time.perf_counter()
@@ -266,7 +281,7 @@ class RoundEngine:
 
         # A non-finite update is dropped (counted, logged), never averaged in: it weighs as a device that did
         # nothing, as does a late one (its steps count as 0).
-        nonfinite = np.zeros(plan.device_ids.size, bool)
+        nonfinite = np.zeros(plan.device_ids.size, bool) if res.nonfinite is None else res.nonfinite.copy()
         for values in res.vectors.values():
             nonfinite |= ~np.isfinite(values).all(axis=1)
         late = settled.late
@@ -283,9 +298,17 @@ class RoundEngine:
         coeffs *= self.dynamics.boost(plan.device_ids, round_idx)  # fast-reboot of arriving devices
         coeffs[counted_steps == 0] = 0.0  # nothing applied: log 0 (Scheme B's w_k would multiply a zero update)
         reported = counted_steps > 0
-        self.state = self._declared(self.algorithm.server_update(
-            self.state, RoundReports(plan.device_ids, res.vectors, coeffs, reported, t.lr_global, active_ids.size)),
-            "server_update")
+        reports, extra = RoundReports(plan.device_ids, res.vectors, coeffs, reported, t.lr_global, active_ids.size), {}
+        note = ""
+        if self.secure is not None:  # the one sum of the survivors' scaled updates, never one of them
+            reports, extra, aborted = self.secure.reports(plan, res, coeffs, reported, counted_steps, t.lr_global,
+                                                          active_ids.size)
+            if aborted is not None:  # Bonawitz et al.: too few survivors to unmask, the round is abandoned
+                note = (f"secagg aborted: {int(reported.sum())} of {plan.device_ids.size} survived, "
+                        f"threshold {self.secure.setup.threshold}")
+                coeffs[:] = 0.0
+                reported[:] = False
+        self.state = self._declared(self.algorithm.server_update(self.state, reports), "server_update")
         done = time.perf_counter()
         # the residuals come to the log for --resume, as the evaluation comes: the bench's traffic, outside
         # the round's clock and bytes (a deployment's devices would keep them)
@@ -298,7 +321,7 @@ class RoundEngine:
         metrics = self.metrics(self.transport.evaluate(self.state.x)) if evaluate else (math.nan,) * 3
         elapsed = time.perf_counter() - wall0
         self.log.ensure_room()
-        self.log.append(self._round_row(plan, res, settled, coeffs, nonfinite, metrics, elapsed, clock))
+        self.log.append({**self._round_row(plan, res, settled, coeffs, nonfinite, metrics, elapsed, clock), **extra})
         changes = {v.name: (plan.device_ids[reported], res.vectors[v.delta][reported])
                    for v in self.algorithm.device_vectors}
         sets = {**(sets or {}), **{name: (accepted, rows) for name, rows in residuals.items()}}
@@ -306,7 +329,7 @@ class RoundEngine:
         self.on_round(RoundSummary(round_idx, self.cfg.rounds, *metrics, int(np.count_nonzero(counted_steps)),
                                    int(self.active.sum()), int(nonfinite.sum()), elapsed, int(late.sum()),
                                    int(np.sum(settled.steps[~late & ~nonfinite])), int(plan.budgets.sum()),
-                                   int(np.count_nonzero(coeffs)), evaluate))
+                                   int(np.count_nonzero(coeffs)), evaluate, note))
         return self.state
 
     def _stage_and_commit(self, round_idx, changes, store: bool, sets=None) -> None:

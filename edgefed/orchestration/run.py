@@ -117,6 +117,18 @@ def log_layout(algorithm: Algorithm, cfg: Config, n: int, d: int, dtype) -> dict
     if cfg.participation.mode == "async":
         columns.append(Column("participation/staleness", (n,), np.int32, "round",
                               "async: tau = t - 1 - v of the device's report in server update t (-1: none)", -1))
+    if cfg.secagg.enabled:
+        columns += [
+            Column("participation/secagg_s", (n,), np.float32, "round",
+                   "secure aggregation: the device's time on keys, shares, masks and reveals, s (NaN: not selected)",
+                   np.nan),
+            Column("participation/secagg_bytes", (n,), np.int64, "round",
+                   "secure aggregation: the protocol's messages the device sent (keys, sealed shares, reveals), "
+                   "bytes; its masked input is bytes_up"),
+            Column("participation/secagg_clipped", (n,), np.int64, "round",
+                   "secure aggregation: coordinates of the device's scaled update cut to [-clip, clip]"),
+            Column("metrics/secagg_aborted", (), np.bool_, "round",
+                   "secure aggregation could not unmask the round (too few survivors): nothing was applied")]
     rows = [v.name for v in algorithm.device_vectors]
     if cfg.compress.error_feedback:
         rows += [compression.residual_name(r) for r in algorithm.reports]
@@ -235,6 +247,8 @@ def _prepared(cfg: Config, log_path: Path, resume_point, on_info, config_toml: s
         attrs={"problem": problem.describe(), "model": model.kind,
                "train_objective": "(1/N_r) sum_k f_k" if cfg.train.weighting == "uniform" else "sum_k n_k/n F_k"},
     )
+    if cfg.secagg.enabled:  # which keys a run used: the test mode's are reproducible from the config
+        header.attrs["secagg_key_source"] = cfg.secagg.key_source
     return Setup(cfg, algorithm, problem, model, header, trace)
 
 
@@ -249,7 +263,8 @@ def local_transport(cfg: Config, algorithm: Algorithm, problem, model, device_id
         usable = usable_cores()
         cores = [usable[t % len(usable)] for t in range(cfg.mpi.threads_per_rank)]
     return LocalTransport(problem, model, algorithm, cfg.seed, batch, device_ids, cfg.fault, loads, cores,
-                          compression.codecs(cfg.compress)[0], link_speeds(cfg, problem.n_devices))
+                          compression.codecs(cfg.compress)[0], link_speeds(cfg, problem.n_devices),
+                          secagg=cfg.secagg if cfg.secagg.enabled else None, scheme=cfg.participation.scheme)
 
 
 def usable_cores() -> list[int]:

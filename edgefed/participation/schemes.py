@@ -117,3 +117,40 @@ def objective_weights(weighting: str, active: np.ndarray, n_train: np.ndarray) -
         return np.full(active.size, 1.0 / active.size)
     counts = n_train[active].astype(np.float64)
     return counts / counts.sum()
+
+
+# Secure aggregation (docs/design.md 2.14) sums a_k Delta_k without showing the server any one of them, so
+# every rule is split as p_k = G a_k: a_k what device k knows of itself (its prescale c_k, set before the
+# work from its base weight and fast-reboot boost, and the multiplier of its own steps), G one number the
+# server forms from the metadata it sees. A rule missing here cannot be computed that way.
+def _complete(steps: np.ndarray, budgets: np.ndarray) -> np.ndarray:
+    return ((steps == budgets) & (budgets > 0)).astype(np.float64)
+
+
+def _per_step(steps: np.ndarray, budgets: np.ndarray) -> np.ndarray:
+    out = np.zeros(steps.size)
+    out[steps > 0] = 1.0 / steps[steps > 0]
+    return out
+
+
+DEVICE_MULTIPLIERS = {"A": _complete, "B": _unit, "C": _scaled_by_work, "fednova": _per_step, "drop": _complete}
+
+
+def prescales(weighting: str, selected: np.ndarray, n_train: np.ndarray) -> np.ndarray:
+    """c_k before the work: 1 for uniform weights, else n_k over the federation's mean count (a number of
+    order 1, so one clip suits every device); the server's G holds the normalisation."""
+    if weighting == "uniform":
+        return np.ones(selected.size)
+    return n_train[selected].astype(np.float64) / float(n_train.mean())
+
+
+def device_factors(scheme: str, prescale: np.ndarray, steps: np.ndarray, budgets: np.ndarray) -> np.ndarray:
+    """a_k = c_k m'_k, the factor each device applies to its own update."""
+    return np.asarray(prescale, np.float64) * DEVICE_MULTIPLIERS[scheme](np.asarray(steps, np.int64),
+                                                                         np.asarray(budgets, np.int64))
+
+
+def server_factor(coeffs: np.ndarray, factors: np.ndarray) -> float:
+    """G with p_k = G a_k for every device (0 when nothing is applied)."""
+    total = math.fsum(factors)
+    return math.fsum(coeffs) / total if total != 0 else 0.0

@@ -31,6 +31,7 @@ from edgefed.models import warm_model
 from edgefed.rng import Purpose, generator, kernel_state
 from edgefed.runtime.contention import Competitor, pin
 from edgefed.runtime.deadline import BoardReadings, DeadlineRunner, run_all
+from edgefed.runtime.secure import SecureDevices
 from edgefed.transport import Evaluation, LocalResults, RoundPlan
 
 
@@ -68,8 +69,13 @@ class Lane:
 class RoundWork:
     """The arrays one round's work fills, a row per selected device in plan order."""
 
-    def __init__(self, n_sel: int, d: int, dtype, reports, feedback: bool = False):
+    def __init__(self, n_sel: int, d: int, dtype, reports, feedback: bool = False, masked_dtype=None):
         self.vectors = {name: np.zeros((n_sel, d), dtype=dtype) for name in reports}  # as decoded
+        # secure aggregation: what each device sends instead (its rows in vectors are zeroed once masked)
+        self.masked = None if masked_dtype is None else np.zeros((n_sel, d), masked_dtype)
+        self.nonfinite = np.zeros(n_sel, bool)
+        self.secagg_s = np.full(n_sel, np.nan, np.float32)
+        self.clipped = np.zeros(n_sel, np.int64)
         self.payload = [None] * n_sel  # {report: Encoded} of each device that sent work (compressed uplink)
         self.residuals = {name: np.zeros((n_sel, d), dtype=dtype) for name in reports} if feedback else {}
         self.bytes_up = np.zeros(n_sel, np.int64)
@@ -82,20 +88,27 @@ class RoundWork:
         self.started = np.full(n_sel, np.nan)  # perf_counter when each device began
 
     def results(self, rows=slice(None)) -> LocalResults:
-        """In one process the link is all the communication there is (a slow_link fault's, or none)."""
-        return LocalResults({name: _read_only(v[rows]) for name, v in self.vectors.items()}, self.steps[rows],
-                            self.elapsed[rows], self.cpu[rows], self.late[rows], self.freq[rows], self.temp[rows],
-                            self.compiled[rows], self.finish[rows], self.comm[rows], self.core[rows], self.comm[rows],
-                            bytes_up=self.bytes_up[rows])
+        """In one process the link is all the communication there is (a slow_link fault's, or none). Under
+        secure aggregation only the masked inputs go: no report vector leaves."""
+        secure = self.masked is not None
+        vectors = {} if secure else {name: _read_only(v[rows]) for name, v in self.vectors.items()}
+        return LocalResults(vectors, self.steps[rows], self.elapsed[rows], self.cpu[rows], self.late[rows],
+                            self.freq[rows], self.temp[rows], self.compiled[rows], self.finish[rows], self.comm[rows],
+                            self.core[rows], self.comm[rows], bytes_up=self.bytes_up[rows],
+                            masked=_read_only(self.masked[rows]) if secure else None,
+                            nonfinite=self.nonfinite[rows] if secure else None,
+                            secagg_s=self.secagg_s[rows] if secure else None,
+                            secagg_clipped=self.clipped[rows] if secure else None)
 
 
 class LocalTransport:
     def __init__(self, problem, model, algorithm, seed: int, batch_size: int | None, device_ids=None,
                  faults=(), contention=(), cores=None, uplink: compression.Codec = compression.Codec(),
-                 links: np.ndarray | None = None):
+                 links: np.ndarray | None = None, secagg=None, scheme: str = "B"):
         """cores: the cores this process's lanes are pinned to, one lane each (None: one unpinned lane;
         with contention, a lane on core 0); uplink: how reports are compressed; links: each device's
-        shaped link in megabits per second (index: device id; None: not shaped)."""
+        shaped link in megabits per second (index: device id; None: not shaped); secagg: the [secagg] table
+        when secure aggregation is on, with the participation scheme its devices pre-scale for."""
         self.problem, self.model, self.algorithm = problem, model, algorithm
         self.eval_model = model.clone()  # evaluation may run while a late worker still computes
         self.seed, self.batch_size = seed, batch_size
@@ -121,6 +134,7 @@ class LocalTransport:
         self._pool = None  # the lanes' threads, when there are several or competitors to yield to
         self._dispatch = None  # the thread a device rank's round runs on while its main thread serves MPI
         self._stop = threading.Event()  # set: the coordinator needs no more of this round's work
+        self.secure = None if secagg is None else SecureDevices(secagg, seed, scheme, model.dim, self.device_ids)
 
     @property
     def threads(self) -> int:
@@ -194,8 +208,22 @@ class LocalTransport:
         return self.work(plan, state).results()
 
     def _round_work(self, plan: RoundPlan, state) -> RoundWork:
+        word = None if self.secure is None else np.dtype(f"<u{self.secure.settings.bits // 8}")
         return RoundWork(plan.device_ids.size, state.x.shape[0], state.x.dtype, self.algorithm.reports,
-                         self.uplink.error_feedback)
+                         self.uplink.error_feedback, word)
+
+    # -- secure aggregation: the protocol's phases before and after the work ----------------------------
+    def secagg_keys(self, plan: RoundPlan) -> np.ndarray:
+        return self.secure.keys(plan.round_idx, plan.device_ids)
+
+    def secagg_shares(self, round_idx: int, keys: np.ndarray) -> np.ndarray:
+        return self.secure.shares(round_idx, keys)
+
+    def secagg_deliver(self, round_idx: int, shares: np.ndarray) -> None:
+        self.secure.deliver(round_idx, shares)
+
+    def secagg_reveal(self, round_idx: int, survivors: np.ndarray) -> np.ndarray:
+        return self.secure.reveal(round_idx, survivors)
 
     def submit(self, plan: RoundPlan, state, on_device=None):
         """Start the round's work on a thread of its own (MPI device ranks); returns (Future of the
@@ -263,6 +291,8 @@ class LocalTransport:
                     work.steps[i] = 0
                     for values in work.vectors.values():
                         values[i] = 0
+                    if work.masked is not None:
+                        work.masked[i] = 0
             if on_device is not None:
                 on_device(i)
         if lane.competitor is not None:
@@ -276,17 +306,27 @@ class LocalTransport:
         compiled_before = jit_compilations()
         wall0, cpu0 = time.perf_counter(), time.thread_time()
         work.started[i] = wall0
+        client = None
+        if self.secure is not None:
+            client = self.secure.client(plan.round_idx, k)
+            if client is None:  # a later round began before this device could start: nothing it sent would count
+                work.late[i], work.finish[i] = True, math.nan
+                return
+            client.prepare_mask()  # the masks do not depend on the update: ready before the work
         self._inject_fault(k, plan.round_idx)
         if plan.deadline_s is None and not stoppable:
             runner = run_all
-        else:  # chunked: within a deadline, or stoppable once the coordinator has enough reports
-            runner = DeadlineRunner(math.inf if plan.deadline_s is None else float(plan.deadline_s[i]),
+        else:  # chunked: within a deadline (less what the protocol took already), or stoppable
+            budget_s = math.inf if plan.deadline_s is None else float(plan.deadline_s[i])
+            runner = DeadlineRunner(budget_s - (client.spent_s if client is not None else 0.0),
                                     stop=self._stop if stoppable else None)
         task = LocalTask(x, server, own, plan.steps_to_run(i), plan.lr, self.batch_size, runner,
                          self._streams(lane.model, data, plan.round_idx, k))
         work.steps[i] = self.algorithm.client_update(lane.model, data, task,
                                                      {name: rows[i] for name, rows in work.vectors.items()})
-        if work.steps[i] > 0:
+        if client is not None:
+            self._mask(client, i, plan, work)
+        elif work.steps[i] > 0:
             self._compress(i, k, plan.round_idx, work)
         wall = time.perf_counter() - wall0
         work.compiled[i] = jit_compilations() > compiled_before
@@ -298,6 +338,20 @@ class LocalTransport:
             work.comm[i] = delay  # in one process the link is accounted for, not slept through
         work.finish[i] = wall + delay
         work.core[i] = -1 if lane.core is None else lane.core
+
+    def _mask(self, client, i: int, plan: RoundPlan, work: RoundWork) -> None:
+        """Secure aggregation: the device's masked input replaces its report; a non-finite update is not sent."""
+        update = work.vectors[DELTA_X][i]
+        if work.steps[i] > 0:
+            if np.isfinite(update).all():
+                work.masked[i], work.clipped[i] = self.secure.mask(client, update, float(plan.prescale[i]),
+                                                                   int(work.steps[i]), int(plan.budgets[i]))
+                work.bytes_up[i] = work.masked[i].nbytes
+            else:
+                work.nonfinite[i] = True
+        for rows in work.vectors.values():
+            rows[i] = 0  # the update never leaves the device in the clear
+        work.secagg_s[i] = client.spent_s
 
     def _compress(self, i: int, k: int, round_idx: int, work: RoundWork) -> None:
         """Encode device k's report as the uplink sends it (with its residual added, under error feedback):

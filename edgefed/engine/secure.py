@@ -1,0 +1,78 @@
+"""The server's side of secure aggregation in a round: relay the keys and the sealed shares, then from the
+survivors' masked inputs and revealed shares the one sum the round applies (docs/design.md 2.14).
+
+The engine holds no device's update: the transport brings masked inputs (words of Z_2^bits that look
+random), the metadata the rules need (steps, late, non-finite as the device says), and the protocol's
+messages. Which devices survive is the engine's call, as in a plain round: on time, finite, with work.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from edgefed.algorithms.base import DELTA_X, RoundReports
+from edgefed.errors import Unrecoverable
+from edgefed.participation import schemes
+from edgefed.secagg import fixedpoint, protocol
+from edgefed.transport import LocalResults, RoundPlan
+
+
+class SecureSum:
+    def __init__(self, cfg, dim: int, transport, n_devices: int):
+        self.cfg, self.dim, self.transport, self.n_devices = cfg, dim, transport, n_devices
+        self.setup = None
+        self.keys = None
+        self._sent = None  # (S,) bytes each selected device sent for the protocol so far this round
+
+    def begin(self, plan: RoundPlan) -> None:
+        """Phases 1-3 before the work: every selected device's keys out and relayed, its sealed shares out and
+        relayed to their holders."""
+        s = self.cfg.secagg
+        self.setup = protocol.round_setup(self.cfg.seed, plan.round_idx, plan.device_ids, s.neighbours, s.threshold,
+                                          s.bits, s.clip, self.dim)
+        self.keys = self.transport.secagg_keys(plan)
+        shares = self.transport.secagg_shares(plan.round_idx, self.keys)
+        self.transport.secagg_deliver(plan.round_idx, shares)
+        row = {int(k): i for i, k in enumerate(plan.device_ids)}
+        self._sent = np.full(plan.device_ids.size, protocol.KEYS.itemsize, np.int64)
+        np.add.at(self._sent, [row[int(k)] for k in shares["sender"]], protocol.SHARE.itemsize)
+
+    def reports(self, plan: RoundPlan, res: LocalResults, coeffs: np.ndarray, reported: np.ndarray,
+                counted_steps: np.ndarray, lr_global: float, n_federation: int):
+        """(RoundReports of the one sum, the round's secagg columns, why the round was aborted or None)."""
+        survivors = plan.device_ids[reported]
+        spent = np.where(np.isnan(res.secagg_s), 0.0, res.secagg_s).astype(np.float64)
+        sum_row = np.zeros((1, self.dim))
+        g, aborted = 0.0, None
+        if survivors.size:
+            total = np.zeros(self.dim, self.setup.word)
+            for i in np.flatnonzero(reported):
+                total += res.masked[i]
+            reveals = self.transport.secagg_reveal(plan.round_idx, survivors)
+            row = {int(k): i for i, k in enumerate(plan.device_ids)}
+            np.add.at(self._sent, [row[int(k)] for k in reveals["holder"]], protocol.REVEAL.itemsize)
+            holders, first = np.unique(reveals["holder"], return_index=True)
+            spent[[row[int(k)] for k in holders]] += reveals["spent_s"][first]
+            try:
+                summed = protocol.unmask(self.setup, self.keys, total, survivors, reveals)
+            except Unrecoverable as exc:
+                aborted = str(exc)
+            else:
+                sum_row[0] = fixedpoint.decode_sum(summed, self.setup.n, self.setup.clip, self.setup.bits)
+                factors = schemes.device_factors(self.cfg.participation.scheme, plan.prescale[reported],
+                                                 counted_steps[reported], plan.budgets[reported])
+                g = schemes.server_factor(coeffs[reported], factors)
+        applied = RoundReports(np.zeros(1, np.int64), {DELTA_X: sum_row}, np.array([g]), np.array([g != 0.0]),
+                               lr_global, n_federation)
+        columns = {"participation/secagg_s": self._scatter(plan, spent.astype(np.float32), np.float32, math.nan),
+                   "participation/secagg_bytes": self._scatter(plan, self._sent, np.int64, 0),
+                   "participation/secagg_clipped": self._scatter(plan, res.secagg_clipped, np.int64, 0),
+                   "metrics/secagg_aborted": aborted is not None}
+        return applied, columns, aborted
+
+    def _scatter(self, plan, values, dtype, fill):
+        row = np.full(self.n_devices, fill, dtype)
+        row[plan.device_ids] = values
+        return row

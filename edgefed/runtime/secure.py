@@ -1,0 +1,60 @@
+"""The hosted devices' side of secure aggregation: one protocol Client per selected device and round, and
+the masked input that replaces a device's report (docs/design.md 2.14).
+
+A device scales its own update by what it knows of itself (its prescale and its steps), clips and encodes
+it, adds its masks and sends only that; a non-finite update is not sent at all (the device says so, and
+counts as a dropout the survivors' shares unmask). The update itself never leaves the device.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from edgefed.participation import schemes
+from edgefed.secagg import protocol
+
+
+class SecureDevices:
+    def __init__(self, settings, seed: int, scheme: str, dim: int, hosted: np.ndarray):
+        """settings: the run's [secagg] table; hosted: the device ids this process hosts."""
+        self.settings, self.seed, self.scheme, self.dim = settings, seed, scheme, dim
+        self.hosted = set(int(k) for k in hosted)
+        self._round = None
+        self._clients = {}  # device -> Client of the current round
+
+    def keys(self, round_idx: int, selected: np.ndarray) -> np.ndarray:
+        """Phase 1: new clients for the hosted ones of the round's selected devices, their KEYS records."""
+        s = self.settings
+        setup = protocol.round_setup(self.seed, round_idx, selected, s.neighbours, s.threshold, s.bits, s.clip,
+                                     self.dim)
+        self._round = round_idx
+        self._clients = {int(k): protocol.Client(setup, k, protocol.Randomness(s.key_source, self.seed, round_idx, int(k)))
+                         for k in setup.selected if int(k) in self.hosted}
+        return self._records([c.advertise() for c in self._clients.values()], protocol.KEYS)
+
+    def shares(self, round_idx: int, keys: np.ndarray) -> np.ndarray:
+        return self._records([c.share(keys) for c in self._of(round_idx)], protocol.SHARE)
+
+    def deliver(self, round_idx: int, shares: np.ndarray) -> None:
+        for c in self._of(round_idx):
+            c.receive(shares)
+
+    def reveal(self, round_idx: int, survivors: np.ndarray) -> np.ndarray:
+        alive = set(int(k) for k in survivors)
+        return self._records([c.reveal(survivors) for c in self._of(round_idx) if c.device in alive], protocol.REVEAL)
+
+    def client(self, round_idx: int, device: int) -> protocol.Client | None:
+        """The device's client of round_idx; None once a later round has begun (its work cannot be sent)."""
+        return self._clients.get(device) if self._round == round_idx else None
+
+    def mask(self, client: protocol.Client, update: np.ndarray, prescale: float, steps: int, budget: int):
+        """(y, clipped): the device's update scaled by a_k, clipped, encoded and masked."""
+        a = schemes.device_factors(self.scheme, np.array([prescale]), np.array([steps]), np.array([budget]))[0]
+        return client.masked_input(a * update.astype(np.float64))
+
+    def _of(self, round_idx: int):
+        return [c for c in self._clients.values()] if self._round == round_idx else []
+
+    @staticmethod
+    def _records(parts, dtype) -> np.ndarray:
+        return np.concatenate(parts) if parts else np.zeros(0, dtype)

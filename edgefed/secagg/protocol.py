@@ -1,0 +1,313 @@
+"""Secure aggregation with pairwise masks (Bonawitz et al., CCS 2017) over the sparse neighbourhoods of
+SecAgg+ (Bell et al., CCS 2020), one round at a time: the device's side (`Client`) and the server's
+(`unmask`), pure (no transport, no files). docs/design.md 2.14 has the protocol as edgefed runs it.
+
+A round's selected devices S, in ascending id, sit on a ring in a seeded random order; each is linked to the
+k nearest on either side (k/2 each way, the Harary graph SecAgg+ uses; all of S when k >= |S| - 1). Device
+i's *holders* are its neighbours and itself: they get the t-of-(k+1) Shamir shares of its mask key s_i^SK and
+of its self-mask seed b_i. Its masked input is
+
+    y_i = q_i + PRG(b_i) + sum_{j in N(i), j > i} PRG(s_ij) - sum_{j in N(i), j < i} PRG(s_ij)  (mod 2^bits)
+
+with q_i its fixed-point update and s_ij = HKDF(X25519(s_i^SK, s_j^PK)). Over the survivors U the pairwise
+masks between survivors cancel; for each survivor the server rebuilds b_i from t shares (checked against
+the commitment the device published) and for each dropped neighbour j its s_j^SK (checked against s_j^PK),
+and removes what remains. An honest device reveals, for each device whose shares it holds, b for a
+survivor and s^SK for a dropout, never both.
+
+Messages are NumPy records (KEYS, SHARE, REVEAL), the same bytes in the simulator and over MPI; each
+carries the seconds its device spent on the protocol for that message, for the run log.
+"""
+
+from __future__ import annotations
+
+import math
+import secrets
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from edgefed.errors import SecAggError, Unrecoverable
+from edgefed.rng import Purpose, generator
+from edgefed.secagg import crypto, fixedpoint, shamir
+
+KEY_SOURCES = ("os", "seeded")  # the OS's CSPRNG, or the test mode's stream on (seed, SECAGG_KEYS, round, device)
+FIELD_BYTES = (shamir.PRIME.bit_length() + 7) // 8  # 66: one share's y
+SELF, KEY = 0, 1  # what a revealed share rebuilds: a survivor's self-mask seed b, a dropout's mask key s^SK
+
+KEYS = np.dtype([("device", "<i8"), ("c_pk", "u1", (32,)), ("s_pk", "u1", (32,)), ("b_commit", "u1", (32,)),
+                 ("spent_s", "<f4")], align=True)
+SHARE = np.dtype([("sender", "<i8"), ("receiver", "<i8"),
+                  ("sealed", "u1", (2 * FIELD_BYTES + crypto.TAG_BYTES,)), ("spent_s", "<f4")], align=True)
+REVEAL = np.dtype([("holder", "<i8"), ("owner", "<i8"), ("kind", "u1"), ("y", "u1", (FIELD_BYTES,)),
+                   ("spent_s", "<f4")], align=True)
+
+
+def default_threshold(k: int) -> int:
+    """ceil(2k/3) + 1 of the k + 1 shares (SecAgg+'s choice), never more than there are."""
+    return min(k + 1, math.ceil(2 * k / 3) + 1)
+
+
+@dataclass(frozen=True)
+class RoundSetup:
+    """What every party knows of a round before it starts: who is in it, the graph, the threshold, the code."""
+
+    round_idx: int
+    selected: np.ndarray  # ascending device ids
+    neighbours: dict  # device -> its neighbours (ascending, itself excluded)
+    threshold: int
+    bits: int
+    clip: float
+    dim: int
+
+    @property
+    def n(self) -> int:
+        return int(self.selected.size)
+
+    def holders(self, device: int) -> np.ndarray:
+        """Who holds device's shares, in share order (x = position + 1): its neighbours and itself."""
+        return np.union1d(self.neighbours[device], [device])
+
+    def x_of(self, owner: int, holder: int) -> int:
+        return int(np.searchsorted(self.holders(owner), holder)) + 1
+
+    @property
+    def word(self) -> np.dtype:
+        return np.dtype(f"<u{self.bits // 8}")
+
+
+def round_setup(seed: int, round_idx: int, selected, neighbours: int | None, threshold: int | None, bits: int,
+                clip: float, dim: int) -> RoundSetup:
+    """The round's graph, drawn from (seed, SECAGG_GRAPH, round); k and t shrink to what |S| allows (a round
+    with fewer selected devices than k + 1, after departures, links them all)."""
+    selected = np.sort(np.asarray(selected, np.int64))
+    n = selected.size
+    k = n - 1 if neighbours is None else min(int(neighbours), n - 1)
+    t = default_threshold(k) if threshold is None else min(int(threshold), k + 1)
+    ring = selected[generator(seed, Purpose.SECAGG_GRAPH, round_idx).permutation(n)]
+    half = math.ceil(k / 2)
+    links = {}
+    for p, device in enumerate(ring):
+        if 2 * half >= n - 1:
+            near = selected[selected != device]
+        else:
+            near = np.unique([ring[(p + step) % n] for h in range(1, half + 1) for step in (h, -h)])
+        links[int(device)] = np.asarray(near, np.int64)
+    return RoundSetup(round_idx, selected, links, t, bits, clip, dim)
+
+
+class Randomness:
+    """Where a device's key material comes from: the OS's CSPRNG, or (test mode) its stream on
+    (seed, SECAGG_KEYS, round, device), which makes every key and share of a run reproducible."""
+
+    def __init__(self, source: str, seed: int, round_idx: int, device: int):
+        self._rng = generator(seed, Purpose.SECAGG_KEYS, round_idx, device) if source == "seeded" else None
+
+    def bytes(self, n: int) -> bytes:
+        return secrets.token_bytes(n) if self._rng is None else self._rng.bytes(n)
+
+    def bits(self, n: int) -> int:
+        return secrets.randbits(n) if self._rng is None else int.from_bytes(self._rng.bytes((n + 7) // 8), "little") >> (-n % 8)
+
+
+def _info(purpose: str, round_idx: int, a: int, b: int) -> bytes:
+    return f"edgefed secagg {purpose} round {round_idx} {a} {b}".encode()
+
+
+def _field(value: int) -> np.ndarray:
+    return np.frombuffer(value.to_bytes(FIELD_BYTES, "little"), np.uint8)
+
+
+def _integer(raw) -> int:
+    return int.from_bytes(bytes(raw), "little")
+
+
+def mask_of(setup: RoundSetup, seed: bytes) -> np.ndarray:
+    """The mask a 32-byte seed expands to: dim words of setup.bits."""
+    return np.frombuffer(crypto.expand(seed, setup.dim * setup.word.itemsize), setup.word)
+
+
+def pair_seed(setup: RoundSetup, private: bytes, peer_public: bytes, i: int, j: int) -> bytes:
+    return crypto.agree(private, peer_public, _info("mask", setup.round_idx, min(i, j), max(i, j)))
+
+
+class Client:
+    """One selected device's side of one round: keys, shares out, shares in, the mask, the reveal."""
+
+    def __init__(self, setup: RoundSetup, device: int, randomness: Randomness):
+        self.setup, self.device = setup, int(device)
+        self.spent_s = 0.0
+        t0 = time.perf_counter()
+        self._c_sk, self._s_sk, self._b = (randomness.bytes(crypto.KEY_BYTES) for _ in range(3))
+        self._randomness = randomness
+        self._keys = None  # {device: KEYS record} of this device's neighbours and itself
+        self._held = {}  # owner -> sealed share (bytes) it sent this device
+        self._own = None  # (x, s_sk share y, b share y) of its own secrets
+        self._mask = None
+        self.spent_s += time.perf_counter() - t0
+
+    # -- phase 1: advertise keys ---------------------------------------------------------------------
+    def advertise(self) -> np.ndarray:
+        t0 = time.perf_counter()
+        rec = np.zeros(1, KEYS)
+        rec["device"] = self.device
+        rec["c_pk"][0] = np.frombuffer(crypto.public_key(self._c_sk), np.uint8)
+        rec["s_pk"][0] = np.frombuffer(crypto.public_key(self._s_sk), np.uint8)
+        rec["b_commit"][0] = np.frombuffer(crypto.commit(self._b), np.uint8)
+        rec["spent_s"] = self._spend(t0)
+        return rec
+
+    # -- phase 2: shares to the holders, sealed for each --------------------------------------------
+    def share(self, keys: np.ndarray) -> np.ndarray:
+        """The sealed shares of s^SK and b for every other holder; keys: every selected device's KEYS."""
+        t0 = time.perf_counter()
+        self._keys = _by_device(keys, self.setup, self.setup.holders(self.device))
+        holders = self.setup.holders(self.device)
+        t = self.setup.threshold
+        s_shares = shamir.split(_integer(self._s_sk), holders.size, t, self._randomness.bits)
+        b_shares = shamir.split(_integer(self._b), holders.size, t, self._randomness.bits)
+        out = np.zeros(holders.size - 1, SHARE)
+        row = 0
+        for holder, (x, s_y), (_, b_y) in zip(holders, s_shares, b_shares):
+            holder = int(holder)
+            if holder == self.device:
+                self._own = (x, s_y, b_y)
+                continue
+            info = _info("share", self.setup.round_idx, self.device, holder)
+            key = crypto.agree(self._c_sk, bytes(self._keys[holder]["c_pk"]), info)
+            plain = s_y.to_bytes(FIELD_BYTES, "little") + b_y.to_bytes(FIELD_BYTES, "little")
+            out[row]["sender"], out[row]["receiver"] = self.device, holder
+            out[row]["sealed"] = np.frombuffer(crypto.seal(key, plain, info), np.uint8)
+            row += 1
+        out["spent_s"] = self._spend(t0)
+        return out
+
+    # -- phase 3: the shares others sent this device -------------------------------------------------
+    def receive(self, shares: np.ndarray) -> None:
+        """Keep the sealed shares addressed to this device (opened only when the server asks for them)."""
+        for rec in shares[shares["receiver"] == self.device]:
+            self._held[int(rec["sender"])] = bytes(rec["sealed"])
+
+    def prepare_mask(self) -> None:
+        """Expand the mask before the work, so the work's report is one addition away (it does not depend on
+        the update; on a deadline the time comes out of the work's budget)."""
+        t0 = time.perf_counter()
+        setup = self.setup
+        mask = mask_of(setup, self._b).copy()
+        for j in setup.neighbours[self.device]:
+            j = int(j)
+            stream = mask_of(setup, pair_seed(setup, self._s_sk, bytes(self._keys[j]["s_pk"]), self.device, j))
+            if j > self.device:
+                mask += stream
+            else:
+                mask -= stream
+        self._mask = mask
+        self._spend(t0)
+
+    def masked_input(self, values: np.ndarray) -> tuple[np.ndarray, int]:
+        """(y_i: the fixed-point encoding of values plus the mask, how many coordinates the clip cut)."""
+        t0 = time.perf_counter()
+        if self._mask is None:
+            self.prepare_mask()
+        setup = self.setup
+        clipped = int(np.count_nonzero(np.abs(values) > setup.clip))
+        y = fixedpoint.encode(values, setup.n, setup.clip, setup.bits).astype(setup.word) + self._mask
+        self._spend(t0)
+        return y, clipped
+
+    # -- phase 4: reveal ---------------------------------------------------------------------------
+    def reveal(self, survivors) -> np.ndarray:
+        """For every device whose shares this one holds: b's share for a survivor, s^SK's for a dropout."""
+        t0 = time.perf_counter()
+        survivors = set(int(k) for k in survivors)
+        out = np.zeros(len(self._held) + 1, REVEAL)
+        for row, owner in enumerate(sorted([self.device, *self._held])):
+            if owner == self.device:
+                s_y, b_y = self._own[1], self._own[2]
+            else:
+                s_y, b_y = self._open(owner)
+            kind = SELF if owner in survivors else KEY
+            out[row]["holder"], out[row]["owner"], out[row]["kind"] = self.device, owner, kind
+            out[row]["y"] = _field(b_y if kind == SELF else s_y)
+        out["spent_s"] = self._spend(t0)
+        return out
+
+    def _open(self, owner: int) -> tuple[int, int]:
+        info = _info("share", self.setup.round_idx, owner, self.device)
+        key = crypto.agree(self._c_sk, bytes(self._keys[owner]["c_pk"]), info)
+        plain = crypto.open_sealed(key, self._held[owner], info)
+        if plain is None:
+            raise SecAggError(f"secure aggregation, round {self.setup.round_idx}: the share device {owner} sent "
+                              f"device {self.device} fails its authentication (changed on its way, or the keys "
+                              "relayed were not the ones advertised)")
+        return _integer(plain[:FIELD_BYTES]), _integer(plain[FIELD_BYTES:])
+
+    def _spend(self, t0: float) -> float:
+        spent = time.perf_counter() - t0
+        self.spent_s += spent
+        return spent
+
+
+def _by_device(keys: np.ndarray, setup: RoundSetup, wanted) -> dict:
+    found = {int(rec["device"]): rec for rec in keys}
+    missing = [int(k) for k in wanted if int(k) not in found]
+    if missing:
+        raise SecAggError(f"secure aggregation, round {setup.round_idx}: no keys from device(s) "
+                          f"{', '.join(map(str, missing))}")
+    return {int(k): found[int(k)] for k in wanted}
+
+
+def unmask(setup: RoundSetup, keys: np.ndarray, total: np.ndarray, survivors, reveals: np.ndarray) -> np.ndarray:
+    """The sum of the survivors' fixed-point updates, from the sum of their masked inputs (mod 2^bits).
+
+    Raises Unrecoverable when some secret has fewer than t shares among the survivors, SecAggError when a
+    rebuilt secret does not match what its device published (a share was changed)."""
+    survivors = np.sort(np.asarray(survivors, np.int64))
+    alive = set(survivors.tolist())
+    keys = _by_device(keys, setup, setup.selected)
+    shares = {}
+    for rec in reveals:
+        holder, owner = int(rec["holder"]), int(rec["owner"])
+        if holder in alive and holder in setup.holders(owner):
+            shares.setdefault((owner, int(rec["kind"])), {})[holder] = _integer(rec["y"])
+    total = np.array(total, setup.word)
+    t = setup.threshold
+
+    def secret(owner: int, kind: int) -> int:
+        got = shares.get((owner, kind), {})
+        if len(got) < t:
+            what = "self-mask seed" if kind == SELF else "mask key"
+            raise Unrecoverable(f"secure aggregation, round {setup.round_idx}: {len(survivors)} of {setup.n} devices "
+                                f"survived and device {owner}'s {what} has {len(got)} of the {t} shares it needs "
+                                "([secagg] threshold); the round is aborted")
+        return shamir.combine([(setup.x_of(owner, h), y) for h, y in sorted(got.items())], t)
+
+    for u in survivors.tolist():
+        b = _as_key(setup, secret(u, SELF), u, "self-mask seed")
+        if crypto.commit(b) != bytes(keys[u]["b_commit"]):
+            raise SecAggError(f"secure aggregation, round {setup.round_idx}: device {u}'s self-mask seed rebuilt "
+                              "from its shares does not match its commitment (a share was changed)")
+        total -= mask_of(setup, b)
+    for j in setup.selected.tolist():
+        near = [u for u in setup.neighbours[j].tolist() if u in alive]
+        if j in alive or not near:
+            continue
+        sk = _as_key(setup, secret(j, KEY), j, "mask key")
+        if crypto.public_key(sk) != bytes(keys[j]["s_pk"]):
+            raise SecAggError(f"secure aggregation, round {setup.round_idx}: device {j}'s mask key rebuilt from "
+                              "its shares does not match its public key (a share was changed)")
+        for u in near:
+            stream = mask_of(setup, pair_seed(setup, sk, bytes(keys[u]["s_pk"]), u, j))
+            if u < j:  # u added +PRG(s_uj)
+                total -= stream
+            else:
+                total += stream
+    return total
+
+
+def _as_key(setup: RoundSetup, value: int, device: int, what: str) -> bytes:
+    if value >= 1 << (8 * crypto.KEY_BYTES):
+        raise SecAggError(f"secure aggregation, round {setup.round_idx}: device {device}'s {what} rebuilt from "
+                          "its shares is not 32 bytes (a share was changed)")
+    return value.to_bytes(crypto.KEY_BYTES, "little")
