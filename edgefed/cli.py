@@ -133,7 +133,7 @@ def progress_line(s) -> str:
     dropped += "  no update" if s.round_idx and not s.n_applied else ""
     if s.steps_asked and s.steps_done < s.steps_asked:
         dropped += f"  steps {s.steps_done}/{s.steps_asked}"
-    dropped += f"  {s.note}" if getattr(s, "note", "") else ""
+    dropped += f"  {s.note}" if s.note else ""
     return (f"round {s.round_idx:>{width}}/{s.rounds}  train_loss {_fmt(s.train_loss, '8.4f')}  "
             f"test_acc {_fmt(s.test_accuracy, '6.4f')}  participants {s.participants:>3}/{s.n_active}"
             f"{dropped}  {s.elapsed_s * 1e3:7.1f} ms")

@@ -265,6 +265,64 @@ def test_compressed_runs_under_mpiexec_write_the_simulators_bytes(tmp_path, upli
     assert (logs[1]["participation/bytes_up"][worked] < 610 * 4).all() and logs[1]["state/residual_delta_c"].any()
 
 
+SECURE = RULES.format(algorithm="fedavg", trace='"builtin"', scheme="fednova") + """[dynamics]
+fast_reboot = true
+[[dynamics.arrive]]
+device = 2
+round = 3
+[secagg]
+enabled = true
+neighbours = 2
+threshold = 2
+key_source = "seeded"
+"""
+
+
+def test_secure_aggregation_under_mpiexec_writes_the_simulators_bytes(tmp_path):
+    logs = simulator_then_ranks(tmp_path, SECURE)
+    assert same_datasets(*logs) == []
+    assert logs[1]["participation/secagg_bytes"][logs[1]["participation/selected"]].min() > 0
+
+
+LATE = """rounds = 2
+[data]
+clients = 5
+samples = "pareto"
+[train]
+clients_per_round = "all"
+local_steps = 10
+[participation]
+mode = "deadline"
+deadline_s = 0.2
+grace_s = 0.2
+[[fault]]
+device = 2
+round = 2
+kind = "stall"
+seconds = 0.9
+[mpi]
+device_ranks = [1, 1, 2, 1, 1]
+"""
+
+
+def test_a_secure_deadline_run_under_mpiexec_recovers_its_late_device(tmp_path):
+    """Device 2 hangs past round 2's deadline: a dropout, its masks removed with the 4 survivors' shares; the
+    model is the plain run's up to the fixed-point rounding."""
+    logs = []
+    for name, extra in (("plain", ""), ("secure", '[secagg]\nenabled = true\n')):
+        cfg = write(tmp_path, f"{name}.toml", LATE + extra)
+        done = edgefed(["run", cfg, "--out", str(tmp_path / f"{name}.h5"), "--quiet"], 3)
+        assert done.returncode == 0, done.stderr
+        logs.append(read_run(tmp_path / f"{name}.h5"))
+    plain, secure = logs
+    assert secure["participation/late"][:, 2].tolist() == [False, True]
+    assert not secure["metrics/secagg_aborted"].any()
+    np.testing.assert_array_equal(plain["participation/late"], secure["participation/late"])
+    np.testing.assert_array_equal(plain["participation/steps"], secure["participation/steps"])
+    assert np.abs(plain["trajectory/x"] - secure["trajectory/x"]).max() < 1e-6
+    assert secure["attrs"]["secagg_key_source"] == "os"
+
+
 ASYNC = """rounds = 12
 [data]
 clients = 8

@@ -1,5 +1,5 @@
 """The server's side of secure aggregation in a round: relay the keys and the sealed shares, then from the
-survivors' masked inputs and revealed shares the one sum the round applies (docs/design.md 2.14).
+survivors' masked inputs and revealed shares the one sum the round applies (docs/design.md 2.15).
 
 The engine holds no device's update: the transport brings masked inputs (words of Z_2^bits that look
 random), the metadata the rules need (steps, late, non-finite as the device says), and the protocol's
@@ -43,7 +43,7 @@ class SecureSum:
                 counted_steps: np.ndarray, lr_global: float, n_federation: int):
         """(RoundReports of the one sum, the round's secagg columns, why the round was aborted or None)."""
         survivors = plan.device_ids[reported]
-        spent = np.where(np.isnan(res.secagg_s), 0.0, res.secagg_s).astype(np.float64)
+        spent = res.secagg_s.astype(np.float64)  # NaN where the device's report never came
         sum_row = np.zeros((1, self.dim))
         g, aborted = 0.0, None
         if survivors.size:

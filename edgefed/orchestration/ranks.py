@@ -56,7 +56,8 @@ def wire_for(cfg, algorithm: Algorithm, n_devices: int, model) -> Wire:
     """The MPI records of a run: the same on every rank, since every rank builds them from the same config."""
     return Wire(n_devices, model.dim, model.dtype, algorithm.reports, tuple(v.name for v in algorithm.server_vectors),
                 tuple(v.name for v in algorithm.device_vectors), *codecs(cfg.compress),
-                tasks=cfg.participation.mode == "async")
+                tasks=cfg.participation.mode == "async",
+                secagg_bits=cfg.secagg.bits if cfg.secagg.enabled else None)
 
 
 def check_device_ranks(cfg, n_ranks: int) -> None:

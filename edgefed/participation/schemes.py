@@ -119,7 +119,7 @@ def objective_weights(weighting: str, active: np.ndarray, n_train: np.ndarray) -
     return counts / counts.sum()
 
 
-# Secure aggregation (docs/design.md 2.14) sums a_k Delta_k without showing the server any one of them, so
+# Secure aggregation (docs/design.md 2.15) sums a_k Delta_k without showing the server any one of them, so
 # every rule is split as p_k = G a_k: a_k what device k knows of itself (its prescale c_k, set before the
 # work from its base weight and fast-reboot boost, and the multiplier of its own steps), G one number the
 # server forms from the metadata it sees. A rule missing here cannot be computed that way.

@@ -1,5 +1,5 @@
 """The hosted devices' side of secure aggregation: one protocol Client per selected device and round, and
-the masked input that replaces a device's report (docs/design.md 2.14).
+the masked input that replaces a device's report (docs/design.md 2.15).
 
 A device scales its own update by what it knows of itself (its prescale and its steps), clips and encodes
 it, adds its masks and sends only that; a non-finite update is not sent at all (the device says so, and

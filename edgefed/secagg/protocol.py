@@ -1,6 +1,6 @@
 """Secure aggregation with pairwise masks (Bonawitz et al., CCS 2017) over the sparse neighbourhoods of
 SecAgg+ (Bell et al., CCS 2020), one round at a time: the device's side (`Client`) and the server's
-(`unmask`), pure (no transport, no files). docs/design.md 2.14 has the protocol as edgefed runs it.
+(`unmask`), pure (no transport, no files). docs/design.md 2.15 has the protocol as edgefed runs it.
 
 A round's selected devices S, in ascending id, sit on a ring in a seeded random order; each is linked to the
 k nearest on either side (k/2 each way, the Harary graph SecAgg+ uses; all of S when k >= |S| - 1). Device

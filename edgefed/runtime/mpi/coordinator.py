@@ -27,6 +27,7 @@ import numpy as np
 
 from edgefed.errors import RankLost
 from edgefed.runtime.mpi import protocol
+from edgefed.secagg import protocol as secagg
 from edgefed.runtime.mpi.comm import POLL_MAX_S, Backoff, mpi_of, wait
 from edgefed.runtime.mpi.protocol import Wire
 from edgefed.transport import Evaluation, LocalResults, RoundPlan
@@ -102,6 +103,8 @@ class MpiTransport:
         if not self.comm.Iprobe(MPI.ANY_SOURCE, MPI.ANY_TAG, status):
             return None
         src, tag, nbytes = status.Get_source(), status.Get_tag(), status.Get_count(MPI.BYTE)
+        if nbytes > self._recv[src].size:  # secure aggregation's replies grow with the neighbourhood
+            self._recv[src] = np.zeros(nbytes, np.uint8)
         raw = self._recv[src][:nbytes]
         self.comm.Recv([raw, MPI.BYTE], source=src, tag=tag)
         self._heard[src] = time.perf_counter()
@@ -227,6 +230,53 @@ class MpiTransport:
         got = self._residuals[1]
         return {name: np.array([got[k]["vectors"][j] for k in wanted]).reshape(len(wanted), self.wire.dim)
                 for j, name in enumerate(self.wire.residuals)}
+
+    # -- secure aggregation: the server relays the protocol's records ---------------------------------
+    def secagg_keys(self, plan: RoundPlan) -> np.ndarray:
+        return self._secagg(protocol.KEYS, plan.round_idx, plan.device_ids, secagg.KEYS)
+
+    def secagg_shares(self, round_idx: int, keys: np.ndarray) -> np.ndarray:
+        return self._secagg(protocol.SHARES, round_idx, keys["device"], secagg.SHARE, keys)
+
+    def secagg_deliver(self, round_idx: int, shares: np.ndarray) -> None:
+        """Every rank gets the sealed shares and keeps those addressed to its devices (the others it cannot open)."""
+        self._secagg(protocol.DELIVER, round_idx, np.unique(shares["receiver"]), None, shares)
+
+    def secagg_reveal(self, round_idx: int, survivors: np.ndarray) -> np.ndarray:
+        return self._secagg(protocol.REVEAL, round_idx, survivors, secagg.REVEAL)
+
+    def _secagg(self, phase: int, round_idx: int, devices, dtype, payload: np.ndarray | None = None):
+        """One phase: the command (and the records it relays) to every rank, the records of the ranks that host
+        `devices` back, in ascending device order (dtype None: no reply)."""
+        devices = np.asarray(devices, np.int64)
+        raw = np.zeros(0, np.uint8) if payload is None else np.ascontiguousarray(payload).view(np.uint8)
+        self.wire.encode_command(self.command, protocol.SECAGG, devices=devices, accepted=self._accepted,
+                                 round_idx=round_idx, phase=phase, payload_bytes=raw.size)
+        self._accepted = None
+        wait(self.comm.Ibcast(self.command.view(np.uint8), root=0), self.poll, also=self._listen)
+        if raw.size:
+            wait(self.comm.Ibcast(raw, root=0), self.poll, also=self._listen)
+        if dtype is None:
+            return None
+        expected, got = set(np.unique(self.owners[devices]).tolist()), []
+        backoff = Backoff(self.poll)
+        while expected:
+            message = self._receive()
+            if message is not None:
+                src, tag, raw_in = message
+                self._keep_task_report(tag, raw_in)
+                if tag == protocol.TAG_SECAGG and src in expected:
+                    r, ph, records = self.wire.unpack_secagg(raw_in, dtype)
+                    if (r, ph) == (round_idx, phase):
+                        got.append(records)
+                        expected.discard(src)
+                backoff.reset()  # anything else is a late report of an older round: dropped
+                continue
+            self._check_alive(lambda: expected)
+            backoff.pause()
+        records = np.concatenate(got) if got else np.zeros(0, dtype)
+        key = records.dtype.names[0]  # device, sender, holder: the records in their device's order
+        return records[np.argsort(records[key], kind="stable")]
 
     # -- async: tasks one by one, reports as they come -------------------------------------------------
     def start_task(self, plan: RoundPlan, x: np.ndarray) -> None:

@@ -24,6 +24,7 @@ from edgefed.algorithms.base import ServerState
 from edgefed.runtime.mpi import protocol
 from edgefed.runtime.mpi.comm import POLL_MAX_S, mpi_of, wait
 from edgefed.runtime.mpi.protocol import Wire
+from edgefed.secagg import protocol as secagg
 
 
 class Heart:
@@ -92,6 +93,7 @@ class DeviceServer:
         self._task = None  # async: (plan, Future, RoundWork) of the task running
         self._task_due = None  # async: when the finished task's report may leave (after its link's time)
         self._tasks_ended = False  # async: rank 0's end-of-tasks record came
+        self._secagg_sent = []  # (request, buffer) of secure aggregation's replies on their way
 
     def _records(self, tag: int, n: int) -> np.ndarray:
         """n zeroed records to fill, living in the next free send buffer (no allocation per round)."""
@@ -210,6 +212,9 @@ class DeviceServer:
             if command == protocol.LOAD_DEVICES:
                 self._load_devices()
                 continue
+            if command == protocol.SECAGG:
+                self._secagg()
+                continue
             x, vectors = self._receive_state(command)
             if command == protocol.ROUND:
                 self._start_work(ServerState(x, vectors))
@@ -252,7 +257,7 @@ class DeviceServer:
         records = self._records(protocol.TAG_BYE, 1)
         records["rank"] = self.comm.Get_rank()
         self._send_records(protocol.TAG_BYE, records)
-        for req in (*self._send_req, self.heart.request):
+        for req in (*self._send_req, self.heart.request, *(req for req, _ in self._secagg_sent)):
             if req is not None:
                 wait(req, self.poll)
 
@@ -277,6 +282,31 @@ class DeviceServer:
         future, work = self.transport.submit(plan, state, finished)
         future.add_done_callback(lambda _: self._done.set())
         self._future = (plan, future, work)
+
+    def _secagg(self) -> None:
+        """A phase of secure aggregation: take the records rank 0 relays, answer for this rank's devices. It
+        runs here, on the main thread, while a late device may still be working on the worker."""
+        rec = self.command[0]
+        round_idx, phase, nbytes = int(rec["round"]), int(rec["phase"]), int(rec["payload_bytes"])
+        relayed = np.zeros(nbytes, np.uint8)
+        if nbytes:
+            self._wait_broadcast(relayed)
+        addressed = np.flatnonzero(rec["devices"])
+        secure = self.transport.secure
+        if phase == protocol.KEYS:
+            out = secure.keys(round_idx, addressed)
+        elif phase == protocol.SHARES:
+            out = secure.shares(round_idx, relayed.view(secagg.KEYS))
+        elif phase == protocol.DELIVER:
+            secure.deliver(round_idx, relayed.view(secagg.SHARE))
+            return
+        else:
+            out = secure.reveal(round_idx, addressed)
+        if not np.isin(addressed, self.own).any():
+            return
+        self._secagg_sent = [(req, buf) for req, buf in self._secagg_sent if not req.Test()]
+        raw = self.wire.pack_secagg(round_idx, phase, out)
+        self._secagg_sent.append((self.comm.Isend([raw, self._mpi_byte], dest=0, tag=protocol.TAG_SECAGG), raw))
 
     def _evaluate(self, x) -> None:
         ev = self.heart.beating(self.transport.evaluate, x)

@@ -26,13 +26,17 @@ from edgefed.compression import Codec
 from edgefed.transport import Evaluation, LocalResults, RoundPlan
 
 # Commands (the command record's `command`), and the tags of the messages that answer them.
-STOP, ROUND, EVAL, START_DEVICES, LOAD_DEVICES = range(5)
+STOP, ROUND, EVAL, START_DEVICES, LOAD_DEVICES, SECAGG = range(6)
 TAG_WORK, TAG_EVAL, TAG_ROWS, TAG_LOAD, TAG_BYE, TAG_CANCEL = 11, 12, 13, 14, 15, 16
 TAG_ALIVE = 17  # a device rank's heartbeat: one int64, the rank; says only "still here"
 TAG_SETUP = 18  # a device rank's report after building its devices (pickled: failure, warm-up, lanes)
 TAG_CONFIG = 19  # rank 0's setup for the device ranks (pickled: the config and the owners, or an error)
 TAG_RESIDUAL = 20  # error feedback: the residuals a rank's reports of a round leave its devices
 TAG_TASK = 21  # async: one device's task, point to point to its rank (the model it starts from inside)
+TAG_SECAGG = 22  # secure aggregation: a rank's protocol records of one phase (a SECAGG header, then records)
+# SECAGG phases: keys up; keys down and sealed shares up; sealed shares down; survivors down and reveals up
+KEYS, SHARES, DELIVER, REVEAL = range(4)
+SECAGG_HEADER = np.dtype([("round", "<i8"), ("phase", "<i8")])
 NO_ROUND = -1
 
 
@@ -49,11 +53,13 @@ class Wire:
 
     def __init__(self, n_devices: int, dim: int, dtype, reports: tuple[str, ...], server: tuple[str, ...] = (),
                  device: tuple[str, ...] = (), uplink: Codec = Codec(), downlink: Codec = Codec(),
-                 tasks: bool = False):
+                 tasks: bool = False, secagg_bits: int | None = None):
         self.n_devices, self.dim, self.dtype = n_devices, dim, np.dtype(dtype)
         self.reports, self.server, self.device = tuple(reports), tuple(server), tuple(device)
         self.uplink, self.downlink = uplink, downlink
         self.tasks = tasks  # async: tasks may come point to point, and an end-of-tasks record ends them
+        # secure aggregation: a report's payload is the masked input, dim words of this many bits
+        self.masked = None if secagg_bits is None else np.dtype(f"<u{secagg_bits // 8}")
         self.residuals = tuple(compression.residual_name(r) for r in self.reports) if uplink.error_feedback else ()
         self.restored = self.device + self.residuals  # what LOAD_DEVICES carries per device
         self._up = uplink.nbytes(dim, self.dtype)  # one encoded report vector
@@ -74,7 +80,11 @@ class Wire:
             ("downlink", "?"),  # the state follows as encoded differences to the ranks' copy (else in full)
             ("down_bytes", "<i8"),  # what the broadcast brings each selected device (a shaped link's time)
             ("accepted", "?", (n,)),  # the coordinator applied these devices' reports of accepted_round
+            ("prescale", "<f8", (n,)),  # secure aggregation: c_k, what each device scales its update by
+            ("phase", "<i8"),  # SECAGG: which of the protocol's phases (KEYS, SHARES, DELIVER, REVEAL)
+            ("payload_bytes", "<i8"),  # SECAGG: the bytes of the records that follow by broadcast (0: none)
         ], align=True)
+        payload = len(self.reports) * self._up if self.masked is None else dim * self.masked.itemsize
         self.work = np.dtype([
             ("round", "<i8"),
             ("device", "<i8"),
@@ -88,7 +98,10 @@ class Wire:
             ("core", "<i2"),
             ("wait_s", "<f4"),  # of the time from the command to the report leaving: neither work nor link
             ("bytes_up", "<i8"),  # the payload's bytes that carry work (0: none sent)
-            ("payload", "u1", (len(self.reports) * self._up,)),  # the report vectors, encoded, back to back
+            ("nonfinite", "?"),  # secure aggregation: the device found its update non-finite and sent none
+            ("secagg_s", "<f4"),  # secure aggregation: the device's protocol time through its masked input
+            ("secagg_clipped", "<i8"),  # secure aggregation: coordinates its clip cut
+            ("payload", "u1", (payload,)),  # the report vectors, encoded, back to back (or the masked input)
         ], align=True)
         self.residual = np.dtype([("round", "<i8"), ("device", "<i8"),
                                   ("vectors", self.dtype, (len(self.reports), dim))], align=True)
@@ -166,13 +179,15 @@ class Wire:
     # -- down: commands --------------------------------------------------------------------------------
     def encode_command(self, buf: np.ndarray, command: int, plan: RoundPlan | None = None,
                        devices: np.ndarray | None = None, accepted: tuple[int, np.ndarray] | None = None,
-                       downlink: bool = False) -> None:
+                       downlink: bool = False, round_idx: int = 0, phase: int = 0, payload_bytes: int = 0) -> None:
         """Fill the command record: a round's plan, or the devices a command is for, and the reports of the
-        previous round the coordinator applied; downlink: the state follows encoded, not in full."""
+        previous round the coordinator applied; downlink: the state follows encoded, not in full; phase,
+        payload_bytes: a SECAGG command's (of round_idx)."""
         rec = buf[0]
         buf.view(np.uint8)[:] = 0
         rec["command"] = command
-        rec["round"] = 0 if plan is None else plan.round_idx
+        rec["round"] = round_idx if plan is None else plan.round_idx
+        rec["phase"], rec["payload_bytes"] = phase, payload_bytes
         rec["accepted_round"] = NO_ROUND
         rec["steps"] = -1
         rec["deadline_s"] = rec["due_s"] = math.nan
@@ -193,6 +208,8 @@ class Wire:
                 rec["due_s"][ids] = plan.round_deadline_s
             rec["by_arrival"] = plan.by_arrival
             rec["down_bytes"] = plan.down_bytes
+            if plan.prescale is not None:
+                rec["prescale"][ids] = plan.prescale
         rec["downlink"] = downlink
 
     @staticmethod
@@ -220,7 +237,22 @@ class Wire:
                          deadline_s=None if np.isnan(deadlines).all() else deadlines.astype(np.float64),
                          grace_s=float(rec["grace_s"]),
                          round_deadline_s=None if np.isnan(due).all() else due.astype(np.float64),
-                         by_arrival=bool(rec["by_arrival"]), down_bytes=int(rec["down_bytes"]))
+                         by_arrival=bool(rec["by_arrival"]), down_bytes=int(rec["down_bytes"]),
+                         prescale=None if self.masked is None else rec["prescale"][ids].astype(np.float64))
+
+    # -- both ways: secure aggregation's records ----------------------------------------------------------
+    @staticmethod
+    def pack_secagg(round_idx: int, phase: int, records: np.ndarray) -> np.ndarray:
+        """A rank's reply to a SECAGG command: the header, then its devices' records, as bytes."""
+        head = np.zeros(1, SECAGG_HEADER)
+        head["round"], head["phase"] = round_idx, phase
+        return np.concatenate([head.view(np.uint8), records.view(np.uint8)])
+
+    @staticmethod
+    def unpack_secagg(raw: np.ndarray, dtype) -> tuple[int, int, np.ndarray]:
+        """(round, phase, records) of a SECAGG reply."""
+        head = raw[:SECAGG_HEADER.itemsize].view(SECAGG_HEADER)[0]
+        return int(head["round"]), int(head["phase"]), raw[SECAGG_HEADER.itemsize:].view(dtype).copy()
 
     # -- down: the server state ------------------------------------------------------------------------
     def pack_state(self, buf: np.ndarray, x: np.ndarray, vectors=None) -> None:
@@ -249,6 +281,11 @@ class Wire:
         records["elapsed_s"], records["cpu_percent"] = res.elapsed_s, res.cpu_percent
         records["cpu_freq_mhz"], records["temperature_c"], records["core"] = res.cpu_freq_mhz, res.temperature_c, res.core
         records["bytes_up"] = 0 if res.bytes_up is None else res.bytes_up
+        if self.masked is not None:
+            records["nonfinite"], records["secagg_s"] = res.nonfinite, res.secagg_s
+            records["secagg_clipped"] = res.secagg_clipped
+            records["payload"] = np.ascontiguousarray(res.masked).view(np.uint8).reshape(len(records), -1)
+            return
         size = self._up
         for j, name in enumerate(self.reports):
             cut = records["payload"][:, j * size:(j + 1) * size]
@@ -289,6 +326,10 @@ class Wire:
         core = np.full(n_sel, -1, np.int16)
         finish, wait_s = np.full(n_sel, np.nan), np.zeros(n_sel)
         bytes_up = np.zeros(n_sel, np.int64)
+        secure = self.masked is not None
+        masked = np.zeros((n_sel, self.dim), self.masked) if secure else None
+        nonfinite, clipped = np.zeros(n_sel, bool), np.zeros(n_sel, np.int64)
+        secagg_s = np.full(n_sel, np.nan, np.float32)
         measured = {name: np.full(n_sel, np.nan, np.float32)
                     for name in ("elapsed_s", "cpu_percent", "cpu_freq_mhz", "temperature_c")}
         messages = list(messages)
@@ -301,13 +342,19 @@ class Wire:
                 steps[i] = 0 if rec["late"] else rec["steps"]
                 for name, values in measured.items():
                     values[i] = rec[name]
-                if not rec["late"]:
+                if secure:
+                    nonfinite[i], clipped[i], secagg_s[i] = rec["nonfinite"], rec["secagg_clipped"], rec["secagg_s"]
+                    if not rec["late"]:
+                        masked[i] = rec["payload"].view(self.masked)
+                elif not rec["late"]:
                     for name, values in self._report_vectors(rec).items():
                         vectors[name][i] = values
         comm = finish - measured["elapsed_s"]
-        return LocalResults(vectors, steps, measured["elapsed_s"], measured["cpu_percent"], late,
+        return LocalResults({} if secure else vectors, steps, measured["elapsed_s"], measured["cpu_percent"], late,
                             measured["cpu_freq_mhz"], measured["temperature_c"], compiled, finish,
-                            comm.astype(np.float32), core, (comm - wait_s).astype(np.float32), bytes_up=bytes_up)
+                            comm.astype(np.float32), core, (comm - wait_s).astype(np.float32), bytes_up=bytes_up,
+                            masked=masked, nonfinite=nonfinite if secure else None,
+                            secagg_s=secagg_s if secure else None, secagg_clipped=clipped if secure else None)
 
     # -- up: evaluation --------------------------------------------------------------------------------
     @staticmethod
