@@ -174,7 +174,8 @@ def _stacked(results: list[LocalResults]) -> LocalResults:
     """One LocalResults of single-device ones, rows in the list's order."""
     vectors = {name: np.concatenate([r.vectors[name] for r in results]) for name in results[0].vectors}
     rows = {f.name: np.concatenate([getattr(r, f.name) for r in results])
-            for f in dataclasses.fields(LocalResults) if f.name not in ("vectors", "round_s")}
+            for f in dataclasses.fields(LocalResults)
+            if f.name not in ("vectors", "round_s") and getattr(results[0], f.name) is not None}
     return LocalResults(vectors, **rows)
 
 
