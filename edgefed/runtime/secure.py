@@ -50,7 +50,9 @@ class SecureDevices:
     def mask(self, client: protocol.Client, update: np.ndarray, prescale: float, steps: int, budget: int):
         """(y, clipped): the device's update scaled by a_k, clipped, encoded and masked."""
         a = schemes.device_factors(self.scheme, np.array([prescale]), np.array([steps]), np.array([budget]))[0]
-        return client.masked_input(a * update.astype(np.float64))
+        scaled = update.astype(np.float64)
+        scaled *= a
+        return client.masked_input(scaled)
 
     def _of(self, round_idx: int):
         return [c for c in self._clients.values()] if self._round == round_idx else []

@@ -34,8 +34,11 @@ def rounding_bound(n: int, clip: float, bits: int) -> float:
 def encode(values: np.ndarray, n: int, clip: float, bits: int) -> np.ndarray:
     """values (float) as unsigned integers of `bits` bits: round(clip(v) s) mod 2^bits."""
     s = scale(n, clip, bits)
-    q = np.rint(np.clip(np.asarray(values, np.float64), -clip, clip) * s).astype(np.int64)
-    return q.astype(np.dtype(f"uint{bits}"))  # two's complement: a negative q wraps mod 2^bits
+    v = np.array(values, np.float64)  # one working copy, rounded in place
+    np.clip(v, -clip, clip, out=v)
+    v *= s
+    np.rint(v, out=v)
+    return v.astype(np.int64).astype(np.dtype(f"uint{bits}"))  # two's complement: a negative q wraps mod 2^bits
 
 
 def decode_sum(total: np.ndarray, n: int, clip: float, bits: int) -> np.ndarray:

@@ -212,7 +212,8 @@ class Client:
             self.prepare_mask()
         setup = self.setup
         clipped = int(np.count_nonzero(np.abs(values) > setup.clip))
-        y = fixedpoint.encode(values, setup.n, setup.clip, setup.bits).astype(setup.word) + self._mask
+        y = fixedpoint.encode(values, setup.n, setup.clip, setup.bits).astype(setup.word, copy=False)
+        y += self._mask
         self._spend(t0)
         return y, clipped
 
