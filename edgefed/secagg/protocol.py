@@ -15,8 +15,9 @@ the commitment the device published) and for each dropped neighbour j its s_j^SK
 and removes what remains. An honest device reveals, for each device whose shares it holds, b for a
 survivor and s^SK for a dropout, never both.
 
-Messages are NumPy records (KEYS, SHARE, REVEAL), the same bytes in the simulator and over MPI; each
-carries the seconds its device spent on the protocol for that message, for the run log.
+Messages are NumPy records (KEYS, SHARE, REVEAL), the same bytes in the simulator and over MPI; a
+client keeps the seconds it spent on the protocol (spent_s), and a reveal carries its holder's, for the
+run log.
 """
 
 from __future__ import annotations
@@ -36,10 +37,10 @@ KEY_SOURCES = ("os", "seeded")  # the OS's CSPRNG, or the test mode's stream on 
 FIELD_BYTES = (shamir.PRIME.bit_length() + 7) // 8  # 66: one share's y
 SELF, KEY = 0, 1  # what a revealed share rebuilds: a survivor's self-mask seed b, a dropout's mask key s^SK
 
-KEYS = np.dtype([("device", "<i8"), ("c_pk", "u1", (32,)), ("s_pk", "u1", (32,)), ("b_commit", "u1", (32,)),
-                 ("spent_s", "<f4")], align=True)
-SHARE = np.dtype([("sender", "<i8"), ("receiver", "<i8"),
-                  ("sealed", "u1", (2 * FIELD_BYTES + crypto.TAG_BYTES,)), ("spent_s", "<f4")], align=True)
+KEYS = np.dtype([("device", "<i8"), ("c_pk", "u1", (32,)), ("s_pk", "u1", (32,)), ("b_commit", "u1", (32,))],
+                align=True)
+SHARE = np.dtype([("sender", "<i8"), ("receiver", "<i8"), ("sealed", "u1", (2 * FIELD_BYTES + crypto.TAG_BYTES,))],
+                 align=True)
 REVEAL = np.dtype([("holder", "<i8"), ("owner", "<i8"), ("kind", "u1"), ("y", "u1", (FIELD_BYTES,)),
                    ("spent_s", "<f4")], align=True)
 
@@ -155,7 +156,7 @@ class Client:
         rec["c_pk"][0] = np.frombuffer(crypto.public_key(self._c_sk), np.uint8)
         rec["s_pk"][0] = np.frombuffer(crypto.public_key(self._s_sk), np.uint8)
         rec["b_commit"][0] = np.frombuffer(crypto.commit(self._b), np.uint8)
-        rec["spent_s"] = self._spend(t0)
+        self._spend(t0)
         return rec
 
     # -- phase 2: shares to the holders, sealed for each --------------------------------------------
@@ -180,7 +181,7 @@ class Client:
             out[row]["sender"], out[row]["receiver"] = self.device, holder
             out[row]["sealed"] = np.frombuffer(crypto.seal(key, plain, info), np.uint8)
             row += 1
-        out["spent_s"] = self._spend(t0)
+        self._spend(t0)
         return out
 
     # -- phase 3: the shares others sent this device -------------------------------------------------
