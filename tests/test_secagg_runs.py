@@ -10,6 +10,7 @@ import pytest
 pytest.importorskip("cryptography")
 
 from conftest import config_with  # noqa: E402
+from helpers import assert_same_logs, interrupted_then_resumed  # noqa: E402
 from edgefed import cli  # noqa: E402
 from edgefed.errors import ConfigError  # noqa: E402
 from edgefed.participation import schemes  # noqa: E402
@@ -80,6 +81,21 @@ def test_the_rounding_shrinks_with_the_bits(quad_file, run_experiment):
     assert gaps[16] > 1e-6 > gaps[32] > gaps[64]
 
 
+def test_over_selected_surplus_devices_are_dropouts_too(quad_file, run_experiment):
+    cfg = base(quadratic(quad_file, n_devices=8), **{"train.clients_per_round": 4, "participation.overselect": 0.5,
+                                                     "participation.mode": "trace", "participation.trace": "builtin"})
+    plain, secure = run_experiment(cfg), run_experiment({**cfg, **SECURE})
+    np.testing.assert_array_equal(plain["participation/coeff"], secure["participation/coeff"])
+    assert (plain["participation/selected"].sum(axis=1) == 6).all()
+    gap = np.abs(secure["trajectory/x"] - plain["trajectory/x"]).max(axis=1)
+    assert np.all(gap[1:] <= 2 * np.cumsum(round_bounds(secure, "B", "count_selected", 10.0, 32, 0.9)))
+
+
+def test_an_interrupted_secure_run_resumes_to_the_same_log(quad_file, tmp_path):
+    cfg = config_with(base(quadratic(quad_file), **SECURE))
+    assert_same_logs(*interrupted_then_resumed(cfg, tmp_path, 2))
+
+
 def test_a_nonfinite_device_is_a_dropout_the_survivors_unmask(quad_file, run_experiment):
     path = quadratic(quad_file, diverging=2)
     cfg = base(path, **{"train.clients_per_round": "all", "train.local_steps": 40, "train.lr_local": 0.2})
@@ -109,7 +125,7 @@ def test_as_many_dropouts_as_the_threshold_allows_then_one_more(quad_file, run_e
             assert np.abs(log["trajectory/x"][1]).max() > 0.1
 
 
-def test_an_aborted_round_says_so_on_its_progress_line(quad_file, tmp_path, capsys):
+def test_an_aborted_or_clipped_round_says_so_on_its_progress_line(quad_file, tmp_path, capsys):
     A = np.ones((3, 2))
     A[[0, 1]] = 1e10
     path = quad_file(A, np.ones((3, 2)), None, np.zeros(2))
@@ -119,6 +135,9 @@ def test_an_aborted_round_says_so_on_its_progress_line(quad_file, tmp_path, caps
                    '[secagg]\nenabled = true\n')
     assert cli.main(["run", str(cfg), "--out", str(tmp_path / "r.h5")]) == 0
     assert "secagg aborted: 1 of 3 survived, threshold 3" in capsys.readouterr().out
+    cfg.write_text(cfg.read_text().replace("local_steps = 40", "local_steps = 1") + "clip = 0.01\n")
+    assert cli.main(["run", str(cfg), "--out", str(tmp_path / "c.h5")]) == 0
+    assert "secagg clipped 6 coordinates" in capsys.readouterr().out  # 3 devices x 2 coordinates
 
 
 def test_the_coordinator_gets_masked_inputs_only(quad_file, run_experiment, monkeypatch):
