@@ -60,13 +60,13 @@ def one_round(n: int, k: int, dim: int, dropped: int) -> dict:
         c.receive(shares)
     update = np.random.default_rng(0).uniform(-1, 1, dim)
     survivors = list(range(dropped, n))
-    total = np.zeros(dim, setup.word)
+    total = np.zeros(setup.words, setup.word)
     for dev in survivors:
         c = clients[dev]
         t0 = time.perf_counter()
         c.prepare_mask()
         t1 = time.perf_counter()
-        total += c.masked_input(update)[0]
+        total += c.masked_input(update)
         t2 = time.perf_counter()
         t["mask"] += t1 - t0
         t["masking"] += t2 - t1
@@ -80,7 +80,7 @@ def one_round(n: int, k: int, dim: int, dropped: int) -> dict:
                   "masking": t["masking"] / len(survivors), "reveal": t["reveal"] / len(survivors)}
     sent = protocol.KEYS.itemsize + (setup.holders(0).size - 1) * protocol.SHARE.itemsize
     sent += setup.holders(0).size * protocol.REVEAL.itemsize
-    return {**per_device, "server": server, "bytes": sent, "masked_bytes": dim * 4, "k": setup.neighbours[0].size,
+    return {**per_device, "server": server, "bytes": sent, "masked_bytes": setup.words * 4, "k": setup.neighbours[0].size,
             "t": setup.threshold}
 
 

@@ -54,10 +54,9 @@ class LocalResults:
     round_s: float = float("nan")  # when the round's last report it takes came (NaN: the caller's wall time)
     bytes_up: np.ndarray | None = None  # (S,) int64: the payload of each report (0: no work sent); None: 0s
     # secure aggregation: the masked inputs (vectors is then empty: no update leaves a device in the clear)
-    masked: np.ndarray | None = None  # (S, d) uint{bits}: y_k (zeros: none sent)
+    masked: np.ndarray | None = None  # (S, d + 1) uint{bits}: y_k, the update and its clip count (zeros: none)
     nonfinite: np.ndarray | None = None  # (S,) bool: the device found its update non-finite and sent no y_k
     secagg_s: np.ndarray | None = None  # (S,) float32: the device's protocol time through its masked input
-    secagg_clipped: np.ndarray | None = None  # (S,) int64: coordinates the clip cut
 
 
 @dataclass(frozen=True)

@@ -141,3 +141,24 @@ def test_a_run_stopped_in_one_process_resumes_across_ranks(tmp_path, size, devic
     resumed = loopback_run(cfg, tmp_path / "part.h5", size, resume_point=point)
     assert_same_logs(read_run(tmp_path / "whole.h5"), resumed)
 
+
+
+def test_secure_aggregation_over_the_loopback_world_sends_only_masked_inputs(tmp_path, monkeypatch):
+    """OS keys, SecAgg+ with k = 2, Scheme C on traces: the simulator's bytes, and what rank 0 takes from the
+    wire is masked inputs (the model's d words and a clip count), never a report vector."""
+    pytest.importorskip("cryptography")
+    from edgefed.runtime.mpi.coordinator import MpiTransport
+
+    cfg = config_with({**SMALL, "secagg.enabled": True, "secagg.neighbours": 2, "participation.mode": "trace",
+                       "participation.trace": "builtin", "participation.scheme": "C"})
+    runs.run(cfg, tmp_path / "sim.h5")
+    seen, work = [], MpiTransport.local_work
+    monkeypatch.setattr(MpiTransport, "local_work", lambda self, *a: seen.append(work(self, *a)) or seen[-1])
+    mpi = loopback_run(cfg, tmp_path / "mpi.h5", 4)
+    sim = read_run(tmp_path / "sim.h5")
+    assert [k for k, v in compared(sim).items() if v.tobytes() != mpi[k].tobytes()] == []
+    assert len(seen) == 5 and all(r.vectors == {} and r.masked.shape == (4, 611) for r in seen)
+    sel, survived = mpi["participation/selected"], mpi["participation/steps"] > 0
+    sent = mpi["participation/secagg_bytes"]
+    assert (sent[sel & survived] == 104 + 2 * 168 + 3 * 88).all()  # keys, 2 sealed shares, 3 reveals
+    assert (sent[sel & ~survived] == 104 + 2 * 168).all() and (sel & ~survived).any()  # a dropout reveals none

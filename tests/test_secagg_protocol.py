@@ -6,9 +6,11 @@ import pytest
 
 pytest.importorskip("cryptography")
 
+from edgefed.config.schema import SecAggConfig  # noqa: E402
 from edgefed.errors import SecAggError, Unrecoverable  # noqa: E402
+from edgefed.runtime.secure import SecureDevices  # noqa: E402
 from edgefed.secagg import fixedpoint  # noqa: E402
-from edgefed.secagg.protocol import KEYS, Client, Randomness, round_setup, unmask  # noqa: E402
+from edgefed.secagg.protocol import KEYS, REVEAL, Client, Randomness, decode, round_setup, unmask  # noqa: E402
 
 
 def clients_of(setup, source="seeded", seed=0):
@@ -29,14 +31,15 @@ def aggregate(setup, values, dropped=(), source="seeded", tamper=None):
     clients = clients_of(setup, source)
     keys, shares = exchange(clients)
     survivors = [k for k in setup.selected.tolist() if k not in dropped]
-    total = np.zeros(setup.dim, setup.word)
+    total = np.zeros(setup.words, setup.word)
     for k in survivors:
-        total += clients[k].masked_input(values[k])[0]
+        total += clients[k].masked_input(values[k])
     reveals = np.concatenate([clients[k].reveal(survivors) for k in survivors])
     if tamper is not None:
         tamper(reveals)
-    summed = unmask(setup, keys, total, survivors, reveals)
-    return fixedpoint.decode_sum(summed, setup.n, setup.clip, setup.bits), sum(values[k] for k in survivors)
+    got, clipped = decode(setup, unmask(setup, keys, total, survivors, reveals))
+    assert clipped == sum(int(np.count_nonzero(np.abs(values[k]) > setup.clip)) for k in survivors)
+    return got, sum(np.clip(values[k], -setup.clip, setup.clip) for k in survivors)
 
 
 def setup_of(n=8, k=None, t=None, dim=64, bits=32, clip=4.0, round_idx=3):
@@ -45,7 +48,7 @@ def setup_of(n=8, k=None, t=None, dim=64, bits=32, clip=4.0, round_idx=3):
 
 def values_for(setup, seed=1):
     rng = np.random.default_rng(seed)
-    return {int(k): rng.uniform(-3, 3, setup.dim) for k in setup.selected}
+    return {int(k): rng.uniform(-5, 5, setup.dim) for k in setup.selected}  # some beyond the clip of 4
 
 
 @pytest.mark.parametrize("dropped", [(), (3,), (3, 12), (0, 6, 12, 21)])
@@ -83,7 +86,7 @@ def test_os_keys_give_other_masks_and_the_same_sum():
     for source in ("seeded", "seeded", "os"):
         clients = clients_of(setup, source)
         exchange(clients)
-        runs.append(clients[0].masked_input(values[0])[0])
+        runs.append(clients[0].masked_input(values[0]))
     assert np.array_equal(runs[0], runs[1]) and not np.array_equal(runs[0], runs[2])
     seeded, _ = aggregate(setup, values)
     drawn, _ = aggregate(setup, values, source="os")
@@ -144,7 +147,7 @@ def test_what_the_server_receives_is_independent_of_the_update():
         exchange(clients)
         v = rng.uniform(-4, 4, dim)
         values.append(v)
-        sent.append(clients[0].masked_input(v)[0].astype(np.float64))
+        sent.append(clients[0].masked_input(v)[:-1].astype(np.float64))
     values, sent = np.concatenate(values), np.concatenate(sent)
     r = np.corrcoef(values, sent)[0, 1]
     assert abs(r) < 4 / np.sqrt(values.size)  # 4 sigma of the null
@@ -160,3 +163,37 @@ def test_keys_records_carry_the_public_keys():
     setup = setup_of(n=2)
     rec = clients_of(setup)[0].advertise()
     assert rec.dtype == KEYS and rec["device"][0] == 0 and rec["c_pk"].any() and rec["b_commit"].any()
+
+
+def test_an_odd_neighbourhood_counts_as_the_even_one_the_ring_links():
+    setup = setup_of(n=10, k=3)  # ceil(3/2) = 2 either way
+    assert {v.size for v in setup.neighbours.values()} == {4} and setup.threshold == 4  # ceil(8/3) + 1
+
+
+def test_survivors_reveal_one_kind_per_device_and_only_once():
+    setup = setup_of(n=6, t=3)
+    clients = clients_of(setup)
+    exchange(clients)
+    survivors = [0, 3, 9, 12]  # 6 and 15 dropped
+    reveals = np.concatenate([clients[k].reveal(survivors) for k in survivors])
+    assert reveals.dtype == REVEAL
+    kinds = {}
+    for rec in reveals:
+        kinds.setdefault(int(rec["owner"]), set()).add(int(rec["kind"]))
+    assert kinds == {**{k: {0} for k in survivors}, 6: {1}, 15: {1}}  # b of survivors, s^SK of dropouts
+    with pytest.raises(SecAggError, match="device 0 was asked to reveal shares twice"):
+        clients[0].reveal([0, 3])
+
+
+def test_a_lone_survivor_is_never_unmasked():
+    setup = setup_of(n=4, t=1)
+    with pytest.raises(Unrecoverable, match="1 of 4 devices survived, and the sum of fewer than 2 would show"):
+        aggregate(setup, values_for(setup), dropped=(3, 6, 9))
+
+
+def test_a_device_still_on_an_older_round_gets_no_client_of_the_new_one():
+    devices = SecureDevices(SecAggConfig(enabled=True, key_source="seeded"), 0, "B", 8, np.arange(4))
+    devices.keys(1, np.arange(4))
+    old = devices.client(1, 2)
+    devices.keys(2, np.arange(4))
+    assert devices.client(1, 2) is None and devices.client(2, 2) is not old and devices.client(2, 2).setup.round_idx == 2

@@ -134,14 +134,21 @@ def _validate_secagg(cfg: Config, train: TrainConfig, compress: CompressConfig) 
     _choice(s.bits, fixedpoint.BITS, "secagg.bits")
     _positive(s.clip, "secagg.clip", "clip = 10.0")
     _choice(s.key_source, secagg_protocol.KEY_SOURCES, "secagg.key_source")
-    for key, value in (("neighbours", s.neighbours), ("threshold", s.threshold)):
-        if value is not None and value < 1:
-            raise ConfigError(f"config: secagg.{key} = {value} must be at least 1")
-    if s.neighbours is not None and s.threshold is not None and s.threshold > s.neighbours + 1:
-        raise ConfigError(f"config: secagg.threshold = {s.threshold} exceeds the {s.neighbours + 1} shares a device "
-                          f"makes (its secagg.neighbours and itself); use at most {s.neighbours + 1}")
+    if s.neighbours is not None and s.neighbours < 1:
+        raise ConfigError(f"config: secagg.neighbours = {s.neighbours} must be at least 1")
+    if s.threshold is not None and s.threshold < 2:
+        raise ConfigError(f"config: secagg.threshold = {s.threshold} would let one device's shares unmask its own "
+                          "update; use at least 2")
+    shares = None if s.neighbours is None else secagg_protocol.linked(s.neighbours, s.neighbours + 2) + 1
+    if shares is not None and s.threshold is not None and s.threshold > shares:
+        raise ConfigError(f"config: secagg.threshold = {s.threshold} exceeds the {shares} shares a device makes "
+                          f"(its {shares - 1} neighbours, secagg.neighbours rounded up to even, and itself); "
+                          f"use at most {shares}")
     if not s.enabled:
         return
+    if train.clients_per_round == 1:
+        raise ConfigError("config: [secagg] enabled = true with train.clients_per_round = 1 would show the one "
+                          "device's update (every round would be aborted); select at least 2")
     if train.algorithm == "scaffold":
         raise ConfigError('config: [secagg] enabled = true sums one vector, x\'s update; SCAFFOLD\'s controls '
                           'need a second sum with weights of their own; set train.algorithm = "fedavg" or "fedprox"')

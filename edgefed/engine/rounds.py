@@ -308,8 +308,8 @@ class RoundEngine:
                         f"threshold {self.secure.setup.threshold}")
                 coeffs[:] = 0.0
                 reported[:] = False
-            elif extra["participation/secagg_clipped"].any():  # the sum is not the plain one: say so
-                note = f"secagg clipped {int(extra['participation/secagg_clipped'].sum())} coordinates"
+            elif extra["metrics/secagg_clipped"]:  # the sum is not the plain one: say so
+                note = f"secagg clipped {extra['metrics/secagg_clipped']} coordinates"
         self.state = self._declared(self.algorithm.server_update(self.state, reports), "server_update")
         done = time.perf_counter()
         # the residuals come to the log for --resume, as the evaluation comes: the bench's traffic, outside

@@ -15,7 +15,7 @@ import numpy as np
 from edgefed.algorithms.base import DELTA_X, RoundReports
 from edgefed.errors import Unrecoverable
 from edgefed.participation import schemes
-from edgefed.secagg import fixedpoint, protocol
+from edgefed.secagg import protocol
 from edgefed.transport import LocalResults, RoundPlan
 
 
@@ -45,9 +45,9 @@ class SecureSum:
         survivors = plan.device_ids[reported]
         spent = res.secagg_s.astype(np.float64)  # NaN where the device's report never came
         sum_row = np.zeros((1, self.dim))
-        g, aborted = 0.0, None
+        g, aborted, clipped = 0.0, None, 0
         if survivors.size:
-            total = np.zeros(self.dim, self.setup.word)
+            total = np.zeros(self.setup.words, self.setup.word)
             for i in np.flatnonzero(reported):
                 total += res.masked[i]
             reveals = self.transport.secagg_reveal(plan.round_idx, survivors)
@@ -60,7 +60,7 @@ class SecureSum:
             except Unrecoverable as exc:
                 aborted = str(exc)
             else:
-                sum_row[0] = fixedpoint.decode_sum(summed, self.setup.n, self.setup.clip, self.setup.bits)
+                sum_row[0], clipped = protocol.decode(self.setup, summed)
                 factors = schemes.device_factors(self.cfg.participation.scheme, plan.prescale[reported],
                                                  counted_steps[reported], plan.budgets[reported])
                 g = schemes.server_factor(coeffs[reported], factors)
@@ -68,8 +68,7 @@ class SecureSum:
                                lr_global, n_federation)
         columns = {"participation/secagg_s": self._scatter(plan, spent.astype(np.float32), np.float32, math.nan),
                    "participation/secagg_bytes": self._scatter(plan, self._sent, np.int64, 0),
-                   "participation/secagg_clipped": self._scatter(plan, res.secagg_clipped, np.int64, 0),
-                   "metrics/secagg_aborted": aborted is not None}
+                   "metrics/secagg_clipped": clipped, "metrics/secagg_aborted": aborted is not None}
         return applied, columns, aborted
 
     def _scatter(self, plan, values, dtype, fill):

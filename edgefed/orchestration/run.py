@@ -125,8 +125,9 @@ def log_layout(algorithm: Algorithm, cfg: Config, n: int, d: int, dtype) -> dict
             Column("participation/secagg_bytes", (n,), np.int64, "round",
                    "secure aggregation: the protocol's messages the device sent (keys, sealed shares, reveals), "
                    "bytes; its masked input is bytes_up"),
-            Column("participation/secagg_clipped", (n,), np.int64, "round",
-                   "secure aggregation: coordinates of the device's scaled update cut to [-clip, clip]"),
+            Column("metrics/secagg_clipped", (), np.int64, "round",
+                   "secure aggregation: coordinates the clip cut, summed over the applied devices (masked like "
+                   "their updates: no one device's count is seen)"),
             Column("metrics/secagg_aborted", (), np.bool_, "round",
                    "secure aggregation could not unmask the round (too few survivors): nothing was applied")]
     rows = [v.name for v in algorithm.device_vectors]

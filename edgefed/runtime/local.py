@@ -72,10 +72,9 @@ class RoundWork:
     def __init__(self, n_sel: int, d: int, dtype, reports, feedback: bool = False, masked_dtype=None):
         self.vectors = {name: np.zeros((n_sel, d), dtype=dtype) for name in reports}  # as decoded
         # secure aggregation: what each device sends instead (its rows in vectors are zeroed once masked)
-        self.masked = None if masked_dtype is None else np.zeros((n_sel, d), masked_dtype)
+        self.masked = None if masked_dtype is None else np.zeros((n_sel, d + 1), masked_dtype)  # + clip count
         self.nonfinite = np.zeros(n_sel, bool)
         self.secagg_s = np.full(n_sel, np.nan, np.float32)
-        self.clipped = np.zeros(n_sel, np.int64)
         self.payload = [None] * n_sel  # {report: Encoded} of each device that sent work (compressed uplink)
         self.residuals = {name: np.zeros((n_sel, d), dtype=dtype) for name in reports} if feedback else {}
         self.bytes_up = np.zeros(n_sel, np.int64)
@@ -97,8 +96,7 @@ class RoundWork:
                             self.core[rows], self.comm[rows], bytes_up=self.bytes_up[rows],
                             masked=_read_only(self.masked[rows]) if secure else None,
                             nonfinite=self.nonfinite[rows] if secure else None,
-                            secagg_s=self.secagg_s[rows] if secure else None,
-                            secagg_clipped=self.clipped[rows] if secure else None)
+                            secagg_s=self.secagg_s[rows] if secure else None)
 
 
 class LocalTransport:
@@ -292,7 +290,7 @@ class LocalTransport:
                     for values in work.vectors.values():
                         values[i] = 0
                     if work.masked is not None:
-                        work.masked[i] = 0
+                        work.masked[i], work.nonfinite[i] = 0, False
             if on_device is not None:
                 on_device(i)
         if lane.competitor is not None:
@@ -344,8 +342,8 @@ class LocalTransport:
         update = work.vectors[DELTA_X][i]
         if work.steps[i] > 0:
             if np.isfinite(update).all():
-                work.masked[i], work.clipped[i] = self.secure.mask(client, update, float(plan.prescale[i]),
-                                                                   int(work.steps[i]), int(plan.budgets[i]))
+                work.masked[i] = self.secure.mask(client, update, float(plan.prescale[i]), int(work.steps[i]),
+                                                  int(plan.budgets[i]))
                 work.bytes_up[i] = work.masked[i].nbytes
             else:
                 work.nonfinite[i] = True

@@ -19,18 +19,19 @@ class SecureDevices:
         """settings: the run's [secagg] table; hosted: the device ids this process hosts."""
         self.settings, self.seed, self.scheme, self.dim = settings, seed, scheme, dim
         self.hosted = set(int(k) for k in hosted)
-        self._round = None
-        self._clients = {}  # device -> Client of the current round
+        # (round, {device: Client}) of the current round, replaced as one: a late device's worker still on an
+        # older round must never see the new round's clients
+        self._current = (None, {})
 
     def keys(self, round_idx: int, selected: np.ndarray) -> np.ndarray:
         """Phase 1: new clients for the hosted ones of the round's selected devices, their KEYS records."""
         s = self.settings
         setup = protocol.round_setup(self.seed, round_idx, selected, s.neighbours, s.threshold, s.bits, s.clip,
                                      self.dim)
-        self._round = round_idx
-        self._clients = {int(k): protocol.Client(setup, k, protocol.Randomness(s.key_source, self.seed, round_idx, int(k)))
-                         for k in setup.selected if int(k) in self.hosted}
-        return self._records([c.advertise() for c in self._clients.values()], protocol.KEYS)
+        clients = {int(k): protocol.Client(setup, k, protocol.Randomness(s.key_source, self.seed, round_idx, int(k)))
+                   for k in setup.selected if int(k) in self.hosted}
+        self._current = (round_idx, clients)
+        return self._records([c.advertise() for c in clients.values()], protocol.KEYS)
 
     def shares(self, round_idx: int, keys: np.ndarray) -> np.ndarray:
         return self._records([c.share(keys) for c in self._of(round_idx)], protocol.SHARE)
@@ -45,17 +46,20 @@ class SecureDevices:
 
     def client(self, round_idx: int, device: int) -> protocol.Client | None:
         """The device's client of round_idx; None once a later round has begun (its work cannot be sent)."""
-        return self._clients.get(device) if self._round == round_idx else None
+        current, clients = self._current
+        return clients.get(device) if current == round_idx else None
 
     def mask(self, client: protocol.Client, update: np.ndarray, prescale: float, steps: int, budget: int):
-        """(y, clipped): the device's update scaled by a_k, clipped, encoded and masked."""
+        """y: the device's update scaled by a_k, clipped, encoded and masked (with its count of clipped
+        coordinates, masked too)."""
         a = schemes.device_factors(self.scheme, np.array([prescale]), np.array([steps]), np.array([budget]))[0]
         scaled = update.astype(np.float64)
         scaled *= a
         return client.masked_input(scaled)
 
     def _of(self, round_idx: int):
-        return [c for c in self._clients.values()] if self._round == round_idx else []
+        current, clients = self._current
+        return list(clients.values()) if current == round_idx else []
 
     @staticmethod
     def _records(parts, dtype) -> np.ndarray:

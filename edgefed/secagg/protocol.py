@@ -45,6 +45,14 @@ REVEAL = np.dtype([("holder", "<i8"), ("owner", "<i8"), ("kind", "u1"), ("y", "u
                    ("spent_s", "<f4")], align=True)
 
 
+def linked(neighbours: int | None, n: int) -> int:
+    """k, the neighbours each of n devices has: the ring links ceil(k/2) either way, so an odd k counts as
+    the even number above it; all the others when that covers them (or neighbours is None)."""
+    if neighbours is None:
+        return max(n - 1, 0)
+    return min(2 * math.ceil(int(neighbours) / 2), max(n - 1, 0))
+
+
 def default_threshold(k: int) -> int:
     """ceil(2k/3) + 1 of the k + 1 shares (SecAgg+'s choice), never more than there are."""
     return min(k + 1, math.ceil(2 * k / 3) + 1)
@@ -77,6 +85,16 @@ class RoundSetup:
     def word(self) -> np.dtype:
         return np.dtype(f"<u{self.bits // 8}")
 
+    @property
+    def words(self) -> int:
+        """A masked input's length: the update's dim coordinates, then how many of them the clip cut."""
+        return self.dim + 1
+
+    @property
+    def count_cap(self) -> int:
+        """The most clipped coordinates one device's count says (so n counts never wrap a signed word)."""
+        return (2 ** (self.bits - 1) - 1) // max(self.n, 1)
+
 
 def round_setup(seed: int, round_idx: int, selected, neighbours: int | None, threshold: int | None, bits: int,
                 clip: float, dim: int) -> RoundSetup:
@@ -84,16 +102,15 @@ def round_setup(seed: int, round_idx: int, selected, neighbours: int | None, thr
     with fewer selected devices than k + 1, after departures, links them all)."""
     selected = np.sort(np.asarray(selected, np.int64))
     n = selected.size
-    k = n - 1 if neighbours is None else min(int(neighbours), n - 1)
+    k = linked(neighbours, n)
     t = default_threshold(k) if threshold is None else min(int(threshold), k + 1)
     ring = selected[generator(seed, Purpose.SECAGG_GRAPH, round_idx).permutation(n)]
-    half = math.ceil(k / 2)
     links = {}
     for p, device in enumerate(ring):
-        if 2 * half >= n - 1:
+        if k >= n - 1:
             near = selected[selected != device]
         else:
-            near = np.unique([ring[(p + step) % n] for h in range(1, half + 1) for step in (h, -h)])
+            near = np.unique([ring[(p + step) % n] for h in range(1, k // 2 + 1) for step in (h, -h)])
         links[int(device)] = np.asarray(near, np.int64)
     return RoundSetup(round_idx, selected, links, t, bits, clip, dim)
 
@@ -125,8 +142,8 @@ def _integer(raw) -> int:
 
 
 def mask_of(setup: RoundSetup, seed: bytes) -> np.ndarray:
-    """The mask a 32-byte seed expands to: dim words of setup.bits."""
-    return np.frombuffer(crypto.expand(seed, setup.dim * setup.word.itemsize), setup.word)
+    """The mask a 32-byte seed expands to: setup.words words of setup.bits."""
+    return np.frombuffer(crypto.expand(seed, setup.words * setup.word.itemsize), setup.word)
 
 
 def pair_seed(setup: RoundSetup, private: bytes, peer_public: bytes, i: int, j: int) -> bytes:
@@ -146,6 +163,7 @@ class Client:
         self._held = {}  # owner -> sealed share (bytes) it sent this device
         self._own = None  # (x, s_sk share y, b share y) of its own secrets
         self._mask = None
+        self._revealed = False
         self.spent_s += time.perf_counter() - t0
 
     # -- phase 1: advertise keys ---------------------------------------------------------------------
@@ -206,22 +224,28 @@ class Client:
         self._mask = mask
         self._spend(t0)
 
-    def masked_input(self, values: np.ndarray) -> tuple[np.ndarray, int]:
-        """(y_i: the fixed-point encoding of values plus the mask, how many coordinates the clip cut)."""
+    def masked_input(self, values: np.ndarray) -> np.ndarray:
+        """y_i: the fixed-point encoding of values, then the count of coordinates the clip cut (masked like
+        them, so the server learns only the round's total), plus the mask."""
         t0 = time.perf_counter()
         if self._mask is None:
             self.prepare_mask()
         setup = self.setup
-        clipped = int(np.count_nonzero(np.abs(values) > setup.clip))
-        y = fixedpoint.encode(values, setup.n, setup.clip, setup.bits).astype(setup.word, copy=False)
+        y = np.empty(setup.words, setup.word)
+        y[:-1] = fixedpoint.encode(values, setup.n, setup.clip, setup.bits)
+        y[-1] = min(int(np.count_nonzero(np.abs(values) > setup.clip)), setup.count_cap)
         y += self._mask
         self._spend(t0)
-        return y, clipped
+        return y
 
     # -- phase 4: reveal ---------------------------------------------------------------------------
     def reveal(self, survivors) -> np.ndarray:
         """For every device whose shares this one holds: b's share for a survivor, s^SK's for a dropout."""
         t0 = time.perf_counter()
+        if self._revealed:
+            raise SecAggError(f"secure aggregation, round {self.setup.round_idx}: device {self.device} was asked to "
+                              "reveal shares twice (a second survivor set could unmask an update)")
+        self._revealed = True
         survivors = set(int(k) for k in survivors)
         out = np.zeros(len(self._held) + 1, REVEAL)
         for row, owner in enumerate(sorted([self.device, *self._held])):
@@ -261,7 +285,8 @@ def _by_device(keys: np.ndarray, setup: RoundSetup, wanted) -> dict:
 
 
 def unmask(setup: RoundSetup, keys: np.ndarray, total: np.ndarray, survivors, reveals: np.ndarray) -> np.ndarray:
-    """The sum of the survivors' fixed-point updates, from the sum of their masked inputs (mod 2^bits).
+    """The sum of the survivors' fixed-point updates and clip counts (setup.words words), from the sum of
+    their masked inputs (mod 2^bits); `decode` reads it.
 
     Raises Unrecoverable when some secret has fewer than t shares among the survivors, SecAggError when a
     rebuilt secret does not match what its device published (a share was changed)."""
@@ -275,6 +300,9 @@ def unmask(setup: RoundSetup, keys: np.ndarray, total: np.ndarray, survivors, re
             shares.setdefault((owner, int(rec["kind"])), {})[holder] = _integer(rec["y"])
     total = np.array(total, setup.word)
     t = setup.threshold
+    if survivors.size < 2:  # a sum of one device is its update
+        raise Unrecoverable(f"secure aggregation, round {setup.round_idx}: {survivors.size} of {setup.n} devices "
+                            "survived, and the sum of fewer than 2 would show an update; the round is aborted")
 
     def secret(owner: int, kind: int) -> int:
         got = shares.get((owner, kind), {})
@@ -313,3 +341,9 @@ def _as_key(setup: RoundSetup, value: int, device: int, what: str) -> bytes:
         raise SecAggError(f"secure aggregation, round {setup.round_idx}: device {device}'s {what} rebuilt from "
                           "its shares is not 32 bytes (a share was changed)")
     return value.to_bytes(crypto.KEY_BYTES, "little")
+
+
+def decode(setup: RoundSetup, summed: np.ndarray) -> tuple[np.ndarray, int]:
+    """(the float64 sum of the survivors' clipped updates, the coordinates the clip cut in all of them)."""
+    return (fixedpoint.decode_sum(summed[:-1], setup.n, setup.clip, setup.bits),
+            int(summed[-1].astype(np.uint64)))

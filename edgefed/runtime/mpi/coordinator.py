@@ -239,8 +239,16 @@ class MpiTransport:
         return self._secagg(protocol.SHARES, round_idx, keys["device"], secagg.SHARE, keys)
 
     def secagg_deliver(self, round_idx: int, shares: np.ndarray) -> None:
-        """Every rank gets the sealed shares and keeps those addressed to its devices (the others it cannot open)."""
-        self._secagg(protocol.DELIVER, round_idx, np.unique(shares["receiver"]), None, shares)
+        """Each rank gets the sealed shares addressed to its devices, point to point."""
+        receivers = np.unique(shares["receiver"])
+        self._secagg(protocol.DELIVER, round_idx, receivers, None)
+        owner = self.owners[shares["receiver"]]
+        sends = []
+        for rank in np.unique(self.owners[receivers]).tolist():
+            raw = self.wire.pack_secagg(round_idx, protocol.DELIVER, shares[owner == rank])
+            sends.append((self.comm.Isend([raw, self.MPI.BYTE], dest=int(rank), tag=protocol.TAG_SECAGG), raw))
+        for req, _ in sends:
+            wait(req, self.poll, also=self._listen)
 
     def secagg_reveal(self, round_idx: int, survivors: np.ndarray) -> np.ndarray:
         return self._secagg(protocol.REVEAL, round_idx, survivors, secagg.REVEAL)

@@ -22,7 +22,7 @@ import numpy as np
 
 from edgefed.algorithms.base import ServerState
 from edgefed.runtime.mpi import protocol
-from edgefed.runtime.mpi.comm import POLL_MAX_S, mpi_of, wait
+from edgefed.runtime.mpi.comm import POLL_MAX_S, Backoff, mpi_of, wait
 from edgefed.runtime.mpi.protocol import Wire
 from edgefed.secagg import protocol as secagg
 
@@ -297,8 +297,9 @@ class DeviceServer:
             out = secure.keys(round_idx, addressed)
         elif phase == protocol.SHARES:
             out = secure.shares(round_idx, relayed.view(secagg.KEYS))
-        elif phase == protocol.DELIVER:
-            secure.deliver(round_idx, relayed.view(secagg.SHARE))
+        elif phase == protocol.DELIVER:  # the shares for this rank's devices follow, point to point
+            if np.isin(addressed, self.own).any():
+                secure.deliver(round_idx, self._receive_shares(round_idx))
             return
         else:
             out = secure.reveal(round_idx, addressed)
@@ -307,6 +308,20 @@ class DeviceServer:
         self._secagg_sent = [(req, buf) for req, buf in self._secagg_sent if not req.Test()]
         raw = self.wire.pack_secagg(round_idx, phase, out)
         self._secagg_sent.append((self.comm.Isend([raw, self._mpi_byte], dest=0, tag=protocol.TAG_SECAGG), raw))
+
+    def _receive_shares(self, round_idx: int) -> np.ndarray:
+        MPI = mpi_of(self.comm)
+        status = MPI.Status()
+        backoff = Backoff(self.poll)
+        while not self.comm.Iprobe(source=0, tag=protocol.TAG_SECAGG, status=status):
+            self._report_finished_work()
+            backoff.pause()
+        raw = np.zeros(status.Get_count(MPI.BYTE), np.uint8)
+        self.comm.Recv([raw, MPI.BYTE], source=0, tag=protocol.TAG_SECAGG)
+        got_round, _, shares = self.wire.unpack_secagg(raw, secagg.SHARE)
+        if got_round != round_idx:
+            raise RuntimeError(f"rank {self.comm.Get_rank()}: shares of round {got_round} came in round {round_idx}")
+        return shares
 
     def _evaluate(self, x) -> None:
         ev = self.heart.beating(self.transport.evaluate, x)

@@ -84,7 +84,7 @@ class Wire:
             ("phase", "<i8"),  # SECAGG: which of the protocol's phases (KEYS, SHARES, DELIVER, REVEAL)
             ("payload_bytes", "<i8"),  # SECAGG: the bytes of the records that follow by broadcast (0: none)
         ], align=True)
-        payload = len(self.reports) * self._up if self.masked is None else dim * self.masked.itemsize
+        payload = len(self.reports) * self._up if self.masked is None else (dim + 1) * self.masked.itemsize
         self.work = np.dtype([
             ("round", "<i8"),
             ("device", "<i8"),
@@ -100,7 +100,6 @@ class Wire:
             ("bytes_up", "<i8"),  # the payload's bytes that carry work (0: none sent)
             ("nonfinite", "?"),  # secure aggregation: the device found its update non-finite and sent none
             ("secagg_s", "<f4"),  # secure aggregation: the device's protocol time through its masked input
-            ("secagg_clipped", "<i8"),  # secure aggregation: coordinates its clip cut
             ("payload", "u1", (payload,)),  # the report vectors, encoded, back to back (or the masked input)
         ], align=True)
         self.residual = np.dtype([("round", "<i8"), ("device", "<i8"),
@@ -275,7 +274,7 @@ class Wire:
         payload: with a compressed uplink, each device's {report: Encoded} (None: it sent no work)."""
         records["round"], records["device"], records["wait_s"] = round_idx, ids, wait_s
         if res is None:
-            records["late"] = True
+            records["late"], records["secagg_s"] = True, np.nan
             return
         records["steps"], records["late"], records["compiled"] = res.steps, res.late, res.compiled
         records["elapsed_s"], records["cpu_percent"] = res.elapsed_s, res.cpu_percent
@@ -283,7 +282,6 @@ class Wire:
         records["bytes_up"] = 0 if res.bytes_up is None else res.bytes_up
         if self.masked is not None:
             records["nonfinite"], records["secagg_s"] = res.nonfinite, res.secagg_s
-            records["secagg_clipped"] = res.secagg_clipped
             records["payload"] = np.ascontiguousarray(res.masked).view(np.uint8).reshape(len(records), -1)
             return
         size = self._up
@@ -327,8 +325,8 @@ class Wire:
         finish, wait_s = np.full(n_sel, np.nan), np.zeros(n_sel)
         bytes_up = np.zeros(n_sel, np.int64)
         secure = self.masked is not None
-        masked = np.zeros((n_sel, self.dim), self.masked) if secure else None
-        nonfinite, clipped = np.zeros(n_sel, bool), np.zeros(n_sel, np.int64)
+        masked = np.zeros((n_sel, self.dim + 1), self.masked) if secure else None
+        nonfinite = np.zeros(n_sel, bool)
         secagg_s = np.full(n_sel, np.nan, np.float32)
         measured = {name: np.full(n_sel, np.nan, np.float32)
                     for name in ("elapsed_s", "cpu_percent", "cpu_freq_mhz", "temperature_c")}
@@ -343,9 +341,9 @@ class Wire:
                 for name, values in measured.items():
                     values[i] = rec[name]
                 if secure:
-                    nonfinite[i], clipped[i], secagg_s[i] = rec["nonfinite"], rec["secagg_clipped"], rec["secagg_s"]
+                    secagg_s[i] = rec["secagg_s"]
                     if not rec["late"]:
-                        masked[i] = rec["payload"].view(self.masked)
+                        nonfinite[i], masked[i] = rec["nonfinite"], rec["payload"].view(self.masked)
                 elif not rec["late"]:
                     for name, values in self._report_vectors(rec).items():
                         vectors[name][i] = values
@@ -354,7 +352,7 @@ class Wire:
                             measured["cpu_freq_mhz"], measured["temperature_c"], compiled, finish,
                             comm.astype(np.float32), core, (comm - wait_s).astype(np.float32), bytes_up=bytes_up,
                             masked=masked, nonfinite=nonfinite if secure else None,
-                            secagg_s=secagg_s if secure else None, secagg_clipped=clipped if secure else None)
+                            secagg_s=secagg_s if secure else None)
 
     # -- up: evaluation --------------------------------------------------------------------------------
     @staticmethod
