@@ -2,6 +2,7 @@
 every rule, dropouts (non-finite, late) are unmasked, too many abort the round, the coordinator sees only
 masked inputs, and what cannot be computed this way is refused in one line."""
 
+import re
 import sys
 
 import numpy as np
@@ -135,6 +136,9 @@ def test_an_aborted_or_clipped_round_says_so_on_its_progress_line(quad_file, tmp
                    '[secagg]\nenabled = true\n')
     assert cli.main(["run", str(cfg), "--out", str(tmp_path / "r.h5")]) == 0
     assert "secagg aborted: 1 of 3 survived, threshold 3" in capsys.readouterr().out
+    assert cli.main(["summary", str(tmp_path / "r.h5")]) == 0
+    assert re.search(r"secure aggregation: [\d.]+ ms and \d+ B of protocol per device and round, 1 rounds aborted, "
+                     r"0 coordinates clipped \(os keys\)", capsys.readouterr().out)
     cfg.write_text(cfg.read_text().replace("local_steps = 40", "local_steps = 1") + "clip = 0.01\n")
     assert cli.main(["run", str(cfg), "--out", str(tmp_path / "c.h5")]) == 0
     assert "secagg clipped 6 coordinates" in capsys.readouterr().out  # 3 devices x 2 coordinates

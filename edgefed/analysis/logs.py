@@ -83,6 +83,20 @@ class Run:
             return math.nan
         return float(sent.sum(axis=1).mean())
 
+    def secagg(self) -> dict | None:
+        """Secure aggregation's cost and outcome ([secagg] runs only): mean protocol seconds and bytes per
+        device and round (over the selected ones that reported a time), aborted rounds, coordinates clipped."""
+        spent = self.data.get("participation/secagg_s")
+        if spent is None or not spent.shape[0]:
+            return None
+        selected = self["participation/selected"]
+        timed = selected & np.isfinite(spent)
+        return {"seconds": float(spent[timed].mean()) if timed.any() else math.nan,
+                "bytes": float(self["participation/secagg_bytes"][selected].mean()) if selected.any() else math.nan,
+                "aborted": int(self["metrics/secagg_aborted"].sum()),
+                "clipped": int(self.data.get("metrics/secagg_clipped", np.zeros(0, np.int64)).sum()),
+                "keys": str(self.attrs.get("secagg_key_source", "os"))}
+
     def to_target(self, accuracy: float) -> tuple[float, float]:
         """(rounds, clock seconds) of the first evaluated round whose test accuracy reaches `accuracy`;
         NaN where it never does."""

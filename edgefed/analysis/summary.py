@@ -27,6 +27,11 @@ def summary_lines(run: Run, target: float | None = None) -> list[str]:
         lines.append(f"wire per round: {size_text(up)} up, {size_text(down)} down "
                      f"(uplink {run.config_dict().get('compress', {}).get('uplink', 'none')}, "
                      f"downlink {run.config_dict().get('compress', {}).get('downlink', 'none')})")
+    secure = run.secagg()
+    if secure is not None:
+        lines.append(f"secure aggregation: {_num(secure['seconds'] * 1e3, '.1f')} ms and "
+                     f"{size_text(secure['bytes'])} of protocol per device and round, {secure['aborted']} rounds "
+                     f"aborted, {secure['clipped']} coordinates clipped ({secure['keys']} keys)")
     if target is not None:
         rounds, seconds = run.to_target(target)
         lines.append(f"to test accuracy {target:g}: " + ("never reached" if math.isnan(rounds) else
