@@ -11,14 +11,13 @@ import dataclasses
 import difflib
 import math
 
-from edgefed import hwprofile
+from edgefed import compression, hwprofile
 from edgefed.algorithms import ALGORITHMS
-from edgefed import compression
+from edgefed.algorithms import scaffold
 from edgefed.participation import schemes
 from edgefed.secagg import crypto as secagg_crypto
 from edgefed.secagg import fixedpoint
 from edgefed.secagg import protocol as secagg_protocol
-from edgefed.algorithms import scaffold
 from edgefed.config.schema import (CompressConfig, Config, DataConfig, DeviceConfig, DynamicsConfig, FedProxConfig, ModelConfig,
                                    ParticipationConfig, TrainConfig)
 from edgefed.errors import ConfigError

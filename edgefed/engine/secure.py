@@ -20,6 +20,8 @@ from edgefed.transport import LocalResults, RoundPlan
 
 
 class SecureSum:
+    """One run's server side: a round's setup and keys from `begin` to `reports`."""
+
     def __init__(self, cfg, dim: int, transport, n_devices: int):
         self.cfg, self.dim, self.transport, self.n_devices = cfg, dim, transport, n_devices
         self.setup = None
