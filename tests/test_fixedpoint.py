@@ -6,6 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from edgefed.kernels.fixed_point import add_encoded
 from edgefed.secagg import fixedpoint as fp
 
 
@@ -38,3 +39,21 @@ def test_the_extremes_do_not_overflow_and_bad_settings_are_refused():
         fp.scale(3, 1.0, 24)
     with pytest.raises(ValueError, match="positive clip"):
         fp.encode(top, 3, 0.0, 32)
+
+
+@pytest.mark.parametrize("bits", fp.BITS)
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_the_masking_kernel_is_the_reference_encoding_added_to_the_mask(bits, dtype):
+    """kernels/fixed_point.py in one pass = NumPy's encode of factor * update, added modulo 2^bits."""
+    g = np.random.default_rng(bits)
+    update = g.uniform(-3, 3, 2001).astype(dtype)
+    update[:3] = [0.5 / 1.7, -2.5, 3.0]  # a tie for rint, and values past the clip
+    word = np.dtype(f"<u{bits // 8}")
+    mask = g.integers(0, 2 ** min(bits, 63), update.size, dtype=np.uint64).astype(word)
+    mask[:2] = np.iinfo(word).max  # wraps on any positive addend
+    n, clip, factor = 5, 4.0, 1.7
+    expect = fp.encode(update.astype(np.float64) * factor, n, clip, bits).astype(word) + mask
+    words = mask.copy()
+    clipped = add_encoded(update, factor, clip, fp.scale(n, clip, bits), words.view(f"<i{bits // 8}"))
+    np.testing.assert_array_equal(words, expect)
+    assert clipped == np.count_nonzero(np.abs(update.astype(np.float64) * factor) > clip) > 0

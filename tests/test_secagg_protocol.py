@@ -197,3 +197,12 @@ def test_a_device_still_on_an_older_round_gets_no_client_of_the_new_one():
     old = devices.client(1, 2)
     devices.keys(2, np.arange(4))
     assert devices.client(1, 2) is None and devices.client(2, 2) is not old and devices.client(2, 2).setup.round_idx == 2
+
+
+def test_a_second_masked_input_under_one_mask_is_refused():
+    setup = setup_of(n=3)
+    clients = clients_of(setup)
+    exchange(clients)
+    clients[0].masked_input(np.zeros(setup.dim))
+    with pytest.raises(SecAggError, match="device 0 was asked for a second masked input"):
+        clients[0].masked_input(np.ones(setup.dim))

@@ -53,9 +53,7 @@ class SecureDevices:
         """y: the device's update scaled by a_k, clipped, encoded and masked (with its count of clipped
         coordinates, masked too)."""
         a = schemes.device_factors(self.scheme, np.array([prescale]), np.array([steps]), np.array([budget]))[0]
-        scaled = update.astype(np.float64)
-        scaled *= a
-        return client.masked_input(scaled)
+        return client.masked_input(update, a)
 
     def _of(self, round_idx: int):
         current, clients = self._current

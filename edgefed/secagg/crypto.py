@@ -52,10 +52,14 @@ def agree(private: bytes, peer_public: bytes, info: bytes) -> bytes:
     return HKDF(algorithm=hashes.SHA256(), length=KEY_BYTES, salt=None, info=info).derive(shared)
 
 
-def expand(seed: bytes, nbytes: int) -> bytes:
-    """ChaCha20's keystream under a 32-byte seed: the mask a seed stands for."""
+STREAM_SLACK = 64  # update_into's output must exceed its input by up to a ChaCha20 block
+
+
+def expand_into(seed: bytes, zeros: bytes, out) -> None:
+    """ChaCha20's keystream under a 32-byte seed (the mask a seed stands for) into the first len(zeros) bytes
+    of out (len(zeros) + STREAM_SLACK bytes, reused: nothing is allocated per mask)."""
     _, _, Cipher, algorithms, *_ = _library()
-    return Cipher(algorithms.ChaCha20(seed, _STREAM_NONCE), mode=None).encryptor().update(bytes(nbytes))
+    Cipher(algorithms.ChaCha20(seed, _STREAM_NONCE), mode=None).encryptor().update_into(zeros, out)
 
 
 def seal(key: bytes, plaintext: bytes, associated: bytes) -> bytes:

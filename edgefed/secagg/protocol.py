@@ -22,6 +22,7 @@ run log.
 
 from __future__ import annotations
 
+import functools
 import math
 import secrets
 import time
@@ -30,6 +31,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from edgefed.errors import SecAggError, Unrecoverable
+from edgefed.kernels.fixed_point import add_encoded
 from edgefed.rng import Purpose, generator
 from edgefed.secagg import crypto, fixedpoint, shamir
 
@@ -141,9 +143,23 @@ def _integer(raw) -> int:
     return int.from_bytes(bytes(raw), "little")
 
 
-def mask_of(setup: RoundSetup, seed: bytes) -> np.ndarray:
-    """The mask a 32-byte seed expands to: setup.words words of setup.bits."""
-    return np.frombuffer(crypto.expand(seed, setup.words * setup.word.itemsize), setup.word)
+@functools.lru_cache(maxsize=4)
+def _zeros(nbytes: int) -> bytes:
+    return bytes(nbytes)  # what ChaCha20 encrypts to give its keystream; shared, never written
+
+
+class Expander:
+    """Masks from seeds into one reused buffer: `mask(seed)` is setup.words words of setup.bits, valid until
+    the next call."""
+
+    def __init__(self, setup: RoundSetup):
+        self._zeros = _zeros(setup.words * setup.word.itemsize)
+        self._out = np.empty(len(self._zeros) + crypto.STREAM_SLACK, np.uint8)
+        self._view = self._out[:len(self._zeros)].view(setup.word)
+
+    def mask(self, seed: bytes) -> np.ndarray:
+        crypto.expand_into(seed, self._zeros, self._out)
+        return self._view
 
 
 def pair_seed(setup: RoundSetup, private: bytes, peer_public: bytes, i: int, j: int) -> bytes:
@@ -163,7 +179,7 @@ class Client:
         self._held = {}  # owner -> sealed share (bytes) it sent this device
         self._own = None  # (x, s_sk share y, b share y) of its own secrets
         self._mask = None
-        self._revealed = False
+        self._revealed = self._masked = False
         self.spent_s += time.perf_counter() - t0
 
     # -- phase 1: advertise keys ---------------------------------------------------------------------
@@ -213,10 +229,11 @@ class Client:
         the update; on a deadline the time comes out of the work's budget)."""
         t0 = time.perf_counter()
         setup = self.setup
-        mask = mask_of(setup, self._b).copy()
+        expander = Expander(setup)
+        mask = expander.mask(self._b).copy()
         for j in setup.neighbours[self.device]:
             j = int(j)
-            stream = mask_of(setup, pair_seed(setup, self._s_sk, bytes(self._keys[j]["s_pk"]), self.device, j))
+            stream = expander.mask(pair_seed(setup, self._s_sk, bytes(self._keys[j]["s_pk"]), self.device, j))
             if j > self.device:
                 mask += stream
             else:
@@ -224,17 +241,22 @@ class Client:
         self._mask = mask
         self._spend(t0)
 
-    def masked_input(self, values: np.ndarray) -> np.ndarray:
-        """y_i: the fixed-point encoding of values, then the count of coordinates the clip cut (masked like
-        them, so the server learns only the round's total), plus the mask."""
+    def masked_input(self, update: np.ndarray, factor: float = 1.0) -> np.ndarray:
+        """y_i: the fixed-point encoding of factor * update, then the count of coordinates the clip cut
+        (masked like them, so the server learns only the round's total), plus the mask; in the mask's
+        own words, once (fixedpoint.encode is the same arithmetic)."""
         t0 = time.perf_counter()
+        if self._masked:  # two inputs under one mask would show their difference
+            raise SecAggError(f"secure aggregation, round {self.setup.round_idx}: device {self.device} was asked "
+                              "for a second masked input")
+        self._masked = True
         if self._mask is None:
             self.prepare_mask()
-        setup = self.setup
-        y = np.empty(setup.words, setup.word)
-        y[:-1] = fixedpoint.encode(values, setup.n, setup.clip, setup.bits)
-        y[-1] = min(int(np.count_nonzero(np.abs(values) > setup.clip)), setup.count_cap)
-        y += self._mask
+        setup, y = self.setup, self._mask
+        signed = y.view(f"<i{setup.word.itemsize}")
+        clipped = add_encoded(update, float(factor), float(setup.clip),
+                              fixedpoint.scale(setup.n, setup.clip, setup.bits), signed[:-1])
+        y[-1:] += setup.word.type(min(clipped, setup.count_cap))
         self._spend(t0)
         return y
 
@@ -313,12 +335,13 @@ def unmask(setup: RoundSetup, keys: np.ndarray, total: np.ndarray, survivors, re
                                 "([secagg] threshold); the round is aborted")
         return shamir.combine([(setup.x_of(owner, h), y) for h, y in sorted(got.items())], t)
 
+    expander = Expander(setup)
     for u in survivors.tolist():
         b = _as_key(setup, secret(u, SELF), u, "self-mask seed")
         if crypto.commit(b) != bytes(keys[u]["b_commit"]):
             raise SecAggError(f"secure aggregation, round {setup.round_idx}: device {u}'s self-mask seed rebuilt "
                               "from its shares does not match its commitment (a share was changed)")
-        total -= mask_of(setup, b)
+        total -= expander.mask(b)
     for j in setup.selected.tolist():
         near = [u for u in setup.neighbours[j].tolist() if u in alive]
         if j in alive or not near:
@@ -328,7 +351,7 @@ def unmask(setup: RoundSetup, keys: np.ndarray, total: np.ndarray, survivors, re
             raise SecAggError(f"secure aggregation, round {setup.round_idx}: device {j}'s mask key rebuilt from "
                               "its shares does not match its public key (a share was changed)")
         for u in near:
-            stream = mask_of(setup, pair_seed(setup, sk, bytes(keys[u]["s_pk"]), u, j))
+            stream = expander.mask(pair_seed(setup, sk, bytes(keys[u]["s_pk"]), u, j))
             if u < j:  # u added +PRG(s_uj)
                 total -= stream
             else:
