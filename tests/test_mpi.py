@@ -293,13 +293,13 @@ clients_per_round = "all"
 local_steps = 10
 [participation]
 mode = "deadline"
-deadline_s = 0.2
+deadline_s = 0.1
 grace_s = 0.2
 [[fault]]
 device = 2
 round = 1
 kind = "stall"
-seconds = 1.5
+seconds = 1.0
 [mpi]
 device_ranks = [1, 1, 2, 1, 1]
 """
