@@ -78,8 +78,8 @@ def one_round(n: int, k: int, dim: int, dropped: int) -> dict:
     server = time.perf_counter() - t0
     per_device = {"keys": t["keys"] / n, "shares": t["shares"] / n, "mask": t["mask"] / len(survivors),
                   "masking": t["masking"] / len(survivors), "reveal": t["reveal"] / len(survivors)}
-    sent = protocol.KEYS.itemsize + (setup.holders(0).size - 1) * protocol.SHARE.itemsize
-    sent += setup.holders(0).size * protocol.REVEAL.itemsize
+    sent = protocol.KEYS.itemsize + (len(setup.holders(0)) - 1) * protocol.SHARE.itemsize
+    sent += len(setup.holders(0)) * protocol.REVEAL.itemsize
     return {**per_device, "server": server, "bytes": sent, "masked_bytes": setup.words * 4, "k": setup.neighbours[0].size,
             "t": setup.threshold}
 

@@ -16,7 +16,7 @@ from edgefed import cli  # noqa: E402
 from edgefed.errors import ConfigError  # noqa: E402
 from edgefed.participation import schemes  # noqa: E402
 from edgefed.runtime.local import LocalTransport  # noqa: E402
-from edgefed.secagg import fixedpoint  # noqa: E402
+from edgefed.secagg import crypto, fixedpoint  # noqa: E402
 
 SECURE = {"secagg.enabled": True, "secagg.key_source": "seeded"}
 
@@ -185,5 +185,6 @@ def test_what_cannot_be_computed_securely_is_refused(extra, message):
 def test_a_missing_extra_is_named(monkeypatch):
     for name in [m for m in sys.modules if m.split(".")[0] == "cryptography"] + ["cryptography"]:
         monkeypatch.setitem(sys.modules, name, None)  # as if it were not installed
+    monkeypatch.setattr(crypto, "_library", crypto._library.__wrapped__)  # and never imported here
     with pytest.raises(ConfigError, match=r"needs the cryptography package; install it with pip install 'edgefed\[secure\]'"):
         config_with({"secagg.enabled": True})

@@ -138,7 +138,7 @@ def _validate_secagg(cfg: Config, train: TrainConfig, compress: CompressConfig) 
     if s.threshold is not None and s.threshold < 2:
         raise ConfigError(f"config: secagg.threshold = {s.threshold} would let one device's shares unmask its own "
                           "update; use at least 2")
-    shares = None if s.neighbours is None else secagg_protocol.linked(s.neighbours, s.neighbours + 2) + 1
+    shares = None if s.neighbours is None else secagg_protocol.degree(s.neighbours) + 1
     if shares is not None and s.threshold is not None and s.threshold > shares:
         raise ConfigError(f"config: secagg.threshold = {s.threshold} exceeds the {shares} shares a device makes "
                           f"(its {shares - 1} neighbours, secagg.neighbours rounded up to even, and itself); "

@@ -26,6 +26,7 @@ class SecureSum:
         self.cfg, self.dim, self.transport, self.n_devices = cfg, dim, transport, n_devices
         self.setup = None
         self.keys = None
+        self._row = {}  # device -> its row in the round's plan
         self._sent = None  # (S,) bytes each selected device sent for the protocol so far this round
 
     def begin(self, plan: RoundPlan) -> None:
@@ -37,9 +38,9 @@ class SecureSum:
         self.keys = self.transport.secagg_keys(plan)
         shares = self.transport.secagg_shares(plan.round_idx, self.keys)
         self.transport.secagg_deliver(plan.round_idx, shares)
-        row = {int(k): i for i, k in enumerate(plan.device_ids)}
+        self._row = {int(k): i for i, k in enumerate(plan.device_ids)}
         self._sent = np.full(plan.device_ids.size, protocol.KEYS.itemsize, np.int64)
-        np.add.at(self._sent, [row[int(k)] for k in shares["sender"]], protocol.SHARE.itemsize)
+        np.add.at(self._sent, self._rows(shares["sender"]), protocol.SHARE.itemsize)
 
     def reports(self, plan: RoundPlan, res: LocalResults, coeffs: np.ndarray, reported: np.ndarray,
                 counted_steps: np.ndarray, lr_global: float, n_federation: int):
@@ -53,10 +54,9 @@ class SecureSum:
             for i in np.flatnonzero(reported):
                 total += res.masked[i]
             reveals = self.transport.secagg_reveal(plan.round_idx, survivors)
-            row = {int(k): i for i, k in enumerate(plan.device_ids)}
-            np.add.at(self._sent, [row[int(k)] for k in reveals["holder"]], protocol.REVEAL.itemsize)
+            np.add.at(self._sent, self._rows(reveals["holder"]), protocol.REVEAL.itemsize)
             holders, first = np.unique(reveals["holder"], return_index=True)
-            spent[[row[int(k)] for k in holders]] += reveals["spent_s"][first]
+            spent[self._rows(holders)] += reveals["spent_s"][first]
             try:
                 summed = protocol.unmask(self.setup, self.keys, total, survivors, reveals)
             except Unrecoverable as exc:
@@ -72,6 +72,9 @@ class SecureSum:
                    "participation/secagg_bytes": self._scatter(plan, self._sent, np.int64, 0),
                    "metrics/secagg_clipped": clipped, "metrics/secagg_aborted": aborted is not None}
         return applied, columns, aborted
+
+    def _rows(self, devices) -> list[int]:
+        return [self._row[int(k)] for k in devices]
 
     def _scatter(self, plan, values, dtype, fill):
         row = np.full(self.n_devices, fill, dtype)

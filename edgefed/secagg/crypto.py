@@ -8,7 +8,9 @@ used twice, and a mask seed is never a share key.
 
 from __future__ import annotations
 
+import functools
 import hashlib
+from types import SimpleNamespace
 
 from edgefed.errors import ConfigError
 
@@ -18,18 +20,21 @@ _NONCE = bytes(12)  # every AEAD key encrypts one message only
 _STREAM_NONCE = bytes(16)  # every ChaCha20 key expands one mask only
 
 
-def _library():
+@functools.cache
+def _library() -> SimpleNamespace:
+    """The parts of `cryptography` used here, imported once (a missing package is a one-line ConfigError)."""
     try:
-        from cryptography.hazmat.primitives import hashes
+        from cryptography.exceptions import InvalidTag
+        from cryptography.hazmat.primitives import hashes, serialization
         from cryptography.hazmat.primitives.asymmetric import x25519
         from cryptography.hazmat.primitives.ciphers import Cipher, algorithms
         from cryptography.hazmat.primitives.ciphers.aead import ChaCha20Poly1305
         from cryptography.hazmat.primitives.kdf.hkdf import HKDF
-        from cryptography.hazmat.primitives import serialization
     except ImportError:
         raise ConfigError("config: [secagg] enabled = true needs the cryptography package; "
                           "install it with pip install 'edgefed[secure]'") from None
-    return hashes, x25519, Cipher, algorithms, ChaCha20Poly1305, HKDF, serialization
+    return SimpleNamespace(InvalidTag=InvalidTag, hashes=hashes, serialization=serialization, x25519=x25519,
+                           Cipher=Cipher, algorithms=algorithms, ChaCha20Poly1305=ChaCha20Poly1305, HKDF=HKDF)
 
 
 def available() -> None:
@@ -39,17 +44,17 @@ def available() -> None:
 
 def public_key(private: bytes) -> bytes:
     """The X25519 public key of a 32-byte private key."""
-    _, x25519, *_, serialization = _library()
-    key = x25519.X25519PrivateKey.from_private_bytes(private).public_key()
-    return key.public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
+    lib = _library()
+    key = lib.x25519.X25519PrivateKey.from_private_bytes(private).public_key()
+    return key.public_bytes(lib.serialization.Encoding.Raw, lib.serialization.PublicFormat.Raw)
 
 
 def agree(private: bytes, peer_public: bytes, info: bytes) -> bytes:
     """HKDF-SHA256 of the X25519 shared secret, for the purpose `info` names: 32 bytes."""
-    hashes, x25519, _, _, _, HKDF, _ = _library()
-    shared = x25519.X25519PrivateKey.from_private_bytes(private).exchange(
-        x25519.X25519PublicKey.from_public_bytes(peer_public))
-    return HKDF(algorithm=hashes.SHA256(), length=KEY_BYTES, salt=None, info=info).derive(shared)
+    lib = _library()
+    shared = lib.x25519.X25519PrivateKey.from_private_bytes(private).exchange(
+        lib.x25519.X25519PublicKey.from_public_bytes(peer_public))
+    return lib.HKDF(algorithm=lib.hashes.SHA256(), length=KEY_BYTES, salt=None, info=info).derive(shared)
 
 
 STREAM_SLACK = 64  # update_into's output must exceed its input by up to a ChaCha20 block
@@ -58,24 +63,21 @@ STREAM_SLACK = 64  # update_into's output must exceed its input by up to a ChaCh
 def expand_into(seed: bytes, zeros: bytes, out) -> None:
     """ChaCha20's keystream under a 32-byte seed (the mask a seed stands for) into the first len(zeros) bytes
     of out (len(zeros) + STREAM_SLACK bytes, reused: nothing is allocated per mask)."""
-    _, _, Cipher, algorithms, *_ = _library()
-    Cipher(algorithms.ChaCha20(seed, _STREAM_NONCE), mode=None).encryptor().update_into(zeros, out)
+    lib = _library()
+    lib.Cipher(lib.algorithms.ChaCha20(seed, _STREAM_NONCE), mode=None).encryptor().update_into(zeros, out)
 
 
 def seal(key: bytes, plaintext: bytes, associated: bytes) -> bytes:
     """ChaCha20-Poly1305 under a key used for this one message: ciphertext and tag."""
-    *_, ChaCha20Poly1305, _, _ = _library()
-    return ChaCha20Poly1305(key).encrypt(_NONCE, plaintext, associated)
+    return _library().ChaCha20Poly1305(key).encrypt(_NONCE, plaintext, associated)
 
 
 def open_sealed(key: bytes, ciphertext: bytes, associated: bytes) -> bytes | None:
     """The plaintext, or None when the ciphertext, its tag or the associated data were changed."""
-    *_, ChaCha20Poly1305, _, _ = _library()
-    from cryptography.exceptions import InvalidTag
-
+    lib = _library()
     try:
-        return ChaCha20Poly1305(key).decrypt(_NONCE, ciphertext, associated)
-    except InvalidTag:
+        return lib.ChaCha20Poly1305(key).decrypt(_NONCE, ciphertext, associated)
+    except lib.InvalidTag:
         return None
 
 

@@ -26,7 +26,7 @@ import functools
 import math
 import secrets
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -47,12 +47,16 @@ REVEAL = np.dtype([("holder", "<i8"), ("owner", "<i8"), ("kind", "u1"), ("y", "u
                    ("spent_s", "<f4")], align=True)
 
 
+def degree(neighbours: int) -> int:
+    """The neighbours the ring gives a device asked for `neighbours`: ceil(k/2) either way, so an odd k
+    counts as the even number above it."""
+    return 2 * math.ceil(int(neighbours) / 2)
+
+
 def linked(neighbours: int | None, n: int) -> int:
-    """k, the neighbours each of n devices has: the ring links ceil(k/2) either way, so an odd k counts as
-    the even number above it; all the others when that covers them (or neighbours is None)."""
-    if neighbours is None:
-        return max(n - 1, 0)
-    return min(2 * math.ceil(int(neighbours) / 2), max(n - 1, 0))
+    """k, the neighbours each of n devices has: `degree`, or all the others when that covers them (or
+    neighbours is None)."""
+    return max(n - 1, 0) if neighbours is None else min(degree(neighbours), max(n - 1, 0))
 
 
 def default_threshold(k: int) -> int:
@@ -71,17 +75,21 @@ class RoundSetup:
     bits: int
     clip: float
     dim: int
+    share_x: dict = field(init=False, repr=False)  # owner -> {holder: the x of the share it holds}
+
+    def __post_init__(self):
+        # who holds a device's shares, in share order (x = position + 1): its neighbours and itself
+        object.__setattr__(self, "share_x", {
+            owner: {int(h): x for x, h in enumerate(np.union1d(near, [owner]), start=1)}
+            for owner, near in self.neighbours.items()})
 
     @property
     def n(self) -> int:
         return int(self.selected.size)
 
-    def holders(self, device: int) -> np.ndarray:
-        """Who holds device's shares, in share order (x = position + 1): its neighbours and itself."""
-        return np.union1d(self.neighbours[device], [device])
-
-    def x_of(self, owner: int, holder: int) -> int:
-        return int(np.searchsorted(self.holders(owner), holder)) + 1
+    def holders(self, device: int) -> list[int]:
+        """Who holds device's shares, in share order: its neighbours and itself."""
+        return list(self.share_x[device])
 
     @property
     def word(self) -> np.dtype:
@@ -197,12 +205,12 @@ class Client:
     def share(self, keys: np.ndarray) -> np.ndarray:
         """The sealed shares of s^SK and b for every other holder; keys: every selected device's KEYS."""
         t0 = time.perf_counter()
-        self._keys = _by_device(keys, self.setup, self.setup.holders(self.device))
         holders = self.setup.holders(self.device)
+        self._keys = _by_device(keys, self.setup, holders)
         t = self.setup.threshold
-        s_shares = shamir.split(_integer(self._s_sk), holders.size, t, self._randomness.bits)
-        b_shares = shamir.split(_integer(self._b), holders.size, t, self._randomness.bits)
-        out = np.zeros(holders.size - 1, SHARE)
+        s_shares = shamir.split(_integer(self._s_sk), len(holders), t, self._randomness.bits)
+        b_shares = shamir.split(_integer(self._b), len(holders), t, self._randomness.bits)
+        out = np.zeros(len(holders) - 1, SHARE)
         row = 0
         for holder, (x, s_y), (_, b_y) in zip(holders, s_shares, b_shares):
             holder = int(holder)
@@ -318,7 +326,7 @@ def unmask(setup: RoundSetup, keys: np.ndarray, total: np.ndarray, survivors, re
     shares = {}
     for rec in reveals:
         holder, owner = int(rec["holder"]), int(rec["owner"])
-        if holder in alive and holder in setup.holders(owner):
+        if holder in alive and holder in setup.share_x.get(owner, ()):
             shares.setdefault((owner, int(rec["kind"])), {})[holder] = _integer(rec["y"])
     total = np.array(total, setup.word)
     t = setup.threshold
@@ -333,7 +341,7 @@ def unmask(setup: RoundSetup, keys: np.ndarray, total: np.ndarray, survivors, re
             raise Unrecoverable(f"secure aggregation, round {setup.round_idx}: {len(survivors)} of {setup.n} devices "
                                 f"survived and device {owner}'s {what} has {len(got)} of the {t} shares it needs "
                                 "([secagg] threshold); the round is aborted")
-        return shamir.combine([(setup.x_of(owner, h), y) for h, y in sorted(got.items())], t)
+        return shamir.combine([(setup.share_x[owner][h], y) for h, y in sorted(got.items())], t)
 
     expander = Expander(setup)
     for u in survivors.tolist():

@@ -59,14 +59,20 @@ class MpiTransport:
 
     # -- down ---------------------------------------------------------------------------------------------
     def _command(self, command: int, plan: RoundPlan | None = None, devices=None, x=None, vectors=None,
-                 downlink=None) -> None:
+                 downlink=None, relayed: np.ndarray | None = None, **fields) -> None:
         """downlink: a round's encoded differences, sent instead of the state once the ranks hold the copy
-        they add to (the first round, and the first after a resume, sends that copy in full)."""
+        they add to (the first round, and the first after a resume, sends that copy in full); relayed: the
+        bytes a SECAGG command broadcasts after it; fields: the rest of the command record (a SECAGG
+        command's round and phase)."""
         encoded = downlink is not None and self._copy_sent
-        self.wire.encode_command(self.command, command, plan, devices, self._accepted, downlink=encoded)
+        nbytes = 0 if relayed is None else relayed.size
+        self.wire.encode_command(self.command, command, plan, devices, self._accepted, downlink=encoded,
+                                 payload_bytes=nbytes, **fields)
         self._accepted = None
         wait(self.comm.Ibcast(self.command.view(np.uint8), root=0), self.poll, also=self._listen)
-        if encoded:
+        if nbytes:
+            wait(self.comm.Ibcast(relayed, root=0), self.poll, also=self._listen)
+        elif encoded:
             self.wire.pack_downlink(self._down, downlink)
             wait(self.comm.Ibcast(self._down, root=0), self.poll, also=self._listen)
         elif x is not None:
@@ -110,10 +116,11 @@ class MpiTransport:
         self._heard[src] = time.perf_counter()
         return src, tag, raw
 
-    def _collect(self, tag: int, ranks, round_idx: int | None = None, timeout_s: float | None = None) -> dict:
-        """One message per rank in `ranks` with this tag (work: of this round); anything else that arrives is
-        an old late report, received and dropped."""
-        record = self.wire.tags[tag]
+    def _collect(self, tag: int, ranks, unpack=None) -> dict:
+        """One message per rank in `ranks` with this tag, as unpack(bytes) makes it (default: the tag's records;
+        None: not the one awaited, dropped); anything else that arrives is an old late report, dropped."""
+        if unpack is None:
+            unpack = lambda raw: raw.view(self.wire.tags[tag]).copy()  # noqa: E731
         got, expected = {}, set(int(r) for r in ranks)
         backoff = Backoff(self.poll)
         while expected - set(got):
@@ -122,13 +129,11 @@ class MpiTransport:
                 src, msg_tag, raw = message
                 self._keep_task_report(msg_tag, raw)
                 if msg_tag == tag and src in expected:
-                    records = raw.view(record)
-                    if round_idx is None or (records.size and records[0]["round"] == round_idx):
-                        got[src] = records.copy()
+                    value = unpack(raw)
+                    if value is not None:
+                        got[src] = value
                 backoff.reset()
                 continue
-            if timeout_s is not None and backoff.elapsed() > timeout_s:
-                break
             self._check_alive(lambda: expected - set(got))
             backoff.pause()
         return got
@@ -257,32 +262,17 @@ class MpiTransport:
         """One phase: the command (and the records it relays) to every rank, the records of the ranks that host
         `devices` back, in ascending device order (dtype None: no reply)."""
         devices = np.asarray(devices, np.int64)
-        raw = np.zeros(0, np.uint8) if payload is None else np.ascontiguousarray(payload).view(np.uint8)
-        self.wire.encode_command(self.command, protocol.SECAGG, devices=devices, accepted=self._accepted,
-                                 round_idx=round_idx, phase=phase, payload_bytes=raw.size)
-        self._accepted = None
-        wait(self.comm.Ibcast(self.command.view(np.uint8), root=0), self.poll, also=self._listen)
-        if raw.size:
-            wait(self.comm.Ibcast(raw, root=0), self.poll, also=self._listen)
+        relayed = None if payload is None else np.ascontiguousarray(payload).view(np.uint8)
+        self._command(protocol.SECAGG, devices=devices, relayed=relayed, round_idx=round_idx, phase=phase)
         if dtype is None:
             return None
-        expected, got = set(np.unique(self.owners[devices]).tolist()), []
-        backoff = Backoff(self.poll)
-        while expected:
-            message = self._receive()
-            if message is not None:
-                src, tag, raw_in = message
-                self._keep_task_report(tag, raw_in)
-                if tag == protocol.TAG_SECAGG and src in expected:
-                    r, ph, records = self.wire.unpack_secagg(raw_in, dtype)
-                    if (r, ph) == (round_idx, phase):
-                        got.append(records)
-                        expected.discard(src)
-                backoff.reset()  # anything else is a late report of an older round: dropped
-                continue
-            self._check_alive(lambda: expected)
-            backoff.pause()
-        records = np.concatenate(got) if got else np.zeros(0, dtype)
+
+        def unpack(raw):
+            got_round, got_phase, records = self.wire.unpack_secagg(raw, dtype)
+            return records if (got_round, got_phase) == (round_idx, phase) else None
+
+        got = self._collect(protocol.TAG_SECAGG, np.unique(self.owners[devices]), unpack)
+        records = np.concatenate([got[r] for r in sorted(got)]) if got else np.zeros(0, dtype)
         key = records.dtype.names[0]  # device, sender, holder: the records in their device's order
         return records[np.argsort(records[key], kind="stable")]
 
