@@ -24,8 +24,14 @@ from pathlib import Path
 MEASURE = r"""
 import json, sys, time
 import numpy as np
-from edgefed.models import CNN, MLP, LogReg
 from edgefed.problems import ClassificationData
+try:  # the layer library (issue 26 on)
+    from edgefed.models import Sequential
+    LogReg = lambda f, c, dt: Sequential.builtin("logreg", (f,), c, dt)
+    MLP = lambda sizes, dt, seed: Sequential.builtin("mlp", (sizes[0],), sizes[-1], dt, seed, sizes[1:-1])
+    CNN = lambda f, c, dt, seed: Sequential.builtin("cnn", (1, 28, 28), c, dt, seed)
+except ImportError:  # the hand-written models before it
+    from edgefed.models import CNN, MLP, LogReg
 from edgefed.rng import Purpose, kernel_state
 
 def best(fn, n):

@@ -130,6 +130,8 @@ def _coerce(value, hint, key: str):
             return tuple(_build_table(elem, item, f"{key}[{i}]") for i, item in enumerate(value))
         return tuple(_coerce(item, elem, f"{key}[{i}]") for i, item in enumerate(value))
     allowed = typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
+    if isinstance(value, dict) and dict in allowed:  # a table checked by its own registry (a layer)
+        return dict(value)
     if isinstance(value, bool):
         if bool in allowed:
             return value
@@ -143,7 +145,7 @@ def _coerce(value, hint, key: str):
     raise ConfigError(f"config: {key} = {value!r} is {_describe(value)}; expected {expected}")
 
 
-_TYPE_NAMES = {int: "an integer", float: "a number", str: "a string", bool: "true or false"}
+_TYPE_NAMES = {int: "an integer", float: "a number", str: "a string", bool: "true or false", dict: "a table"}
 
 
 def _describe(value) -> str:

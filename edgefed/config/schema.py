@@ -26,17 +26,25 @@ class DataConfig:
     test_fraction: float = 0.1
     noise_std: float = 0.0  # quadratic oracle noise
     dim: int = 10  # generated quadratic (no path) only
-    split: str | None = None  # EMNIST split; None: "bymerge" (the flexible-participation paper's)
-    partition: str = "iid"  # images: "iid", "label", "shards", "dirichlet"
+    split: str | None = None  # EMNIST split (None: "bymerge", the flexible-participation paper's); CIFAR-100's
+    # labels: "fine" (default) or "coarse"
+    partition: str | None = None  # "iid", "label", "shards", "dirichlet", "natural" (a file's own devices);
+    # None: "natural" for LEAF, else "iid"
     dirichlet_alpha: float = 0.5
     holdout: int = 2000  # images held out for testing when data.path holds only the test files
+    normalize: str | None = None  # arrays, LEAF, CIFAR: "none", "standard" (per channel or feature, from the
+    # training set) or "unit" (/255); None: "unit" for CIFAR, else "none"
+    classes: int | None = None  # arrays, LEAF: the class count C (None: the largest label + 1)
 
 
 @dataclass(frozen=True)
 class ModelConfig:
-    kind: str | None = None  # None: the data's natural model
+    kind: str | None = None  # None: the data's natural model; "sequential": the layers below
     dtype: str = "float32"
     hidden: tuple[int, ...] = (200, 200)  # mlp hidden layers (McMahan et al.'s 2NN)
+    layers: tuple[dict, ...] = ()  # sequential: the layer list, tables with a type and its settings (layers.py)
+    loss: str = "cross_entropy"  # or "mse" (float targets; a sequential model)
+    init: str | None = None  # "pytorch", "glorot" or "zeros"; None: pytorch for sequential, the built-ins' own
 
 
 @dataclass(frozen=True)

@@ -12,6 +12,7 @@ import difflib
 import math
 
 from edgefed import compression, hwprofile
+from edgefed import layers as layer_lib
 from edgefed.algorithms import ALGORITHMS
 from edgefed.algorithms import scaffold
 from edgefed.participation import schemes
@@ -24,12 +25,15 @@ from edgefed.errors import ConfigError
 from edgefed.participation import asynchrony
 from edgefed.participation.schemes import SCHEMES, WEIGHTINGS
 from edgefed.problems.idx import EMNIST_SPLITS
+from edgefed.problems import cifar, pool
 from edgefed.problems.partition import PARTITIONS
 
-DATA_KINDS = ("synthetic", "quadratic", "mnist", "emnist")
-MODEL_KINDS = ("logreg", "mlp", "cnn", "quadratic")
-MODELS_FOR_DATA = {"synthetic": ("logreg", "mlp"), "quadratic": ("quadratic",), "mnist": ("mlp", "cnn", "logreg"),
-                   "emnist": ("cnn", "mlp", "logreg")}
+DATA_KINDS = ("synthetic", "quadratic", "mnist", "emnist", "arrays", "leaf", "cifar10", "cifar100")
+MODEL_KINDS = ("logreg", "mlp", "cnn", "sequential", "quadratic")
+MODELS_FOR_DATA = {"synthetic": ("logreg", "mlp", "sequential"), "quadratic": ("quadratic",),
+                   "mnist": ("mlp", "cnn", "logreg", "sequential"), "emnist": ("cnn", "mlp", "logreg", "sequential"),
+                   "arrays": ("logreg", "mlp", "cnn", "sequential"), "leaf": ("cnn", "mlp", "logreg", "sequential"),
+                   "cifar10": ("cnn", "mlp", "logreg", "sequential"), "cifar100": ("cnn", "mlp", "logreg", "sequential")}
 DTYPES = ("float32", "float64")
 LR_SCHEDULES = ("constant", "staircase")
 SAMPLE_LAWS = ("lognormal", "pareto")
@@ -291,6 +295,14 @@ def _validate_data(d: DataConfig) -> DataConfig:
     _choice(d.kind, DATA_KINDS, "data.kind")
     if d.clients is not None:
         _positive(d.clients, "data.clients", "clients = 30")
+    if d.kind in FILE_KINDS:
+        return _validate_file_data(d)
+    if d.partition is None:
+        d = dataclasses.replace(d, partition="iid")
+    for key in ("normalize", "classes"):
+        if getattr(d, key) is not None:
+            raise ConfigError(f"config: data.{key} applies to kind = \"arrays\", \"leaf\", \"cifar10\" or "
+                              f"\"cifar100\", not {d.kind!r}; remove it")
     if d.kind in ("mnist", "emnist"):
         if d.path is None:
             raise ConfigError(f"config: data.kind = {d.kind!r} needs data.path, the folder of its IDX files "
@@ -340,6 +352,46 @@ def _validate_data(d: DataConfig) -> DataConfig:
     return d
 
 
+FILE_KINDS = ("arrays", "leaf", "cifar10", "cifar100")
+FILE_PATHS = {"arrays": "the .npz or .h5 file of your arrays", "leaf": "a LEAF data folder (train/ and test/)",
+              "cifar10": "the cifar-10-batches-py folder", "cifar100": "the cifar-100-python folder"}
+
+
+def _validate_file_data(d: DataConfig) -> DataConfig:
+    """A dataset from files: arrays, LEAF, CIFAR."""
+    if d.path is None:
+        raise ConfigError(f"config: data.kind = {d.kind!r} needs data.path, {FILE_PATHS[d.kind]} (nothing is "
+                          "downloaded)")
+    partition = d.partition or ("natural" if d.kind == "leaf" else "iid")
+    _choice(partition, PARTITIONS + ("natural",), "data.partition")
+    if d.kind == "leaf" and partition != "natural":
+        raise ConfigError('config: data.partition for LEAF is "natural" (a device per user); remove it')
+    if d.kind == "cifar10" and partition == "natural":
+        raise ConfigError('config: data.partition = "natural" needs each sample\'s device, which CIFAR does not '
+                          "have; choose iid, label, shards or dirichlet")
+    normalize = d.normalize or ("unit" if d.kind.startswith("cifar") else "none")
+    _choice(normalize, pool.NORMALIZE, "data.normalize")
+    split = d.split
+    if d.kind == "cifar100":
+        split = split or "fine"
+        _choice(split, cifar.CIFAR100_SPLITS, "data.split")
+    elif split is not None:
+        raise ConfigError(f"config: data.split applies to kind = \"emnist\" or \"cifar100\", not {d.kind!r}; "
+                          "remove it")
+    if d.samples is not None:
+        raise ConfigError(f"config: data.samples does not apply to kind = {d.kind!r} (a device holds what the "
+                          "partition gives it); remove it")
+    if d.classes is not None:
+        _positive(d.classes, "data.classes", "classes = 10")
+        if d.kind.startswith("cifar"):
+            raise ConfigError("config: data.classes is fixed by CIFAR; remove it")
+    if not 0 < d.test_fraction < 1:
+        raise ConfigError(f"config: data.test_fraction = {d.test_fraction} must lie in (0, 1), e.g. 0.1")
+    _positive(d.dirichlet_alpha, "data.dirichlet_alpha", "dirichlet_alpha = 0.5")
+    clients = d.clients if d.clients is not None or partition == "natural" else 100
+    return dataclasses.replace(d, partition=partition, normalize=normalize, split=split, clients=clients)
+
+
 def _validate_model(m: ModelConfig, data: DataConfig) -> ModelConfig:
     fits = MODELS_FOR_DATA[data.kind]
     if m.kind is None:
@@ -352,6 +404,17 @@ def _validate_model(m: ModelConfig, data: DataConfig) -> ModelConfig:
     _choice(m.dtype, DTYPES, "model.dtype")
     if not m.hidden or any(h < 1 for h in m.hidden):
         raise ConfigError(f"config: model.hidden = {list(m.hidden)} must list positive layer widths, e.g. [200, 200]")
+    _choice(m.loss, layer_lib.LOSSES, "model.loss")
+    if m.init is not None:
+        _choice(m.init, layer_lib.INITS, "model.init")
+    if m.kind == "sequential":
+        return dataclasses.replace(m, layers=layer_lib.check_layers(m.layers))
+    if m.layers:
+        raise ConfigError(f'config: model.layers applies to kind = "sequential", not {m.kind!r}; set model.kind = '
+                          '"sequential" or remove the layers')
+    if m.loss != "cross_entropy":
+        raise ConfigError(f'config: model.loss = {m.loss!r} needs kind = "sequential" (the built-in {m.kind} is a '
+                          "classifier); give the layers of your model")
     return m
 
 

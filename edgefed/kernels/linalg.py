@@ -45,15 +45,28 @@ def _gemm(A, sai, sak, B, C, m, n, kc, fresh):
 
 
 @njit(**JIT)
-def accumulate_product(A, W, Z, b, din, dout, fresh=False):
-    """Z[:b, :dout] += A[:b, :din] W[:din, :dout] (fresh: Z[:b, :dout] = A W)."""
+def _product(A, W, Z, b, din, dout, fresh):
     _gemm(A, A.strides[0] // A.itemsize, 1, W, Z, b, dout, din, fresh)
 
 
 @njit(**JIT)
+def _outer(A, D, G, b, din, dout, fresh):
+    _gemm(A, 1, A.strides[0] // A.itemsize, D, G, din, dout, b, fresh)
+
+
+# The two entries below are inlined into their callers and call the compiled products with any-layout views
+# and a run-time flag: one compilation of each product per dtype, whatever layouts and constants the callers
+# pass (a C-contiguous array, a strided view and a literal True would each compile one more).
+@njit(inline="always", **JIT)
+def accumulate_product(A, W, Z, b, din, dout, fresh=False):
+    """Z[:b, :dout] += A[:b, :din] W[:din, :dout] (fresh: Z[:b, :dout] = A W)."""
+    _product(A[:, :], W[:, :], Z[:, :], b, din, dout, fresh != (b < 0))
+
+
+@njit(inline="always", **JIT)
 def accumulate_outer(A, D, G, b, din, dout, fresh=False):
     """G[:din, :dout] += A[:b, :din]^T D[:b, :dout] (a weight gradient: terms in sample order; fresh: =)."""
-    _gemm(A, 1, A.strides[0] // A.itemsize, D, G, din, dout, b, fresh)
+    _outer(A[:, :], D[:, :], G[:, :], b, din, dout, fresh != (b < 0))
 
 
 @njit(inline="always", **JIT)

@@ -101,7 +101,7 @@ def resolve_config(config_path: str | None, overrides, resume: str | None):
 
 def problem_and_model(cfg: Config):
     """The problem a config describes and the model that trains on it (every process builds them alike)."""
-    problem = build_problem(cfg.data, cfg.seed, cfg.model.dtype)
+    problem = build_problem(cfg.data, cfg.seed, cfg.model.dtype, cfg.model.loss)
     return problem, build_model(cfg.model, problem, cfg.seed)
 
 

@@ -13,9 +13,22 @@ from edgefed.problems.data import ClassificationData, QuadraticData
 __all__ = ["ClassificationData", "QuadraticData", "build_problem"]
 
 
-def build_problem(data, seed: int, dtype: str):
-    """The problem a validated [data] table describes (a quadratic file is opened and checked here)."""
+def build_problem(data, seed: int, dtype: str, loss: str = "cross_entropy"):
+    """The problem a validated [data] table describes (a quadratic file, or a dataset file, is opened and
+    checked here); loss: the model's, which says whether a file's y are labels or float targets."""
     dtype = np.dtype(dtype)
+    if data.kind == "arrays":
+        from edgefed.problems.arrays import arrays_problem
+
+        return arrays_problem(data, seed, dtype, loss)
+    if data.kind == "leaf":
+        from edgefed.problems.leaf import leaf_problem
+
+        return leaf_problem(data, seed, dtype, loss)
+    if data.kind in ("cifar10", "cifar100"):
+        from edgefed.problems.cifar import cifar_problem
+
+        return cifar_problem(data, seed, dtype, loss)
     if data.kind == "synthetic":
         from edgefed.problems.synthetic import SyntheticProblem
 

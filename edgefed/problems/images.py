@@ -46,6 +46,8 @@ class ImageProblem:
             train_rows, train_labels = np.arange(labels.size - test_rows.size), labels[: labels.size - test_rows.size]
         count, height, width = idx.image_count(self.train_file)
         self.n_features = height * width
+        self.sample_shape = (1, height, width)
+        self.n_outputs = self.n_classes
         if train_labels.min() < 0 or train_labels.max() >= self.n_classes:
             raise ConfigError(f"config: data.split = {cfg.split!r} has {self.n_classes} classes but the labels in "
                               f"{cfg.path} run {train_labels.min()}..{train_labels.max()}; pick the split of the files")

@@ -43,7 +43,8 @@ def split_train(n_total: int, test_fraction: float) -> int:
 
 class SyntheticProblem:
     n_features = N_FEATURES
-    n_classes = N_CLASSES
+    n_classes = n_outputs = N_CLASSES
+    sample_shape = (N_FEATURES,)
     has_test = True
 
     def __init__(self, cfg, seed: int, dtype: np.dtype):

@@ -1,0 +1,207 @@
+"""A sequential network as data: one compiled kernel per dtype runs any list of layers, every shape a run-time
+value, so a new model made of known layer types compiles nothing new.
+
+A model is a program: one int64 row per operation (program.py's columns) that edgefed/layers.py builds
+once from the layer list, with offsets into the flat parameters and into one sample's activations. Row 0
+gathers the input; the loss reads the last row's output. Activations, deltas and the int32 aux values
+(pooling winners, dropout masks) are (batch, per-sample total) buffers the caller owns, so a step
+allocates nothing; scratch (unrolled windows, packed transposes, padded maps) likewise.
+
+Each layer type's operations (conv.py, dense.py, pointwise.py, norm.py) are compiled apart, with one
+forward and one backward signature for all, and `network` links each of them once: it is the only function
+a model calls, in one of four modes (local SGD steps; the gradient of a drawn minibatch; the gradient of
+given rows; evaluation), so a cold start compiles it once per dtype. (Numba optimizes and emits a linked
+function again in every caller, so the dispatch here is inlined and the call tree stays shallow.)
+"""
+
+import numpy as np
+from numba import njit
+
+from edgefed.kernels import JIT
+from edgefed.kernels.conv import (conv_backward_op, conv_forward_op, global_pool_backward_op, global_pool_forward_op,
+                                  pool_backward_op, pool_forward_op)
+from edgefed.kernels.dense import FUSED_WEIGHTS, dense_backward_op, dense_forward_op
+from edgefed.kernels.fma import fma
+from edgefed.kernels.linalg import copy_into
+from edgefed.kernels.norm import groupnorm_backward_op, groupnorm_forward_op
+from edgefed.kernels.pointwise import (activation_backward_op, activation_forward_op, dropout_backward_op,
+                                       dropout_forward_op, permute_backward_op, permute_forward_op)
+from edgefed.kernels.program import (ACTIVATION, CONV, DENSE, DROPOUT, F_GRAD_IN, F_MODE, F_NIN, F_NOUT, F_NPARAM,
+                                     F_OUT, F_PARAM, F_PERM, F_TYPE, GLOBAL_POOL, GROUPNORM, PERMUTE, POOL)
+from edgefed.kernels.random import draw_batch
+from edgefed.kernels.sgd import apply_step, terms_slice
+from edgefed.kernels.softmax import cross_entropy, softmax_xent
+
+CROSS_ENTROPY, MSE = 0, 1  # losses
+STEPS, MINIBATCH, ROWS, EVAL = 0, 1, 2, 3  # modes of `network`
+
+
+@njit(inline="always", **JIT)
+def _gather(prog, perms, X, idx, first, m, acts):
+    """The input rows (idx[:m], or first.. when idx is empty) into the first op's output, in its layout."""
+    op = prog[0]
+    n_in, order = op[F_NOUT], op[F_PERM]
+    permuted = op[F_MODE] == 1
+    for r in range(m):
+        src = X[idx[r]] if idx.shape[0] > 0 else X[first + r]
+        dst = acts[r, op[F_OUT]:op[F_OUT] + n_in]
+        if permuted:
+            for j in range(n_in):
+                dst[j] = src[perms[order + j]]
+        else:
+            copy_into(dst, src)
+
+
+@njit(inline="always", **JIT)
+def _forward(prog, slopes, perms, params, acts, aux, cols, pads, b, train, rng):
+    for i in range(1, prog.shape[0]):
+        op, t, s = prog[i], prog[i, F_TYPE], slopes[i]
+        if t == DENSE:
+            dense_forward_op(op, s, perms, params, acts, aux, cols, pads, b, train, rng)
+        elif t == CONV:
+            conv_forward_op(op, s, perms, params, acts, aux, cols, pads, b, train, rng)
+        elif t == POOL:
+            pool_forward_op(op, s, perms, params, acts, aux, cols, pads, b, train, rng)
+        elif t == GLOBAL_POOL:
+            global_pool_forward_op(op, s, perms, params, acts, aux, cols, pads, b, train, rng)
+        elif t == ACTIVATION:
+            activation_forward_op(op, s, perms, params, acts, aux, cols, pads, b, train, rng)
+        elif t == DROPOUT:
+            dropout_forward_op(op, s, perms, params, acts, aux, cols, pads, b, train, rng)
+        elif t == GROUPNORM:
+            groupnorm_forward_op(op, s, perms, params, acts, aux, cols, pads, b, train, rng)
+        elif t == PERMUTE:
+            permute_forward_op(op, s, perms, params, acts, aux, cols, pads, b, train, rng)
+
+
+@njit(inline="always", **JIT)
+def _loss(prog, labels, targets, idx, first, b, scale, loss_kind, acts, deltas, want_deltas):
+    """(summed loss, correct predictions) of rows idx[:b] (or first..); want_deltas: the output's deltas
+    <- scale * dloss/doutput (cross-entropy: softmax - onehot; mse: 2 (z - t) / width)."""
+    op = prog[prog.shape[0] - 1]
+    z0, width = op[F_OUT], op[F_NOUT]
+    loss = 0.0
+    correct = 0
+    for r in range(b):
+        k = idx[r] if idx.shape[0] > 0 else first + r
+        z = acts[r, z0:z0 + width]
+        if loss_kind == CROSS_ENTROPY:
+            if want_deltas:
+                loss += softmax_xent(z, labels[k], scale, deltas[r, z0:z0 + width])
+            else:
+                sample_loss, best = cross_entropy(z, labels[k])
+                loss += sample_loss
+                if best == labels[k]:
+                    correct += 1
+        else:
+            t = targets[k]
+            sq = 0.0
+            for j in range(width):
+                diff = np.float64(z[j]) - np.float64(t[j])
+                sq = fma(diff, diff, sq)
+            loss += sq / width
+            if want_deltas:
+                d = deltas[r, z0:z0 + width]
+                for j in range(width):
+                    d[j] = (2.0 * scale / width) * (np.float64(z[j]) - np.float64(t[j]))
+    return loss, correct
+
+
+@njit(inline="always", **JIT)
+def _backward(prog, slopes, perms, params, grad, acts, deltas, aux, tr, cols, wt, gt, gblock, pads, b, step, lr,
+              terms):
+    """grad <- the parameters' gradient from the output's deltas (already in deltas); with step, a large
+    dense layer applies its weights' SGD step as it goes (dense.py) and leaves them out of grad. An
+    operation without parameters is skipped where no layer before it has any (no input gradient needed)."""
+    for i in range(prog.shape[0] - 1, 0, -1):
+        op, t, s = prog[i], prog[i, F_TYPE], slopes[i]
+        if t == DENSE:
+            dense_backward_op(op, s, perms, params, grad, acts, deltas, aux, tr, cols, wt, gt, gblock, pads, b, step,
+                              lr, terms)
+        elif t == CONV:
+            conv_backward_op(op, s, perms, params, grad, acts, deltas, aux, tr, cols, wt, gt, gblock, pads, b, step,
+                             lr, terms)
+        elif t == GROUPNORM:
+            groupnorm_backward_op(op, s, perms, params, grad, acts, deltas, aux, tr, cols, wt, gt, gblock, pads, b,
+                                  step, lr, terms)
+        elif op[F_GRAD_IN] == 0:
+            continue
+        elif t == POOL:
+            pool_backward_op(op, s, perms, params, grad, acts, deltas, aux, tr, cols, wt, gt, gblock, pads, b, step,
+                             lr, terms)
+        elif t == GLOBAL_POOL:
+            global_pool_backward_op(op, s, perms, params, grad, acts, deltas, aux, tr, cols, wt, gt, gblock, pads, b,
+                                    step, lr, terms)
+        elif t == ACTIVATION:
+            activation_backward_op(op, s, perms, params, grad, acts, deltas, aux, tr, cols, wt, gt, gblock, pads, b,
+                                   step, lr, terms)
+        elif t == DROPOUT:
+            dropout_backward_op(op, s, perms, params, grad, acts, deltas, aux, tr, cols, wt, gt, gblock, pads, b, step,
+                                lr, terms)
+        elif t == PERMUTE:
+            permute_backward_op(op, s, perms, params, grad, acts, deltas, aux, tr, cols, wt, gt, gblock, pads, b, step,
+                                lr, terms)
+
+
+@njit(inline="always", **JIT)
+def _apply(prog, params, grad, lr, terms):
+    """The SGD step of every parameter not updated in the backward pass, layer by layer (the same bits as
+    one pass over the whole vector: each coordinate's update is its own)."""
+    for i in range(1, prog.shape[0]):
+        op = prog[i]
+        p, n = op[F_PARAM], op[F_NPARAM]
+        if n == 0:
+            continue
+        if op[F_TYPE] == DENSE and op[F_NIN] * op[F_NOUT] >= FUSED_WEIGHTS:
+            p += op[F_NIN] * op[F_NOUT]  # the weights were stepped in the backward pass: their bias only
+            n = op[F_NOUT]
+        apply_step(params[p:p + n], grad[p:p + n], lr, terms_slice(terms, p, p + n))
+
+
+@njit(**JIT)
+def network(prog, slopes, perms, loss_kind, params, X, labels, targets, idx, n, b, n_steps, lr, scale, terms, rng,
+            mode, grad, acts, deltas, aux, tr, cols, wt, gt, gblock, pads):
+    """One entry for everything a model computes; returns (summed loss, count).
+
+    STEPS: n_steps of params <- params - lr (mean gradient of a minibatch of b of the n rows + the
+    algorithm's terms, sgd.py); a minibatch is drawn into idx[:b] from rng as every model draws it (b = n:
+    the full batch, in idx order); count = steps. MINIBATCH: grad <- scale * the summed gradient of one
+    such minibatch. ROWS: grad <- scale * the summed gradient of rows idx[:b] (dropout off: the model's
+    deterministic objective). EVAL: loss and correct predictions of rows 0..n-1, acts.shape[0] at a time.
+    scale and lr come in the parameter dtype; losses are float64 sums.
+    """
+    empty = idx[:0]
+    # flags as run-time values: a constant argument would make Numba compile each callee again for it
+    train, step, want_deltas = mode == STEPS or mode == MINIBATCH, mode == STEPS, mode != EVAL
+    if mode == EVAL:
+        chunk = acts.shape[0]
+        loss = 0.0
+        correct = 0
+        for i0 in range(0, n, chunk):
+            m = min(chunk, n - i0)
+            _gather(prog, perms, X, empty, i0, m, acts)
+            _forward(prog, slopes, perms, params, acts, aux, cols, pads, m, train, rng)
+            part, right = _loss(prog, labels, targets, empty, i0, m, scale, loss_kind, acts, deltas, want_deltas)
+            loss += part
+            correct += right
+        return loss, correct
+    if mode == ROWS:
+        _gather(prog, perms, X, idx, 0, b, acts)
+        _forward(prog, slopes, perms, params, acts, aux, cols, pads, b, train, rng)
+        loss, _ = _loss(prog, labels, targets, idx, 0, b, scale, loss_kind, acts, deltas, want_deltas)
+        _backward(prog, slopes, perms, params, grad, acts, deltas, aux, tr, cols, wt, gt, gblock, pads, b, step, lr,
+                  terms)
+        return loss, 0
+    steps = n_steps if step else 1
+    loss = 0.0
+    for _ in range(steps):
+        if b < n:
+            draw_batch(rng, idx, n, b)
+        _gather(prog, perms, X, idx, 0, b, acts)
+        _forward(prog, slopes, perms, params, acts, aux, cols, pads, b, train, rng)
+        loss, _ = _loss(prog, labels, targets, idx, 0, b, scale, loss_kind, acts, deltas, want_deltas)
+        _backward(prog, slopes, perms, params, grad, acts, deltas, aux, tr, cols, wt, gt, gblock, pads, b, step, lr,
+                  terms)
+        if step:
+            _apply(prog, params, grad, lr, terms)
+    return loss, steps

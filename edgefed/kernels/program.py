@@ -1,0 +1,17 @@
+"""The program a sequential model runs (kernels/network.py): one int64 row per operation, these columns.
+
+Every layer kernel reads its own row, so the operations share two signatures (forward and backward) and
+the network's dispatch is one call per operation.
+"""
+
+# operations
+INPUT, DENSE, CONV, POOL, GLOBAL_POOL, ACTIVATION, DROPOUT, GROUPNORM, PERMUTE = range(9)
+# columns: the operation; where its input and output start in a sample's activations and their sizes; its
+# parameters (first, count) and aux values (pooling winners, dropout masks); its input map (C, H, W) and
+# output map (CO, HO, WO) (a dense layer: C = d_in, CO = d_out; a 1-D map has H = 1); kernel, stride, top and
+# left padding and the padded map's size; a mode (dense/conv: fused ReLU; pooling: kind; activation: kind;
+# groupnorm: groups; input: permuted); whether the input's gradient is needed; where its padded map starts
+# in the pads scratch, and its index map in perms.
+(F_TYPE, F_IN, F_OUT, F_NIN, F_NOUT, F_PARAM, F_NPARAM, F_AUX, F_C, F_H, F_W, F_CO, F_HO, F_WO, F_KH, F_KW, F_SH,
+ F_SW, F_PT, F_PL, F_HP, F_WP, F_MODE, F_GRAD_IN, F_PAD, F_PERM) = range(26)
+WIDTH = 26

@@ -1,0 +1,561 @@
+"""The layer library: every layer type in one registry, and a layer list walked once into a program for
+kernels/network.py (JAX stax's shape inference, Caffe's Reshape-before-Forward).
+
+A layer list is what `[model] layers` holds: tables with a `type` and its settings, applied in order with
+PyTorch's semantics (channels-first samples, cross-correlation, pooling that floors, `flatten` in C, H, W
+order). Inside the kernels a map is channels-last, so a dense layer after `flatten` holds its weight rows
+in (H, W, C) order and a convolution its weights as (kh, kw, c_in, c_out): `state_dict` converts both to
+PyTorch's shapes and order, so exported weights load into the equivalent `torch.nn.Sequential` (one child
+per layer, parameters named "<index>.weight" and "<index>.bias").
+
+Each type declares its settings (with defaults), what input it takes, and how it plans its operation:
+output shape, parameters (their initialisation and their PyTorch shape), and the sizes of its workspaces.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from edgefed.errors import ConfigError
+from edgefed.kernels import program as ops
+from edgefed.kernels.conv import AVG, MAX, MAX_RELU
+from edgefed.kernels.dense import BLOCK_BYTES, FUSED_WEIGHTS
+from edgefed.kernels.fma import TILE_BYTES
+from edgefed.kernels.pointwise import LEAKY_RELU, RELU, SIGMOID, TANH
+
+LOSSES = ("cross_entropy", "mse")
+INITS = ("pytorch", "glorot", "zeros")
+REQUIRED = object()
+
+
+def _int(minimum: int):
+    def check(value, where):
+        if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+            raise ConfigError(f"{where} = {value!r} must be an integer >= {minimum}")
+        return value
+    return check
+
+
+def _rate(value, where):
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 1:
+        raise ConfigError(f"{where} = {value!r} must be a number in [0, 1) (the share of values dropped)")
+    return float(value)
+
+
+def _number(value, where):
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ConfigError(f"{where} = {value!r} must be a finite number")
+    return float(value)
+
+
+def _padding(value, where):
+    if value in ("same", "valid"):
+        return value
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+        return value
+    raise ConfigError(f'{where} = {value!r} must be "same", "valid" or an integer >= 0')
+
+
+def _shape(value, where):
+    if (not isinstance(value, list) or not 1 <= len(value) <= 3
+            or not all(isinstance(v, int) and not isinstance(v, bool) and (v >= 1 or v == -1) for v in value)
+            or value.count(-1) > 1):
+        raise ConfigError(f"{where} = {value!r} must be a list of 1 to 3 sizes (one of them may be -1), "
+                          "e.g. [1, 28, 28]")
+    return tuple(value)
+
+
+@dataclass(frozen=True)
+class LayerType:
+    settings: dict  # name -> (default or REQUIRED, check(value, where) -> value)
+    torch: str  # the equivalent PyTorch module, for docs/ and `edgefed export`
+    spatial: int = 0  # the input's dimensions a spatial layer works on (2: (C, H, W), 1: (C, L)); 0: not spatial
+
+
+_CONV = {"out": (REQUIRED, _int(1)), "kernel": (REQUIRED, _int(1)), "stride": (1, _int(1)), "padding": ("same", _padding)}
+_POOL = {"size": (REQUIRED, _int(1)), "stride": (None, _int(1))}
+TYPES = {
+    "dense": LayerType({"out": (REQUIRED, _int(1))}, "nn.Linear(in, out)"),
+    "conv2d": LayerType(_CONV, "nn.Conv2d(in, out, kernel, stride, padding)", 2),
+    "conv1d": LayerType(_CONV, "nn.Conv1d(in, out, kernel, stride, padding)", 1),
+    "maxpool2d": LayerType(_POOL, "nn.MaxPool2d(size, stride)", 2),
+    "avgpool2d": LayerType(_POOL, "nn.AvgPool2d(size, stride)", 2),
+    "maxpool1d": LayerType(_POOL, "nn.MaxPool1d(size, stride)", 1),
+    "avgpool1d": LayerType(_POOL, "nn.AvgPool1d(size, stride)", 1),
+    "global_avgpool": LayerType({}, "nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten()) (1-D: AdaptiveAvgPool1d)"),
+    "flatten": LayerType({}, "nn.Flatten()"),
+    "reshape": LayerType({"shape": (REQUIRED, _shape)}, "nn.Unflatten(1, shape) (after nn.Flatten() if the input "
+                                                        "is not flat)"),
+    "relu": LayerType({}, "nn.ReLU()"),
+    "leaky_relu": LayerType({"slope": (0.01, _number)}, "nn.LeakyReLU(slope)"),
+    "tanh": LayerType({}, "nn.Tanh()"),
+    "sigmoid": LayerType({}, "nn.Sigmoid()"),
+    "dropout": LayerType({"rate": (0.5, _rate)}, "nn.Dropout(rate)"),
+    "groupnorm": LayerType({"groups": (REQUIRED, _int(1))}, "nn.GroupNorm(groups, channels)"),
+}
+ACTIVATIONS = {"relu": RELU, "leaky_relu": LEAKY_RELU, "tanh": TANH, "sigmoid": SIGMOID}
+
+
+def check_layers(layers, key: str = "model.layers") -> tuple[dict, ...]:
+    """Each layer's type and settings checked and its defaults filled in; shapes are checked by `build`."""
+    if not isinstance(layers, (list, tuple)) or not layers:
+        raise ConfigError(f'config: {key} must be a non-empty list of layers, e.g. [{{type = "dense", out = 10}}]')
+    out = []
+    for i, layer in enumerate(layers):
+        where = f"config: {key}[{i}]"
+        if not isinstance(layer, dict):
+            raise ConfigError(f'{where} must be a table like {{type = "dense", out = 10}}')
+        kind = layer.get("type")
+        if kind not in TYPES:
+            import difflib
+
+            hint = difflib.get_close_matches(str(kind), list(TYPES), n=1)
+            fix = f"did you mean {hint[0]!r}?" if hint else f"choose one of {', '.join(TYPES)}"
+            raise ConfigError(f"{where}.type = {kind!r} is not a layer type; {fix}")
+        spec = TYPES[kind]
+        unknown = [k for k in layer if k != "type" and k not in spec.settings]
+        if unknown:
+            known = ", ".join(spec.settings) or "none"
+            raise ConfigError(f"{where} ({kind}): unknown setting {unknown[0]!r}; {kind} takes: {known}")
+        checked = {"type": kind}
+        for name, (default, check) in spec.settings.items():
+            if name in layer:
+                checked[name] = check(layer[name], f"{where}.{name}")
+            elif default is REQUIRED:
+                raise ConfigError(f"{where} ({kind}) needs {name!r}, e.g. {_example(kind)}")
+            elif default is not None:
+                checked[name] = default
+        out.append(checked)
+    return tuple(out)
+
+
+def _example(kind: str) -> str:
+    return {"dense": '{type = "dense", out = 10}', "conv2d": '{type = "conv2d", out = 32, kernel = 5}',
+            "conv1d": '{type = "conv1d", out = 32, kernel = 5}', "reshape": '{type = "reshape", shape = [1, 28, 28]}',
+            "groupnorm": '{type = "groupnorm", groups = 8}'}.get(kind, f'{{type = "{kind}", size = 2}}')
+
+
+# ------------------------------------------------------------------------------------------------- layouts
+def channels_last(shape: tuple) -> np.ndarray | None:
+    """Where each value of a (C, H, W) or (C, L) map stored channels-last sits in PyTorch's order (None: the
+    same order, a vector or one channel)."""
+    if len(shape) < 2 or shape[0] == 1:
+        return None
+    c, rest = shape[0], int(np.prod(shape[1:]))
+    return (np.arange(c)[None, :] * rest + np.arange(rest)[:, None]).reshape(-1).astype(np.int64)
+
+
+def _same(a, b) -> bool:
+    return (a is None and b is None) or (a is not None and b is not None and np.array_equal(a, b))
+
+
+@dataclass(frozen=True)
+class Tensor:
+    """One parameter tensor: where it lives in the flat vector, its shape there, and PyTorch's."""
+
+    layer: int
+    name: str  # "weight" or "bias"
+    offset: int
+    shape: tuple  # as stored
+    torch_shape: tuple
+    fans: tuple  # (fan_in, fan_out) of its layer, for the initialisations
+    kind: str  # "dense", "conv" or "norm"
+    order: np.ndarray | None = None  # dense: the PyTorch input index of each stored weight row
+
+    @property
+    def size(self) -> int:
+        return int(np.prod(self.shape))
+
+    def to_torch(self, flat: np.ndarray) -> np.ndarray:
+        w = flat[self.offset:self.offset + self.size].reshape(self.shape)
+        if self.name == "bias" or self.kind == "norm":
+            return w.copy()
+        if self.kind == "dense":
+            out = np.empty(self.torch_shape, w.dtype)
+            out[:, self.order if self.order is not None else slice(None)] = w.T
+            return out
+        if len(self.torch_shape) == 3:  # conv1d: stored (1, k, c_in, c_out)
+            return np.ascontiguousarray(w[0].transpose(2, 1, 0))
+        return np.ascontiguousarray(w.transpose(3, 2, 0, 1))
+
+
+@dataclass
+class Network:
+    """A layer list planned for one input shape: the program and everything sized from it."""
+
+    layers: tuple
+    input_shape: tuple
+    out_width: int
+    prog: np.ndarray
+    slopes: np.ndarray
+    perms: np.ndarray
+    dim: int
+    tensors: tuple
+    per_sample: int  # activation values per sample
+    aux_per_sample: int
+    cols: int  # scratch sizes, in values
+    wt: int
+    narrow: int  # the transposed gradient of narrow dense layers (gt)
+    pads: int
+    tr_per_sample: int
+    fused_out: int  # the widest dense layer that steps its weights in its backward pass
+    output_shapes: tuple = field(default_factory=tuple)  # each layer's output shape (PyTorch's)
+
+    def signature(self) -> str:
+        """The layer list and input as one line: what a board profile's speed entry is keyed by."""
+        parts = []
+        for layer in self.layers:
+            settings = ",".join(f"{k}={_text(v)}" for k, v in layer.items() if k != "type")
+            parts.append(f"{layer['type']}({settings})" if settings else layer["type"])
+        return "x".join(map(str, self.input_shape)) + ": " + " ".join(parts)
+
+
+def _text(value) -> str:
+    return "x".join(map(str, value)) if isinstance(value, (list, tuple)) else str(value)
+
+
+class _Walk:
+    """The state of one walk over a layer list: the current tensor and the program so far."""
+
+    def __init__(self, input_shape: tuple):
+        self.shape, self.order = input_shape, None
+        self.region = 0  # where the current tensor starts in a sample's activations
+        self.next_region = 0
+        self.ops, self.slopes, self.perms = [], [], []
+        self.n_perm = 0
+        self.dim = 0
+        self.aux = 0
+        self.tensors = []
+        self.cols = self.wt = self.narrow = self.pads = self.tr = self.fused_out = 0
+        self.op(ops.INPUT, int(np.prod(input_shape)))  # the samples gathered into the first activations
+
+    def op(self, kind: int, out_size: int, **fields) -> np.ndarray:
+        row = np.zeros(ops.WIDTH, np.int64)
+        row[ops.F_TYPE] = kind
+        row[ops.F_IN], row[ops.F_NIN] = self.region, int(np.prod(self.shape))
+        row[ops.F_OUT], row[ops.F_NOUT] = self.next_region, out_size
+        for name, value in fields.items():
+            row[getattr(ops, "F_" + name)] = value
+        self.ops.append(row)
+        self.slopes.append(0.0)
+        self.region = self.next_region
+        self.next_region += out_size
+        return row
+
+    def params(self, row, layer: int, tensors) -> None:
+        row[ops.F_PARAM] = self.dim
+        for name, shape, torch_shape, fans, kind, order in tensors:
+            self.tensors.append(Tensor(layer, name, self.dim, shape, torch_shape, fans, kind, order))
+            self.dim += int(np.prod(shape))
+        row[ops.F_NPARAM] = self.dim - row[ops.F_PARAM]
+
+    def permute(self, order_out: np.ndarray | None) -> None:
+        """A permutation op from the current internal order to order_out (same values, same shape)."""
+        n = int(np.prod(self.shape))
+        inverse = np.arange(n) if self.order is None else np.argsort(self.order)
+        index = inverse if order_out is None else inverse[order_out]
+        if np.array_equal(index, np.arange(n)):
+            self.order = order_out
+            return
+        if len(self.ops) == 1 and self.region == 0:  # still the input: gather it in that order instead
+            self._input_order(order_out)
+            return
+        self.op(ops.PERMUTE, n, PERM=self.n_perm)
+        self.perms.append(index.astype(np.int64))
+        self.n_perm += n
+        self.order = order_out
+
+    def _input_order(self, order_out) -> None:
+        row = self.ops[0]
+        row[ops.F_MODE] = 0 if order_out is None else 1
+        row[ops.F_PERM] = self.n_perm
+        if order_out is not None:
+            self.perms.append(order_out.astype(np.int64))
+            self.n_perm += order_out.size
+        self.order = order_out
+
+    def channels_last(self) -> None:
+        self.permute(channels_last(self.shape))
+
+
+def _spatial(shape: tuple, dims: int, i: int, kind: str) -> tuple:
+    """(C, H, W) of a spatial layer's input (H = 1 for a 1-D map)."""
+    if len(shape) != dims + 1:
+        want = "(C, H, W)" if dims == 2 else "(C, L)"
+        raise ConfigError(f"config: model.layers[{i}] ({kind}) takes {want} maps, got {_show(shape)}; "
+                          + ("add a reshape before it" if len(shape) == 1 else "check the layer types"))
+    return (shape[0], 1, shape[1]) if dims == 1 else shape
+
+
+def _show(shape: tuple) -> str:
+    return "(" + ", ".join(map(str, shape)) + ")"
+
+
+def _pads(padding, k: int, s: int, i: int, kind: str) -> tuple[int, int]:
+    if padding == "same":
+        if s != 1:
+            raise ConfigError(f'config: model.layers[{i}] ({kind}): padding = "same" needs stride = 1 (as in PyTorch); '
+                              "give the padding as an integer")
+        return (k - 1) // 2, k - 1 - (k - 1) // 2  # PyTorch's: the odd one out at the end
+    p = 0 if padding == "valid" else padding
+    return p, p
+
+
+def input_shape_for(sample_shape: tuple, layers) -> tuple:
+    """The shape the first layers see: a sample stored as (H, W) is one channel for a 2-D layer, a vector
+    one channel for a 1-D layer (the first spatial layer, before any reshape or flatten)."""
+    for layer in layers:
+        kind = layer["type"]
+        dims = TYPES[kind].spatial
+        if dims:
+            return (1, *sample_shape) if len(sample_shape) == dims else tuple(sample_shape)
+        if kind not in ("dropout", *ACTIVATIONS):
+            break
+    return tuple(sample_shape)
+
+
+def build(layers, sample_shape: tuple, out_width: int, dtype, outputs_what: str = "classes") -> Network:
+    """Plan a checked layer list (check_layers) for samples of sample_shape; the last width must be out_width
+    (the classes, or the targets' width). Errors name the layer's index and the fix."""
+    itemsize = np.dtype(dtype).itemsize
+    shape = input_shape_for(tuple(int(s) for s in sample_shape), layers)
+    walk = _Walk(shape)
+    shapes = []
+    for i, layer in enumerate(layers):
+        kind = layer["type"]
+        where = f"config: model.layers[{i}] ({kind})"
+        if kind == "flatten":
+            walk.shape = (int(np.prod(walk.shape)),)
+        elif kind == "reshape":
+            target = list(layer["shape"])
+            n = int(np.prod(walk.shape))
+            if -1 in target:
+                known = int(np.prod([t for t in target if t != -1]))
+                if n % known:
+                    raise ConfigError(f"{where}: shape = {list(layer['shape'])} does not divide the {n} values of "
+                                      f"its input {_show(walk.shape)}")
+                target[target.index(-1)] = n // known
+            if int(np.prod(target)) != n:
+                raise ConfigError(f"{where}: shape = {list(layer['shape'])} holds {int(np.prod(target))} values but "
+                                  f"its input {_show(walk.shape)} has {n}")
+            walk.permute(channels_last(tuple(target)))  # the same values in PyTorch's order, read as the new shape
+            walk.shape = tuple(target)
+        elif kind == "dense":
+            if len(walk.shape) != 1:
+                raise ConfigError(f'{where} takes a flat input, got {_show(walk.shape)}; put {{type = "flatten"}} '
+                                  "before it")
+            din, dout = walk.shape[0], layer["out"]
+            row = walk.op(ops.DENSE, dout, C=din, CO=dout)
+            walk.params(row, i, [("weight", (din, dout), (dout, din), (din, dout), "dense", walk.order),
+                                 ("bias", (dout,), (dout,), (din, dout), "dense", None)])
+            walk.shape, walk.order = (dout,), None
+            if dout * itemsize < TILE_BYTES:
+                walk.narrow = max(walk.narrow, din * dout)
+            if din * dout >= FUSED_WEIGHTS:
+                walk.tr = max(walk.tr, din + dout)
+                walk.fused_out = max(walk.fused_out, dout)
+        elif kind in ("conv2d", "conv1d"):
+            dims = TYPES[kind].spatial
+            C, H, W = _spatial(walk.shape, dims, i, kind)
+            walk.channels_last()
+            k, s, co = layer["kernel"], layer["stride"], layer["out"]
+            kh = k if dims == 2 else 1
+            pt, pb = _pads(layer["padding"], k, s, i, kind) if dims == 2 else (0, 0)
+            pl, pr = _pads(layer["padding"], k, s, i, kind)
+            HP, WP = H + pt + pb, W + pl + pr
+            HO, WO = (HP - kh) // (s if dims == 2 else 1) + 1, (WP - k) // s + 1
+            if HP < kh or WP < k:
+                raise ConfigError(f"{where}: kernel = {k} is larger than its (padded) input {_show(walk.shape)}; "
+                                  "use a smaller kernel or padding")
+            row = walk.op(ops.CONV, HO * WO * co, C=C, H=H, W=W, CO=co, HO=HO, WO=WO, KH=kh, KW=k,
+                          SH=s if dims == 2 else 1, SW=s, PT=pt, PL=pl, HP=HP, WP=WP, PAD=walk.pads)
+            if HP != H or WP != W:
+                walk.pads += HP * WP * C
+            torch_shape = (co, C, k, k) if dims == 2 else (co, C, k)
+            fans = (kh * k * C, kh * k * co)
+            walk.params(row, i, [("weight", (kh, k, C, co), torch_shape, fans, "conv", None),
+                                 ("bias", (co,), (co,), fans, "conv", None)])
+            walk.cols = max(walk.cols, HO * WO * kh * k * C)
+            walk.shape = (co, HO, WO) if dims == 2 else (co, WO)
+            walk.order = channels_last(walk.shape)
+        elif kind in ("maxpool2d", "avgpool2d", "maxpool1d", "avgpool1d"):
+            dims = TYPES[kind].spatial
+            C, H, W = _spatial(walk.shape, dims, i, kind)
+            walk.channels_last()
+            size = layer["size"]
+            stride = layer.get("stride", size)
+            kh, sh = (size, stride) if dims == 2 else (1, 1)
+            if H < kh or W < size:
+                raise ConfigError(f"{where}: size = {size} is larger than its input {_show(walk.shape)}; use a "
+                                  "smaller size or fewer pooling layers")
+            HO, WO = (H - kh) // sh + 1, (W - size) // stride + 1
+            pool = AVG if kind.startswith("avg") else MAX
+            if pool == MAX and _fused_relu(walk):  # ReLU then max pooling: max, then ReLU on a quarter of the values
+                walk.ops[-1][ops.F_MODE] = 0
+                pool = MAX_RELU
+            row = walk.op(ops.POOL, HO * WO * C, C=C, H=H, W=W, CO=C, HO=HO, WO=WO, KH=kh, KW=size, SH=sh, SW=stride,
+                          MODE=pool, AUX=walk.aux)
+            if pool != AVG:
+                walk.aux += HO * WO * C
+            walk.shape = (C, HO, WO) if dims == 2 else (C, WO)
+            walk.order = channels_last(walk.shape)
+        elif kind == "global_avgpool":
+            if len(walk.shape) not in (2, 3):
+                raise ConfigError(f"{where} takes (C, H, W) or (C, L) maps, got {_show(walk.shape)}")
+            walk.channels_last()
+            C, P = walk.shape[0], int(np.prod(walk.shape[1:]))
+            walk.op(ops.GLOBAL_POOL, C, C=C, H=1, W=P, CO=C)
+            walk.shape, walk.order = (C,), None
+        elif kind == "relu" and _fusable(walk):
+            walk.ops[-1][ops.F_MODE] = 1  # the dense layer or convolution applies it (and its derivative)
+        elif kind in ACTIVATIONS:
+            n = int(np.prod(walk.shape))
+            walk.op(ops.ACTIVATION, n, MODE=ACTIVATIONS[kind])
+            walk.slopes[-1] = layer.get("slope", 0.0)
+        elif kind == "dropout":
+            n = int(np.prod(walk.shape))
+            walk.op(ops.DROPOUT, n, AUX=walk.aux)
+            walk.slopes[-1] = layer["rate"]
+            walk.aux += n
+        elif kind == "groupnorm":
+            C = walk.shape[0]
+            if C % layer["groups"]:
+                raise ConfigError(f"{where}: groups = {layer['groups']} does not divide its {C} channels")
+            if len(walk.shape) == 1:
+                walk.permute(None)
+            else:
+                walk.channels_last()
+            P = int(np.prod(walk.shape[1:]))
+            row = walk.op(ops.GROUPNORM, int(np.prod(walk.shape)), C=C, H=1, W=P, CO=C, MODE=layer["groups"])
+            walk.params(row, i, [("weight", (C,), (C,), (C, C), "norm", None), ("bias", (C,), (C,), (C, C), "norm", None)])
+        shapes.append(walk.shape)
+    if len(walk.shape) != 1:
+        raise ConfigError(f"config: model.layers ends with {_show(walk.shape)} maps; end with "
+                          f'{{type = "flatten"}} and a dense layer of {out_width} outputs')
+    walk.permute(None)
+    if walk.shape[0] != out_width:
+        raise ConfigError(f"config: model.layers ends with {walk.shape[0]} outputs but the data has {out_width} "
+                          f"{outputs_what}; give the last layer out = {out_width}")
+    if walk.dim == 0:
+        raise ConfigError("config: model.layers has no layer with parameters; add a dense or conv layer")
+    prog = np.stack(walk.ops)
+    _mark_input_gradients(prog)
+    for row in prog:
+        if row[ops.F_GRAD_IN] and row[ops.F_TYPE] in (ops.DENSE, ops.CONV):
+            walk.wt = max(walk.wt, row[ops.F_NIN] * row[ops.F_NOUT] if row[ops.F_TYPE] == ops.DENSE
+                          else row[ops.F_KH] * row[ops.F_KW] * row[ops.F_C] * row[ops.F_CO])
+    return Network(tuple(layers), shape, out_width, prog, np.asarray(walk.slopes, np.float64),
+                   np.concatenate(walk.perms) if walk.perms else np.zeros(0, np.int64), walk.dim, tuple(walk.tensors),
+                   walk.next_region, walk.aux, walk.cols, walk.wt, walk.narrow, walk.pads, walk.tr, walk.fused_out,
+                   tuple(shapes))
+
+
+def _fusable(walk: _Walk) -> bool:
+    """A ReLU right after a dense layer or convolution (whose output is the current tensor) fuses into it."""
+    last = walk.ops[-1]
+    return last[ops.F_TYPE] in (ops.DENSE, ops.CONV) and last[ops.F_MODE] == 0 and last[ops.F_OUT] == walk.region
+
+
+def _fused_relu(walk: _Walk) -> bool:
+    """The current tensor is a convolution's output with its ReLU fused in (and read by nothing else)."""
+    last = walk.ops[-1]
+    return last[ops.F_TYPE] == ops.CONV and last[ops.F_MODE] == 1 and last[ops.F_OUT] == walk.region
+
+
+def _mark_input_gradients(prog: np.ndarray) -> None:
+    """An operation needs its input's gradient only when some operation before it has parameters."""
+    seen = False
+    for row in prog[1:]:
+        row[ops.F_GRAD_IN] = int(seen)
+        seen = seen or row[ops.F_NPARAM] > 0
+
+
+def gblock_size(dtype, network: "Network") -> int:
+    """Values of the gradient block a fused dense layer steps at a time (at least one row of its weights)."""
+    return max(BLOCK_BYTES // np.dtype(dtype).itemsize, network.fused_out)
+
+
+# ---------------------------------------------------------------------------------------- initialisation
+def initial_params(network: Network, init: str, g: np.random.Generator, dtype) -> np.ndarray:
+    """The parameters drawn from g (the run's (seed, INIT) stream) tensor by tensor, in float64, then cast:
+    "pytorch": PyTorch's defaults for the same layers (weights and biases U(+-1/sqrt(fan_in)), GroupNorm 1
+    and 0); "glorot": Glorot-uniform weights U(+-sqrt(6 / (fan_in + fan_out))) and zero biases (the
+    TensorFlow default McMahan et al.'s models used); "zeros": everything zero (logistic regression)."""
+    params = np.zeros(network.dim)
+    for t in network.tensors:
+        part = params[t.offset:t.offset + t.size]
+        if t.kind == "norm":
+            part[:] = 1.0 if t.name == "weight" else 0.0
+        elif init == "pytorch":
+            bound = 1.0 / math.sqrt(t.fans[0])
+            part[:] = g.uniform(-bound, bound, t.size)
+        elif init == "glorot" and t.name == "weight":
+            limit = math.sqrt(6.0 / (t.fans[0] + t.fans[1]))
+            part[:] = g.uniform(-limit, limit, t.size)
+    return params.astype(dtype)
+
+
+def state_dict(network: Network, flat: np.ndarray) -> dict[str, np.ndarray]:
+    """The parameters as the equivalent nn.Sequential's state_dict: "<index>.weight" / "<index>.bias" in
+    PyTorch's shapes and order."""
+    return {f"{t.layer}.{t.name}": t.to_torch(flat) for t in network.tensors}
+
+
+def torch_text(network: Network) -> str:
+    """The equivalent torch.nn.Sequential, as Python: what `edgefed export --weights` prints."""
+    shape = network.input_shape
+    parts = []
+    for layer, out_shape in zip(network.layers, network.output_shapes):
+        kind = layer["type"]
+        if kind == "dense":
+            parts.append(f"nn.Linear({shape[0]}, {layer['out']})")
+        elif kind in ("conv2d", "conv1d"):
+            pad = layer["padding"]
+            pad = f"'{pad}'" if isinstance(pad, str) else pad
+            parts.append(f"nn.Conv{kind[-2:].upper()}({shape[0]}, {layer['out']}, {layer['kernel']}, "
+                         f"stride={layer['stride']}, padding={pad})")
+        elif kind.endswith(("pool2d", "pool1d")):
+            name = ("Max" if kind.startswith("max") else "Avg") + "Pool" + kind[-2:].upper()
+            parts.append(f"nn.{name}({layer['size']}, stride={layer.get('stride', layer['size'])})")
+        elif kind == "global_avgpool":
+            parts.append(f"nn.Sequential(nn.AdaptiveAvgPool{len(shape) - 1}d(1), nn.Flatten())")
+        elif kind == "flatten":
+            parts.append("nn.Flatten()")
+        elif kind == "reshape":
+            inner = f"nn.Unflatten(1, {tuple(out_shape)})"
+            parts.append(inner if len(shape) == 1 else f"nn.Sequential(nn.Flatten(), {inner})")
+        elif kind == "leaky_relu":
+            parts.append(f"nn.LeakyReLU({layer['slope']})")
+        elif kind == "dropout":
+            parts.append(f"nn.Dropout({layer['rate']})")
+        elif kind == "groupnorm":
+            parts.append(f"nn.GroupNorm({layer['groups']}, {shape[0]})")
+        else:
+            parts.append({"relu": "nn.ReLU()", "tanh": "nn.Tanh()", "sigmoid": "nn.Sigmoid()"}[kind])
+        shape = out_shape
+    return "nn.Sequential(\n" + "".join(f"    {p},\n" for p in parts) + ")"
+
+
+# ------------------------------------------------------------------------------------- the built-in models
+def builtin_layers(kind: str, sample_shape: tuple, n_classes: int, hidden=(200, 200)) -> tuple[dict, ...]:
+    """The built-in models as layer lists: logistic regression, McMahan et al.'s 2NN (hidden widths) and CNN
+    (two 5x5 "same" convolutions of 32 and 64 channels, each with ReLU and 2x2 max pooling, a 512-unit ReLU
+    layer, the softmax output)."""
+    head = [{"type": "flatten"}]
+    if kind == "logreg":
+        return tuple(head + [{"type": "dense", "out": n_classes}])
+    if kind == "mlp":
+        body = []
+        for width in hidden:
+            body += [{"type": "dense", "out": int(width)}, {"type": "relu"}]
+        return tuple(head + body + [{"type": "dense", "out": n_classes}])
+    side = math.isqrt(int(np.prod(sample_shape)))
+    first = [{"type": "reshape", "shape": [1, side, side]}] if len(sample_shape) == 1 else []
+    conv = {"kernel": 5, "stride": 1, "padding": "same"}
+    return tuple(first + [
+        {"type": "conv2d", "out": 32, **conv}, {"type": "relu"}, {"type": "maxpool2d", "size": 2, "stride": 2},
+        {"type": "conv2d", "out": 64, **conv}, {"type": "relu"}, {"type": "maxpool2d", "size": 2, "stride": 2},
+        {"type": "flatten"}, {"type": "dense", "out": 512}, {"type": "relu"}, {"type": "dense", "out": n_classes}])

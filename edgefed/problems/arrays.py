@@ -1,0 +1,152 @@
+"""`[data] kind = "arrays"`: a user's dataset as one `.npz` or `.h5` file.
+
+Keys: `x_train` (n, ...) and `y_train` (n,) (int labels; float targets for `model.loss = "mse"`, (n,) or
+(n, width)), optionally `x_test` and `y_test` (held-out samples of the same shape) and `device_train` (n,)
+(the device each training sample belongs to, for `partition = "natural"`). Samples are channels-first:
+(C, H, W) images, (C, L) sequences, or vectors.
+
+Only labels are read whole. Samples are read by rows: from `.h5` through h5py (a rank reads only its devices'
+rows), from an `.npz` written by `numpy.savez` by mapping the uncompressed member into memory; a compressed
+`.npz` (`savez_compressed`) is read whole, once per process.
+"""
+
+from __future__ import annotations
+
+import zipfile
+from pathlib import Path
+
+import numpy as np
+
+from edgefed.errors import ConfigError, ProblemFileError
+from edgefed.problems.pool import PoolProblem, Source
+
+KEYS = ("x_train", "y_train", "x_test", "y_test", "device_train")
+SUFFIXES = (".npz", ".h5", ".hdf5")
+
+
+class ArraysSource(Source):
+    """The arrays of one file: labels in memory, samples by rows (memory-mapped or from HDF5)."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self._h5 = None
+        if path.suffix in (".h5", ".hdf5"):
+            arrays = self._open_h5(path)
+        else:
+            arrays = self._open_npz(path)
+        self._x = {"train": arrays["x_train"], "test": arrays.get("x_test")}
+        missing = [k for k in ("x_train", "y_train") if arrays.get(k) is None]
+        if missing:
+            raise ConfigError(f"{path} has no {missing[0]!r}; an arrays file holds x_train and y_train (and optionally "
+                              "x_test, y_test, device_train)")
+        if (arrays.get("x_test") is None) != (arrays.get("y_test") is None):
+            have, lack = ("x_test", "y_test") if arrays.get("x_test") is not None else ("y_test", "x_test")
+            raise ConfigError(f"{path} has {have} but no {lack}; give both or neither")
+        x_train, x_test = self._x["train"], self._x["test"]
+        if len(x_train.shape) < 2:
+            raise ConfigError(f"{path}: x_train has shape {tuple(x_train.shape)}; give one sample per row, "
+                              "(n, features) or (n, C, H, W)")
+        for key in ("x_train", "x_test"):
+            x = arrays.get(key)
+            if x is not None and x.dtype.kind not in "fiub":
+                raise ConfigError(f"{path}: {key} has values of type {x.dtype}; give numbers")
+        y_train = np.asarray(arrays["y_train"][()])
+        y_test = None if arrays.get("y_test") is None else np.asarray(arrays["y_test"][()])
+        device = None if arrays.get("device_train") is None else np.asarray(arrays["device_train"][()])
+        n = x_train.shape[0]
+        for key, value in (("y_train", y_train), ("device_train", device)):
+            if value is not None and value.shape[:1] != (n,):
+                raise ConfigError(f"{path}: {key} has {value.shape[0] if value.ndim else 0} entries but x_train has "
+                                  f"{n} samples; give one per sample")
+        if x_test is not None:
+            if tuple(x_test.shape[1:]) != tuple(x_train.shape[1:]):
+                raise ConfigError(f"{path}: x_test samples are {tuple(x_test.shape[1:])} but x_train's are "
+                                  f"{tuple(x_train.shape[1:])}; give both the same shape")
+            if y_test.shape[:1] != (x_test.shape[0],):
+                raise ConfigError(f"{path}: y_test has {y_test.shape[0] if y_test.ndim else 0} entries but x_test has "
+                                  f"{x_test.shape[0]} samples; give one per sample")
+        if device is not None:
+            if device.dtype.kind not in "iu" or (device.size and device.min() < 0):
+                raise ConfigError(f"{path}: device_train must hold device ids (integers >= 0)")
+            device = device.astype(np.int64)
+        super().__init__(str(path), tuple(int(s) for s in x_train.shape[1:]), y_train, y_test, device)
+
+    def _open_h5(self, path: Path) -> dict:
+        import h5py
+
+        try:
+            self._h5 = h5py.File(path, "r")
+        except OSError as exc:
+            raise ProblemFileError(f"{path} cannot be read as HDF5 ({exc}); give an .h5 file with x_train and "
+                                   "y_train") from None
+        return {k: self._h5[k] for k in KEYS if k in self._h5}
+
+    @staticmethod
+    def _open_npz(path: Path) -> dict:
+        try:
+            archive = np.load(path, allow_pickle=False)
+        except (OSError, ValueError, zipfile.BadZipFile) as exc:
+            raise ProblemFileError(f"{path} cannot be read as .npz ({exc}); write it with numpy.savez") from None
+        out = {}
+        with archive:
+            for key in KEYS:
+                if key not in archive.files:
+                    continue
+                mapped = _map_member(path, key + ".npy")
+                try:
+                    out[key] = mapped if mapped is not None else archive[key]
+                except ValueError as exc:
+                    raise ProblemFileError(f"{path}: {key} cannot be read ({exc}); write plain arrays with "
+                                           "numpy.savez") from None
+        return out
+
+    def read(self, part: str, rows: np.ndarray) -> np.ndarray:
+        x = self._x[part]
+        if self._h5 is None:
+            return np.asarray(x[rows])
+        out = np.empty((rows.size, *x.shape[1:]), x.dtype)
+        # HDF5 reads a contiguous run of rows at once; the runs of the asked rows, one read each
+        cuts = np.flatnonzero(np.diff(rows) != 1) + 1
+        at = 0
+        for run in np.split(rows, cuts):
+            if run.size:
+                x.read_direct(out, np.s_[int(run[0]):int(run[-1]) + 1], np.s_[at:at + run.size])
+                at += run.size
+        return out
+
+
+def _map_member(path: Path, member: str):
+    """An uncompressed .npz member as a read-only memory map (None: compressed, or not mappable)."""
+    try:
+        with zipfile.ZipFile(path) as zf:
+            info = zf.getinfo(member)
+            if info.compress_type != zipfile.ZIP_STORED:
+                return None
+            with open(path, "rb") as raw:
+                raw.seek(info.header_offset)
+                header = raw.read(30)
+                name_len, extra_len = int.from_bytes(header[26:28], "little"), int.from_bytes(header[28:30], "little")
+                start = info.header_offset + 30 + name_len + extra_len
+                raw.seek(start)
+                version = np.lib.format.read_magic(raw)
+                if version not in ((1, 0), (2, 0)):
+                    return None
+                read_header = (np.lib.format.read_array_header_1_0 if version == (1, 0)
+                               else np.lib.format.read_array_header_2_0)
+                shape, fortran, dtype = read_header(raw)
+                offset = raw.tell()
+        if fortran or dtype.hasobject:
+            return None
+        return np.memmap(path, dtype=dtype, mode="r", offset=offset, shape=shape)
+    except (KeyError, ValueError, OSError):
+        return None
+
+
+def arrays_problem(cfg, seed: int, dtype, loss: str) -> PoolProblem:
+    path = Path(cfg.path)
+    if not path.is_file():
+        raise ConfigError(f"config: data.path = {cfg.path!r} is not a file; give the .npz or .h5 file of your "
+                          "arrays (x_train, y_train, optionally x_test, y_test, device_train)")
+    if path.suffix not in SUFFIXES:
+        raise ConfigError(f"config: data.path = {cfg.path!r}: an arrays file ends in .npz or .h5")
+    return PoolProblem(cfg, seed, dtype, ArraysSource(path), loss, path.name)

@@ -1,0 +1,256 @@
+"""A labelled pool of samples from a dataset file, spread over N devices: what the `arrays`, `leaf` and `cifar`
+readers share.
+
+A reader (a `Source`) says how many samples there are, their shape, their labels (or float targets) and,
+for a natural partition, each sample's device; it reads the rows asked for. The problem partitions the
+training pool by labels only (partition.py, or the source's own devices), gives each device a share of the
+test pool (IID, or the source's own per-device test samples), and reads a device's samples only when the
+device is built, in one pass for every device this process hosts: a rank holds only its own devices'
+samples. Samples reach the models flat, in PyTorch's (C, H, W) order, normalized in the model dtype.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from edgefed.errors import ConfigError
+from edgefed.problems.data import ClassificationData
+from edgefed.problems.partition import PARTITIONS, partition
+from edgefed.rng import Purpose, generator
+
+NORMALIZE = ("none", "standard", "unit")
+BLOCK_BYTES = 1 << 26  # rows read at a time when the whole training set is scanned (64 MB)
+
+
+@dataclass
+class Source:
+    """What a dataset file holds: labels in memory, samples read on demand."""
+
+    name: str  # for messages: the file or folder
+    sample_shape: tuple
+    y_train: np.ndarray  # int64 labels, or float64 targets (n, width)
+    y_test: np.ndarray | None  # None: no test samples in the file
+    device_train: np.ndarray | None = None  # natural partition: each training sample's device
+    device_test: np.ndarray | None = None  # ... and each test sample's (LEAF's per-user test sets)
+    device_names: tuple = ()  # natural partition: the devices' names (LEAF's users)
+    finite_checked = False  # the reader itself refuses NaN and infinity (or its samples are integers)
+
+    def read(self, part: str, rows: np.ndarray) -> np.ndarray:
+        """Samples rows (ascending, unique) of part ("train" or "test"), shaped (len(rows), *sample_shape)."""
+        raise NotImplementedError
+
+    def blocks(self):
+        """The training samples in order, a block of rows at a time (for statistics and checks)."""
+        n = self.y_train.shape[0]
+        step = max(1, BLOCK_BYTES // (8 * max(1, int(np.prod(self.sample_shape)))))
+        for start in range(0, n, step):
+            yield start, self.read("train", np.arange(start, min(start + step, n)))
+
+
+def check_labels(y: np.ndarray, n_classes: int | None, where: str, classes_key: str = "data.classes") -> np.ndarray:
+    """Integer labels in [0, C) as int64; C from data.classes when given."""
+    if y.dtype.kind == "f":
+        if not np.all(np.isfinite(y)) or not np.all(y == np.round(y)):
+            raise ConfigError(f"{where} holds labels that are not integers; give int labels for cross-entropy, or "
+                              'set model.loss = "mse" for float targets')
+    elif y.dtype.kind not in "iub":
+        raise ConfigError(f"{where} has labels of type {y.dtype}; give integer labels")
+    y = y.astype(np.int64)
+    if y.size and y.min() < 0:
+        raise ConfigError(f"{where} has the label {int(y.min())}; labels run from 0 to the classes - 1")
+    if n_classes is not None and y.size and y.max() >= n_classes:
+        raise ConfigError(f"{where} has the label {int(y.max())}, outside [0, {n_classes}) ({classes_key} = "
+                          f"{n_classes}); raise {classes_key} or fix the labels")
+    return y
+
+
+class PoolProblem:
+    """A dataset file's samples over N devices (N = data.clients, or the source's natural devices)."""
+
+    has_test = True
+
+    def __init__(self, cfg, seed: int, dtype: np.dtype, source: Source, loss: str, title: str):
+        self.cfg, self.seed, self.dtype, self.source, self.title = cfg, seed, np.dtype(dtype), source, title
+        self.sample_shape = tuple(source.sample_shape)
+        self.n_features = int(np.prod(self.sample_shape))
+        self.regression = loss == "mse"
+        y_train, y_test = source.y_train, source.y_test
+        if self.regression:
+            if y_train.dtype.kind not in "fiu":
+                raise ConfigError(f"{source.name}: model.loss = \"mse\" needs numeric targets, found {y_train.dtype}")
+            y_train = _as_targets(y_train)
+            y_test = None if y_test is None else _as_targets(y_test)
+            if y_test is not None and y_test.shape[1] != y_train.shape[1]:
+                raise ConfigError(f"{source.name}: y_test has {y_test.shape[1]} target values per sample but y_train "
+                                  f"{y_train.shape[1]}; give both the same width")
+            self.n_classes, self.n_outputs = None, y_train.shape[1]
+        else:
+            y_train = check_labels(y_train, cfg.classes, f"{source.name}: y_train")
+            y_test = None if y_test is None else check_labels(y_test, cfg.classes, f"{source.name}: y_test")
+            found = max(int(y_train.max(initial=-1)), -1 if y_test is None else int(y_test.max(initial=-1))) + 1
+            self.n_classes = self.n_outputs = cfg.classes or found
+        self.y_train, self.y_test = y_train, y_test
+        train_parts, test_parts = self._partition()
+        self.n_devices = len(train_parts)
+        self.train_rows, self.test_rows = train_parts, test_parts
+        self.n_train = np.array([p.size for p in train_parts], dtype=np.int64)
+        self._shift, self._scale = self._normalization()
+        self._cache, self._read, self._hosted = {}, set(), None
+
+    # -- the partition -----------------------------------------------------------------------------------
+    def _partition(self) -> tuple[list[np.ndarray], list[np.ndarray]]:
+        cfg, src = self.cfg, self.source
+        kind = cfg.partition
+        if kind == "natural":
+            if src.device_train is None:
+                raise ConfigError(f'config: data.partition = "natural" needs each training sample\'s device: '
+                                  f"{src.name} has no device_train; add it or choose one of {', '.join(PARTITIONS)}")
+            found = int(src.device_train.max()) + 1 if src.device_train.size else 0
+            n = cfg.clients or found
+            if n > found:
+                raise ConfigError(f"config: data.clients = {n} but {src.name} has {found} devices (natural "
+                                  f"partition); use at most {found}")
+            order = np.argsort(src.device_train, kind="stable")
+            cuts = np.searchsorted(src.device_train[order], np.arange(1, n + 1))
+            parts = [np.sort(p) for p in np.split(order, cuts)[:n]]
+            small = [k for k, p in enumerate(parts) if p.size < (1 if self.y_test is not None else 2)]
+            if small:
+                raise ConfigError(f"{src.name}: device {small[0]} has {parts[small[0]].size} training samples "
+                                  "(natural partition); every device needs at least one to train"
+                                  + ("" if self.y_test is not None else " and one to test"))
+        else:
+            if self.regression and kind != "iid":
+                raise ConfigError(f'config: data.partition = {kind!r} splits by label; with model.loss = "mse" use '
+                                  '"iid" or "natural"')
+            n = cfg.clients
+            labels = self.y_train if not self.regression else np.zeros(self.y_train.shape[0], np.int64)
+            parts = partition(kind, labels, n, self.seed, self.n_classes or 1, cfg.dirichlet_alpha)
+        if self.y_test is None:  # no test samples in the file: each device holds out a share of its own
+            return self._holdout(parts)
+        if src.device_test is not None and kind == "natural":
+            tests = [np.flatnonzero(src.device_test == k) for k in range(len(parts))]
+        else:
+            order = generator(self.seed, Purpose.DATA_DEVICE, 4).permutation(self.y_test.shape[0])
+            tests = [np.sort(p) for p in np.array_split(order, len(parts))]
+        return parts, tests
+
+    def _holdout(self, parts):
+        """data.test_fraction of each device's samples (a seeded draw, at least one) held out for testing."""
+        trains, tests = [], []
+        for k, rows in enumerate(parts):
+            if rows.size < 2:
+                raise ConfigError(f"{self.source.name}: device {k} has {rows.size} sample; with no test set in the "
+                                  "file each device needs two (one to train, one to test)")
+            shuffled = rows[generator(self.seed, Purpose.DATA_DEVICE, 5, k).permutation(rows.size)]
+            n_test = min(max(int(math.ceil(self.cfg.test_fraction * rows.size)), 1), rows.size - 1)
+            trains.append(np.sort(shuffled[n_test:]))
+            tests.append(np.sort(shuffled[:n_test]))
+        self.y_test = self.y_train  # the held-out rows are training rows
+        return trains, tests
+
+    # -- normalization -----------------------------------------------------------------------------------
+    def _normalization(self):
+        """(shift, scale) per channel (or feature) broadcast over a sample, or None: x' = (x - shift) / scale.
+        "standard" takes them from one pass over the whole training set (float64 sums in row order), which
+        also refuses NaN or infinity before anything is trained."""
+        how = self.cfg.normalize
+        if how == "unit":
+            return None, 255.0
+        if how == "none" and self.source.finite_checked:
+            return None, None
+        channels = self.sample_shape[0] if len(self.sample_shape) > 1 else self.n_features
+        per = self.n_features // channels if len(self.sample_shape) > 1 else 1
+        total, squares, count = np.zeros(channels), np.zeros(channels), 0
+        for start, block in self.source.blocks():
+            values = block.reshape(block.shape[0], channels, per).astype(np.float64)
+            bad = ~np.isfinite(values)
+            if bad.any():
+                row = start + int(np.flatnonzero(bad.any(axis=(1, 2)))[0])
+                raise ConfigError(f"{self.source.name}: x_train row {row} holds NaN or infinity; clean the data "
+                                  "(edgefed trains on finite values only)")
+            if how == "standard":
+                total += values.sum(axis=(0, 2))
+                squares += np.square(values).sum(axis=(0, 2))
+                count += values.shape[0] * per
+        if how != "standard":
+            return None, None
+        mean = total / max(count, 1)
+        std = np.sqrt(np.maximum(squares / max(count, 1) - mean * mean, 0.0))
+        std[std == 0] = 1.0
+        shape = (channels, 1) if len(self.sample_shape) > 1 else (channels,)
+        return mean.reshape(shape), std.reshape(shape)
+
+    def _normalized(self, raw: np.ndarray, part: str) -> np.ndarray:
+        """Flat rows in the model dtype, normalized; a test row with NaN or infinity is refused too."""
+        if part == "test" and raw.dtype.kind == "f" and not np.all(np.isfinite(raw)):
+            raise ConfigError(f"{self.source.name}: x_test holds NaN or infinity; clean the data")
+        n = raw.shape[0]
+        if self._shift is None and self._scale is None:
+            return np.ascontiguousarray(raw.reshape(n, -1), dtype=self.dtype)
+        if self._shift is None:  # "unit": as the MNIST reader, in the model dtype
+            return np.ascontiguousarray(raw.reshape(n, -1), dtype=self.dtype) / self.dtype.type(self._scale)
+        channels = self._shift.shape[0]
+        x = (raw.reshape(n, channels, -1).astype(np.float64) - self._shift) / self._scale
+        return np.ascontiguousarray(x.reshape(n, -1), dtype=self.dtype)
+
+    # -- devices -----------------------------------------------------------------------------------------
+    def host(self, device_ids) -> None:
+        """The devices this process will build: their samples are read in one pass."""
+        self._hosted = np.asarray(device_ids, dtype=np.int64)
+
+    def _labels(self, y, rows):
+        return y[rows].astype(self.dtype) if self.regression else y[rows].copy()
+
+    def _load(self, device_ids) -> None:
+        want = {"train": np.unique(np.concatenate([self.train_rows[k] for k in device_ids] + [np.zeros(0, np.int64)])),
+                "test": np.unique(np.concatenate([self.test_rows[k] for k in device_ids] + [np.zeros(0, np.int64)]))}
+        part_test = "train" if self.source.y_test is None else "test"  # held-out rows come from the training set
+        read = {"train": (want["train"], self._normalized(self.source.read("train", want["train"]), "train"))}
+        if part_test == "test":
+            read["test"] = (want["test"], self._normalized(self.source.read("test", want["test"]), "test"))
+        else:
+            rows = np.union1d(want["train"], want["test"])
+            read["train"] = read["test"] = (rows, self._normalized(self.source.read("train", rows), "train"))
+        for k in device_ids:
+            arrays = []
+            for part, rows_k in (("train", self.train_rows[k]), ("test", self.test_rows[k])):
+                rows, values = read[part]
+                arrays.append(np.ascontiguousarray(values[np.searchsorted(rows, rows_k)]))
+            self._cache[int(k)] = ClassificationData(arrays[0], self._labels(self.y_train, self.train_rows[k]),
+                                                     arrays[1], self._labels(self.y_test, self.test_rows[k]))
+
+    def device(self, device_id: int) -> ClassificationData:
+        """One device's data; the first call reads every hosted device's samples in one pass."""
+        k = int(device_id)
+        if k not in self._cache:
+            hosted = self._hosted if self._hosted is not None else np.arange(self.n_devices)
+            todo = [int(j) for j in hosted if int(j) not in self._read]
+            batch = todo if k in todo else [k]
+            self._load(batch)
+            self._read.update(batch)
+        return self._cache.pop(k)
+
+    def label_counts(self) -> np.ndarray | None:
+        """(N, C) int64: each device's training labels (None for float targets)."""
+        if self.regression:
+            return None
+        return np.stack([np.bincount(self.y_train[rows], minlength=self.n_classes) for rows in self.train_rows])
+
+    def describe(self) -> str:
+        n_test = sum(r.size for r in self.test_rows)
+        shape = "x".join(map(str, self.sample_shape))
+        what = f"{self.n_outputs}-value targets" if self.regression else f"{self.n_classes} classes"
+        return (f"{self.title} ({self.cfg.partition}): {self.n_devices} devices, {int(self.n_train.sum())} training "
+                f"samples of {shape} (per device {int(self.n_train.min())}..{int(self.n_train.max())}), {what}, "
+                f"{n_test} for testing")
+
+
+def _as_targets(y: np.ndarray) -> np.ndarray:
+    y = np.asarray(y, np.float64)
+    y = y.reshape(y.shape[0], -1)
+    if not np.all(np.isfinite(y)):
+        raise ConfigError("the targets hold NaN or infinity; clean the data")
+    return y
