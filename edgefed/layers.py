@@ -443,10 +443,14 @@ def build(layers, sample_shape: tuple, out_width: int, dtype, outputs_what: str 
         raise ConfigError("config: model.layers has no layer with parameters; add a dense or conv layer")
     prog = np.stack(walk.ops)
     _mark_input_gradients(prog)
-    for row in prog:
-        if row[ops.F_GRAD_IN] and row[ops.F_TYPE] in (ops.DENSE, ops.CONV):
-            walk.wt = max(walk.wt, row[ops.F_NIN] * row[ops.F_NOUT] if row[ops.F_TYPE] == ops.DENSE
-                          else row[ops.F_KH] * row[ops.F_KW] * row[ops.F_C] * row[ops.F_CO])
+    conv_wt = 0  # each convolution packs its W^T once per step and keeps it through its samples: its own room
+    for row in prog:  # a dense layer's, packed and used at once, shares the room with them
+        if row[ops.F_GRAD_IN] and row[ops.F_TYPE] == ops.DENSE:
+            walk.wt = max(walk.wt, row[ops.F_NIN] * row[ops.F_NOUT])
+        elif row[ops.F_GRAD_IN] and row[ops.F_TYPE] == ops.CONV:
+            row[ops.F_WT] = conv_wt
+            conv_wt += row[ops.F_KH] * row[ops.F_KW] * row[ops.F_C] * row[ops.F_CO]
+    walk.wt = max(walk.wt, conv_wt)
     return Network(tuple(layers), shape, out_width, prog, np.asarray(walk.slopes, np.float64),
                    np.concatenate(walk.perms) if walk.perms else np.zeros(0, np.int64), walk.dim, tuple(walk.tensors),
                    walk.next_region, walk.aux, walk.cols, walk.wt, walk.narrow, walk.pads, walk.tr, walk.fused_out,

@@ -188,7 +188,7 @@ class Sequential:
         self._check(params, X, y)
         if X.shape[0] == 0:
             return 0.0, 0
-        rows = min(self.EVAL_CHUNK, X.shape[0])
+        rows = min(self.EVAL_CHUNK, X.shape[0]) + 1  # and one row of scratch
         loss, correct = self._call(params, X, y, self._no_labels, X.shape[0], 0, 0, self.dtype.type(0), self.dtype.type(1),
                                    self._no_terms, self._no_rng, net.EVAL, self._grad, rows)
         return float(loss), int(correct)

@@ -16,9 +16,9 @@ from numba import njit
 
 from edgefed.kernels import JIT
 from edgefed.kernels.dense import relu_mask
-from edgefed.kernels.linalg import accumulate_outer, accumulate_product, copy_into, transpose_into
+from edgefed.kernels.linalg import accumulate_outer, accumulate_product, block, copy_into, transpose_into
 from edgefed.kernels.program import (F_AUX, F_C, F_CO, F_GRAD_IN, F_H, F_HO, F_HP, F_IN, F_KH, F_KW, F_MODE, F_NIN,
-                                     F_NOUT, F_OUT, F_PAD, F_PARAM, F_PL, F_PT, F_SH, F_SW, F_W, F_WO, F_WP)
+                                     F_NOUT, F_OUT, F_PAD, F_PARAM, F_PL, F_PT, F_SH, F_SW, F_W, F_WO, F_WP, F_WT)
 
 MAX, AVG, MAX_RELU = 0, 1, 2  # pooling kinds; MAX_RELU is ReLU then max pooling, computed as max then ReLU
 
@@ -116,29 +116,41 @@ def pool_forward(inp, out, arg, H, W, C, kh, kw, sh, sw, HO, WO, kind):
     """out (HO, WO, C) <- max (or mean) over each kh x kw window of inp (H, W, C), no padding, the last
     partial window dropped (PyTorch's floor); arg keeps a max's winner (tap index, first of equals).
     MAX_RELU: ReLU after the max, which equals the max of the ReLUs (both monotone) at a quarter of the
-    work."""
+    work. A mean sums its taps in (ky, kx) order in the map's type, then scales once.
+
+    Taps outermost, channels innermost: every pass runs over C contiguous values (vectorized)."""
     inv = 1.0 / (kh * kw)
     for oy in range(HO):
         for ox in range(WO):
             o = (oy * WO + ox) * C
-            for c in range(C):
-                if kind == AVG:
-                    total = 0.0  # float64, every tap in (ky, kx) order, then one rounding
-                    for ky in range(kh):
-                        for kx in range(kw):
-                            total += inp[((oy * sh + ky) * W + ox * sw + kx) * C + c]
-                    out[o + c] = total * inv
-                    continue
-                best = inp[((oy * sh) * W + ox * sw) * C + c]
-                which = 0
-                for ky in range(kh):
-                    for kx in range(kw):
-                        v = inp[((oy * sh + ky) * W + ox * sw + kx) * C + c]
-                        if v > best:
-                            best = v
-                            which = ky * kw + kx
-                out[o + c] = best if (kind == MAX or best > 0) else 0
-                arg[o + c] = which
+            dst, win = out[o:o + C], arg[o:o + C]
+            first = ((oy * sh) * W + ox * sw) * C
+            copy_into(dst, inp[first:first + C])
+            if kind != AVG:  # a mean keeps no winners (and has no room for them)
+                for c in range(C):
+                    win[c] = 0
+            for ky in range(kh):
+                for kx in range(kw):
+                    if ky == 0 and kx == 0:
+                        continue
+                    at = ((oy * sh + ky) * W + ox * sw + kx) * C
+                    src = inp[at:at + C]
+                    q = ky * kw + kx
+                    if kind == AVG:
+                        for c in range(C):
+                            dst[c] += src[c]
+                    else:
+                        for c in range(C):
+                            if src[c] > dst[c]:
+                                dst[c] = src[c]
+                                win[c] = q
+            if kind == AVG:
+                for c in range(C):
+                    dst[c] = dst[c] * inv
+            elif kind == MAX_RELU:
+                for c in range(C):
+                    if not dst[c] > 0:
+                        dst[c] = 0
 
 
 @njit(inline="always", **JIT)
@@ -190,78 +202,74 @@ def global_pool_backward(dout, din, P, C):
 
 # -------------------------------------------------------------------------------- the operations of a batch
 @njit(**JIT)
-def conv_forward_op(op, slope, perms, params, acts, aux, cols, pads, b, train, rng):
-    a0, z0, nin, nout, p = op[F_IN], op[F_OUT], op[F_NIN], op[F_NOUT], op[F_PARAM]
+def conv_forward_op(op, slope, perms, params, acts, aux, cols, pads, r0, r1, train, rng):
     C, CO = op[F_C], op[F_CO]
     depth = op[F_KH] * op[F_KW] * C
+    p = op[F_PARAM]
     Wt = params[p:p + depth * CO].reshape((depth, CO))
     bias = params[p + depth * CO:p + depth * CO + CO]
     pad = pads[op[F_PAD]:op[F_PAD] + op[F_HP] * op[F_WP] * C]
-    for r in range(b):
-        row = acts[r]
-        conv_forward(row[a0:a0 + nin], Wt, bias, row[z0:z0 + nout], op[F_H], op[F_W], C, op[F_HP], op[F_WP], op[F_PT],
-                     op[F_PL], op[F_KH], op[F_KW], op[F_SH], op[F_SW], op[F_HO], op[F_WO], CO, cols, pad,
-                     op[F_MODE] == 1)
+    X, Z = block(acts, op[F_IN], op[F_NIN]), block(acts, op[F_OUT], op[F_NOUT])
+    for r in range(r0, r1):
+        conv_forward(X[r], Wt, bias, Z[r], op[F_H], op[F_W], C, op[F_HP], op[F_WP], op[F_PT], op[F_PL], op[F_KH],
+                     op[F_KW], op[F_SH], op[F_SW], op[F_HO], op[F_WO], CO, cols, pad, op[F_MODE] == 1)
 
 
 @njit(**JIT)
-def conv_backward_op(op, slope, perms, params, grad, acts, deltas, aux, tr, cols, wt, gt, gblock, pads, b, step, lr,
+def conv_backward_op(op, slope, perms, params, grad, acts, deltas, aux, tr, cols, wt, gt, gblock, pads, r0, r1, step, lr,
                      terms):
-    """The weights' gradient over the batch (samples in order, the first written fresh), the input's
+    """Samples r0..r1-1 of the weights' gradient (samples in order, sample 0 written fresh), and their input
     deltas when a layer before has parameters; a fused ReLU's derivative first."""
-    a0, z0, nin, nout, p = op[F_IN], op[F_OUT], op[F_NIN], op[F_NOUT], op[F_PARAM]
     C, CO = op[F_C], op[F_CO]
     depth = op[F_KH] * op[F_KW] * C
+    p = op[F_PARAM]
     need = op[F_GRAD_IN] == 1
     if op[F_MODE] == 1:
-        relu_mask(acts[:b, z0:z0 + nout], deltas[:b, z0:z0 + nout], b, nout)
-    WT = wt[:CO * depth].reshape((CO, depth))
-    if need:  # packed once per step, not per sample
-        transpose_into(params[p:p + depth * CO].reshape((depth, CO)), WT, depth, CO)
+        relu_mask(acts, deltas, op[F_OUT], r0, r1, op[F_NOUT])
+    WT = wt[op[F_WT]:op[F_WT] + CO * depth].reshape((CO, depth))
     gW = grad[p:p + depth * CO].reshape((depth, CO))
     gb = grad[p + depth * CO:p + depth * CO + CO]
-    for j in range(CO):
-        gb[j] = 0
+    if r0 == 0:  # the step's first sample: W^T packed once per step, the bias's gradient from zero
+        if need:
+            transpose_into(params[p:p + depth * CO].reshape((depth, CO)), WT, depth, CO)
+        for j in range(CO):
+            gb[j] = 0
     pad = pads[op[F_PAD]:op[F_PAD] + op[F_HP] * op[F_WP] * C]
-    for r in range(b):
-        row, drow = acts[r], deltas[r]
-        conv_backward(row[a0:a0 + nin], WT, drow[z0:z0 + nout], gW, gb, drow[a0:a0 + nin], op[F_H], op[F_W], C,
-                      op[F_HP], op[F_WP], op[F_PT], op[F_PL], op[F_KH], op[F_KW], op[F_SH], op[F_SW], op[F_HO],
-                      op[F_WO], CO, cols, pad, r == 0, need)
+    X, DX = block(acts, op[F_IN], op[F_NIN]), block(deltas, op[F_IN], op[F_NIN])
+    DZ = block(deltas, op[F_OUT], op[F_NOUT])
+    for r in range(r0, r1):
+        conv_backward(X[r], WT, DZ[r], gW, gb, DX[r], op[F_H], op[F_W], C, op[F_HP], op[F_WP], op[F_PT], op[F_PL],
+                      op[F_KH], op[F_KW], op[F_SH], op[F_SW], op[F_HO], op[F_WO], CO, cols, pad, r == 0, need)
 
 
 @njit(**JIT)
-def pool_forward_op(op, slope, perms, params, acts, aux, cols, pads, b, train, rng):
-    a0, z0, nin, nout = op[F_IN], op[F_OUT], op[F_NIN], op[F_NOUT]
-    for r in range(b):
-        row = acts[r]
-        pool_forward(row[a0:a0 + nin], row[z0:z0 + nout], aux[r, op[F_AUX]:op[F_AUX] + nout], op[F_H], op[F_W],
-                     op[F_C], op[F_KH], op[F_KW], op[F_SH], op[F_SW], op[F_HO], op[F_WO], op[F_MODE])
+def pool_forward_op(op, slope, perms, params, acts, aux, cols, pads, r0, r1, train, rng):
+    X, Z, A = block(acts, op[F_IN], op[F_NIN]), block(acts, op[F_OUT], op[F_NOUT]), block(aux, op[F_AUX], op[F_NOUT])
+    for r in range(r0, r1):
+        pool_forward(X[r], Z[r], A[r], op[F_H], op[F_W], op[F_C], op[F_KH], op[F_KW], op[F_SH], op[F_SW], op[F_HO],
+                     op[F_WO], op[F_MODE])
 
 
 @njit(**JIT)
-def pool_backward_op(op, slope, perms, params, grad, acts, deltas, aux, tr, cols, wt, gt, gblock, pads, b, step, lr,
+def pool_backward_op(op, slope, perms, params, grad, acts, deltas, aux, tr, cols, wt, gt, gblock, pads, r0, r1, step, lr,
                      terms):
-    a0, z0, nin, nout = op[F_IN], op[F_OUT], op[F_NIN], op[F_NOUT]
-    for r in range(b):
-        row, drow = acts[r], deltas[r]
-        pool_backward(drow[z0:z0 + nout], aux[r, op[F_AUX]:op[F_AUX] + nout], drow[a0:a0 + nin], row[a0:a0 + nin],
-                      op[F_H], op[F_W], op[F_C], op[F_KH], op[F_KW], op[F_SH], op[F_SW], op[F_HO], op[F_WO],
-                      op[F_MODE])
+    X, DX = block(acts, op[F_IN], op[F_NIN]), block(deltas, op[F_IN], op[F_NIN])
+    DZ, A = block(deltas, op[F_OUT], op[F_NOUT]), block(aux, op[F_AUX], op[F_NOUT])
+    for r in range(r0, r1):
+        pool_backward(DZ[r], A[r], DX[r], X[r], op[F_H], op[F_W], op[F_C], op[F_KH], op[F_KW], op[F_SH], op[F_SW],
+                      op[F_HO], op[F_WO], op[F_MODE])
 
 
 @njit(**JIT)
-def global_pool_forward_op(op, slope, perms, params, acts, aux, cols, pads, b, train, rng):
-    a0, z0, nin, nout = op[F_IN], op[F_OUT], op[F_NIN], op[F_NOUT]
-    for r in range(b):
-        row = acts[r]
-        global_pool_forward(row[a0:a0 + nin], row[z0:z0 + nout], op[F_H] * op[F_W], op[F_C])
+def global_pool_forward_op(op, slope, perms, params, acts, aux, cols, pads, r0, r1, train, rng):
+    X, Z = block(acts, op[F_IN], op[F_NIN]), block(acts, op[F_OUT], op[F_NOUT])
+    for r in range(r0, r1):
+        global_pool_forward(X[r], Z[r], op[F_H] * op[F_W], op[F_C])
 
 
 @njit(**JIT)
-def global_pool_backward_op(op, slope, perms, params, grad, acts, deltas, aux, tr, cols, wt, gt, gblock, pads, b, step,
-                            lr, terms):
-    a0, z0, nin, nout = op[F_IN], op[F_OUT], op[F_NIN], op[F_NOUT]
-    for r in range(b):
-        drow = deltas[r]
-        global_pool_backward(drow[z0:z0 + nout], drow[a0:a0 + nin], op[F_H] * op[F_W], op[F_C])
+def global_pool_backward_op(op, slope, perms, params, grad, acts, deltas, aux, tr, cols, wt, gt, gblock, pads, r0, r1,
+                            step, lr, terms):
+    DX, DZ = block(deltas, op[F_IN], op[F_NIN]), block(deltas, op[F_OUT], op[F_NOUT])
+    for r in range(r0, r1):
+        global_pool_backward(DZ[r], DX[r], op[F_H] * op[F_W], op[F_C])

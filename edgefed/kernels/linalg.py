@@ -96,3 +96,12 @@ def copy_into(dst, src):
     costs Numba seconds of compilation (an error message built from the shapes)."""
     for k in range(src.shape[0]):
         dst[k] = src[k]
+
+
+@njit(inline="always", **JIT)
+def block(buf, offset, n):
+    """The rows (buf.shape[0], n) of one region of a batch buffer. Regions are stored layer-major: all of a
+    region's rows together, from buf.shape[0] * offset on, so a layer's batch is one C-contiguous matrix
+    (its products stream it, its row loops vectorize) and one sample's row of it is contiguous too."""
+    rows = buf.shape[0]
+    return buf.reshape(-1)[rows * offset:rows * (offset + n)].reshape((rows, n))

@@ -4,8 +4,9 @@ value, so a new model made of known layer types compiles nothing new.
 A model is a program: one int64 row per operation (program.py's columns) that edgefed/layers.py builds
 once from the layer list, with offsets into the flat parameters and into one sample's activations. Row 0
 gathers the input; the loss reads the last row's output. Activations, deltas and the int32 aux values
-(pooling winners, dropout masks) are (batch, per-sample total) buffers the caller owns, so a step
-allocates nothing; scratch (unrolled windows, packed transposes, padded maps) likewise.
+(pooling winners, dropout masks) are (rows, per-sample total) buffers the caller owns, each operation's
+region stored layer-major (linalg.block), so a step allocates nothing; scratch (unrolled windows, packed
+transposes, padded maps) likewise.
 
 Each layer type's operations (conv.py, dense.py, pointwise.py, norm.py) are compiled apart, with one
 forward and one backward signature for all, and `network` links each of them once: it is the only function
@@ -22,12 +23,12 @@ from edgefed.kernels.conv import (conv_backward_op, conv_forward_op, global_pool
                                   pool_backward_op, pool_forward_op)
 from edgefed.kernels.dense import FUSED_WEIGHTS, dense_backward_op, dense_forward_op
 from edgefed.kernels.fma import fma
-from edgefed.kernels.linalg import copy_into
+from edgefed.kernels.linalg import block, copy_into
 from edgefed.kernels.norm import groupnorm_backward_op, groupnorm_forward_op
 from edgefed.kernels.pointwise import (activation_backward_op, activation_forward_op, dropout_backward_op,
                                        dropout_forward_op, permute_backward_op, permute_forward_op)
-from edgefed.kernels.program import (ACTIVATION, CONV, DENSE, DROPOUT, F_GRAD_IN, F_MODE, F_NIN, F_NOUT, F_NPARAM,
-                                     F_OUT, F_PARAM, F_PERM, F_TYPE, GLOBAL_POOL, GROUPNORM, PERMUTE, POOL)
+from edgefed.kernels.program import (ACTIVATION, CONV, DENSE, DROPOUT, F_GRAD_IN, F_IN, F_MODE, F_NIN, F_NOUT,
+                                     F_NPARAM, F_OUT, F_PARAM, F_PERM, F_TYPE, GLOBAL_POOL, GROUPNORM, PERMUTE, POOL)
 from edgefed.kernels.random import draw_batch
 from edgefed.kernels.sgd import apply_step, terms_slice
 from edgefed.kernels.softmax import cross_entropy, softmax_xent
@@ -42,9 +43,10 @@ def _gather(prog, perms, X, idx, first, m, acts):
     op = prog[0]
     n_in, order = op[F_NOUT], op[F_PERM]
     permuted = op[F_MODE] == 1
+    rows = block(acts, op[F_OUT], n_in)
     for r in range(m):
         src = X[idx[r]] if idx.shape[0] > 0 else X[first + r]
-        dst = acts[r, op[F_OUT]:op[F_OUT] + n_in]
+        dst = rows[r]
         if permuted:
             for j in range(n_in):
                 dst[j] = src[perms[order + j]]
@@ -53,25 +55,51 @@ def _gather(prog, perms, X, idx, first, m, acts):
 
 
 @njit(inline="always", **JIT)
-def _forward(prog, slopes, perms, params, acts, aux, cols, pads, b, train, rng):
-    for i in range(1, prog.shape[0]):
-        op, t, s = prog[i], prog[i, F_TYPE], slopes[i]
-        if t == DENSE:
-            dense_forward_op(op, s, perms, params, acts, aux, cols, pads, b, train, rng)
-        elif t == CONV:
-            conv_forward_op(op, s, perms, params, acts, aux, cols, pads, b, train, rng)
-        elif t == POOL:
-            pool_forward_op(op, s, perms, params, acts, aux, cols, pads, b, train, rng)
-        elif t == GLOBAL_POOL:
-            global_pool_forward_op(op, s, perms, params, acts, aux, cols, pads, b, train, rng)
-        elif t == ACTIVATION:
-            activation_forward_op(op, s, perms, params, acts, aux, cols, pads, b, train, rng)
-        elif t == DROPOUT:
-            dropout_forward_op(op, s, perms, params, acts, aux, cols, pads, b, train, rng)
-        elif t == GROUPNORM:
-            groupnorm_forward_op(op, s, perms, params, acts, aux, cols, pads, b, train, rng)
-        elif t == PERMUTE:
-            permute_forward_op(op, s, perms, params, acts, aux, cols, pads, b, train, rng)
+def _forward_one(op, s, perms, params, acts, aux, cols, pads, r0, r1, train, rng):
+    t = op[F_TYPE]
+    if t == CONV:
+        conv_forward_op(op, s, perms, params, acts, aux, cols, pads, r0, r1, train, rng)
+    elif t == POOL:
+        pool_forward_op(op, s, perms, params, acts, aux, cols, pads, r0, r1, train, rng)
+    elif t == GLOBAL_POOL:
+        global_pool_forward_op(op, s, perms, params, acts, aux, cols, pads, r0, r1, train, rng)
+    elif t == ACTIVATION:
+        activation_forward_op(op, s, perms, params, acts, aux, cols, pads, r0, r1, train, rng)
+    elif t == DROPOUT:
+        dropout_forward_op(op, s, perms, params, acts, aux, cols, pads, r0, r1, train, rng)
+    elif t == GROUPNORM:
+        groupnorm_forward_op(op, s, perms, params, acts, aux, cols, pads, r0, r1, train, rng)
+    elif t == PERMUTE:
+        permute_forward_op(op, s, perms, params, acts, aux, cols, pads, r0, r1, train, rng)
+
+
+@njit(inline="always", **JIT)
+def _forward(prog, slopes, perms, params, acts, aux, cols, pads, b, train, keep, rng):
+    """Dense layers over the batch; each run of other operations between them sample by sample. Without
+    keep (evaluation: no backward pass follows), a run works in acts' last row, which stays in cache, and
+    only its output is copied to the sample's row."""
+    n_ops = prog.shape[0]
+    spare = acts.shape[0] - 1
+    i = 1
+    while i < n_ops:
+        if prog[i, F_TYPE] == DENSE:
+            dense_forward_op(prog[i], slopes[i], perms, params, acts, aux, cols, pads, 0, b, train, rng)
+            i += 1
+            continue
+        j = i
+        while j < n_ops and prog[j, F_TYPE] != DENSE:
+            j += 1
+        first = block(acts, prog[i, F_IN], prog[i, F_NIN])
+        last = block(acts, prog[j - 1, F_OUT], prog[j - 1, F_NOUT])
+        for r in range(b):
+            row = r if keep else spare
+            if not keep:
+                copy_into(first[spare], first[r])
+            for k in range(i, j):
+                _forward_one(prog[k], slopes[k], perms, params, acts, aux, cols, pads, row, row + 1, train, rng)
+            if not keep:
+                copy_into(last[r], last[spare])
+        i = j
 
 
 @njit(inline="always", **JIT)
@@ -79,15 +107,16 @@ def _loss(prog, labels, targets, idx, first, b, scale, loss_kind, acts, deltas, 
     """(summed loss, correct predictions) of rows idx[:b] (or first..); want_deltas: the output's deltas
     <- scale * dloss/doutput (cross-entropy: softmax - onehot; mse: 2 (z - t) / width)."""
     op = prog[prog.shape[0] - 1]
-    z0, width = op[F_OUT], op[F_NOUT]
+    width = op[F_NOUT]
+    Z, D = block(acts, op[F_OUT], width), block(deltas, op[F_OUT], width)
     loss = 0.0
     correct = 0
     for r in range(b):
         k = idx[r] if idx.shape[0] > 0 else first + r
-        z = acts[r, z0:z0 + width]
+        z = Z[r]
         if loss_kind == CROSS_ENTROPY:
             if want_deltas:
-                loss += softmax_xent(z, labels[k], scale, deltas[r, z0:z0 + width])
+                loss += softmax_xent(z, labels[k], scale, D[r])
             else:
                 sample_loss, best = cross_entropy(z, labels[k])
                 loss += sample_loss
@@ -101,46 +130,64 @@ def _loss(prog, labels, targets, idx, first, b, scale, loss_kind, acts, deltas, 
                 sq = fma(diff, diff, sq)
             loss += sq / width
             if want_deltas:
-                d = deltas[r, z0:z0 + width]
+                d = D[r]
                 for j in range(width):
                     d[j] = (2.0 * scale / width) * (np.float64(z[j]) - np.float64(t[j]))
     return loss, correct
 
 
 @njit(inline="always", **JIT)
+def _backward_one(op, s, perms, params, grad, acts, deltas, aux, tr, cols, wt, gt, gblock, pads, r0, r1, step, lr,
+                  terms):
+    """One operation's backward pass over samples r0..r1-1; an operation without parameters is skipped where
+    no layer before it has any (no input gradient is needed)."""
+    t = op[F_TYPE]
+    if t == CONV:
+        conv_backward_op(op, s, perms, params, grad, acts, deltas, aux, tr, cols, wt, gt, gblock, pads, r0, r1, step,
+                         lr, terms)
+    elif t == GROUPNORM:
+        groupnorm_backward_op(op, s, perms, params, grad, acts, deltas, aux, tr, cols, wt, gt, gblock, pads, r0, r1,
+                              step, lr, terms)
+    elif op[F_GRAD_IN] == 0:
+        return
+    elif t == POOL:
+        pool_backward_op(op, s, perms, params, grad, acts, deltas, aux, tr, cols, wt, gt, gblock, pads, r0, r1, step,
+                         lr, terms)
+    elif t == GLOBAL_POOL:
+        global_pool_backward_op(op, s, perms, params, grad, acts, deltas, aux, tr, cols, wt, gt, gblock, pads, r0, r1,
+                                step, lr, terms)
+    elif t == ACTIVATION:
+        activation_backward_op(op, s, perms, params, grad, acts, deltas, aux, tr, cols, wt, gt, gblock, pads, r0, r1,
+                               step, lr, terms)
+    elif t == DROPOUT:
+        dropout_backward_op(op, s, perms, params, grad, acts, deltas, aux, tr, cols, wt, gt, gblock, pads, r0, r1,
+                            step, lr, terms)
+    elif t == PERMUTE:
+        permute_backward_op(op, s, perms, params, grad, acts, deltas, aux, tr, cols, wt, gt, gblock, pads, r0, r1,
+                            step, lr, terms)
+
+
+@njit(inline="always", **JIT)
 def _backward(prog, slopes, perms, params, grad, acts, deltas, aux, tr, cols, wt, gt, gblock, pads, b, step, lr,
               terms):
-    """grad <- the parameters' gradient from the output's deltas (already in deltas); with step, a large
-    dense layer applies its weights' SGD step as it goes (dense.py) and leaves them out of grad. An
-    operation without parameters is skipped where no layer before it has any (no input gradient needed)."""
-    for i in range(prog.shape[0] - 1, 0, -1):
-        op, t, s = prog[i], prog[i, F_TYPE], slopes[i]
-        if t == DENSE:
-            dense_backward_op(op, s, perms, params, grad, acts, deltas, aux, tr, cols, wt, gt, gblock, pads, b, step,
-                              lr, terms)
-        elif t == CONV:
-            conv_backward_op(op, s, perms, params, grad, acts, deltas, aux, tr, cols, wt, gt, gblock, pads, b, step,
-                             lr, terms)
-        elif t == GROUPNORM:
-            groupnorm_backward_op(op, s, perms, params, grad, acts, deltas, aux, tr, cols, wt, gt, gblock, pads, b,
-                                  step, lr, terms)
-        elif op[F_GRAD_IN] == 0:
+    """grad <- the parameters' gradient from the output's deltas (already in deltas), in the forward pass's
+    runs; with step, a large dense layer applies its weights' SGD step as it goes (dense.py) and leaves them
+    out of grad."""
+    i = prog.shape[0] - 1
+    while i >= 1:
+        if prog[i, F_TYPE] == DENSE:
+            dense_backward_op(prog[i], slopes[i], perms, params, grad, acts, deltas, aux, tr, cols, wt, gt, gblock,
+                              pads, 0, b, step, lr, terms)
+            i -= 1
             continue
-        elif t == POOL:
-            pool_backward_op(op, s, perms, params, grad, acts, deltas, aux, tr, cols, wt, gt, gblock, pads, b, step,
-                             lr, terms)
-        elif t == GLOBAL_POOL:
-            global_pool_backward_op(op, s, perms, params, grad, acts, deltas, aux, tr, cols, wt, gt, gblock, pads, b,
-                                    step, lr, terms)
-        elif t == ACTIVATION:
-            activation_backward_op(op, s, perms, params, grad, acts, deltas, aux, tr, cols, wt, gt, gblock, pads, b,
-                                   step, lr, terms)
-        elif t == DROPOUT:
-            dropout_backward_op(op, s, perms, params, grad, acts, deltas, aux, tr, cols, wt, gt, gblock, pads, b, step,
-                                lr, terms)
-        elif t == PERMUTE:
-            permute_backward_op(op, s, perms, params, grad, acts, deltas, aux, tr, cols, wt, gt, gblock, pads, b, step,
-                                lr, terms)
+        j = i
+        while j >= 1 and prog[j, F_TYPE] != DENSE:
+            j -= 1
+        for r in range(b):
+            for k in range(i, j, -1):
+                _backward_one(prog[k], slopes[k], perms, params, grad, acts, deltas, aux, tr, cols, wt, gt, gblock,
+                              pads, r, r + 1, step, lr, terms)
+        i = j
 
 
 @njit(inline="always", **JIT)
@@ -167,27 +214,27 @@ def network(prog, slopes, perms, loss_kind, params, X, labels, targets, idx, n, 
     algorithm's terms, sgd.py); a minibatch is drawn into idx[:b] from rng as every model draws it (b = n:
     the full batch, in idx order); count = steps. MINIBATCH: grad <- scale * the summed gradient of one
     such minibatch. ROWS: grad <- scale * the summed gradient of rows idx[:b] (dropout off: the model's
-    deterministic objective). EVAL: loss and correct predictions of rows 0..n-1, acts.shape[0] at a time.
+    deterministic objective). EVAL: loss and correct predictions of rows 0..n-1, acts.shape[0] - 1 at a time.
     scale and lr come in the parameter dtype; losses are float64 sums.
     """
     empty = idx[:0]
     # flags as run-time values: a constant argument would make Numba compile each callee again for it
     train, step, want_deltas = mode == STEPS or mode == MINIBATCH, mode == STEPS, mode != EVAL
     if mode == EVAL:
-        chunk = acts.shape[0]
+        chunk = acts.shape[0] - 1  # the last row is the runs' scratch
         loss = 0.0
         correct = 0
         for i0 in range(0, n, chunk):
             m = min(chunk, n - i0)
             _gather(prog, perms, X, empty, i0, m, acts)
-            _forward(prog, slopes, perms, params, acts, aux, cols, pads, m, train, rng)
+            _forward(prog, slopes, perms, params, acts, aux, cols, pads, m, train, want_deltas, rng)
             part, right = _loss(prog, labels, targets, empty, i0, m, scale, loss_kind, acts, deltas, want_deltas)
             loss += part
             correct += right
         return loss, correct
     if mode == ROWS:
         _gather(prog, perms, X, idx, 0, b, acts)
-        _forward(prog, slopes, perms, params, acts, aux, cols, pads, b, train, rng)
+        _forward(prog, slopes, perms, params, acts, aux, cols, pads, b, train, want_deltas, rng)
         loss, _ = _loss(prog, labels, targets, idx, 0, b, scale, loss_kind, acts, deltas, want_deltas)
         _backward(prog, slopes, perms, params, grad, acts, deltas, aux, tr, cols, wt, gt, gblock, pads, b, step, lr,
                   terms)
@@ -198,7 +245,7 @@ def network(prog, slopes, perms, loss_kind, params, X, labels, targets, idx, n, 
         if b < n:
             draw_batch(rng, idx, n, b)
         _gather(prog, perms, X, idx, 0, b, acts)
-        _forward(prog, slopes, perms, params, acts, aux, cols, pads, b, train, rng)
+        _forward(prog, slopes, perms, params, acts, aux, cols, pads, b, train, want_deltas, rng)
         loss, _ = _loss(prog, labels, targets, idx, 0, b, scale, loss_kind, acts, deltas, want_deltas)
         _backward(prog, slopes, perms, params, grad, acts, deltas, aux, tr, cols, wt, gt, gblock, pads, b, step, lr,
                   terms)

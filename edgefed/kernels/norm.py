@@ -10,7 +10,8 @@ from numba import njit
 
 from edgefed.kernels import JIT
 from edgefed.kernels.fma import fma
-from edgefed.kernels.program import F_C, F_GRAD_IN, F_H, F_IN, F_MODE, F_NIN, F_NOUT, F_OUT, F_PARAM, F_W
+from edgefed.kernels.linalg import block
+from edgefed.kernels.program import F_C, F_GRAD_IN, F_H, F_IN, F_MODE, F_NOUT, F_OUT, F_PARAM, F_W
 
 EPS = 1e-5
 
@@ -75,24 +76,24 @@ def groupnorm_backward(x, gamma, dout, ggamma, gbeta, din, P, C, groups, need_di
 
 # -------------------------------------------------------------------------------- the operations of a batch
 @njit(**JIT)
-def groupnorm_forward_op(op, slope, perms, params, acts, aux, cols, pads, b, train, rng):
-    a0, z0, n, p, C = op[F_IN], op[F_OUT], op[F_NOUT], op[F_PARAM], op[F_C]
-    for r in range(b):
-        row = acts[r]
-        groupnorm_forward(row[a0:a0 + n], params[p:p + C], params[p + C:p + 2 * C], row[z0:z0 + n], op[F_H] * op[F_W],
-                          C, op[F_MODE])
+def groupnorm_forward_op(op, slope, perms, params, acts, aux, cols, pads, r0, r1, train, rng):
+    n, p, C = op[F_NOUT], op[F_PARAM], op[F_C]
+    X, Z = block(acts, op[F_IN], n), block(acts, op[F_OUT], n)
+    for r in range(r0, r1):
+        groupnorm_forward(X[r], params[p:p + C], params[p + C:p + 2 * C], Z[r], op[F_H] * op[F_W], C, op[F_MODE])
 
 
 @njit(**JIT)
-def groupnorm_backward_op(op, slope, perms, params, grad, acts, deltas, aux, tr, cols, wt, gt, gblock, pads, b, step,
-                          lr, terms):
-    """gamma's and beta's gradients summed over the batch in sample order."""
-    a0, z0, n, p, C = op[F_IN], op[F_OUT], op[F_NOUT], op[F_PARAM], op[F_C]
+def groupnorm_backward_op(op, slope, perms, params, grad, acts, deltas, aux, tr, cols, wt, gt, gblock, pads, r0, r1,
+                          step, lr, terms):
+    """gamma's and beta's gradients summed over the batch in sample order (from zero at sample 0)."""
+    n, p, C = op[F_NOUT], op[F_PARAM], op[F_C]
     gg, gbeta = grad[p:p + C], grad[p + C:p + 2 * C]
-    for j in range(C):
-        gg[j] = 0
-        gbeta[j] = 0
-    for r in range(b):
-        row, drow = acts[r], deltas[r]
-        groupnorm_backward(row[a0:a0 + n], params[p:p + C], drow[z0:z0 + n], gg, gbeta, drow[a0:a0 + n],
-                           op[F_H] * op[F_W], C, op[F_MODE], op[F_GRAD_IN] == 1)
+    if r0 == 0:
+        for j in range(C):
+            gg[j] = 0
+            gbeta[j] = 0
+    X, DX, DZ = block(acts, op[F_IN], n), block(deltas, op[F_IN], n), block(deltas, op[F_OUT], n)
+    for r in range(r0, r1):
+        groupnorm_backward(X[r], params[p:p + C], DZ[r], gg, gbeta, DX[r], op[F_H] * op[F_W], C, op[F_MODE],
+                           op[F_GRAD_IN] == 1)

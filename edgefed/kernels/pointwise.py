@@ -6,8 +6,8 @@ from numba import njit
 
 from edgefed.kernels import JIT
 from edgefed.kernels.fma import fma
-from edgefed.kernels.linalg import copy_into
-from edgefed.kernels.program import F_AUX, F_IN, F_MODE, F_NIN, F_NOUT, F_OUT, F_PERM
+from edgefed.kernels.linalg import block, copy_into
+from edgefed.kernels.program import F_AUX, F_IN, F_MODE, F_NOUT, F_OUT, F_PERM
 from edgefed.kernels.random import uniform
 
 RELU, LEAKY_RELU, TANH, SIGMOID = 0, 1, 2, 3  # activation kinds
@@ -82,58 +82,58 @@ def permute_backward(dout, din, order, n):
 
 # -------------------------------------------------------------------------------- the operations of a batch
 @njit(**JIT)
-def activation_forward_op(op, slope, perms, params, acts, aux, cols, pads, b, train, rng):
-    a0, z0, nout = op[F_IN], op[F_OUT], op[F_NOUT]
-    for r in range(b):
-        row = acts[r]
-        activation_forward(row[a0:a0 + nout], row[z0:z0 + nout], nout, op[F_MODE], slope)
+def activation_forward_op(op, slope, perms, params, acts, aux, cols, pads, r0, r1, train, rng):
+    n = op[F_NOUT]
+    X, Z = block(acts, op[F_IN], n), block(acts, op[F_OUT], n)
+    for r in range(r0, r1):
+        activation_forward(X[r], Z[r], n, op[F_MODE], slope)
 
 
 @njit(**JIT)
-def activation_backward_op(op, slope, perms, params, grad, acts, deltas, aux, tr, cols, wt, gt, gblock, pads, b, step,
-                           lr, terms):
-    a0, z0, nout = op[F_IN], op[F_OUT], op[F_NOUT]
-    for r in range(b):
-        row, drow = acts[r], deltas[r]
-        activation_backward(row[a0:a0 + nout], row[z0:z0 + nout], drow[z0:z0 + nout], drow[a0:a0 + nout], nout,
-                            op[F_MODE], slope)
+def activation_backward_op(op, slope, perms, params, grad, acts, deltas, aux, tr, cols, wt, gt, gblock, pads, r0, r1,
+                           step, lr, terms):
+    n = op[F_NOUT]
+    X, Z = block(acts, op[F_IN], n), block(acts, op[F_OUT], n)
+    DX, DZ = block(deltas, op[F_IN], n), block(deltas, op[F_OUT], n)
+    for r in range(r0, r1):
+        activation_backward(X[r], Z[r], DZ[r], DX[r], n, op[F_MODE], slope)
 
 
 @njit(**JIT)
-def dropout_forward_op(op, slope, perms, params, acts, aux, cols, pads, b, train, rng):
+def dropout_forward_op(op, slope, perms, params, acts, aux, cols, pads, r0, r1, train, rng):
     """Training: masks drawn sample by sample; evaluation: the identity."""
-    a0, z0, nout = op[F_IN], op[F_OUT], op[F_NOUT]
-    for r in range(b):
-        row = acts[r]
+    n = op[F_NOUT]
+    X, Z, M = block(acts, op[F_IN], n), block(acts, op[F_OUT], n), block(aux, op[F_AUX], n)
+    for r in range(r0, r1):
         if train:
-            dropout_forward(row[a0:a0 + nout], row[z0:z0 + nout], aux[r, op[F_AUX]:op[F_AUX] + nout], nout, slope, rng)
+            dropout_forward(X[r], Z[r], M[r], n, slope, rng)
         else:
-            copy_into(row[z0:z0 + nout], row[a0:a0 + nout])
+            copy_into(Z[r], X[r])
 
 
 @njit(**JIT)
-def dropout_backward_op(op, slope, perms, params, grad, acts, deltas, aux, tr, cols, wt, gt, gblock, pads, b, step, lr,
-                        terms):
-    a0, z0, nout = op[F_IN], op[F_OUT], op[F_NOUT]
-    for r in range(b):
-        drow = deltas[r]
-        dropout_backward(aux[r, op[F_AUX]:op[F_AUX] + nout], drow[z0:z0 + nout], drow[a0:a0 + nout], nout, slope)
+def dropout_backward_op(op, slope, perms, params, grad, acts, deltas, aux, tr, cols, wt, gt, gblock, pads, r0, r1, step,
+                        lr, terms):
+    n = op[F_NOUT]
+    DX, DZ, M = block(deltas, op[F_IN], n), block(deltas, op[F_OUT], n), block(aux, op[F_AUX], n)
+    for r in range(r0, r1):
+        dropout_backward(M[r], DZ[r], DX[r], n, slope)
 
 
 @njit(**JIT)
-def permute_forward_op(op, slope, perms, params, acts, aux, cols, pads, b, train, rng):
-    a0, z0, nout = op[F_IN], op[F_OUT], op[F_NOUT]
-    order = perms[op[F_PERM]:op[F_PERM] + nout]
-    for r in range(b):
-        row = acts[r]
-        permute_forward(row[a0:a0 + nout], row[z0:z0 + nout], order, nout)
+def permute_forward_op(op, slope, perms, params, acts, aux, cols, pads, r0, r1, train, rng):
+    n = op[F_NOUT]
+    order = perms[op[F_PERM]:op[F_PERM] + n]
+    X, Z = block(acts, op[F_IN], n), block(acts, op[F_OUT], n)
+    for r in range(r0, r1):
+        permute_forward(X[r], Z[r], order, n)
 
 
 @njit(**JIT)
-def permute_backward_op(op, slope, perms, params, grad, acts, deltas, aux, tr, cols, wt, gt, gblock, pads, b, step, lr,
-                        terms):
-    a0, z0, nout = op[F_IN], op[F_OUT], op[F_NOUT]
-    order = perms[op[F_PERM]:op[F_PERM] + nout]
-    for r in range(b):
-        drow = deltas[r]
-        permute_backward(drow[z0:z0 + nout], drow[a0:a0 + nout], order, nout)
+def permute_backward_op(op, slope, perms, params, grad, acts, deltas, aux, tr, cols, wt, gt, gblock, pads, r0, r1, step,
+                        lr, terms):
+    n = op[F_NOUT]
+    order = perms[op[F_PERM]:op[F_PERM] + n]
+    DX, DZ = block(deltas, op[F_IN], n), block(deltas, op[F_OUT], n)
+    for r in range(r0, r1):
+        permute_backward(DZ[r], DX[r], order, n)

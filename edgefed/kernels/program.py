@@ -11,7 +11,10 @@ INPUT, DENSE, CONV, POOL, GLOBAL_POOL, ACTIVATION, DROPOUT, GROUPNORM, PERMUTE =
 # output map (CO, HO, WO) (a dense layer: C = d_in, CO = d_out; a 1-D map has H = 1); kernel, stride, top and
 # left padding and the padded map's size; a mode (dense/conv: fused ReLU; pooling: kind; activation: kind;
 # groupnorm: groups; input: permuted); whether the input's gradient is needed; where its padded map starts
-# in the pads scratch, and its index map in perms.
+# in the pads scratch, its index map in perms, and (a convolution) its packed W^T in the wt scratch.
+#
+# Dense layers run over the whole batch; a run of other operations between them runs sample by sample
+# (each sample's maps stay in cache from one operation to the next), forward and backward.
 (F_TYPE, F_IN, F_OUT, F_NIN, F_NOUT, F_PARAM, F_NPARAM, F_AUX, F_C, F_H, F_W, F_CO, F_HO, F_WO, F_KH, F_KW, F_SH,
- F_SW, F_PT, F_PL, F_HP, F_WP, F_MODE, F_GRAD_IN, F_PAD, F_PERM) = range(26)
-WIDTH = 26
+ F_SW, F_PT, F_PL, F_HP, F_WP, F_MODE, F_GRAD_IN, F_PAD, F_PERM, F_WT) = range(27)
+WIDTH = 27
