@@ -71,7 +71,11 @@ def build_parser() -> argparse.ArgumentParser:
     prof.add_argument("--out", help="profile to write (TOML; under mpirun with several hosts it must contain "
                                     "{host}); default: print it")
     prof.add_argument("--name", help="the profile's name (default: the board's model, else the CPU's)")
-    prof.add_argument("--models", default="logreg,mlp,cnn", help="comma-separated models to measure")
+    prof.add_argument("--models", help="comma-separated built-in models to measure (default: logreg,mlp,cnn, "
+                                       "or none with --config)")
+    prof.add_argument("--config", metavar="CONFIG",
+                      help="also measure this experiment's model (its layers, data shape and batch), keyed by its "
+                           "layer list")
     prof.add_argument("--no-cold", action="store_true",
                       help="skip the cold-start measurement (it compiles every kernel into an empty cache)")
     prof.add_argument("--force", action="store_true", help="replace an existing --out")
@@ -115,9 +119,13 @@ def build_parser() -> argparse.ArgumentParser:
     summary.add_argument("--target-accuracy", type=float, help="also the rounds and clock seconds to reach it")
     summary.set_defaults(func=cmd_summary)
 
-    export = verbs.add_parser("export", help="a run log as tidy CSV (metrics per round, participation per device)")
+    export = verbs.add_parser("export", help="a run log as tidy CSV (metrics per round, participation per device), "
+                                             "or its model's weights for PyTorch")
     export.add_argument("log", help="run log (.h5)")
-    export.add_argument("--csv", required=True, metavar="FOLDER", help="folder for metrics.csv, participation.csv")
+    export.add_argument("--csv", metavar="FOLDER", help="folder for metrics.csv, participation.csv")
+    export.add_argument("--weights", metavar="OUT.npz",
+                        help="the server model as the equivalent torch.nn.Sequential's state_dict (.npz)")
+    export.add_argument("--round", type=int, metavar="R", help="with --weights: a stored round (default: the last)")
     export.set_defaults(func=cmd_export)
     return parser
 
@@ -288,7 +296,14 @@ def cmd_profile(args) -> int:
     from edgefed.runtime.mpi.comm import world
 
     def prepare(hosts):
-        return _names(args.models, hwprofile.MODELS, "models"), profiling.profile_targets(args.out, hosts, args.force)
+        specs = [] if args.models is None and args.config else _names(args.models or "logreg,mlp,cnn",
+                                                                         hwprofile.MODELS, "models")
+        if args.config:
+            from edgefed.config import load_config
+
+            load_config(args.config)  # bad input ends here, before anything is measured
+            specs.append(profiling.CONFIG + str(Path(args.config).resolve()))
+        return specs, profiling.profile_targets(args.out, hosts, args.force)
 
     measured = profiling.profile_hosts(world(), prepare, not args.no_cold, lambda line: print(line, flush=True))
     if isinstance(measured, int):
@@ -312,11 +327,22 @@ def cmd_summary(args) -> int:
 
 
 def cmd_export(args) -> int:
-    from edgefed.analysis.export import export_csv
+    from edgefed.analysis.export import export_csv, export_weights
     from edgefed.analysis.logs import Run
 
-    for path in export_csv(Run.read(args.log), Path(args.csv)):
-        print(f"wrote {path}")
+    if not (args.csv or args.weights):
+        raise EdgefedError("export needs --csv FOLDER or --weights OUT.npz (or both)")
+    if args.round is not None and not args.weights:
+        raise EdgefedError("--round picks the model --weights writes; add --weights OUT.npz")
+    run = Run.read(args.log)
+    if args.weights:
+        round_idx, module = export_weights(run, Path(args.weights), args.round)
+        print(f"wrote {args.weights}: the server model after round {round_idx}, as the state_dict of\n{module}\n"
+              f"load it with model.load_state_dict({{k: torch.from_numpy(v) for k, v in "
+              f"numpy.load({str(args.weights)!r}).items()}})")
+    if args.csv:
+        for path in export_csv(run, Path(args.csv)):
+            print(f"wrote {path}")
     return 0
 
 

@@ -2,7 +2,9 @@
 
 A profile is a TOML file (format 1): `[machine]` facts, `[recommend]`ed settings, `[[speed]]` entries of
 local SGD steps per second (model, parameter count, batch), and, when `edgefed profile` wrote it, start-up
-times, per-rank memory and MPI collective times. The boards edgefed knows ship in edgefed/hw_profiles/
+times, per-rank memory and MPI collective times. A speed entry names a built-in model ("logreg", "mlp",
+"cnn") or, with `model = "sequential"`, a layer list by its one-line signature in `layers` (what
+`edgefed profile --config CONFIG` measures): a model's key is its name, or "sequential: " + signature. The boards edgefed knows ship in edgefed/hw_profiles/
 (the repository's hw_profiles/ links there); `[device] profile = "pi4b"` names one of them, a path names any
 other file. Deadlines derived from a profile (`deadline_s = "auto"` or `"1.5x"`) use its `[[speed]]`
 entries: the time of K steps at the board's speed, times the factor.
@@ -29,12 +31,25 @@ TIMED = MODELS + ("quadratic",)  # a profile written by hand may time the quadra
 _FACTOR = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*x\s*$")
 
 
+SEQUENTIAL = "sequential"
+
+
 @dataclass(frozen=True)
 class Speed:
     model: str
     params: int
     batch: int
     steps_per_s: float
+    layers: str = ""  # a sequential model's signature
+
+    @property
+    def key(self) -> str:
+        return f"{SEQUENTIAL}: {self.layers}" if self.model == SEQUENTIAL else self.model
+
+
+def model_key(model) -> str:
+    """What a profile's speed entry names this model by (a built-in's name, or its layer list)."""
+    return model.profile_key() if hasattr(model, "profile_key") else model.kind
 
 
 @dataclass(frozen=True)
@@ -48,8 +63,8 @@ class Profile:
     extra: dict = field(default_factory=dict)  # startup, memory, mpi: reported, not used by the runtime
 
     def times(self, model: str) -> bool:
-        """Whether the profile has a speed for this model."""
-        return any(s.model == model for s in self.speeds)
+        """Whether the profile has a speed for this model (its key)."""
+        return any(s.key == model for s in self.speeds)
 
     def step_seconds(self, model: str, batch: int, params: int) -> float:
         """Seconds per local step of `model` with `params` parameters at `batch`, from this board's speeds.
@@ -58,11 +73,9 @@ class Profile:
         proportional to it); between or beyond measured batches the time per step is taken as linear in
         the batch (fixed cost + per-sample cost), through the two nearest; with one entry, proportional.
         """
-        entries = sorted((s for s in self.speeds if s.model == model), key=lambda s: s.batch)
+        entries = sorted((s for s in self.speeds if s.key == model), key=lambda s: s.batch)
         if not entries:
-            known = ", ".join(sorted({s.model for s in self.speeds})) or "none"
-            raise ConfigError(f"hardware profile {self.source} has no speed for model {model!r} (it has: {known}); "
-                              f"run `edgefed profile --out FILE` on that board")
+            raise ConfigError(not_timed(self, model))
         times = [(s.batch, 1.0 / s.steps_per_s / s.params) for s in entries]  # seconds per step per parameter
         batches = [b for b, _ in times]
         if batch in batches:
@@ -81,11 +94,19 @@ class Profile:
     def comm_seconds(self, model: str, params: int) -> float | None:
         """Seconds to broadcast a model of `params` parameters and gather one report, from the `[mpi]` times
         `edgefed profile` measured under mpirun (scaled by size from the model's entry); None without them."""
-        entries = [c for c in self.extra.get("mpi", {}).get("collective", []) if c.get("model") == model]
+        collectives = self.extra.get("mpi", {}).get("collective", [])
+        entries = [c for c in collectives if c.get("model") == model] or collectives  # its size is what counts
         if not entries:
             return None
-        c = entries[0]
+        c = max(entries, key=lambda c: float(c["params"]))
         return (float(c["bcast_ms"]) + float(c["gather_ms"])) / 1e3 * params / float(c["params"])
+
+
+def not_timed(profile: Profile, model: str) -> str:
+    """The one line that says a profile does not time a model, and how to make one that does."""
+    known = ", ".join(sorted({s.model for s in profile.speeds})) or "none"
+    return (f"hardware profile {profile.name} ({profile.source}) has no speed for the model {model!r} (it times: "
+            f"{known}); measure it on that board with `edgefed profile --config CONFIG --out FILE` and use that file")
 
 
 def parse_deadline(value) -> float | None:
@@ -146,16 +167,20 @@ def profile_from_dict(raw: dict, source: str) -> Profile:
         if not isinstance(entry, dict):
             raise bad(where, "must be a table ([[speed]])")
         model, params, batch, sps = (entry.get(k) for k in ("model", "params", "batch", "steps_per_s"))
-        if model not in TIMED:
-            raise bad(f"{where}.model", f"must be one of {', '.join(TIMED)}, found {model!r}")
+        layers = entry.get("layers", "")
+        if model not in TIMED + (SEQUENTIAL,):
+            raise bad(f"{where}.model", f"must be one of {', '.join(TIMED + (SEQUENTIAL,))}, found {model!r}")
+        if (model == SEQUENTIAL) != bool(layers) or not isinstance(layers, str):
+            raise bad(f"{where}.layers", 'names the layer list of a model = "sequential" (and only of one)')
         for key, value in (("params", params), ("batch", batch)):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise bad(f"{where}.{key}", f"must be a positive integer, found {value!r}")
         if not isinstance(sps, (int, float)) or isinstance(sps, bool) or not sps > 0 or not math.isfinite(sps):
             raise bad(f"{where}.steps_per_s", f"must be a positive number, found {sps!r}")
-        if any(s.model == model and s.batch == batch for s in speeds):
-            raise bad(where, f"repeats model {model!r} at batch {batch}; keep one entry per model and batch")
-        speeds.append(Speed(model, params, batch, float(sps)))
+        speed = Speed(model, params, batch, float(sps), layers)
+        if any(s.key == speed.key and s.batch == batch for s in speeds):
+            raise bad(where, f"repeats model {speed.key!r} at batch {batch}; keep one entry per model and batch")
+        speeds.append(speed)
     extra = {k: raw[k] for k in ("startup", "memory", "mpi") if k in raw}
     return Profile(raw["name"], source, bool(raw.get("measured", False)), machine, recommend, tuple(speeds), extra)
 

@@ -398,8 +398,7 @@ def build(layers, sample_shape: tuple, out_width: int, dtype, outputs_what: str 
                 pool = MAX_RELU
             row = walk.op(ops.POOL, HO * WO * C, C=C, H=H, W=W, CO=C, HO=HO, WO=WO, KH=kh, KW=size, SH=sh, SW=stride,
                           MODE=pool, AUX=walk.aux)
-            if pool != AVG:
-                walk.aux += HO * WO * C
+            walk.aux += HO * WO * C  # a max's winners (a mean's room unused: every view must fit)
             walk.shape = (C, HO, WO) if dims == 2 else (C, WO)
             walk.order = channels_last(walk.shape)
         elif kind == "global_avgpool":
@@ -444,10 +443,10 @@ def build(layers, sample_shape: tuple, out_width: int, dtype, outputs_what: str 
     prog = np.stack(walk.ops)
     _mark_input_gradients(prog)
     conv_wt = 0  # each convolution packs its W^T once per step and keeps it through its samples: its own room
-    for row in prog:  # a dense layer's, packed and used at once, shares the room with them
+    for row in prog:  # (a view of it is made even where unused); a dense layer's, packed and used at once, shares it
         if row[ops.F_GRAD_IN] and row[ops.F_TYPE] == ops.DENSE:
             walk.wt = max(walk.wt, row[ops.F_NIN] * row[ops.F_NOUT])
-        elif row[ops.F_GRAD_IN] and row[ops.F_TYPE] == ops.CONV:
+        elif row[ops.F_TYPE] == ops.CONV:
             row[ops.F_WT] = conv_wt
             conv_wt += row[ops.F_KH] * row[ops.F_KW] * row[ops.F_C] * row[ops.F_CO]
     walk.wt = max(walk.wt, conv_wt)
@@ -519,10 +518,10 @@ def torch_text(network: Network) -> str:
         elif kind in ("conv2d", "conv1d"):
             pad = layer["padding"]
             pad = f"'{pad}'" if isinstance(pad, str) else pad
-            parts.append(f"nn.Conv{kind[-2:].upper()}({shape[0]}, {layer['out']}, {layer['kernel']}, "
+            parts.append(f"nn.Conv{kind[-2:]}({shape[0]}, {layer['out']}, {layer['kernel']}, "
                          f"stride={layer['stride']}, padding={pad})")
         elif kind.endswith(("pool2d", "pool1d")):
-            name = ("Max" if kind.startswith("max") else "Avg") + "Pool" + kind[-2:].upper()
+            name = ("Max" if kind.startswith("max") else "Avg") + "Pool" + kind[-2:]
             parts.append(f"nn.{name}({layer['size']}, stride={layer.get('stride', layer['size'])})")
         elif kind == "global_avgpool":
             parts.append(f"nn.Sequential(nn.AdaptiveAvgPool{len(shape) - 1}d(1), nn.Flatten())")

@@ -95,7 +95,7 @@ class Sequential:
 
     def profile_key(self) -> str:
         """What a board profile's speed entry names this model by: a built-in's name, else its layer list."""
-        return self.kind if self.kind != "sequential" else self.network.signature()
+        return self.kind if self.kind != "sequential" else f"sequential: {self.network.signature()}"
 
     def initial_params(self) -> np.ndarray:
         return layer_lib.initial_params(self.network, self.init, generator(self.seed, Purpose.INIT), self.dtype)
@@ -123,13 +123,14 @@ class Sequential:
         """(labels, targets) as the kernel takes them: the one the loss reads, and an empty other."""
         return (y, self._no_targets) if self._loss_kind == net.CROSS_ENTROPY else (self._no_labels, y)
 
-    def _call(self, params, X, y, idx, n, b, n_steps, lr, scale, terms, rng, mode, grad, rows):
+    def _call(self, params, X, y, idx, n, b, n_steps, lr, scale, terms, rng, mode, grad, rows, outputs=None):
         acts, aux = self._acts.take(rows)
         deltas, tr = self._deltas.take(b) if mode != net.EVAL else self._no_deltas
         labels, targets = self._targets(y)
         nw = self.network
         return net.network(nw.prog, nw.slopes, nw.perms, self._loss_kind, params, X, labels, targets, idx, n, b,
-                           n_steps, lr, scale, terms, rng, mode, grad, acts, deltas, aux, tr, *self._scratch)
+                           n_steps, lr, scale, terms, rng, mode, grad, acts, deltas, aux, tr, *self._scratch,
+                           self._no_targets if outputs is None else outputs)
 
     # -- training ----------------------------------------------------------------------------------------
     def begin(self, data: ClassificationData, rng_state: np.ndarray) -> LocalRun:
@@ -192,6 +193,19 @@ class Sequential:
         loss, correct = self._call(params, X, y, self._no_labels, X.shape[0], 0, 0, self.dtype.type(0), self.dtype.type(1),
                                    self._no_terms, self._no_rng, net.EVAL, self._grad, rows)
         return float(loss), int(correct)
+
+    def outputs(self, params, X: np.ndarray) -> np.ndarray:
+        """The last layer's outputs (logits, or a regression's values) for each row of X, dropout off."""
+        if params.dtype != self.dtype or X.dtype != self.dtype or X.ndim != 2 or X.shape[1] != self.n_features:
+            raise ValueError(f"params and X must be {self.dtype}, X (n, {self.n_features})")
+        out = np.zeros((X.shape[0], self.n_outputs), self.dtype)
+        if X.shape[0]:
+            y = (np.zeros(X.shape[0], np.int64) if self.has_accuracy
+                 else np.zeros((X.shape[0], self.n_outputs), self.dtype))
+            self._call(params, np.ascontiguousarray(X), y, self._no_labels, X.shape[0], 0, 0, self.dtype.type(0),
+                       self.dtype.type(1), self._no_terms, self._no_rng, net.EVAL, self._grad,
+                       min(self.EVAL_CHUNK, X.shape[0]) + 1, out)
+        return out
 
     def train_loss(self, params, data: ClassificationData) -> float:
         return self.loss_correct(params, data.X_train, data.y_train)[0] / data.n_train

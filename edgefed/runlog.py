@@ -88,6 +88,7 @@ class Header:
     row_states: tuple = ()  # (name, shape, dtype) of per-device state updated by rows, e.g. the c_k
     attrs: dict = field(default_factory=dict)
     restarts: tuple = ()  # the worlds `edgefed launch` started again on this log (dicts of RESTART's fields)
+    label_counts: np.ndarray | None = None  # (N, C) int64: each device's training labels (classification)
 
     def __post_init__(self):
         """An algorithm's names must not take the log's own: /state holds round, x and undo/, undo/ holds
@@ -442,6 +443,10 @@ def _write_skeleton(f: h5py.File, header: Header) -> None:
     _write_restarts(f, header.restarts)
     f.create_dataset("devices/n_train", data=np.asarray(header.n_train, dtype=np.int64))
     f["devices/n_train"].attrs["meaning"] = "training samples n_k of each device (device_id = index)"
+    if header.label_counts is not None:
+        f.create_dataset("devices/label_counts", data=np.asarray(header.label_counts, dtype=np.int64))
+        f["devices/label_counts"].attrs["meaning"] = ("training samples of each label on each device "
+                                                      "(device_id, label)")
     state = f.create_group("state")
     state.attrs["meaning"] = "what --resume needs after the last completed round"
     state.create_dataset("round", data=np.array([-1], dtype=np.int64))

@@ -63,3 +63,27 @@ def interrupted_then_resumed(cfg, tmp_path, stop_round: int):
     point = run_until(cfg, part, stop_round)
     runs.run(cfg, part, resume_point=point)
     return read_run(whole), read_run(part)
+
+
+def logreg_model(features, classes, dtype):
+    """The built-in logistic regression (a layer list) for vectors of `features` values."""
+    from edgefed.models import Sequential
+
+    return Sequential.builtin("logreg", (features,), classes, dtype)
+
+
+def mlp_model(sizes, dtype, seed=0):
+    """The built-in MLP of these layer widths (input, hidden..., classes)."""
+    from edgefed.models import Sequential
+
+    return Sequential.builtin("mlp", (sizes[0],), sizes[-1], dtype, seed, tuple(sizes[1:-1]))
+
+
+def cnn_model(pixels, classes, dtype, seed=0):
+    """McMahan et al.'s CNN for square one-channel images of `pixels` values."""
+    from math import isqrt
+
+    from edgefed.models import Sequential
+
+    side = isqrt(pixels)
+    return Sequential.builtin("cnn", (1, side, side), classes, dtype, seed)

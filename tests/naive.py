@@ -33,6 +33,10 @@ class Xoshiro:
             if (prod & 0xFFFFFFFF) >= ((1 << 32) - m) % m:
                 return prod >> 32
 
+    def uniform(self):
+        """A float in [0, 1) from the top 53 bits."""
+        return (self.next() >> 11) * (1.0 / 9007199254740992.0)
+
     def batch(self, perm, b):
         n = len(perm)
         for i in range(b):
@@ -124,3 +128,208 @@ def scaffold_quadratic(A, b, x0, rounds, K, lr_l, lr_g, option, selections, c_cl
         cs.append(c.copy())
         cks.append(ck.copy())
     return np.array(xs), np.array(cs), np.array(cks)
+
+
+# ------------------------------------------------------------------------------ layers, in PyTorch's semantics
+# Channels-first samples, weights in PyTorch's shapes ((out, in) dense, (out, in, k, k) conv2d, (out, in, k)
+# conv1d), one function per layer type for the forward pass and one for the backward pass, plain loops and
+# einsum: the reference edgefed's layer library (channels-last inside, its own summation order) is held to.
+
+def _pads(padding, k, stride):
+    if padding == "same":
+        return (k - 1) // 2, k - 1 - (k - 1) // 2
+    p = 0 if padding == "valid" else padding
+    return p, p
+
+
+def conv_forward(x, w, b, stride, pads_h, pads_w):
+    """x (N, C, H, W), w (O, C, kh, kw): cross-correlation, zero padding (top, bottom), (left, right)."""
+    xp = np.pad(x, ((0, 0), (0, 0), pads_h, pads_w))
+    kh, kw = w.shape[2:]
+    sh, sw = stride
+    ho, wo = (xp.shape[2] - kh) // sh + 1, (xp.shape[3] - kw) // sw + 1
+    out = np.zeros((x.shape[0], w.shape[0], ho, wo)) + b[None, :, None, None]
+    for ky in range(kh):
+        for kx in range(kw):
+            patch = xp[:, :, ky:ky + sh * (ho - 1) + 1:sh, kx:kx + sw * (wo - 1) + 1:sw]
+            out += np.einsum("nchw,oc->nohw", patch, w[:, :, ky, kx])
+    return out
+
+
+def conv_backward(x, w, stride, pads_h, pads_w, dout):
+    """(dx, dw, db) of conv_forward."""
+    xp = np.pad(x, ((0, 0), (0, 0), pads_h, pads_w))
+    dxp = np.zeros_like(xp)
+    kh, kw = w.shape[2:]
+    sh, sw = stride
+    ho, wo = dout.shape[2:]
+    dw = np.zeros_like(w)
+    for ky in range(kh):
+        for kx in range(kw):
+            window = (slice(None), slice(None), slice(ky, ky + sh * (ho - 1) + 1, sh), slice(kx, kx + sw * (wo - 1) + 1, sw))
+            dw[:, :, ky, kx] = np.einsum("nohw,nchw->oc", dout, xp[window])
+            dxp[window] += np.einsum("nohw,oc->nchw", dout, w[:, :, ky, kx])
+    dx = dxp[:, :, pads_h[0]:dxp.shape[2] - pads_h[1], pads_w[0]:dxp.shape[3] - pads_w[1]]
+    return dx, dw, dout.sum(axis=(0, 2, 3))
+
+
+def pool_forward(x, size, stride, kind):
+    """Max or mean over (size) windows of x (N, C, H, W) at (stride), floor; the max's first winner index."""
+    kh, kw = size
+    sh, sw = stride
+    ho, wo = (x.shape[2] - kh) // sh + 1, (x.shape[3] - kw) // sw + 1
+    taps = np.stack([x[:, :, ky:ky + sh * (ho - 1) + 1:sh, kx:kx + sw * (wo - 1) + 1:sw]
+                     for ky in range(kh) for kx in range(kw)])
+    if kind == "avg":
+        return taps.mean(axis=0), None
+    return taps.max(axis=0), taps.argmax(axis=0)
+
+
+def pool_backward(x, size, stride, kind, winner, dout):
+    kh, kw = size
+    sh, sw = stride
+    ho, wo = dout.shape[2:]
+    dx = np.zeros_like(x)
+    for ky in range(kh):
+        for kx in range(kw):
+            q = ky * kw + kx
+            part = dout / (kh * kw) if kind == "avg" else dout * (winner == q)
+            dx[:, :, ky:ky + sh * (ho - 1) + 1:sh, kx:kx + sw * (wo - 1) + 1:sw] += part
+    return dx
+
+
+def groupnorm_forward(x, gamma, beta, groups, eps=1e-5):
+    n, c = x.shape[:2]
+    g = x.reshape(n, groups, -1)
+    mean, var = g.mean(axis=2, keepdims=True), g.var(axis=2, keepdims=True)
+    xh = ((g - mean) / np.sqrt(var + eps)).reshape(x.shape)
+    shape = (1, c) + (1,) * (x.ndim - 2)
+    return xh * gamma.reshape(shape) + beta.reshape(shape), (xh, var)
+
+
+def groupnorm_backward(x, gamma, groups, cache, dout, eps=1e-5):
+    xh, var = cache
+    n, c = x.shape[:2]
+    shape = (1, c) + (1,) * (x.ndim - 2)
+    axes = (0,) + tuple(range(2, x.ndim))
+    dgamma, dbeta = (dout * xh).sum(axis=axes), dout.sum(axis=axes)
+    dxh = (dout * gamma.reshape(shape)).reshape(n, groups, -1)
+    xhg = xh.reshape(n, groups, -1)
+    dx = (dxh - dxh.mean(axis=2, keepdims=True) - xhg * (dxh * xhg).mean(axis=2, keepdims=True)) / np.sqrt(var + eps)
+    return dx.reshape(x.shape), dgamma, dbeta
+
+
+def network_forward(layers, params, x, masks=None):
+    """Outputs of the layer list on x (N, *sample shape as the first layer takes it); params: the
+    state_dict ("<i>.weight", "<i>.bias"); masks[i]: layer i's dropout keep-mask (None: evaluation).
+    Returns (outputs, tape) for network_backward."""
+    tape = []
+    h = x
+    for i, layer in enumerate(layers):
+        kind = layer["type"]
+        w, b = params.get(f"{i}.weight"), params.get(f"{i}.bias")
+        inp = h
+        extra = None
+        if kind == "dense":
+            h = h @ w.T + b
+        elif kind in ("conv2d", "conv1d"):
+            one_d = kind == "conv1d"
+            k, s = layer["kernel"], layer.get("stride", 1)
+            xh = h[:, :, None, :] if one_d else h
+            wh = w[:, :, None, :] if one_d else w
+            pads = _pads(layer.get("padding", "same"), k, s)
+            extra = (xh, wh, (1, s) if one_d else (s, s), (0, 0) if one_d else pads, pads)
+            out = conv_forward(xh, wh, b, extra[2], extra[3], extra[4])
+            h = out[:, :, 0, :] if one_d else out
+        elif kind.endswith(("pool2d", "pool1d")):
+            one_d = kind.endswith("1d")
+            size, stride = layer["size"], layer.get("stride", layer["size"])
+            xh = h[:, :, None, :] if one_d else h
+            dims = ((1, size), (1, stride)) if one_d else ((size, size), (stride, stride))
+            out, winner = pool_forward(xh, *dims, kind[:3])
+            extra = (xh, dims, winner)
+            h = out[:, :, 0, :] if one_d else out
+        elif kind == "global_avgpool":
+            h = h.reshape(h.shape[0], h.shape[1], -1).mean(axis=2)
+        elif kind == "flatten":
+            h = h.reshape(h.shape[0], -1)
+        elif kind == "reshape":
+            h = h.reshape(h.shape[0], *layer["shape"])
+        elif kind == "relu":
+            h = np.maximum(h, 0)
+        elif kind == "leaky_relu":
+            h = np.where(h >= 0, h, h * layer.get("slope", 0.01))
+        elif kind == "tanh":
+            h = np.tanh(h)
+        elif kind == "sigmoid":
+            h = 1 / (1 + np.exp(-h))
+        elif kind == "dropout":
+            if masks is not None:
+                h = h * masks[i] / (1 - layer.get("rate", 0.5))
+        elif kind == "groupnorm":
+            h, extra = groupnorm_forward(h, w, b, layer["groups"])
+        else:
+            raise ValueError(kind)
+        tape.append((inp, h, extra))
+    return h, tape
+
+
+def network_backward(layers, params, tape, dout, masks=None):
+    """The state_dict's gradients from the outputs' gradient dout."""
+    grads = {}
+    d = dout
+    for i in range(len(layers) - 1, -1, -1):
+        layer, (inp, out, extra) = layers[i], tape[i]
+        kind = layer["type"]
+        w = params.get(f"{i}.weight")
+        if kind == "dense":
+            grads[f"{i}.weight"], grads[f"{i}.bias"] = d.T @ inp, d.sum(axis=0)
+            d = d @ w
+        elif kind in ("conv2d", "conv1d"):
+            xh, wh, stride, ph, pw = extra
+            dh = d[:, :, None, :] if kind == "conv1d" else d
+            dx, dw, db = conv_backward(xh, wh, stride, ph, pw, dh)
+            grads[f"{i}.weight"] = dw[:, :, 0, :] if kind == "conv1d" else dw
+            grads[f"{i}.bias"] = db
+            d = dx[:, :, 0, :] if kind == "conv1d" else dx
+        elif kind.endswith(("pool2d", "pool1d")):
+            xh, dims, winner = extra
+            dh = d[:, :, None, :] if kind.endswith("1d") else d
+            dx = pool_backward(xh, *dims, kind[:3], winner, dh)
+            d = dx[:, :, 0, :] if kind.endswith("1d") else dx
+        elif kind == "global_avgpool":
+            spatial = inp.shape[2:]
+            d = np.broadcast_to(d.reshape(d.shape + (1,) * len(spatial)), inp.shape) / np.prod(spatial)
+        elif kind in ("flatten", "reshape"):
+            d = d.reshape(inp.shape)
+        elif kind == "relu":
+            d = d * (inp > 0)
+        elif kind == "leaky_relu":
+            d = np.where(inp > 0, d, d * layer.get("slope", 0.01))
+        elif kind == "tanh":
+            d = d * (1 - out ** 2)
+        elif kind == "sigmoid":
+            d = d * out * (1 - out)
+        elif kind == "dropout":
+            if masks is not None:
+                d = d * masks[i] / (1 - layer.get("rate", 0.5))
+        elif kind == "groupnorm":
+            d, grads[f"{i}.weight"], grads[f"{i}.bias"] = groupnorm_backward(inp, w, layer["groups"], extra, d)
+    return grads
+
+
+def network_loss_grad(layers, params, x, y, loss="cross_entropy", masks=None):
+    """Mean loss over the batch and the state_dict's gradients (PyTorch's CrossEntropyLoss / MSELoss)."""
+    z, tape = network_forward(layers, params, x, masks)
+    n = z.shape[0]
+    if loss == "cross_entropy":
+        zs = z - z.max(axis=1, keepdims=True)
+        p = np.exp(zs) / np.exp(zs).sum(axis=1, keepdims=True)
+        value = -np.mean(np.log(p[np.arange(n), y]))
+        dz = p.copy()
+        dz[np.arange(n), y] -= 1
+        dz /= n
+    else:
+        value = np.mean((z - y) ** 2)
+        dz = 2 * (z - y) / z.size
+    return value, network_backward(layers, params, tape, dz, masks)

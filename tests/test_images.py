@@ -11,12 +11,11 @@ import pytest
 from edgefed.config import load_config
 from edgefed.errors import ConfigError, ProblemFileError
 from edgefed.kernels.sgd import step_terms
-from edgefed.models import MLP
 from edgefed.problems import ClassificationData
 from edgefed.problems import idx
 from edgefed.problems.partition import partition
 from edgefed.rng import Purpose, kernel_state
-from helpers import problem_of
+from helpers import cnn_model, logreg_model, mlp_model, problem_of
 from naive import Xoshiro
 
 # The real t10k files: the example's data/mnist/ in the checkout, else a shared data folder beside it.
@@ -159,7 +158,7 @@ def test_mlp_steps_match_numpy(dtype, tol, batch):
     sizes = (7, 5, 6, 3)
     X, y = g.normal(size=(31, 7)).astype(dtype), g.integers(0, 3, 31)
     data = ClassificationData(X, y, X[:4].copy(), y[:4].copy())
-    model = MLP(sizes, dtype, seed=1)
+    model = mlp_model(sizes, dtype, seed=1)
     x0 = model.initial_params()
     corr = (0.01 * g.normal(size=model.dim)).astype(dtype)
     state = kernel_state(5, Purpose.LOCAL, 2, 1)
@@ -176,7 +175,7 @@ def test_mlp_full_gradient_loss_and_finite_differences():
     sizes = (6, 8, 4)
     X, y = g.normal(size=(600, 6)), g.integers(0, 4, 600)  # more rows than one evaluation chunk
     data = ClassificationData(X, y, X[:5].copy(), y[:5].copy())
-    model = MLP(sizes, np.float64, seed=0)
+    model = mlp_model(sizes, np.float64, seed=0)
     x = model.initial_params() + 0.05 * g.normal(size=model.dim)
     grad = np.zeros(model.dim)
     loss = model.loss_grad(x, data, grad)
@@ -192,13 +191,13 @@ def test_mlp_full_gradient_loss_and_finite_differences():
 
 
 def test_2nn_has_mcmahans_parameter_count_and_glorot_init():
-    model = MLP((784, 200, 200, 10), np.float32, seed=0)
+    model = mlp_model((784, 200, 200, 10), np.float32, seed=0)
     assert model.dim == 199_210
     x = model.initial_params()
     w1 = x[: 784 * 200]
     assert np.abs(w1).max() <= np.sqrt(6 / 984) and np.abs(w1.std() - np.sqrt(2 / 984)) < 2e-3
     assert not x[784 * 200:784 * 200 + 200].any()  # zero biases
-    assert np.array_equal(x, MLP((784, 200, 200, 10), np.float32, seed=0).initial_params())
+    assert np.array_equal(x, mlp_model((784, 200, 200, 10), np.float32, seed=0).initial_params())
 
 
 def naive_cnn_loss(params, side, n_classes, X, y):
@@ -233,14 +232,12 @@ def naive_cnn_loss(params, side, n_classes, X, y):
 
 
 def test_cnn_matches_its_definition_and_finite_differences():
-    from edgefed.models import CNN
-
-    assert CNN(784, 10, np.float32, 0).dim == 1_663_370  # McMahan et al.'s count, with "same" padding
-    assert CNN(784, 62, np.float32, 0).dim == 1_663_370 + 52 * 513  # EMNIST ByClass
+    assert cnn_model(784, 10, np.float32, 0).dim == 1_663_370  # McMahan et al.'s count, with "same" padding
+    assert cnn_model(784, 62, np.float32, 0).dim == 1_663_370 + 52 * 513  # EMNIST ByClass
     g = np.random.default_rng(4)
     X, y = g.random((70, 64)), g.integers(0, 3, 70)  # 70 rows: more than one evaluation chunk
     data = ClassificationData(X, y, X[:3].copy(), y[:3].copy())
-    model = CNN(64, 3, np.float64, seed=0)
+    model = cnn_model(64, 3, np.float64, seed=0)
     x = model.initial_params() + 0.01 * g.normal(size=model.dim)
     grad = np.zeros(model.dim)
     loss = model.loss_grad(x, data, grad)

@@ -7,10 +7,10 @@ from hypothesis import strategies as st
 
 from edgefed.kernels import random as krandom
 from edgefed.kernels.sgd import step_terms
-from edgefed.models import LogReg, Quadratic
+from edgefed.models import Quadratic
 from edgefed.problems import ClassificationData, QuadraticData
 from edgefed.rng import Purpose, kernel_state
-from helpers import fma_exact
+from helpers import cnn_model, fma_exact, logreg_model, mlp_model
 from naive import Xoshiro, logreg_sgd, softmax_ce
 
 
@@ -55,7 +55,7 @@ def _problem(n=37, f=6, c=4, seed=0, dtype=np.float64):
 @pytest.mark.parametrize("batch", [1, 8, 37, 100])
 def test_logreg_sgd_matches_numpy_reference(dtype, tol, batch):
     data = _problem(dtype=dtype)
-    model = LogReg(6, 4, dtype)
+    model = logreg_model(6, 4, dtype)
     g = np.random.default_rng(1)
     x0 = (0.1 * g.normal(size=model.dim)).astype(dtype)
     state = kernel_state(7, Purpose.LOCAL, 1, 2)
@@ -68,7 +68,7 @@ def test_logreg_sgd_matches_numpy_reference(dtype, tol, batch):
 
 def test_logreg_loss_grad_matches_numpy_and_finite_differences():
     data = _problem()
-    model = LogReg(6, 4, np.float64)
+    model = logreg_model(6, 4, np.float64)
     x = np.random.default_rng(2).normal(size=model.dim)
     grad = np.zeros(model.dim)
     loss = model.loss_grad(x, data, grad)
@@ -85,7 +85,7 @@ def test_logreg_loss_grad_matches_numpy_and_finite_differences():
 
 def test_logreg_loss_correct_counts_and_survives_huge_logits():
     data = _problem()
-    model = LogReg(6, 4, np.float64)
+    model = logreg_model(6, 4, np.float64)
     x = np.random.default_rng(3).normal(size=model.dim)
     loss, correct = model.loss_correct(x, data.X_train, data.y_train)
     z = data.X_train @ x[:24].reshape(6, 4) + x[24:]
@@ -103,7 +103,7 @@ def test_logreg_loss_correct_counts_and_survives_huge_logits():
 
 def test_logreg_edge_cases():
     data = _problem(n=1)
-    model = LogReg(6, 4, np.float64)
+    model = logreg_model(6, 4, np.float64)
     x = np.zeros(model.dim)
     run = model.begin(data, kernel_state(0, Purpose.LOCAL, 1, 0))
     model.local_steps(x, data, run, 5, 0 + 20, 0.0)  # zero learning rate: nothing moves
@@ -116,7 +116,7 @@ def test_logreg_edge_cases():
 
 def test_full_batch_step_is_gradient_descent():
     data = _problem()
-    model = LogReg(6, 4, np.float64)
+    model = logreg_model(6, 4, np.float64)
     x = np.random.default_rng(4).normal(size=model.dim)
     grad = np.zeros(model.dim)
     model.loss_grad(x, data, grad)
@@ -128,7 +128,7 @@ def test_full_batch_step_is_gradient_descent():
 @pytest.mark.parametrize("model_kind", ["logreg", "quadratic"])
 def test_local_work_split_in_chunks_draws_the_same(model_kind):
     if model_kind == "logreg":
-        data, model = _problem(dtype=np.float32), LogReg(6, 4, np.float32)
+        data, model = _problem(dtype=np.float32), logreg_model(6, 4, np.float32)
     else:
         g = np.random.default_rng(5)
         data, model = QuadraticData(g.uniform(1, 2, 9), g.normal(size=9), 0.3), Quadratic(9, np.zeros(9), np.float64)
@@ -168,7 +168,7 @@ def test_quadratic_noise_has_the_configured_spread():
 @pytest.mark.parametrize("dtype,tol", [(np.float64, 1e-12), (np.float32, 2e-5)])
 def test_logreg_scaffold_correction_matches_reference(dtype, tol):
     data = _problem(dtype=dtype)
-    model = LogReg(6, 4, dtype)
+    model = logreg_model(6, 4, dtype)
     g = np.random.default_rng(6)
     x0 = (0.1 * g.normal(size=model.dim)).astype(dtype)
     corr = (0.05 * g.normal(size=model.dim)).astype(dtype)
@@ -182,7 +182,7 @@ def test_logreg_scaffold_correction_matches_reference(dtype, tol):
 
 def test_logreg_oracle_gradient_is_one_minibatch():
     data = _problem()
-    model = LogReg(6, 4, np.float64)
+    model = logreg_model(6, 4, np.float64)
     x = np.random.default_rng(7).normal(size=model.dim)
     state = kernel_state(4, Purpose.CONTROL, 1, 0)
     idx = Xoshiro(state.copy()).batch(list(range(37)), 8)

@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from edgefed.kernels.sgd import step_terms
-from edgefed.models import CNN, MLP, LogReg, Quadratic
+from edgefed.models import Quadratic
 from edgefed.orchestration import run as runs
 from edgefed.participation import schemes
 from edgefed.problems import ClassificationData, QuadraticData
@@ -15,7 +15,7 @@ from edgefed.rng import Purpose, kernel_state
 from edgefed.runlog import read_run
 from edgefed.tracefiles import write_trace_file
 from conftest import config_with
-from helpers import compared
+from helpers import cnn_model, compared, logreg_model, mlp_model
 from naive import Xoshiro, logreg_sgd
 from test_images import naive_cnn_loss, naive_mlp_steps
 from test_protocol import loopback_run
@@ -221,7 +221,7 @@ def test_fedprox_term_in_the_logreg_and_mlp_kernels(dtype, tol):
     X, y = g.normal(size=(37, 6)).astype(dtype), g.integers(0, 4, 37)
     data = ClassificationData(X, y, X[:3].copy(), y[:3].copy())
     state = kernel_state(2, Purpose.LOCAL, 3, 1)
-    logreg = LogReg(6, 4, dtype)
+    logreg = logreg_model(6, 4, dtype)
     x0 = (0.3 * g.normal(size=logreg.dim)).astype(dtype)
     expect = logreg_sgd(x0, X.astype(np.float64), y, 4, 9, 8, 0.2, state.copy(), mu=0.7,
                         anchor=x0.astype(np.float64))
@@ -229,7 +229,7 @@ def test_fedprox_term_in_the_logreg_and_mlp_kernels(dtype, tol):
     logreg.local_steps(x, data, logreg.begin(data, state.copy()), 9, 8, 0.2, step_terms(dtype, anchor=x0, mu=0.7))
     np.testing.assert_allclose(x, expect, rtol=tol, atol=tol)
     assert np.abs(expect - logreg_sgd(x0, X.astype(np.float64), y, 4, 9, 8, 0.2, state.copy())).max() > 10 * tol
-    mlp = MLP((6, 5, 4), dtype, seed=1)
+    mlp = mlp_model((6, 5, 4), dtype, seed=1)
     x0 = mlp.initial_params()
     expect = naive_mlp_steps(x0, (6, 5, 4), X.astype(np.float64), y, 9, 8, 0.2, state.copy(), mu=0.7,
                              anchor=x0.astype(np.float64) + 0.1)
@@ -242,7 +242,7 @@ def test_fedprox_term_in_the_cnn_and_quadratic_kernels():
     g = np.random.default_rng(4)
     X, y = g.random((30, 64)), g.integers(0, 3, 30)
     data = ClassificationData(X, y, X[:3].copy(), y[:3].copy())
-    model = CNN(64, 3, np.float64, seed=0)
+    model = cnn_model(64, 3, np.float64, seed=0)
     x = model.initial_params() + 0.01 * g.normal(size=model.dim)
     anchor = x + 0.05 * g.normal(size=model.dim)
     state = kernel_state(1, Purpose.LOCAL, 1, 0)

@@ -1,5 +1,6 @@
-"""`edgefed export --csv`: a run log as tidy CSV, for pandas and R: one row per round (metrics.csv) and one
-per round and device (participation.csv). Rounds are 1-based (round 0, in metrics.csv, is the start)."""
+"""`edgefed export`: a run log as tidy CSV, for pandas and R (`--csv`: one row per round in metrics.csv and one
+per round and device in participation.csv; rounds are 1-based, round 0 in metrics.csv is the start), and a
+stored server model as the equivalent torch.nn.Sequential's state_dict (`--weights OUT.npz`)."""
 
 from __future__ import annotations
 
@@ -8,8 +9,12 @@ from pathlib import Path
 
 import numpy as np
 
+import os
+
+from edgefed import config as config_mod
+from edgefed import layers as layer_lib
 from edgefed.analysis.logs import Run
-from edgefed.errors import RunLogError
+from edgefed.errors import EdgefedError, RunLogError
 
 PER_ROUND = ("lr", "n_applied", "round_elapsed_s")  # round rows only (no round 0)
 PER_EVAL = ("train_loss", "test_loss", "test_accuracy", "clock_s")  # round 0 too
@@ -50,3 +55,47 @@ def export_csv(run: Run, folder: Path) -> list[Path]:
             for k in range(columns[0].shape[1]):
                 w.writerow([r + 1, k, *(_cell(c[r, k]) for c in columns)])
     return paths
+
+
+def network_of(run: Run) -> layer_lib.Network:
+    """The run's model as a planned layer list, from its config and the data's shape the log keeps."""
+    cfg = config_mod.config_from_dict(config_mod.parse_toml(run.config_toml, f"the config stored in {run.path}"))
+    kind = cfg.model.kind
+    if kind == "quadratic":
+        raise EdgefedError(f"{run.path}: the quadratic model is the vector x itself, with no PyTorch equivalent; "
+                           "read /trajectory/x")
+    if "sample_shape" not in run.attrs:
+        raise EdgefedError(f"{run.path} was written before logs kept the data's shape (edgefed < 0.2); run it again "
+                           "to export its weights")
+    shape = tuple(int(v) for v in run.attrs["sample_shape"])
+    outputs = int(run.attrs["model_outputs"])
+    layers = (cfg.model.layers if kind == "sequential"
+              else layer_lib.builtin_layers(kind, shape, outputs, cfg.model.hidden))
+    return layer_lib.build(layers, shape, outputs, cfg.model.dtype)
+
+
+def export_weights(run: Run, out: Path, round_idx: int | None = None) -> tuple[int, str]:
+    """Write the server model of a stored round (default: the last) as one array per parameter, named and
+    shaped as the equivalent torch.nn.Sequential's state_dict; returns (round, that Sequential as Python)."""
+    network = network_of(run)
+    stored = run["trajectory/round"]
+    if round_idx is None:
+        row = len(stored) - 1
+    else:
+        hits = np.flatnonzero(stored == round_idx)
+        if not hits.size:
+            shown = ", ".join(map(str, stored[:8])) + (", ..." if len(stored) > 8 else "")
+            raise EdgefedError(f"--round {round_idx}: {run.path} stores the model of rounds {shown} (the last "
+                               f"{int(stored[-1])}); pick one of them")
+        row = int(hits[0])
+    weights = layer_lib.state_dict(network, np.asarray(run["trajectory/x"][row]))
+    out = Path(out)
+    tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp.npz")
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        np.savez(tmp, **weights)
+        tmp.replace(out)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        raise EdgefedError(f"cannot write {out} ({exc}); choose another --weights file") from None
+    return int(stored[row]), layer_lib.torch_text(network)

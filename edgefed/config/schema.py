@@ -178,7 +178,9 @@ class FaultConfig:
 @dataclass(frozen=True)
 class LogConfig:
     path: str | None = None
-    every: int = 1
+    every: int | None = None  # store the server model every k rounds (and round 0 and R); None: every round,
+    # or every k-th where that would exceed trajectory_mb
+    trajectory_mb: float = 100.0  # the stored models' budget when every is not set
     eval_every: int = 1
     client_controls: bool = False  # also log every device's own vectors (SCAFFOLD's c_k) at the stored rounds
 

@@ -91,7 +91,9 @@ def validate(cfg: Config) -> Config:
             raise ConfigError(f"config: fault[{i}].round = {fault.round} is not a round (1..{cfg.rounds})")
         if not (fault.seconds >= 0 and math.isfinite(fault.seconds)):
             raise ConfigError(f"config: fault[{i}].seconds = {fault.seconds} must be a finite number >= 0")
-    _positive(cfg.log.every, "log.every", "every = 10")
+    if cfg.log.every is not None:
+        _positive(cfg.log.every, "log.every", "every = 10")
+    _positive(cfg.log.trajectory_mb, "log.trajectory_mb", "trajectory_mb = 100")
     _positive(cfg.log.eval_every, "log.eval_every", "eval_every = 5")
     return dataclasses.replace(cfg, data=data, model=model, train=train, fedprox=fedprox, participation=participation,
                                compress=compress)

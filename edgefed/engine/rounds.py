@@ -172,8 +172,9 @@ class RoundEngine:
         n_test = int(ev.n_test[active_ids].sum())
         if n_test == 0:
             return train, math.nan, math.nan
-        return (train, float(ev.test_loss_sum[active_ids].sum() / n_test),
-                float(ev.test_correct[active_ids].sum() / n_test))
+        correct = ev.test_correct[active_ids]
+        accuracy = math.nan if (correct < 0).any() else float(correct.sum() / n_test)  # < 0: no accuracy (mse)
+        return train, float(ev.test_loss_sum[active_ids].sum() / n_test), accuracy
 
     def _due(self, round_idx: int) -> tuple[bool, bool]:
         """(evaluate now, store the model now)."""

@@ -54,19 +54,19 @@ def _outer(A, D, G, b, din, dout, fresh):
     _gemm(A, 1, A.strides[0] // A.itemsize, D, G, din, dout, b, fresh)
 
 
-# The two entries below are inlined into their callers and call the compiled products with any-layout views
-# and a run-time flag: one compilation of each product per dtype, whatever layouts and constants the callers
-# pass (a C-contiguous array, a strided view and a literal True would each compile one more).
+# The two entries below are inlined into their callers and pass the compiled products a run-time flag: a
+# literal True or an omitted False would each compile the product once more (its layouts still do: the
+# callers pass C-contiguous matrices, and a strided view only where they must).
 @njit(inline="always", **JIT)
 def accumulate_product(A, W, Z, b, din, dout, fresh=False):
     """Z[:b, :dout] += A[:b, :din] W[:din, :dout] (fresh: Z[:b, :dout] = A W)."""
-    _product(A[:, :], W[:, :], Z[:, :], b, din, dout, fresh != (b < 0))
+    _product(A, W, Z, b, din, dout, fresh != (b < 0))
 
 
 @njit(inline="always", **JIT)
 def accumulate_outer(A, D, G, b, din, dout, fresh=False):
     """G[:din, :dout] += A[:b, :din]^T D[:b, :dout] (a weight gradient: terms in sample order; fresh: =)."""
-    _outer(A[:, :], D[:, :], G[:, :], b, din, dout, fresh != (b < 0))
+    _outer(A, D, G, b, din, dout, fresh != (b < 0))
 
 
 @njit(inline="always", **JIT)

@@ -207,14 +207,15 @@ def _apply(prog, params, grad, lr, terms):
 
 @njit(**JIT)
 def network(prog, slopes, perms, loss_kind, params, X, labels, targets, idx, n, b, n_steps, lr, scale, terms, rng,
-            mode, grad, acts, deltas, aux, tr, cols, wt, gt, gblock, pads):
+            mode, grad, acts, deltas, aux, tr, cols, wt, gt, gblock, pads, outputs):
     """One entry for everything a model computes; returns (summed loss, count).
 
     STEPS: n_steps of params <- params - lr (mean gradient of a minibatch of b of the n rows + the
     algorithm's terms, sgd.py); a minibatch is drawn into idx[:b] from rng as every model draws it (b = n:
     the full batch, in idx order); count = steps. MINIBATCH: grad <- scale * the summed gradient of one
     such minibatch. ROWS: grad <- scale * the summed gradient of rows idx[:b] (dropout off: the model's
-    deterministic objective). EVAL: loss and correct predictions of rows 0..n-1, acts.shape[0] - 1 at a time.
+    deterministic objective). EVAL: loss and correct predictions of rows 0..n-1, acts.shape[0] - 1 at a time,
+    and their outputs (the last layer's, e.g. logits) into outputs when it has n rows.
     scale and lr come in the parameter dtype; losses are float64 sums.
     """
     empty = idx[:0]
@@ -231,6 +232,11 @@ def network(prog, slopes, perms, loss_kind, params, X, labels, targets, idx, n, 
             part, right = _loss(prog, labels, targets, empty, i0, m, scale, loss_kind, acts, deltas, want_deltas)
             loss += part
             correct += right
+            if outputs.shape[0] == n:
+                last = prog[prog.shape[0] - 1]
+                Z = block(acts, last[F_OUT], last[F_NOUT])
+                for r in range(m):
+                    copy_into(outputs[i0 + r], Z[r])
         return loss, correct
     if mode == ROWS:
         _gather(prog, perms, X, idx, 0, b, acts)

@@ -11,6 +11,8 @@ from edgefed.kernels.program import F_AUX, F_IN, F_MODE, F_NOUT, F_OUT, F_PERM
 from edgefed.kernels.random import uniform
 
 RELU, LEAKY_RELU, TANH, SIGMOID = 0, 1, 2, 3  # activation kinds
+DROPPED, KEPT, PASSED = 0, 1, 2  # a dropout mask's values; PASSED: dropout off (the gradient of the model's
+# deterministic objective passes through unscaled)
 
 
 @njit(inline="always", **JIT)
@@ -52,10 +54,10 @@ def dropout_forward(inp, out, mask, n, rate, rng):
     scale = 1.0 / (1.0 - rate)
     for j in range(n):
         if uniform(rng) >= rate:
-            mask[j] = 1
+            mask[j] = KEPT
             out[j] = inp[j] * scale
         else:
-            mask[j] = 0
+            mask[j] = DROPPED
             out[j] = 0
 
 
@@ -63,7 +65,8 @@ def dropout_forward(inp, out, mask, n, rate, rng):
 def dropout_backward(mask, dout, din, n, rate):
     scale = 1.0 / (1.0 - rate)
     for j in range(n):
-        din[j] = dout[j] * scale if mask[j] else 0
+        m = mask[j]
+        din[j] = dout[j] * scale if m == KEPT else (dout[j] if m == PASSED else 0)
 
 
 @njit(inline="always", **JIT)
@@ -101,7 +104,7 @@ def activation_backward_op(op, slope, perms, params, grad, acts, deltas, aux, tr
 
 @njit(**JIT)
 def dropout_forward_op(op, slope, perms, params, acts, aux, cols, pads, r0, r1, train, rng):
-    """Training: masks drawn sample by sample; evaluation: the identity."""
+    """Training: masks drawn sample by sample; otherwise the identity (its mask says so, for a full gradient)."""
     n = op[F_NOUT]
     X, Z, M = block(acts, op[F_IN], n), block(acts, op[F_OUT], n), block(aux, op[F_AUX], n)
     for r in range(r0, r1):
@@ -109,6 +112,9 @@ def dropout_forward_op(op, slope, perms, params, acts, aux, cols, pads, r0, r1, 
             dropout_forward(X[r], Z[r], M[r], n, slope, rng)
         else:
             copy_into(Z[r], X[r])
+            m = M[r]
+            for j in range(n):
+                m[j] = PASSED
 
 
 @njit(**JIT)

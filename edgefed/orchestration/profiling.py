@@ -14,6 +14,7 @@ before anything is measured, and any failure ends every rank (exit 2), so no ran
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import platform
@@ -30,7 +31,7 @@ import numpy as np
 from edgefed import __version__, hwprofile
 from edgefed.errors import EXIT_BAD_INPUT, EdgefedError
 from edgefed.kernels import jit_compilations
-from edgefed.models import CNN, MLP, LogReg, Quadratic, warm_model
+from edgefed.models import Quadratic, Sequential, warm_model
 from edgefed.problems.data import ClassificationData, QuadraticData
 from edgefed.rng import Purpose, kernel_state
 from edgefed.runtime.mpi.comm import wait
@@ -42,22 +43,55 @@ BENCH_MODELS = {
     "cnn": (10,),
 }
 RECOMMENDED_BATCH = {"logreg": 20, "mlp": 10, "cnn": 10}
+FULL_BATCH = 64  # a config with batch_size = "full" is measured at this batch (the profile scales linearly)
+CONFIG = "config:"  # a model spec naming a config file: its model, measured on random samples of its shape
 
 
-def build(kind: str, dtype: str = "float32", n: int = 200):
-    """A model of `kind` at its paper size and n random samples for one device."""
+def _config(spec: str):
+    from edgefed import config as config_mod
+
+    return config_mod.load_config(spec[len(CONFIG):])
+
+
+def batches(spec: str) -> tuple[int, ...]:
+    """The batches a model spec is measured at: a built-in's usual ones, a config's own."""
+    if not spec.startswith(CONFIG):
+        return BENCH_MODELS[spec]
+    batch = _config(spec).train.batch_size
+    return (FULL_BATCH if batch == "full" else int(batch),)
+
+
+def build(spec: str, dtype: str = "float32", n: int = 200):
+    """A model and n random samples for one device: a built-in kind at its paper size, or CONFIG + path, the
+    model a config describes (its data read once for the samples' shape and classes)."""
     g = np.random.default_rng(0)
     dt = np.dtype(dtype)
-    if kind == "quadratic":
+    if spec == "quadratic":
         d = 16
         model = Quadratic(d, np.zeros(d), dt)
         return model, QuadraticData(np.ones(d, dt), np.zeros(d, dt), 0.0)
-    features, classes = (60, 10) if kind == "logreg" else (784, 10)
-    model = LogReg(features, classes, dt) if kind == "logreg" else (
-        MLP((784, 200, 200, 10), dt, 0) if kind == "mlp" else CNN(784, 10, dt, 0))
-    X = g.random((n, features), dtype=np.float64).astype(dt)
-    y = g.integers(0, classes, n).astype(np.int64)
+    if spec.startswith(CONFIG):
+        from edgefed.orchestration.run import problem_and_model
+
+        cfg = _config(spec)
+        model = problem_and_model(dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, dtype=dtype)))[1]
+    else:
+        shape = (60,) if spec == "logreg" else (1, 28, 28)
+        model = Sequential.builtin(spec, shape, 10, dt)
+    X = g.random((n, model.n_features), dtype=np.float64).astype(dt)
+    if model.has_accuracy:
+        y = g.integers(0, model.n_outputs, n).astype(np.int64)
+    else:
+        y = g.random((n, model.n_outputs)).astype(dt)
     return model, ClassificationData(X, y, X[:20].copy(), y[:20].copy())
+
+
+def speed_entry(model, batch: int, steps_per_s: float) -> dict:
+    """A profile's [[speed]] entry for a model: a built-in by name, a layer list by its signature."""
+    entry = {"model": model.kind, "params": model.dim, "batch": batch, "steps_per_s": float(f"{steps_per_s:.4g}")}
+    if model.kind == hwprofile.SEQUENTIAL:
+        entry["layers"] = model.network.signature()
+    return entry
 
 
 def warmup(kinds=("logreg", "mlp", "cnn", "quadratic"), dtypes=("float32", "float64"), out=print) -> int:
@@ -76,9 +110,9 @@ def warmup(kinds=("logreg", "mlp", "cnn", "quadratic"), dtypes=("float32", "floa
 
 
 # ----------------------------------------------------------------------------------------------- speed
-def steps_per_second(kind: str, batch: int, min_time_s: float = 0.5) -> tuple[int, float]:
-    """(parameters, local SGD steps per second) of one thread, after a warm-up; calls of K steps, as a round."""
-    model, data = build(kind, "float32", n=max(200, 4 * batch))
+def steps_per_second(spec: str, batch: int, min_time_s: float = 0.5) -> tuple[object, float]:
+    """(the model, local SGD steps per second) of one thread, after a warm-up; calls of K steps, as a round."""
+    model, data = build(spec, "float32", n=max(200, 4 * batch))
     x = model.initial_params()
     run = model.begin(data, kernel_state(0, Purpose.LOCAL, 1, 0))
     model.local_steps(x, data, run, 1, batch, 0.001)
@@ -92,29 +126,30 @@ def steps_per_second(kind: str, batch: int, min_time_s: float = 0.5) -> tuple[in
         if time.perf_counter() - t0 > min_time_s:
             break
         k = min(max(1, int(0.05 / per_step)), 1000)  # calls of ~50 ms, as a round's local work
-    return model.dim, 1.0 / best
+    return model, 1.0 / best
 
 
-def first_step_report(kind: str) -> dict:
-    """In a fresh process: build one device of `kind` and run every kernel once; its resident memory."""
+def first_step_report(spec: str) -> dict:
+    """In a fresh process: build one device of a model spec and run every kernel once; its resident memory."""
     import psutil
 
-    model, data = build(kind, "float32", n=600)
-    warm_model(model, data, RECOMMENDED_BATCH[kind])
+    model, data = build(spec, "float32", n=600)
+    warm_model(model, data, batches(spec)[0])
     return {"rss_mb": psutil.Process().memory_info().rss / 2**20}
 
 
-def startup(kind: str, cache_dir: str | None) -> dict:
+def startup(spec: str, cache_dir: str | None) -> dict:
     """Wall time from a fresh interpreter to one device's first step, and its RSS (cache_dir: Numba's)."""
     env = dict(os.environ)
     if cache_dir is not None:
         env["NUMBA_CACHE_DIR"] = cache_dir
-    code = f"import json; from edgefed.orchestration.profiling import first_step_report; print(json.dumps(first_step_report({kind!r})))"
+    code = ("import json; from edgefed.orchestration.profiling import first_step_report; "
+            f"print(json.dumps(first_step_report({spec!r})))")
     t0 = time.perf_counter()
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=3600)
     wall = time.perf_counter() - t0
     if done.returncode != 0:
-        raise RuntimeError(f"profiling the start-up of {kind} failed: {done.stderr.strip().splitlines()[-1:]}")
+        raise RuntimeError(f"profiling the start-up of {spec} failed: {done.stderr.strip().splitlines()[-1:]}")
     report = json.loads(done.stdout.strip().splitlines()[-1])
     report["wall_s"] = wall
     return report
@@ -146,29 +181,36 @@ def machine_facts() -> dict:
     return facts
 
 
-def measure(kinds=tuple(BENCH_MODELS), cold: bool = True, out=print) -> dict:
-    """Everything `edgefed profile` measures on this machine, as a profile dict (no [mpi] table)."""
+def label(spec: str) -> str:
+    """How a profile's startup and memory tables name a model spec: a built-in's name, a config's file name."""
+    return Path(spec[len(CONFIG):]).name if spec.startswith(CONFIG) else spec
+
+
+def measure(specs=tuple(BENCH_MODELS), cold: bool = True, out=print) -> dict:
+    """Everything `edgefed profile` measures on this machine, as a profile dict (no [mpi] table): the models
+    of specs (built-in kinds, or CONFIG + a config file's path)."""
     facts = machine_facts()
     name = facts.get("board") or f"{facts['cpu']} ({facts['arch']})"
-    speeds, cold_s, warm_s, rss = [], {}, {}, {}
-    for kind in kinds:
+    speeds, cold_s, warm_s, rss, recommended = [], {}, {}, {}, {}
+    for spec in specs:
+        tag = label(spec)
         if cold:
             with tempfile.TemporaryDirectory(prefix="edgefed-cold-") as empty:
-                cold_s[kind] = round(startup(kind, empty)["wall_s"], 2)
-            out(f"{kind}: cold start (empty kernel cache) {cold_s[kind]:.1f} s")
-        warm_model(*build(kind, "float32", n=40), 10)  # fills this machine's cache for the warm start
-        report = startup(kind, None)
-        warm_s[kind], rss[kind] = round(report["wall_s"], 2), round(report["rss_mb"], 1)
-        out(f"{kind}: warm start {warm_s[kind]:.2f} s, one device's process {rss[kind]:.0f} MB resident")
-        for batch in BENCH_MODELS[kind]:
-            params, sps = steps_per_second(kind, batch)
-            speeds.append({"model": kind, "params": params, "batch": batch, "steps_per_s": float(f"{sps:.4g}")})
-            out(f"{kind}: batch {batch}: {sps:,.1f} steps/s ({1e3 / sps:.3f} ms per step)")
+                cold_s[tag] = round(startup(spec, empty)["wall_s"], 2)
+            out(f"{tag}: cold start (empty kernel cache) {cold_s[tag]:.1f} s")
+        warm_model(*build(spec, "float32", n=40), 10)  # fills this machine's cache for the warm start
+        report = startup(spec, None)
+        warm_s[tag], rss[tag] = round(report["wall_s"], 2), round(report["rss_mb"], 1)
+        out(f"{tag}: warm start {warm_s[tag]:.2f} s, one device's process {rss[tag]:.0f} MB resident")
+        for batch in batches(spec):
+            model, sps = steps_per_second(spec, batch)
+            speeds.append(speed_entry(model, batch, sps))
+            out(f"{tag}: batch {batch}: {sps:,.1f} steps/s ({1e3 / sps:.3f} ms per step)")
+        recommended[tag] = RECOMMENDED_BATCH.get(spec, batches(spec)[0])
     profile = {
         "format": 1, "name": name, "measured": True,
         "machine": facts,
-        "recommend": {"dtype": "float32", "threads": 1, "device_ranks": facts["cores"],
-                      "batch": {k: RECOMMENDED_BATCH[k] for k in kinds}},
+        "recommend": {"dtype": "float32", "threads": 1, "device_ranks": facts["cores"], "batch": recommended},
         "startup": {"warm_s": warm_s, **({"cold_s": cold_s} if cold else {})},
         "memory": {"rank_rss_mb": rss},
         "speed": speeds,
@@ -176,14 +218,15 @@ def measure(kinds=tuple(BENCH_MODELS), cold: bool = True, out=print) -> dict:
     return profile
 
 
-def mpi_collectives(comm, kinds=tuple(BENCH_MODELS), repeats: int = 20) -> list[dict]:
+def mpi_collectives(comm, specs=tuple(BENCH_MODELS), repeats: int = 20) -> list[dict]:
     """Median milliseconds, on rank 0, of moving each model's parameters as a round does: down, a
     non-blocking broadcast waited on with edgefed's sleeping poll; up, one point-to-point message from
     every other rank, received as they arrive. Every rank must call this."""
     rank, size = comm.Get_rank(), comm.Get_size()
     out = []
-    for kind in kinds:
-        dim = build(kind, "float32", n=2)[0].dim
+    for spec in specs:
+        model = build(spec, "float32", n=2)[0]
+        dim = model.dim
         buf = np.zeros(dim, np.float32)
         inbox = np.zeros((size, dim), np.float32) if rank == 0 else None
         bcast, gather = [], []
@@ -200,7 +243,7 @@ def mpi_collectives(comm, kinds=tuple(BENCH_MODELS), repeats: int = 20) -> list[
             else:
                 wait(comm.Isend(buf, dest=0, tag=7))
             gather.append(time.perf_counter() - t)
-        out.append({"model": kind, "params": dim, "bytes": dim * 4,
+        out.append({"model": hwprofile.model_key(model), "params": dim, "bytes": dim * 4,
                     "bcast_ms": round(float(np.median(bcast)) * 1e3, 3),
                     "gather_ms": round(float(np.median(gather)) * 1e3, 3)})
     return out

@@ -6,6 +6,7 @@ Under MPI, ranks.py gives rank 0 the same `prepare` and `drive` around an MPI tr
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import math
 import os
@@ -137,8 +138,33 @@ def log_layout(algorithm: Algorithm, cfg: Config, n: int, d: int, dtype) -> dict
             "row_states": tuple((name, (n, d), dtype) for name in rows)}
 
 
-def stored_rounds(cfg: Config) -> int:
-    return len({0, cfg.rounds} | set(range(cfg.log.every, cfg.rounds + 1, cfg.log.every)))
+def stored_rounds(rounds: int, every: int) -> int:
+    """Rounds whose model the log stores: 0, every k-th, and the last."""
+    return rounds // every + 1 + (1 if rounds % every else 0)
+
+
+def trajectory_every(cfg: Config, header_layout: dict, d: int, dtype) -> tuple[int, str]:
+    """([log] every as run, what the log stores, in words). Unset, every round is stored unless that would
+    exceed [log] trajectory_mb: then every k-th, k the smallest that fits (round 0 and R always). An async
+    run stores every round: its --resume starts tasks from any of them."""
+    row = np.dtype(dtype).itemsize * d + sum(np.dtype(c.dtype).itemsize * int(np.prod(c.row_shape))
+                                             for c in header_layout["extra_columns"] if c.rows == "stored")
+    budget = cfg.log.trajectory_mb * 1e6
+    every, why = cfg.log.every, ""
+    if every is None:
+        every = 1
+        if cfg.participation.mode == "async":
+            why = " (async: --resume needs them all)"
+        elif stored_rounds(cfg.rounds, 1) * row > budget:
+            cap = max(int(budget // row), 2)
+            every = max(1, -(-cfg.rounds // max(cap - 1, 1)))
+            while every < cfg.rounds and stored_rounds(cfg.rounds, every) > cap:
+                every += 1
+            over = "" if stored_rounds(cfg.rounds, every) * row <= budget else ", over budget: set trajectory_mb"
+            why = f" to keep within [log] trajectory_mb = {cfg.log.trajectory_mb:g}{over}"
+    n = stored_rounds(cfg.rounds, every)
+    what = "every round" if every == 1 else f"every {every} rounds"
+    return every, f"log: the model {what}{why}, {n} of {cfg.rounds + 1} ({size_text(n * row)})"
 
 
 def check_device_memory(algorithm: Algorithm, cfg: Config, n: int, d: int, dtype, log_path: Path, on_info) -> None:
@@ -150,7 +176,7 @@ def check_device_memory(algorithm: Algorithm, cfg: Config, n: int, d: int, dtype
     owner, noun = vectors[0].owner, " and ".join(dict.fromkeys(v.noun for v in vectors))
     item = np.dtype(dtype).itemsize
     in_memory = len(vectors) * n * d * item
-    on_disk = 2 * in_memory + (stored_rounds(cfg) * in_memory if cfg.log.client_controls else 0)
+    on_disk = 2 * in_memory + (stored_rounds(cfg.rounds, cfg.log.every) * in_memory if cfg.log.client_controls else 0)
     shape = f"{n} x {d}" if len(vectors) == 1 else f"{len(vectors)} x {n} x {d}"
     on_info(f"{owner} {noun}: {shape} {np.dtype(dtype).name} = {size_text(in_memory)} in memory, "
             f"{size_text(on_disk)} in the run log")
@@ -235,19 +261,25 @@ def _prepared(cfg: Config, log_path: Path, resume_point, on_info, config_toml: s
     cfg = config_mod.with_clients(cfg, problem.n_devices)
     trace = _trace(cfg, problem)
     algorithm = build_algorithm(cfg)
-    on_info(f"{problem.describe()}; model {model.kind}, d = {model.dim} {model.dtype.name}; "
-            f"{cfg.train.algorithm}, {cfg.rounds} rounds")
-    check_device_memory(algorithm, cfg, problem.n_devices, model.dim, model.dtype, log_path, on_info)
     if resume_point is None or resume_point.fresh:  # the config as run: with the clients a problem file fixes
         config_toml = config_mod.to_toml(cfg)
+    layout = log_layout(algorithm, cfg, problem.n_devices, model.dim, model.dtype)
+    every, stores = trajectory_every(cfg, layout, model.dim, model.dtype)
+    cfg = dataclasses.replace(cfg, log=dataclasses.replace(cfg.log, every=every))  # as run; the stored text keeps it unset
+    on_info(f"{problem.describe()}; model {model.kind}, d = {model.dim} {model.dtype.name}; "
+            f"{cfg.train.algorithm}, {cfg.rounds} rounds; {stores}")
+    check_device_memory(algorithm, cfg, problem.n_devices, model.dim, model.dtype, log_path, on_info)
     header = Header(
         config_toml=config_toml, restarts=restarts,
         seed=cfg.seed, rounds=cfg.rounds, n_devices=problem.n_devices, dim=model.dim, dtype=model.dtype,
-        n_train=problem.n_train,
-        **log_layout(algorithm, cfg, problem.n_devices, model.dim, model.dtype),
+        n_train=problem.n_train, label_counts=problem.label_counts() if hasattr(problem, "label_counts") else None,
+        **layout,
         attrs={"problem": problem.describe(), "model": model.kind,
                "train_objective": "(1/N_r) sum_k f_k" if cfg.train.weighting == "uniform" else "sum_k n_k/n F_k"},
     )
+    if hasattr(problem, "sample_shape"):  # what rebuilds the model's layers from the config (edgefed export)
+        header.attrs["sample_shape"] = np.asarray(problem.sample_shape, np.int64)
+        header.attrs["model_outputs"] = int(problem.n_outputs)
     if cfg.secagg.enabled:  # which keys a run used: the test mode's are reproducible from the config
         header.attrs["secagg_key_source"] = cfg.secagg.key_source
     return Setup(cfg, algorithm, problem, model, header, trace)

@@ -34,12 +34,13 @@ def _board_step_seconds(setup, names) -> tuple[np.ndarray, dict]:
     cfg, model, problem = setup.cfg, setup.model, setup.problem
     profiles = {name: hwprofile.load_profile(name) for name in dict.fromkeys(names)}
     batches = problem.n_train if cfg.train.batch_size == "full" else np.minimum(cfg.train.batch_size, problem.n_train)
-    return np.array([profiles[names[k]].step_seconds(model.kind, int(batches[k]), model.dim)
+    key = hwprofile.model_key(model)
+    return np.array([profiles[names[k]].step_seconds(key, int(batches[k]), model.dim)
                      for k in range(problem.n_devices)]), profiles
 
 
 def _comm_seconds(setup, names, profiles) -> np.ndarray:
-    seconds = [profiles[name].comm_seconds(setup.model.kind, setup.model.dim) for name in names]
+    seconds = [profiles[name].comm_seconds(hwprofile.model_key(setup.model), setup.model.dim) for name in names]
     return np.array([np.nan if s is None else s for s in seconds])
 
 
@@ -63,9 +64,17 @@ def timing_for(setup, owners: np.ndarray | None = None, on_info=None, resume_poi
     cfg, p, n = setup.cfg, setup.cfg.participation, setup.problem.n_devices
     attrs = {} if resume_point is None else resume_point.attrs
     names = board_names(cfg, n, owners)
-    profiled = names is not None and setup.model.kind in hwprofile.TIMED
-    if profiled and setup.model.kind not in hwprofile.MODELS:  # the quadratic: only by a profile that times it
-        profiled = all(hwprofile.load_profile(name).times(setup.model.kind) for name in set(names))
+    key = hwprofile.model_key(setup.model)
+    untimed = None  # a profile the run names that does not time its model
+    if names is not None:
+        untimed = next((prof for prof in map(hwprofile.load_profile, dict.fromkeys(names)) if not prof.times(key)),
+                       None)
+        factor = None if p.deadline_s in (None, "adaptive") else hwprofile.parse_deadline(p.deadline_s)
+        if untimed is not None and (p.clock == "simulated" or factor is not None
+                                    or (setup.model.kind != "quadratic" and p.clock is None and not distributed
+                                        and cfg.device.profile is not None and not attrs.get("clock"))):
+            raise ConfigError(hwprofile.not_timed(untimed, key))  # the run needs the board's speed for its model
+    profiled = names is not None and untimed is None
     boards = profiles = board_step = None
     if profiled:
         board_step, profiles = _board_step_seconds(setup, names)
@@ -116,9 +125,6 @@ def _deadlines(setup, board_step, profiles, names, on_info, attrs) -> np.ndarray
     factor = hwprofile.parse_deadline(p.deadline_s)
     if factor is None:
         return np.full(n, float(p.deadline_s))
-    if board_step is None and setup.model.kind not in hwprofile.MODELS:
-        raise ConfigError(f"config: participation.deadline_s = {p.deadline_s!r} needs a profiled model "
-                          f"({', '.join(hwprofile.MODELS)}); give the {setup.model.kind} model's deadline in seconds")
     if board_step is None:
         raise ConfigError("config: the simulator runs every device on this machine; set [device] profile "
                           "to its hardware profile (device.boards applies under mpirun)")

@@ -110,6 +110,10 @@ class ImageProblem:
             self._read.update(todo if k in todo else [k])
         return self._cache.pop(k)
 
+    def label_counts(self) -> np.ndarray:
+        """(N, C) int64: each device's training labels."""
+        return np.stack([np.bincount(labels, minlength=self.n_classes) for labels in self.train_labels])
+
     def describe(self) -> str:
         name = "MNIST" if self.cfg.kind == "mnist" else f"EMNIST-{self.cfg.split}"
         return (f"{name} ({self.cfg.partition}): {self.n_devices} devices, {int(self.n_train.sum())} training images "

@@ -94,6 +94,11 @@ class SyntheticProblem:
             np.ascontiguousarray(X[:k]), y[:k].copy(), np.ascontiguousarray(X[k:]), y[k:].copy()
         )
 
+    def label_counts(self) -> np.ndarray:
+        """(N, C) int64: each device's training labels (every device's samples generated once more)."""
+        return np.stack([np.bincount(self.generate(k)[1][:int(self.n_train[k])], minlength=N_CLASSES)
+                         for k in range(self.n_devices)])
+
     def describe(self) -> str:
         kind = "IID " if self.cfg.iid else ""
         return (

@@ -404,6 +404,8 @@ class LocalTransport:
             train[k] = self.eval_model.train_loss(x, data)
             if self.problem.has_test:
                 test_loss[k], correct[k] = self.eval_model.loss_correct(x, data.X_test, data.y_test)
+                if not self.eval_model.has_accuracy:  # a regression: its test metric is the loss only
+                    correct[k] = -1
                 n_test[k] = data.y_test.size
         return Evaluation(train, test_loss, correct, n_test)
 
