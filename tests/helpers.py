@@ -26,7 +26,7 @@ def fma_exact(a, b, c, dtype=None):
 
 def problem_of(cfg):
     """The problem a config describes, as every process builds it."""
-    return build_problem(cfg.data, cfg.seed, cfg.model.dtype)
+    return build_problem(cfg.data, cfg.seed, cfg.model.dtype, cfg.model.loss)
 
 
 def compared(log: dict) -> dict:

@@ -52,8 +52,8 @@ def test_step_seconds_scales_by_parameters_and_is_linear_in_the_batch(tmp_path):
     assert prof.step_seconds("mlp", 35, 1000) == pytest.approx(1e-3 + 25 * 0.08e-3)  # between
     assert prof.step_seconds("mlp", 110, 1000) == pytest.approx(1e-3 + 100 * 0.08e-3)  # beyond
     assert prof.step_seconds("logreg", 40, 610) == pytest.approx(2e-4)  # one entry: proportional
-    with pytest.raises(ConfigError, match=r"has no speed for model 'cnn' \(it has: logreg, mlp\); run `edgefed "
-                                          r"profile --out FILE` on that board"):
+    with pytest.raises(ConfigError, match=r"has no speed for the model 'cnn' \(it times: logreg, mlp\); measure it "
+                                          r"on that board with `edgefed profile --config CONFIG --out FILE`"):
         prof.step_seconds("cnn", 10, 5)
 
 
@@ -146,7 +146,7 @@ _KERNELS_USED = """
 import sys, numpy as np
 from numba.core.registry import CPUDispatcher
 from edgefed.cli import main
-import edgefed.kernels.cnn, edgefed.kernels.mlp, edgefed.kernels.logreg, edgefed.kernels.quadratic
+import edgefed.kernels.network, edgefed.kernels.quadratic
 code = main(["run", "--quiet", "--force", "--out", sys.argv[1], "--set", "rounds=1", *sys.argv[2:]])
 if code:
     sys.exit(code)
@@ -154,13 +154,14 @@ for name, mod in sorted(sys.modules.items()):
     if name.startswith("edgefed.kernels."):
         for attr, f in vars(mod).items():
             if isinstance(f, CPUDispatcher) and f.signatures:
-                arrays = {a.dtype.name for sig in f.signatures for a in sig if hasattr(a, "ndim")}
-                print("kernel", name.rsplit(".", 1)[1] + "." + attr, *sorted(arrays))
+                params = sorted({sig[4].dtype.name for sig in f.signatures} if attr == "network" else ())
+                print("kernel", name.rsplit(".", 1)[1] + "." + attr, len(f.signatures), *params)
 """
 
 
-def test_a_run_loads_only_the_kernels_of_its_model_dtype_and_algorithm(tmp_path):
-    """A run compiles (or loads) what it reaches and nothing else: on a Pi every kernel is seconds cold."""
+def test_a_run_loads_only_the_kernels_of_its_model_dtype(tmp_path):
+    """A run loads (or compiles) the one network entry for its dtype, whatever its model and algorithm: the
+    layer library's kernels are shared by every model made of them."""
     def used(*sets):
         out = subprocess.run([sys.executable, "-c", _KERNELS_USED, str(tmp_path / "r.h5"), *sets],
                              capture_output=True, text=True, timeout=600)
@@ -168,12 +169,10 @@ def test_a_run_loads_only_the_kernels_of_its_model_dtype_and_algorithm(tmp_path)
         return {line.split()[1]: line.split()[2:] for line in out.stdout.splitlines() if line.startswith("kernel ")}
 
     fedavg = used()  # the default: logistic regression, float32, FedAvg
-    assert {k.split(".")[0] for k in fedavg} == {"logreg", "random"}
-    assert {"logreg._sgd_steps", "logreg._loss_correct"} <= fedavg.keys()
-    assert not {"logreg._minibatch_grad", "logreg._loss_grad"} & fedavg.keys()  # SCAFFOLD's control kernels
-    assert not any("float64" in dtypes for dtypes in fedavg.values()), fedavg  # the run's dtype only
+    assert fedavg["network.network"] == ["1", "float32"], fedavg  # one entry, the run's dtype only
+    assert "quadratic._sgd_steps" not in fedavg
     scaffold = used("--set", 'train.algorithm="scaffold"', "--set", 'scaffold.option="I"')
-    assert {"logreg._minibatch_grad", "logreg._loss_grad"} <= scaffold.keys()
+    assert scaffold == fedavg  # its control gradients: the same entry, no kernel of their own
 
 
 def test_a_round_that_compiled_is_noted(monkeypatch, tmp_path):
@@ -325,8 +324,15 @@ def test_resuming_a_log_without_a_newer_column_pads_its_completed_rounds(tmp_pat
     assert log["participation/compiled"].shape == log["participation/steps"].shape == (4, 3)
 
 
-def test_auto_deadline_needs_a_profiled_model(run_experiment):
-    with pytest.raises(ConfigError, match=r"needs a profiled model \(logreg, mlp, cnn\); give the quadratic "
-                                          r"model's deadline in seconds"):
+def test_a_profile_that_does_not_time_the_model_is_one_line_naming_the_model_and_the_command(run_experiment, tmp_path):
+    """Once "set [device] profile" although one was set: now the profile, the model and how to time it."""
+    with pytest.raises(ConfigError, match=r"hardware profile Raspberry Pi 4 Model B \(.*pi4b.toml\) has no speed for "
+                                          r"the model 'quadratic' \(it times: cnn, logreg, mlp\); measure it on that "
+                                          r"board with `edgefed profile --config CONFIG --out FILE`"):
         run_experiment({"data.kind": "quadratic", "participation.mode": "deadline", "participation.deadline_s": "auto",
                         "device.profile": "pi4b"})
+    layers = [{"type": "dense", "out": 8}, {"type": "relu"}, {"type": "dense", "out": 10}]
+    with pytest.raises(ConfigError, match=r"has no speed for the model 'sequential: 60: dense\(out=8\) relu "
+                                          r"dense\(out=10\)'"):
+        run_experiment({"model.kind": "sequential", "model.layers": layers, "device.profile": "pi4b"})
+    assert not list(tmp_path.glob("*.h5"))  # refused before a log was written

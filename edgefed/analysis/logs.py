@@ -83,6 +83,22 @@ class Run:
             return math.nan
         return float(sent.sum(axis=1).mean())
 
+    def partition(self) -> dict | None:
+        """How the training labels are spread over the devices (logs with /devices/label_counts): the counts,
+        labels held per device (mean, of those with a sample), and the label skew: the mean total-variation
+        distance of a device's label distribution from the pooled one (0: every device like the pool, IID;
+        near 1: devices with disjoint labels)."""
+        counts = self.data.get("devices/label_counts")
+        if counts is None or not counts.size:
+            return None
+        counts = np.asarray(counts, np.float64)
+        totals = counts.sum(axis=1)
+        shares = counts / np.maximum(totals[:, None], 1)
+        pooled = counts.sum(axis=0) / max(counts.sum(), 1)
+        return {"counts": counts.astype(np.int64), "labels_held": float((counts > 0).sum(axis=1).mean()),
+                "skew": float(0.5 * np.abs(shares - pooled).sum(axis=1).mean()),
+                "samples": (int(totals.min()), int(totals.max()))}
+
     def secagg(self) -> dict | None:
         """Secure aggregation's cost and outcome ([secagg] runs only): mean protocol seconds and bytes per
         device and round (over the selected ones that reported a time), aborted rounds, coordinates clipped."""

@@ -248,6 +248,37 @@ def participation(run: Run, title: str):
     return fig
 
 
+def partition(run: Run, title: str):
+    """Each device's training labels (devices x labels, as shares of the device's samples) and its samples,
+    for logs with /devices/label_counts."""
+    part = run.partition()
+    if part is None:
+        return None
+    plt = _plt()
+    counts = part["counts"]
+    n, c = counts.shape
+    totals = counts.sum(axis=1)
+    fig = plt.figure(figsize=(11, 2.4 + min(0.06 * n, 9)), layout="constrained")
+    grid = fig.add_gridspec(1, 2, width_ratios=(3, 1))
+    ax = fig.add_subplot(grid[0, 0])
+    shares = counts / np.maximum(totals[:, None], 1)
+    im = ax.imshow(shares, aspect="auto", cmap="viridis", vmin=0, vmax=1, interpolation="nearest",
+                   extent=(-0.5, c - 0.5, n - 0.5, -0.5))
+    _heatmap_axes(ax)
+    ax.set_xlabel("label")
+    ax.set_ylabel("device")
+    ax.set_title(f"share of each device's training samples per label (label skew {part['skew']:.2f}: "
+                 "0 IID, 1 disjoint)")
+    fig.colorbar(im, ax=ax, fraction=0.03, pad=0.01)
+    bars = fig.add_subplot(grid[0, 1])
+    bars.barh(np.arange(n), totals, color="#4c72b0", height=0.8)
+    bars.set_ylim(n - 0.5, -0.5)
+    bars.set_xlabel("training samples")
+    bars.set_title("per device")
+    fig.suptitle(title)
+    return fig
+
+
 def measured(run: Run, title: str):
     """CPU share, frequency and temperature per device and round, and each round's deadlines, where the log
     has them."""
@@ -406,6 +437,9 @@ def figures(sweeps: list[Sweep], runs: list[Run]) -> list[tuple[str, str, bytes]
         add(sec, f"{s.name}-overview", overview(s))
         for group, series in list(s.groups().items())[:MAX_PARTICIPATION]:
             add(sec, f"{s.name}-{_stem(group)}-curves", curves(series, f"{s.name}: {group}"))
+        first = next(iter(s.cells.values()), [None])[0]
+        if first is not None:
+            add(sec, f"{s.name}-partition", partition(first, f"{s.name}: the partition (of {first.path.name})"))
         for cell, cell_runs in list(s.cells.items())[:MAX_PARTICIPATION]:
             add(sec, f"{s.name}-{_stem(cell)}-participation",
                 participation(cell_runs[0], f"{cell} (seed of {cell_runs[0].path.name})"))
@@ -413,6 +447,7 @@ def figures(sweeps: list[Sweep], runs: list[Run]) -> list[tuple[str, str, bytes]
         add("runs", "runs-curves", curves([(r.path.name, [r]) for r in runs],
                                           "runs" if len(runs) > 1 else runs[0].path.name))
         for r in runs[:MAX_PARTICIPATION]:
+            add(f"run {r.path.name}", f"{r.path.stem}-partition", partition(r, f"{r.path.name}: the partition"))
             add(f"run {r.path.name}", f"{r.path.stem}-participation", participation(r, r.path.name))
             add(f"run {r.path.name}", f"{r.path.stem}-measured", measured(r, f"{r.path.name}: measured"))
     return out

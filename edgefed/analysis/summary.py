@@ -22,6 +22,12 @@ def summary_lines(run: Run, target: float | None = None) -> list[str]:
     lines.append(f"test accuracy: final {_num(run.final('test_accuracy'))}, best {_num(run.best('test_accuracy'))}; "
                  f"train loss: final {_num(run.final('train_loss'), '.6g')}; "
                  f"clock {_num(clock, '.3f')} s ({run.attrs.get('clock', 'measured')}), wall {run.wall_s():.2f} s")
+    part = run.partition()
+    if part is not None:
+        n, c = part["counts"].shape
+        lines.append(f"partition: {n} devices x {c} labels, {part['samples'][0]}..{part['samples'][1]} training "
+                     f"samples each; a device holds {part['labels_held']:.1f} of the {c} labels on average; label "
+                     f"skew {part['skew']:.2f} (mean total variation from the pooled labels: 0 IID, 1 disjoint)")
     up, down = run.bytes_per_round("up"), run.bytes_per_round("down")
     if not math.isnan(up):
         lines.append(f"wire per round: {size_text(up)} up, {size_text(down)} down "

@@ -179,7 +179,8 @@ class RoundEngine:
     def _due(self, round_idx: int) -> tuple[bool, bool]:
         """(evaluate now, store the model now)."""
         last = round_idx == self.cfg.rounds
-        return (last or round_idx % self.cfg.log.eval_every == 0, last or round_idx % self.cfg.log.every == 0)
+        every = self.cfg.log.every or 1  # unset (an engine driven without prepare's resolution): every round
+        return (last or round_idx % self.cfg.log.eval_every == 0, last or round_idx % every == 0)
 
     def _declared(self, state: ServerState, method: str) -> ServerState:
         """The state, once it holds exactly the server vectors the algorithm declares: the transports send,

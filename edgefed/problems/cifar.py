@@ -72,6 +72,7 @@ class CifarSource(Source):
             labels[part] = np.concatenate(parts)
         super().__init__(str(folder), SHAPE, labels["train"], labels["test"])
         self.finite_checked = True  # bytes
+        self.n_classes = {b"labels": 10, b"fine_labels": 100, b"coarse_labels": 20}[self.key]
 
     def read(self, part: str, rows: np.ndarray) -> np.ndarray:
         paths, starts = self.paths[part]

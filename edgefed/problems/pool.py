@@ -37,6 +37,7 @@ class Source:
     device_test: np.ndarray | None = None  # ... and each test sample's (LEAF's per-user test sets)
     device_names: tuple = ()  # natural partition: the devices' names (LEAF's users)
     finite_checked = False  # the reader itself refuses NaN and infinity (or its samples are integers)
+    n_classes = None  # fixed by the dataset (CIFAR); None: data.classes, else the largest label + 1
 
     def read(self, part: str, rows: np.ndarray) -> np.ndarray:
         """Samples rows (ascending, unique) of part ("train" or "test"), shaped (len(rows), *sample_shape)."""
@@ -88,10 +89,11 @@ class PoolProblem:
                                   f"{y_train.shape[1]}; give both the same width")
             self.n_classes, self.n_outputs = None, y_train.shape[1]
         else:
-            y_train = check_labels(y_train, cfg.classes, f"{source.name}: y_train")
-            y_test = None if y_test is None else check_labels(y_test, cfg.classes, f"{source.name}: y_test")
+            classes = cfg.classes or source.n_classes
+            y_train = check_labels(y_train, classes, f"{source.name}: y_train")
+            y_test = None if y_test is None else check_labels(y_test, classes, f"{source.name}: y_test")
             found = max(int(y_train.max(initial=-1)), -1 if y_test is None else int(y_test.max(initial=-1))) + 1
-            self.n_classes = self.n_outputs = cfg.classes or found
+            self.n_classes = self.n_outputs = classes or found
         self.y_train, self.y_test = y_train, y_test
         train_parts, test_parts = self._partition()
         self.n_devices = len(train_parts)

@@ -1,0 +1,251 @@
+"""Datasets from files: arrays (.npz, .h5), LEAF's JSON and CIFAR's python batches, written here by the tests;
+partitions (natural, Dirichlet), normalization, reading only a process's own devices, the label counts a
+log keeps, and every refusal in one line."""
+
+import json
+import pickle
+
+import h5py
+import numpy as np
+import pytest
+
+from conftest import config_with
+from edgefed.errors import ConfigError, EdgefedError
+from edgefed.problems.partition import partition
+from helpers import problem_of
+
+
+def arrays_file(tmp_path, name="data.npz", n=60, shape=(2, 4, 4), classes=3, test=12, device=None, **extra):
+    g = np.random.default_rng(0)
+    arrays = {"x_train": g.integers(0, 256, (n, *shape)).astype(np.float32), "y_train": g.integers(0, classes, n)}
+    if test:
+        arrays["x_test"] = g.integers(0, 256, (test, *shape)).astype(np.float32)
+        arrays["y_test"] = g.integers(0, classes, test)
+    if device is not None:
+        arrays["device_train"] = device
+    arrays.update(extra)
+    path = tmp_path / name
+    if name.endswith(".h5"):
+        with h5py.File(path, "w") as f:
+            for key, value in arrays.items():
+                f[key] = value
+    else:
+        np.savez(path, **arrays)
+    return path, arrays
+
+
+def cfg_for(path, **data):
+    return config_with({"data.kind": "arrays", "data.path": str(path), **{f"data.{k}": v for k, v in data.items()},
+                        "model.kind": "logreg", "train.clients_per_round": 2})
+
+
+@pytest.mark.parametrize("name", ["data.npz", "data.h5"])
+def test_arrays_devices_hold_their_partition_and_every_test_sample_once(tmp_path, name):
+    path, arrays = arrays_file(tmp_path, name)
+    problem = problem_of(cfg_for(path, clients=4))
+    assert problem.sample_shape == (2, 4, 4) and problem.n_classes == 3 and problem.n_devices == 4
+    parts = partition("iid", arrays["y_train"], 4, 0, 3)
+    tests = []
+    for k in range(4):
+        d = problem.device(k)
+        np.testing.assert_array_equal(d.X_train, arrays["x_train"][parts[k]].reshape(len(parts[k]), -1))
+        np.testing.assert_array_equal(d.y_train, arrays["y_train"][parts[k]])
+        tests.append(d.X_test)
+    together = np.concatenate(tests)
+    assert together.shape[0] == 12  # all of x_test, each row once: the log's test metrics are x_test's
+    assert sorted(map(bytes, together)) == sorted(map(bytes, arrays["x_test"].reshape(12, -1)))
+
+
+def test_a_process_reads_only_its_own_devices_rows(tmp_path, monkeypatch):
+    path, _ = arrays_file(tmp_path, "data.h5")
+    problem = problem_of(cfg_for(path, clients=4))
+    asked = []
+    read = problem.source.read
+    monkeypatch.setattr(problem.source, "read", lambda part, rows: asked.append((part, rows.copy())) or read(part, rows))
+    problem.host([1, 3])
+    problem.device(3)
+    problem.device(1)
+    train = np.concatenate([rows for part, rows in asked if part == "train"])
+    assert sorted(train) == sorted(np.concatenate([problem.train_rows[1], problem.train_rows[3]]))
+    assert len(asked) == 2  # one pass over each part for every hosted device
+
+
+def test_natural_partition_from_device_train_and_a_holdout_without_x_test(tmp_path):
+    device = np.repeat([2, 0, 1], 20)
+    path, arrays = arrays_file(tmp_path, device=device, test=0)
+    problem = problem_of(cfg_for(path, partition="natural", test_fraction=0.25))
+    assert problem.n_devices == 3
+    for k in range(3):
+        d = problem.device(k)
+        own = np.flatnonzero(device == k)
+        assert d.n_train == 15 and d.X_test.shape[0] == 5  # a quarter of each device's samples held out
+        rows = {bytes(r) for r in arrays["x_train"][own].reshape(20, -1)}
+        assert {bytes(r) for r in np.concatenate([d.X_train, d.X_test])} == rows
+    first_two = problem_of(cfg_for(path, partition="natural", clients=2))
+    assert first_two.n_devices == 2
+
+
+def test_dirichlet_partition_skews_labels_as_alpha_says():
+    labels = np.repeat(np.arange(10), 300)
+    skew = []
+    for alpha in (100.0, 0.2):
+        parts = partition("dirichlet", labels, 10, 3, 10, alpha)
+        assert sorted(np.concatenate(parts)) == list(range(3000))  # every sample once
+        counts = np.stack([np.bincount(labels[p], minlength=10) for p in parts])
+        shares = counts / counts.sum(axis=1, keepdims=True)
+        skew.append(0.5 * np.abs(shares - 0.1).sum(axis=1).mean())
+    assert skew[0] < 0.15 < 0.5 < skew[1]
+    again = partition("dirichlet", labels, 10, 3, 10, 0.2)
+    assert all(np.array_equal(a, b) for a, b in zip(again, partition("dirichlet", labels, 10, 3, 10, 0.2)))
+
+
+def test_normalize_standard_per_channel_and_unit(tmp_path):
+    path, arrays = arrays_file(tmp_path)
+    x = arrays["x_train"].astype(np.float64)
+    standard = problem_of(cfg_for(path, clients=2, normalize="standard"))
+    pooled = np.concatenate([standard.device(k).X_train for k in range(2)]).reshape(-1, 2, 16)
+    np.testing.assert_allclose(pooled.mean(axis=(0, 2)), 0, atol=1e-5)
+    np.testing.assert_allclose(pooled.std(axis=(0, 2)), 1, atol=1e-5)
+    assert pooled.shape[0] == 60 and np.abs(x.mean(axis=(0, 2, 3))).min() > 1  # per channel: C = 2 statistics
+    unit = problem_of(cfg_for(path, clients=2, normalize="unit")).device(0)
+    assert 0 <= unit.X_train.min() and unit.X_train.max() <= 1
+
+
+def test_float_targets_for_mse(tmp_path):
+    path, _ = arrays_file(tmp_path, y_train=np.linspace(0, 1, 60), y_test=np.linspace(1, 2, 12), classes=1)
+    cfg = config_with({"data.kind": "arrays", "data.path": str(path), "data.clients": 3, "model.kind": "sequential",
+                       "model.loss": "mse", "model.layers": [{"type": "flatten"}, {"type": "dense", "out": 1}],
+                       "train.clients_per_round": 2})
+    problem = problem_of(cfg)
+    d = problem.device(0)
+    assert problem.n_outputs == 1 and d.y_train.dtype == np.float32 and d.y_train.shape == (d.n_train, 1)
+    assert problem.label_counts() is None
+
+
+def leaf_folder(tmp_path, users=(("ann", 5), ("bob", 3), ("cyd", 4)), x=None):
+    g = np.random.default_rng(1)
+    for part, per in (("train", 1.0), ("test", 0.5)):
+        (tmp_path / part).mkdir(parents=True, exist_ok=True)
+        files = [users[:2], users[2:]]
+        for i, chunk in enumerate(files):
+            data = {"users": [u for u, _ in chunk], "num_samples": [], "user_data": {}}
+            for u, n in chunk:
+                m = max(1, int(n * per))
+                data["num_samples"].append(m)
+                data["user_data"][u] = {"x": x if x is not None else g.random((m, 16)).round(3).tolist(),
+                                        "y": g.integers(0, 4, m).tolist()}
+            (tmp_path / part / f"part_{i}.json").write_text(json.dumps(data))
+    return tmp_path
+
+
+def test_leaf_one_device_per_user_in_file_order_with_its_own_test_samples(tmp_path):
+    folder = leaf_folder(tmp_path / "leaf")
+    cfg = config_with({"data.kind": "leaf", "data.path": str(folder), "model.kind": "logreg",
+                       "train.clients_per_round": 2})
+    problem = problem_of(cfg)
+    assert problem.n_devices == 3 and problem.n_train.tolist() == [5, 3, 4] and problem.sample_shape == (16,)
+    raw = json.loads((folder / "train" / "part_1.json").read_text())["user_data"]["cyd"]
+    test = json.loads((folder / "test" / "part_0.json").read_text())["user_data"]["bob"]
+    cyd, bob = problem.device(2), problem.device(1)
+    np.testing.assert_allclose(cyd.X_train, np.asarray(raw["x"], np.float32))
+    assert cyd.y_train.tolist() == raw["y"]
+    np.testing.assert_allclose(bob.X_test, np.asarray(test["x"], np.float32))
+
+
+def write_cifar(folder, kind="cifar10", n=6):
+    folder.mkdir(parents=True, exist_ok=True)
+    g = np.random.default_rng(2)
+    names = [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"] if kind == "cifar10" else ["train", "test"]
+    for name in names:
+        batch = {b"data": g.integers(0, 256, (n, 3072)).astype(np.uint8)}
+        if kind == "cifar10":
+            batch[b"labels"] = g.integers(0, 10, n).tolist()
+        else:
+            batch[b"fine_labels"], batch[b"coarse_labels"] = g.integers(0, 100, n).tolist(), g.integers(0, 20, n).tolist()
+        with open(folder / name, "wb") as f:
+            pickle.dump(batch, f, protocol=2)
+    return folder
+
+
+@pytest.mark.parametrize("kind,split,classes", [("cifar10", None, 10), ("cifar100", "coarse", 20)])
+def test_cifar_python_batches(tmp_path, kind, split, classes):
+    folder = write_cifar(tmp_path / kind, kind)
+    cfg = config_with({"data.kind": kind, "data.path": str(folder), "data.clients": 3, "data.split": split,
+                       "train.clients_per_round": 2})
+    problem = problem_of(cfg)
+    assert problem.n_classes == classes and problem.sample_shape == (3, 32, 32)
+    name = "data_batch_2" if kind == "cifar10" else "train"
+    with open(folder / name, "rb") as f:
+        batch = pickle.load(f)
+    d = problem.device(0)
+    rows = problem.train_rows[0]
+    first = rows[(rows >= 6) & (rows < 12)][0] if kind == "cifar10" else rows[0]
+    at = int(np.searchsorted(rows, first))
+    np.testing.assert_array_equal(d.X_train[at], batch[b"data"][first - (6 if kind == "cifar10" else 0)] / np.float32(255))
+
+
+def test_a_cifar_file_that_would_run_code_is_refused(tmp_path):
+    folder = write_cifar(tmp_path / "c10")
+
+    class Evil:
+        def __reduce__(self):
+            return (print, ("pwned",))
+
+    with open(folder / "test_batch", "wb") as f:
+        pickle.dump({b"data": Evil(), b"labels": [0]}, f)
+    cfg = config_with({"data.kind": "cifar10", "data.path": str(folder), "data.clients": 3,
+                       "train.clients_per_round": 2})
+    with pytest.raises(EdgefedError, match="builtins.print is not part of a CIFAR batch"):
+        problem_of(cfg)
+
+
+def test_label_counts_in_the_log_and_the_summary(tmp_path, run_experiment):
+    path, arrays = arrays_file(tmp_path, device=np.repeat([0, 1, 2], 20), test=0)
+    log = run_experiment({"data.kind": "arrays", "data.path": str(path), "data.partition": "natural",
+                          "model.kind": "logreg", "train.clients_per_round": 2, "rounds": 1,
+                          "train.local_steps": 2}, name="r.h5")
+    counts = log["devices/label_counts"]
+    assert counts.shape == (3, 3) and counts.dtype == np.int64
+    assert counts.sum(axis=1).tolist() == log["devices/n_train"].tolist()
+    from edgefed.analysis.logs import Run
+    from edgefed.analysis.summary import summary_lines
+
+    text = "\n".join(summary_lines(Run.read(tmp_path / "r.h5")))
+    assert "partition: 3 devices x 3 labels" in text and "label skew" in text
+
+
+@pytest.mark.parametrize("change,message", [
+    (dict(drop="y_train"), "has no 'y_train'"),
+    (dict(y_train=np.zeros(59, np.int64)), "y_train has 59 entries but x_train has 60 samples"),
+    (dict(device_train=np.zeros(3, np.int64)), "device_train has 3 entries but x_train has 60 samples"),
+    (dict(y_train=np.full(60, 7)), "has the label 7, outside [0, 3) (data.classes = 3)"),
+    (dict(y_train=np.full(60, 0.5)), "labels that are not integers"),
+    (dict(x_train=np.full((60, 2, 4, 4), np.nan, np.float32)), "x_train row 0 holds NaN or infinity"),
+    (dict(x_test=np.zeros((12, 3, 3), np.float32)), "x_test samples are (3, 3) but x_train's are (2, 4, 4)"),
+])
+def test_bad_arrays_files_are_one_line(tmp_path, change, message):
+    drop = change.pop("drop", None)
+    path, arrays = arrays_file(tmp_path)
+    arrays.update(change)
+    if drop:
+        arrays.pop(drop)
+    np.savez(path, **arrays)
+    with pytest.raises(ConfigError) as err:
+        problem_of(cfg_for(path, clients=2, classes=3, normalize="standard"))
+    assert message in str(err.value) and "\n" not in str(err.value)
+
+
+def test_bad_folders_are_one_line(tmp_path):
+    (tmp_path / "empty" / "train").mkdir(parents=True)
+    (tmp_path / "empty" / "train" / "a.json").write_text(json.dumps({"users": [], "user_data": {}}))
+    cfg = config_with({"data.kind": "leaf", "data.path": str(tmp_path / "empty"), "model.kind": "logreg",
+                       "train.clients_per_round": 1})
+    with pytest.raises(ConfigError, match="train/ has no users"):
+        problem_of(cfg)
+    text = leaf_folder(tmp_path / "text", x=["img_1.jpg"] * 5)
+    cfg = config_with({"data.kind": "leaf", "data.path": str(text), "model.kind": "logreg",
+                       "train.clients_per_round": 1})
+    with pytest.raises(EdgefedError, match="text or file names"):
+        problem_of(cfg)
+    with pytest.raises(ConfigError, match="has no data_batch_1"):
+        problem_of(config_with({"data.kind": "cifar10", "data.path": str(tmp_path), "train.clients_per_round": 1}))
