@@ -60,12 +60,12 @@ def _padding(value, where):
 
 
 def _shape(value, where):
-    if (not isinstance(value, list) or not 1 <= len(value) <= 3
+    if (not isinstance(value, (list, tuple)) or not 1 <= len(value) <= 3
             or not all(isinstance(v, int) and not isinstance(v, bool) and (v >= 1 or v == -1) for v in value)
             or value.count(-1) > 1):
         raise ConfigError(f"{where} = {value!r} must be a list of 1 to 3 sizes (one of them may be -1), "
                           "e.g. [1, 28, 28]")
-    return tuple(value)
+    return list(value)
 
 
 @dataclass(frozen=True)

@@ -201,15 +201,39 @@ def test_one_rank_under_mpiexec_is_the_simulator(tmp_path, simulated):
     assert "MPI:" not in done.stdout and same_datasets(sim, read_run(out)) == []
 
 
-@pytest.mark.parametrize("model", ["mlp", "cnn"])
+SEQUENTIAL = """[model]
+kind = "sequential"
+layers = [
+  {type = "conv2d", out = 6, kernel = 3},
+  {type = "groupnorm", groups = 2},
+  {type = "relu"},
+  {type = "maxpool2d", size = 2},
+  {type = "conv1d", out = 4, kernel = 3, padding = "valid"},
+  {type = "flatten"},
+  {type = "dropout", rate = 0.25},
+  {type = "dense", out = 3},
+]
+"""
+
+
+@pytest.mark.parametrize("model", ["cnn", "sequential"])
 def test_image_models_under_mpi_match_the_simulator(tmp_path, model):
-    """MNIST-format files in, the 2NN or the CNN trained by device ranks: the simulator's bytes out."""
-    from test_images import write_idx
+    """MNIST-format files in and McMahan et al.'s CNN, or an arrays file of 3-channel samples and a layer list
+    of every kind of operation (a gather in channels-last order, convolutions, groupnorm, pooling, a reshape
+    the 1-D convolution reads, dropout's masks from the devices' streams) trained by device ranks under
+    deadline-free rounds: the simulator's bytes out."""
     g = np.random.default_rng(9)
-    write_idx(tmp_path, "t10k", g.integers(0, 256, (300, 28, 28)), g.integers(0, 10, 300))
-    cfg = write(tmp_path, "img.toml", f'rounds = 2\n[data]\nkind = "mnist"\npath = "{tmp_path}"\nclients = 4\n'
-                                      f'holdout = 60\n[model]\nkind = "{model}"\n'
-                                      '[train]\nclients_per_round = 3\nlocal_steps = 2\nbatch_size = 10\n')
+    if model == "cnn":
+        from test_images import write_idx
+        write_idx(tmp_path, "t10k", g.integers(0, 256, (300, 28, 28)), g.integers(0, 10, 300))
+        data = f'[data]\nkind = "mnist"\npath = "{tmp_path}"\nclients = 4\nholdout = 60\n[model]\nkind = "cnn"\n'
+    else:
+        np.savez(tmp_path / "x.npz", x_train=g.normal(size=(80, 3, 8, 6)).astype(np.float32),
+                 y_train=g.integers(0, 3, 80), device_train=np.repeat(np.arange(4), 20))
+        data = (f'[data]\nkind = "arrays"\npath = "{tmp_path / "x.npz"}"\npartition = "natural"\n'
+                f'normalize = "standard"\n' + SEQUENTIAL.replace('{type = "conv1d"', '{type = "reshape", shape = [6, -1]},\n  {type = "conv1d"'))
+    cfg = write(tmp_path, "img.toml", 'rounds = 2\n' + data + '[train]\nclients_per_round = 3\nlocal_steps = 2\n'
+                                      'batch_size = 10\n')
     logs = []
     for ranks in (None, 3):
         out = tmp_path / f"{ranks}.h5"
@@ -217,7 +241,7 @@ def test_image_models_under_mpi_match_the_simulator(tmp_path, model):
         assert done.returncode == 0, done.stderr
         logs.append(read_run(out))
     sim, mpi = logs
-    assert sim["trajectory/x"].shape == (3, 199210 if model == "mlp" else 1663370)
+    assert sim["trajectory/x"].shape[1] == (1663370 if model == "cnn" else 379)
     assert same_datasets(sim, mpi) == []
     assert not np.array_equal(sim["trajectory/x"][0], sim["trajectory/x"][-1])
 
