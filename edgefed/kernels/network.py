@@ -103,13 +103,12 @@ def _forward(prog, slopes, perms, params, acts, aux, cols, pads, b, train, keep,
 
 
 @njit(inline="always", **JIT)
-def _loss(prog, labels, targets, idx, first, b, scale, loss_kind, acts, deltas, want_deltas):
-    """(summed loss, correct predictions) of rows idx[:b] (or first..); want_deltas: the output's deltas
-    <- scale * dloss/doutput (cross-entropy: softmax - onehot; mse: 2 (z - t) / width)."""
+def _loss(prog, labels, targets, idx, first, b, scale, loss_kind, acts, deltas, want_deltas, loss):
+    """(loss + the losses of rows idx[:b] (or first..), one by one, correct predictions); want_deltas: the
+    output's deltas <- scale * dloss/doutput (cross-entropy: softmax - onehot; mse: 2 (z - t) / width)."""
     op = prog[prog.shape[0] - 1]
     width = op[F_NOUT]
     Z, D = block(acts, op[F_OUT], width), block(deltas, op[F_OUT], width)
-    loss = 0.0
     correct = 0
     for r in range(b):
         k = idx[r] if idx.shape[0] > 0 else first + r
@@ -229,8 +228,8 @@ def network(prog, slopes, perms, loss_kind, params, X, labels, targets, idx, n, 
             m = min(chunk, n - i0)
             _gather(prog, perms, X, empty, i0, m, acts)
             _forward(prog, slopes, perms, params, acts, aux, cols, pads, m, train, want_deltas, rng)
-            part, right = _loss(prog, labels, targets, empty, i0, m, scale, loss_kind, acts, deltas, want_deltas)
-            loss += part
+            loss, right = _loss(prog, labels, targets, empty, i0, m, scale, loss_kind, acts, deltas, want_deltas,
+                                loss)  # one running sum over every sample, whatever the chunks
             correct += right
             if outputs.shape[0] == n:
                 last = prog[prog.shape[0] - 1]
@@ -241,7 +240,7 @@ def network(prog, slopes, perms, loss_kind, params, X, labels, targets, idx, n, 
     if mode == ROWS:
         _gather(prog, perms, X, idx, 0, b, acts)
         _forward(prog, slopes, perms, params, acts, aux, cols, pads, b, train, want_deltas, rng)
-        loss, _ = _loss(prog, labels, targets, idx, 0, b, scale, loss_kind, acts, deltas, want_deltas)
+        loss, _ = _loss(prog, labels, targets, idx, 0, b, scale, loss_kind, acts, deltas, want_deltas, 0.0)
         _backward(prog, slopes, perms, params, grad, acts, deltas, aux, tr, cols, wt, gt, gblock, pads, b, step, lr,
                   terms)
         return loss, 0
@@ -252,7 +251,7 @@ def network(prog, slopes, perms, loss_kind, params, X, labels, targets, idx, n, 
             draw_batch(rng, idx, n, b)
         _gather(prog, perms, X, idx, 0, b, acts)
         _forward(prog, slopes, perms, params, acts, aux, cols, pads, b, train, want_deltas, rng)
-        loss, _ = _loss(prog, labels, targets, idx, 0, b, scale, loss_kind, acts, deltas, want_deltas)
+        loss, _ = _loss(prog, labels, targets, idx, 0, b, scale, loss_kind, acts, deltas, want_deltas, 0.0)
         _backward(prog, slopes, perms, params, grad, acts, deltas, aux, tr, cols, wt, gt, gblock, pads, b, step, lr,
                   terms)
         if step:
