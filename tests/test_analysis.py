@@ -155,7 +155,7 @@ def test_report_of_one_measured_log(logs, tmp_path, capsys):
     page = out.read_text()
     assert_self_contained(page)
     pngs = images(page)
-    assert len(pngs) == 3 and all(p.startswith(PNG) for p in pngs)  # curves, participation, measured
+    assert len(pngs) == 4 and all(p.startswith(PNG) for p in pngs)  # curves, partition, participation, measured
     assert "deadline_s = 0.004" in page  # the config, as TOML
     run = Run.read(logs["measured"])
     assert f"<td>{run.final('test_accuracy'):.4f}</td>" in page
@@ -167,9 +167,9 @@ def test_report_of_several_logs_and_a_sweep_folder(logs, sweep_folder, tmp_path)
     (page_path,) = write_report([str(logs["trace"]), str(logs["measured"]), str(sweep_folder)], tmp_path / "r.html")
     page = page_path.read_text()
     assert_self_contained(page)
-    # sweep: overview + 2 curve groups (by trace) + 4 cells' participation; runs: curves + 2 participation +
-    # 2 measured (CPU shares, and for the deadline run its deadlines)
-    assert len(images(page)) == 1 + 2 + 4 + 1 + 2 + 2
+    # sweep: overview + its partition + 2 curve groups (by trace) + 4 cells' participation; runs: curves +
+    # 2 partitions + 2 participation + 2 measured (CPU shares, and for the deadline run its deadlines)
+    assert len(images(page)) == 1 + 1 + 2 + 4 + 1 + 2 + 2 + 2
     with open(sweep_folder / "cells.csv", newline="") as f:
         cells = list(csv.DictReader(f))
     for cell in cells:
@@ -198,9 +198,9 @@ def test_linked_axes_are_one_dimension_of_the_report():
 
 def test_report_as_png_files(sweep_folder, tmp_path, capsys):
     code, printed, _ = cli(["report", str(sweep_folder), "--format", "png", "--out", str(tmp_path / "figs")], capsys)
-    assert code == 0 and printed == f"wrote 7 figures into {tmp_path / 'figs'}\n"
+    assert code == 0 and printed == f"wrote 8 figures into {tmp_path / 'figs'}\n"
     names = sorted(p.name for p in (tmp_path / "figs").iterdir())
-    assert "out-overview.png" in names and "out-trace-builtin-1-curves.png" in names
+    assert "out-overview.png" in names and "out-trace-builtin-1-curves.png" in names and "out-partition.png" in names
     assert all((tmp_path / "figs" / n).read_bytes().startswith(PNG) for n in names)
 
 
