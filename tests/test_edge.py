@@ -96,21 +96,25 @@ def test_auto_deadline_is_the_factor_times_k_steps_at_the_boards_speed(tmp_path,
     assert not log["participation/compiled"].any()  # the kernels were warmed before round 1
 
 
-def test_cli_profile_writes_a_profile_that_drives_an_auto_deadline_run(tmp_path):
+def test_cli_profile_of_a_config_times_its_layer_list_and_drives_an_auto_deadline_run(tmp_path):
+    """`edgefed profile --config` measures the config's own model, keyed by its layer list: the run of that
+    config takes its deadlines and simulated clock from the entry."""
+    cfg = write(tmp_path, "auto.toml", 'rounds = 3\n[data]\nclients = 4\n[train]\nclients_per_round = "all"\n'
+                                       'local_steps = 400\n[model]\nkind = "sequential"\nlayers = [{type = "dense", '
+                                       'out = 16}, {type = "tanh"}, {type = "dense", out = 10}]\n'
+                                       f'[participation]\nmode = "deadline"\ndeadline_s = "auto"\n'
+                                       f'[device]\nprofile = "{tmp_path / "here.toml"}"\n')
     out = tmp_path / "here.toml"
-    done = edgefed(["profile", "--models", "logreg", "--no-cold", "--out", str(out)])
+    done = edgefed(["profile", "--config", cfg, "--no-cold", "--out", str(out)])
     assert done.returncode == 0, done.stderr
     prof = hwprofile.load_profile(str(out))
     assert prof.measured and prof.machine["cores"] == __import__("psutil").cpu_count(logical=False)
     (speed,) = prof.speeds
-    assert (speed.model, speed.params, speed.batch) == ("logreg", 610, 20) and speed.steps_per_s > 100
-    assert prof.extra["startup"]["warm_s"]["logreg"] > 0 and prof.extra["memory"]["rank_rss_mb"]["logreg"] > 30
-    again = edgefed(["profile", "--models", "logreg", "--no-cold", "--out", str(out)])
+    assert (speed.model, speed.params, speed.batch) == ("sequential", 1146, 20) and speed.steps_per_s > 100
+    assert speed.key == "sequential: 60: dense(out=16) tanh dense(out=10)"
+    assert prof.extra["startup"]["warm_s"]["auto.toml"] > 0 and prof.extra["memory"]["rank_rss_mb"]["auto.toml"] > 30
+    again = edgefed(["profile", "--config", cfg, "--no-cold", "--out", str(out)])
     assert again.returncode == 2 and "already exists; pass --force" in again.stderr
-    cfg = write(tmp_path, "auto.toml", 'rounds = 3\n[data]\nclients = 4\n[train]\nclients_per_round = "all"\n'
-                                       'local_steps = 400\n'
-                                       f'[participation]\nmode = "deadline"\ndeadline_s = "auto"\n'
-                                       f'[device]\nprofile = "{out}"\n')
     run = edgefed(["run", cfg, "--out", str(tmp_path / "r.h5"), "--quiet"])
     assert run.returncode == 0, run.stderr
     assert "deadlines 1.1x the profiled time" in run.stdout
@@ -118,6 +122,7 @@ def test_cli_profile_writes_a_profile_that_drives_an_auto_deadline_run(tmp_path)
     np.testing.assert_allclose(log["attrs"]["deadline_s"], 1.1 * 400 / speed.steps_per_s)
     # with a profile the simulator's clock is the profile's: 1.1x the profiled time fits the whole budget
     assert log["attrs"]["clock"] == "simulated" and (log["participation/steps"] == 400).all()
+    np.testing.assert_allclose(np.diff(log["metrics/clock_s"]), 400 / speed.steps_per_s, rtol=1e-9)
 
 
 def test_warmup_fills_the_cache_so_a_run_compiles_nothing(tmp_path):

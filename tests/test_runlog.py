@@ -181,3 +181,26 @@ while time.monotonic() < end:
     finally:
         watcher.kill()
         watcher.wait()
+
+
+def test_the_stored_trajectory_keeps_within_its_budget_and_says_what_it_stores(tmp_path):
+    """[log] every unset: every round while the models fit trajectory_mb, else every k-th (round 0 and R
+    always), k the smallest that fits; every set keeps its meaning; the run's first line says which."""
+    from edgefed.algorithms import build_algorithm
+    from edgefed.config import load_config
+    from edgefed.orchestration.run import log_layout, prepare, trajectory_every
+
+    cfg = load_config(None, ["rounds=100"])  # logistic regression: 610 float32 values, 2.4 KB a round
+    layout = log_layout(build_algorithm(cfg), cfg, 30, 610, np.float32)
+    assert trajectory_every(cfg, layout, 610, np.float32) == (1, "log: the model every round, 101 of 101 (240.7 KB)")
+    small = load_config(None, ["rounds=100", "log.trajectory_mb=0.03"])  # 12 rows of 2,440 bytes
+    every, text = trajectory_every(small, layout, 610, np.float32)
+    assert every == 10 and text == ("log: the model every 10 rounds to keep within [log] trajectory_mb = 0.03, "
+                                    "11 of 101 (26.2 KB)")
+    assert trajectory_every(load_config(None, ["rounds=100", "log.every=3", "log.trajectory_mb=0.03"]), layout, 610,
+                            np.float32)[0] == 3  # set: today's meaning, whatever the budget
+    lines = []
+    setup = prepare(small, tmp_path / "r.h5", on_info=lines.append)
+    assert setup.cfg.log.every == 10 and lines[0].endswith(text)
+    runs.run(small, tmp_path / "s.h5")
+    assert read_run(tmp_path / "s.h5")["trajectory/round"].tolist() == list(range(0, 101, 10))
