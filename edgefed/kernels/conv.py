@@ -16,7 +16,8 @@ from numba import njit
 
 from edgefed.kernels import JIT
 from edgefed.kernels.dense import relu_mask
-from edgefed.kernels.linalg import accumulate_outer, accumulate_product, block, copy_into, transpose_into
+from edgefed.kernels.linalg import (accumulate_outer, accumulate_product, block, copy_into, matrix, transpose_into,
+                                    vector)
 from edgefed.kernels.program import (F_AUX, F_C, F_CO, F_GRAD_IN, F_H, F_HO, F_HP, F_IN, F_KH, F_KW, F_MODE, F_NIN,
                                      F_NOUT, F_OUT, F_PAD, F_PARAM, F_PL, F_PT, F_SH, F_SW, F_W, F_WO, F_WP, F_WT)
 
@@ -78,9 +79,9 @@ def conv_forward(inp, Wt, bias, out, H, W, C, HP, WP, pt, pl, kh, kw, sh, sw, HO
                  relu):
     """out (HO, WO, CO) <- bias + the convolution of inp (H, W, C) with Wt (kh*kw*C, CO); relu: then ReLU."""
     n, depth = HO * WO, kh * kw * C
-    cols = cols_area[:n * depth].reshape((n, depth))
+    cols = matrix(cols_area, 0, n, depth)
     _unroll(inp, H, W, C, padded, HP, WP, pt, pl, kh, kw, sh, sw, HO, WO, cols)
-    out2 = out.reshape((n, CO))
+    out2 = matrix(out, 0, n, CO)
     for r in range(n):
         copy_into(out2[r], bias)
     accumulate_product(cols, Wt, out2, n, depth, CO)
@@ -99,9 +100,9 @@ def conv_backward(inp, WT, dout, gW, gb, dinp, H, W, C, HP, WP, pt, pl, kh, kw, 
     With the windows unrolled again: gW += cols^T dout, and d(cols) = dout W^T folded back onto the map.
     """
     n, depth = HO * WO, kh * kw * C
-    cols = cols_area[:n * depth].reshape((n, depth))
+    cols = matrix(cols_area, 0, n, depth)
     _unroll(inp, H, W, C, padded, HP, WP, pt, pl, kh, kw, sh, sw, HO, WO, cols)
-    d2 = dout.reshape((n, CO))
+    d2 = matrix(dout, 0, n, CO)
     for r in range(n):
         for co in range(CO):
             gb[co] += d2[r, co]
@@ -206,9 +207,9 @@ def conv_forward_op(op, slope, perms, params, acts, aux, cols, pads, r0, r1, tra
     C, CO = op[F_C], op[F_CO]
     depth = op[F_KH] * op[F_KW] * C
     p = op[F_PARAM]
-    Wt = params[p:p + depth * CO].reshape((depth, CO))
-    bias = params[p + depth * CO:p + depth * CO + CO]
-    pad = pads[op[F_PAD]:op[F_PAD] + op[F_HP] * op[F_WP] * C]
+    Wt = matrix(params, p, depth, CO)
+    bias = vector(params, p + depth * CO, CO)
+    pad = vector(pads, op[F_PAD], op[F_HP] * op[F_WP] * C)
     X, Z = block(acts, op[F_IN], op[F_NIN]), block(acts, op[F_OUT], op[F_NOUT])
     for r in range(r0, r1):
         conv_forward(X[r], Wt, bias, Z[r], op[F_H], op[F_W], C, op[F_HP], op[F_WP], op[F_PT], op[F_PL], op[F_KH],
@@ -226,15 +227,15 @@ def conv_backward_op(op, slope, perms, params, grad, acts, deltas, aux, tr, cols
     need = op[F_GRAD_IN] == 1
     if op[F_MODE] == 1:
         relu_mask(acts, deltas, op[F_OUT], r0, r1, op[F_NOUT])
-    WT = wt[op[F_WT]:op[F_WT] + CO * depth].reshape((CO, depth))
-    gW = grad[p:p + depth * CO].reshape((depth, CO))
-    gb = grad[p + depth * CO:p + depth * CO + CO]
+    WT = matrix(wt, op[F_WT], CO, depth)
+    gW = matrix(grad, p, depth, CO)
+    gb = vector(grad, p + depth * CO, CO)
     if r0 == 0:  # the step's first sample: W^T packed once per step, the bias's gradient from zero
         if need:
-            transpose_into(params[p:p + depth * CO].reshape((depth, CO)), WT, depth, CO)
+            transpose_into(matrix(params, p, depth, CO), WT, depth, CO)
         for j in range(CO):
             gb[j] = 0
-    pad = pads[op[F_PAD]:op[F_PAD] + op[F_HP] * op[F_WP] * C]
+    pad = vector(pads, op[F_PAD], op[F_HP] * op[F_WP] * C)
     X, DX = block(acts, op[F_IN], op[F_NIN]), block(deltas, op[F_IN], op[F_NIN])
     DZ = block(deltas, op[F_OUT], op[F_NOUT])
     for r in range(r0, r1):

@@ -23,7 +23,7 @@ from edgefed.kernels.conv import (conv_backward_op, conv_forward_op, global_pool
                                   pool_backward_op, pool_forward_op)
 from edgefed.kernels.dense import FUSED_WEIGHTS, dense_backward_op, dense_forward_op
 from edgefed.kernels.fma import fma
-from edgefed.kernels.linalg import block, copy_into
+from edgefed.kernels.linalg import block, copy_into, vector
 from edgefed.kernels.norm import groupnorm_backward_op, groupnorm_forward_op
 from edgefed.kernels.pointwise import (activation_backward_op, activation_forward_op, dropout_backward_op,
                                        dropout_forward_op, permute_backward_op, permute_forward_op)
@@ -38,14 +38,20 @@ STEPS, MINIBATCH, ROWS, EVAL = 0, 1, 2, 3  # modes of `network`
 
 
 @njit(inline="always", **JIT)
+def _op(prog, i):
+    """Row i of the program, a view that holds no reference (linalg.matrix)."""
+    return vector(prog, i * prog.shape[1], prog.shape[1])
+
+
+@njit(inline="always", **JIT)
 def _gather(prog, perms, X, idx, first, m, acts):
     """The input rows (idx[:m], or first.. when idx is empty) into the first op's output, in its layout."""
-    op = prog[0]
+    op = _op(prog, 0)
     n_in, order = op[F_NOUT], op[F_PERM]
     permuted = op[F_MODE] == 1
     rows = block(acts, op[F_OUT], n_in)
     for r in range(m):
-        src = X[idx[r]] if idx.shape[0] > 0 else X[first + r]
+        src = vector(X, (idx[r] if idx.shape[0] > 0 else first + r) * n_in, n_in)
         dst = rows[r]
         if permuted:
             for j in range(n_in):
@@ -83,7 +89,7 @@ def _forward(prog, slopes, perms, params, acts, aux, cols, pads, b, train, keep,
     i = 1
     while i < n_ops:
         if prog[i, F_TYPE] == DENSE:
-            dense_forward_op(prog[i], slopes[i], perms, params, acts, aux, cols, pads, 0, b, train, rng)
+            dense_forward_op(_op(prog, i), slopes[i], perms, params, acts, aux, cols, pads, 0, b, train, rng)
             i += 1
             continue
         j = i
@@ -96,7 +102,7 @@ def _forward(prog, slopes, perms, params, acts, aux, cols, pads, b, train, keep,
             if not keep:
                 copy_into(first[spare], first[r])
             for k in range(i, j):
-                _forward_one(prog[k], slopes[k], perms, params, acts, aux, cols, pads, row, row + 1, train, rng)
+                _forward_one(_op(prog, k), slopes[k], perms, params, acts, aux, cols, pads, row, row + 1, train, rng)
             if not keep:
                 copy_into(last[r], last[spare])
         i = j
@@ -175,7 +181,7 @@ def _backward(prog, slopes, perms, params, grad, acts, deltas, aux, tr, cols, wt
     i = prog.shape[0] - 1
     while i >= 1:
         if prog[i, F_TYPE] == DENSE:
-            dense_backward_op(prog[i], slopes[i], perms, params, grad, acts, deltas, aux, tr, cols, wt, gt, gblock,
+            dense_backward_op(_op(prog, i), slopes[i], perms, params, grad, acts, deltas, aux, tr, cols, wt, gt, gblock,
                               pads, 0, b, step, lr, terms)
             i -= 1
             continue
@@ -184,7 +190,7 @@ def _backward(prog, slopes, perms, params, grad, acts, deltas, aux, tr, cols, wt
             j -= 1
         for r in range(b):
             for k in range(i, j, -1):
-                _backward_one(prog[k], slopes[k], perms, params, grad, acts, deltas, aux, tr, cols, wt, gt, gblock,
+                _backward_one(_op(prog, k), slopes[k], perms, params, grad, acts, deltas, aux, tr, cols, wt, gt, gblock,
                               pads, r, r + 1, step, lr, terms)
         i = j
 
@@ -194,14 +200,13 @@ def _apply(prog, params, grad, lr, terms):
     """The SGD step of every parameter not updated in the backward pass, layer by layer (the same bits as
     one pass over the whole vector: each coordinate's update is its own)."""
     for i in range(1, prog.shape[0]):
-        op = prog[i]
-        p, n = op[F_PARAM], op[F_NPARAM]
+        p, n = prog[i, F_PARAM], prog[i, F_NPARAM]
         if n == 0:
             continue
-        if op[F_TYPE] == DENSE and op[F_NIN] * op[F_NOUT] >= FUSED_WEIGHTS:
-            p += op[F_NIN] * op[F_NOUT]  # the weights were stepped in the backward pass: their bias only
-            n = op[F_NOUT]
-        apply_step(params[p:p + n], grad[p:p + n], lr, terms_slice(terms, p, p + n))
+        if prog[i, F_TYPE] == DENSE and prog[i, F_NIN] * prog[i, F_NOUT] >= FUSED_WEIGHTS:
+            p += prog[i, F_NIN] * prog[i, F_NOUT]  # the weights were stepped in the backward pass: their bias only
+            n = prog[i, F_NOUT]
+        apply_step(vector(params, p, n), vector(grad, p, n), lr, terms_slice(terms, p, p + n))
 
 
 @njit(**JIT)
