@@ -72,30 +72,10 @@ def _shape(value, where):
 class LayerType:
     settings: dict  # name -> (default or REQUIRED, check(value, where) -> value)
     torch: str  # the equivalent PyTorch module, for docs/ and `edgefed export`
+    plan: object  # plan(walk, layer, index, where): its operation, output, parameters and workspaces (below)
     spatial: int = 0  # the input's dimensions a spatial layer works on (2: (C, H, W), 1: (C, L)); 0: not spatial
 
 
-_CONV = {"out": (REQUIRED, _int(1)), "kernel": (REQUIRED, _int(1)), "stride": (1, _int(1)), "padding": ("same", _padding)}
-_POOL = {"size": (REQUIRED, _int(1)), "stride": (None, _int(1))}
-TYPES = {
-    "dense": LayerType({"out": (REQUIRED, _int(1))}, "nn.Linear(in, out)"),
-    "conv2d": LayerType(_CONV, "nn.Conv2d(in, out, kernel, stride, padding)", 2),
-    "conv1d": LayerType(_CONV, "nn.Conv1d(in, out, kernel, stride, padding)", 1),
-    "maxpool2d": LayerType(_POOL, "nn.MaxPool2d(size, stride)", 2),
-    "avgpool2d": LayerType(_POOL, "nn.AvgPool2d(size, stride)", 2),
-    "maxpool1d": LayerType(_POOL, "nn.MaxPool1d(size, stride)", 1),
-    "avgpool1d": LayerType(_POOL, "nn.AvgPool1d(size, stride)", 1),
-    "global_avgpool": LayerType({}, "nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten()) (1-D: AdaptiveAvgPool1d)"),
-    "flatten": LayerType({}, "nn.Flatten()"),
-    "reshape": LayerType({"shape": (REQUIRED, _shape)}, "nn.Unflatten(1, shape) (after nn.Flatten() if the input "
-                                                        "is not flat)"),
-    "relu": LayerType({}, "nn.ReLU()"),
-    "leaky_relu": LayerType({"slope": (0.01, _number)}, "nn.LeakyReLU(slope)"),
-    "tanh": LayerType({}, "nn.Tanh()"),
-    "sigmoid": LayerType({}, "nn.Sigmoid()"),
-    "dropout": LayerType({"rate": (0.5, _rate)}, "nn.Dropout(rate)"),
-    "groupnorm": LayerType({"groups": (REQUIRED, _int(1))}, "nn.GroupNorm(groups, channels)"),
-}
 ACTIVATIONS = {"relu": RELU, "leaky_relu": LEAKY_RELU, "tanh": TANH, "sigmoid": SIGMOID}
 
 
@@ -220,8 +200,8 @@ def _text(value) -> str:
 class _Walk:
     """The state of one walk over a layer list: the current tensor and the program so far."""
 
-    def __init__(self, input_shape: tuple):
-        self.shape, self.order = input_shape, None
+    def __init__(self, input_shape: tuple, itemsize: int):
+        self.shape, self.order, self.itemsize = input_shape, None, itemsize
         self.region = 0  # where the current tensor starts in a sample's activations
         self.next_region = 0
         self.ops, self.slopes, self.perms = [], [], []
@@ -317,119 +297,164 @@ def input_shape_for(sample_shape: tuple, layers) -> tuple:
     return tuple(sample_shape)
 
 
+# ------------------------------------------------------------------------------------ each type's plan
+# plan(walk, layer, index, where): the operation a layer adds to the walk's program (if any), its output
+# shape and layout, its parameters and the workspaces it needs; errors name the layer (where) and the fix.
+
+def _plan_flatten(walk, layer, i, where):
+    walk.shape = (int(np.prod(walk.shape)),)  # no operation: the values stay where they are (order kept)
+
+
+def _plan_reshape(walk, layer, i, where):
+    target = list(layer["shape"])
+    n = int(np.prod(walk.shape))
+    if -1 in target:
+        known = int(np.prod([t for t in target if t != -1]))
+        if n % known:
+            raise ConfigError(f"{where}: shape = {list(layer['shape'])} does not divide the {n} values of its input "
+                              f"{_show(walk.shape)}")
+        target[target.index(-1)] = n // known
+    if int(np.prod(target)) != n:
+        raise ConfigError(f"{where}: shape = {list(layer['shape'])} holds {int(np.prod(target))} values but its "
+                          f"input {_show(walk.shape)} has {n}")
+    walk.permute(channels_last(tuple(target)))  # the same values in PyTorch's order, read as the new shape
+    walk.shape = tuple(target)
+
+
+def _plan_dense(walk, layer, i, where):
+    if len(walk.shape) != 1:
+        raise ConfigError(f'{where} takes a flat input, got {_show(walk.shape)}; put {{type = "flatten"}} before it')
+    din, dout = walk.shape[0], layer["out"]
+    row = walk.op(ops.DENSE, dout, C=din, CO=dout)
+    walk.params(row, i, [("weight", (din, dout), (dout, din), (din, dout), "dense", walk.order),
+                         ("bias", (dout,), (dout,), (din, dout), "dense", None)])
+    walk.shape, walk.order = (dout,), None
+    if dout * walk.itemsize < TILE_BYTES:
+        walk.narrow = max(walk.narrow, din * dout)
+    if din * dout >= FUSED_WEIGHTS:
+        walk.tr = max(walk.tr, din + dout)
+        walk.fused_out = max(walk.fused_out, dout)
+
+
+def _plan_conv(walk, layer, i, where):
+    kind = layer["type"]
+    dims = TYPES[kind].spatial
+    C, H, W = _spatial(walk.shape, dims, i, kind)
+    walk.channels_last()
+    k, s, co = layer["kernel"], layer["stride"], layer["out"]
+    kh = k if dims == 2 else 1
+    pt, pb = _pads(layer["padding"], k, s, i, kind) if dims == 2 else (0, 0)
+    pl, pr = _pads(layer["padding"], k, s, i, kind)
+    HP, WP = H + pt + pb, W + pl + pr
+    if HP < kh or WP < k:
+        raise ConfigError(f"{where}: kernel = {k} is larger than its (padded) input {_show(walk.shape)}; use a "
+                          "smaller kernel or padding")
+    HO, WO = (HP - kh) // (s if dims == 2 else 1) + 1, (WP - k) // s + 1
+    row = walk.op(ops.CONV, HO * WO * co, C=C, H=H, W=W, CO=co, HO=HO, WO=WO, KH=kh, KW=k, SH=s if dims == 2 else 1,
+                  SW=s, PT=pt, PL=pl, HP=HP, WP=WP, PAD=walk.pads)
+    if HP != H or WP != W:
+        walk.pads += HP * WP * C
+    torch_shape = (co, C, k, k) if dims == 2 else (co, C, k)
+    fans = (kh * k * C, kh * k * co)
+    walk.params(row, i, [("weight", (kh, k, C, co), torch_shape, fans, "conv", None),
+                         ("bias", (co,), (co,), fans, "conv", None)])
+    walk.cols = max(walk.cols, HO * WO * kh * k * C)
+    walk.shape = (co, HO, WO) if dims == 2 else (co, WO)
+    walk.order = channels_last(walk.shape)
+
+
+def _plan_pool(walk, layer, i, where):
+    kind = layer["type"]
+    dims = TYPES[kind].spatial
+    C, H, W = _spatial(walk.shape, dims, i, kind)
+    walk.channels_last()
+    size = layer["size"]
+    stride = layer.get("stride", size)
+    kh, sh = (size, stride) if dims == 2 else (1, 1)
+    if H < kh or W < size:
+        raise ConfigError(f"{where}: size = {size} is larger than its input {_show(walk.shape)}; use a smaller size "
+                          "or fewer pooling layers")
+    HO, WO = (H - kh) // sh + 1, (W - size) // stride + 1
+    pool = AVG if kind.startswith("avg") else MAX
+    if pool == MAX and _fused_relu(walk):  # ReLU then max pooling: max, then ReLU on a quarter of the values
+        walk.ops[-1][ops.F_MODE] = 0
+        pool = MAX_RELU
+    walk.op(ops.POOL, HO * WO * C, C=C, H=H, W=W, CO=C, HO=HO, WO=WO, KH=kh, KW=size, SH=sh, SW=stride, MODE=pool,
+            AUX=walk.aux)
+    walk.aux += HO * WO * C  # a max's winners (a mean's room unused: every view must fit)
+    walk.shape = (C, HO, WO) if dims == 2 else (C, WO)
+    walk.order = channels_last(walk.shape)
+
+
+def _plan_global_pool(walk, layer, i, where):
+    if len(walk.shape) not in (2, 3):
+        raise ConfigError(f"{where} takes (C, H, W) or (C, L) maps, got {_show(walk.shape)}")
+    walk.channels_last()
+    C, P = walk.shape[0], int(np.prod(walk.shape[1:]))
+    walk.op(ops.GLOBAL_POOL, C, C=C, H=1, W=P, CO=C)
+    walk.shape, walk.order = (C,), None
+
+
+def _plan_activation(walk, layer, i, where):
+    if layer["type"] == "relu" and _fusable(walk):
+        walk.ops[-1][ops.F_MODE] = 1  # the dense layer or convolution applies it (and its derivative)
+        return
+    walk.op(ops.ACTIVATION, int(np.prod(walk.shape)), MODE=ACTIVATIONS[layer["type"]])
+    walk.slopes[-1] = layer.get("slope", 0.0)
+
+
+def _plan_dropout(walk, layer, i, where):
+    n = int(np.prod(walk.shape))
+    walk.op(ops.DROPOUT, n, AUX=walk.aux)
+    walk.slopes[-1] = layer["rate"]
+    walk.aux += n
+
+
+def _plan_groupnorm(walk, layer, i, where):
+    C = walk.shape[0]
+    if C % layer["groups"]:
+        raise ConfigError(f"{where}: groups = {layer['groups']} does not divide its {C} channels")
+    if len(walk.shape) == 1:
+        walk.permute(None)
+    else:
+        walk.channels_last()
+    P = int(np.prod(walk.shape[1:]))
+    row = walk.op(ops.GROUPNORM, int(np.prod(walk.shape)), C=C, H=1, W=P, CO=C, MODE=layer["groups"])
+    walk.params(row, i, [("weight", (C,), (C,), (C, C), "norm", None), ("bias", (C,), (C,), (C, C), "norm", None)])
+
+
+_CONV = {"out": (REQUIRED, _int(1)), "kernel": (REQUIRED, _int(1)), "stride": (1, _int(1)), "padding": ("same", _padding)}
+_POOL = {"size": (REQUIRED, _int(1)), "stride": (None, _int(1))}
+TYPES = {
+    "dense": LayerType({"out": (REQUIRED, _int(1))}, "nn.Linear(in, out)", _plan_dense),
+    "conv2d": LayerType(_CONV, "nn.Conv2d(in, out, kernel, stride, padding)", _plan_conv, 2),
+    "conv1d": LayerType(_CONV, "nn.Conv1d(in, out, kernel, stride, padding)", _plan_conv, 1),
+    "maxpool2d": LayerType(_POOL, "nn.MaxPool2d(size, stride)", _plan_pool, 2),
+    "avgpool2d": LayerType(_POOL, "nn.AvgPool2d(size, stride)", _plan_pool, 2),
+    "maxpool1d": LayerType(_POOL, "nn.MaxPool1d(size, stride)", _plan_pool, 1),
+    "avgpool1d": LayerType(_POOL, "nn.AvgPool1d(size, stride)", _plan_pool, 1),
+    "global_avgpool": LayerType({}, "nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten()) (1-D: AdaptiveAvgPool1d)",
+                                _plan_global_pool),
+    "flatten": LayerType({}, "nn.Flatten()", _plan_flatten),
+    "reshape": LayerType({"shape": (REQUIRED, _shape)}, "nn.Unflatten(1, shape) (after nn.Flatten() if the input "
+                         "is not flat)", _plan_reshape),
+    "relu": LayerType({}, "nn.ReLU()", _plan_activation),
+    "leaky_relu": LayerType({"slope": (0.01, _number)}, "nn.LeakyReLU(slope)", _plan_activation),
+    "tanh": LayerType({}, "nn.Tanh()", _plan_activation),
+    "sigmoid": LayerType({}, "nn.Sigmoid()", _plan_activation),
+    "dropout": LayerType({"rate": (0.5, _rate)}, "nn.Dropout(rate)", _plan_dropout),
+    "groupnorm": LayerType({"groups": (REQUIRED, _int(1))}, "nn.GroupNorm(groups, channels)", _plan_groupnorm),
+}
 def build(layers, sample_shape: tuple, out_width: int, dtype, outputs_what: str = "classes") -> Network:
     """Plan a checked layer list (check_layers) for samples of sample_shape; the last width must be out_width
     (the classes, or the targets' width). Errors name the layer's index and the fix."""
     itemsize = np.dtype(dtype).itemsize
     shape = input_shape_for(tuple(int(s) for s in sample_shape), layers)
-    walk = _Walk(shape)
+    walk = _Walk(shape, itemsize)
     shapes = []
     for i, layer in enumerate(layers):
         kind = layer["type"]
-        where = f"config: model.layers[{i}] ({kind})"
-        if kind == "flatten":
-            walk.shape = (int(np.prod(walk.shape)),)
-        elif kind == "reshape":
-            target = list(layer["shape"])
-            n = int(np.prod(walk.shape))
-            if -1 in target:
-                known = int(np.prod([t for t in target if t != -1]))
-                if n % known:
-                    raise ConfigError(f"{where}: shape = {list(layer['shape'])} does not divide the {n} values of "
-                                      f"its input {_show(walk.shape)}")
-                target[target.index(-1)] = n // known
-            if int(np.prod(target)) != n:
-                raise ConfigError(f"{where}: shape = {list(layer['shape'])} holds {int(np.prod(target))} values but "
-                                  f"its input {_show(walk.shape)} has {n}")
-            walk.permute(channels_last(tuple(target)))  # the same values in PyTorch's order, read as the new shape
-            walk.shape = tuple(target)
-        elif kind == "dense":
-            if len(walk.shape) != 1:
-                raise ConfigError(f'{where} takes a flat input, got {_show(walk.shape)}; put {{type = "flatten"}} '
-                                  "before it")
-            din, dout = walk.shape[0], layer["out"]
-            row = walk.op(ops.DENSE, dout, C=din, CO=dout)
-            walk.params(row, i, [("weight", (din, dout), (dout, din), (din, dout), "dense", walk.order),
-                                 ("bias", (dout,), (dout,), (din, dout), "dense", None)])
-            walk.shape, walk.order = (dout,), None
-            if dout * itemsize < TILE_BYTES:
-                walk.narrow = max(walk.narrow, din * dout)
-            if din * dout >= FUSED_WEIGHTS:
-                walk.tr = max(walk.tr, din + dout)
-                walk.fused_out = max(walk.fused_out, dout)
-        elif kind in ("conv2d", "conv1d"):
-            dims = TYPES[kind].spatial
-            C, H, W = _spatial(walk.shape, dims, i, kind)
-            walk.channels_last()
-            k, s, co = layer["kernel"], layer["stride"], layer["out"]
-            kh = k if dims == 2 else 1
-            pt, pb = _pads(layer["padding"], k, s, i, kind) if dims == 2 else (0, 0)
-            pl, pr = _pads(layer["padding"], k, s, i, kind)
-            HP, WP = H + pt + pb, W + pl + pr
-            HO, WO = (HP - kh) // (s if dims == 2 else 1) + 1, (WP - k) // s + 1
-            if HP < kh or WP < k:
-                raise ConfigError(f"{where}: kernel = {k} is larger than its (padded) input {_show(walk.shape)}; "
-                                  "use a smaller kernel or padding")
-            row = walk.op(ops.CONV, HO * WO * co, C=C, H=H, W=W, CO=co, HO=HO, WO=WO, KH=kh, KW=k,
-                          SH=s if dims == 2 else 1, SW=s, PT=pt, PL=pl, HP=HP, WP=WP, PAD=walk.pads)
-            if HP != H or WP != W:
-                walk.pads += HP * WP * C
-            torch_shape = (co, C, k, k) if dims == 2 else (co, C, k)
-            fans = (kh * k * C, kh * k * co)
-            walk.params(row, i, [("weight", (kh, k, C, co), torch_shape, fans, "conv", None),
-                                 ("bias", (co,), (co,), fans, "conv", None)])
-            walk.cols = max(walk.cols, HO * WO * kh * k * C)
-            walk.shape = (co, HO, WO) if dims == 2 else (co, WO)
-            walk.order = channels_last(walk.shape)
-        elif kind in ("maxpool2d", "avgpool2d", "maxpool1d", "avgpool1d"):
-            dims = TYPES[kind].spatial
-            C, H, W = _spatial(walk.shape, dims, i, kind)
-            walk.channels_last()
-            size = layer["size"]
-            stride = layer.get("stride", size)
-            kh, sh = (size, stride) if dims == 2 else (1, 1)
-            if H < kh or W < size:
-                raise ConfigError(f"{where}: size = {size} is larger than its input {_show(walk.shape)}; use a "
-                                  "smaller size or fewer pooling layers")
-            HO, WO = (H - kh) // sh + 1, (W - size) // stride + 1
-            pool = AVG if kind.startswith("avg") else MAX
-            if pool == MAX and _fused_relu(walk):  # ReLU then max pooling: max, then ReLU on a quarter of the values
-                walk.ops[-1][ops.F_MODE] = 0
-                pool = MAX_RELU
-            row = walk.op(ops.POOL, HO * WO * C, C=C, H=H, W=W, CO=C, HO=HO, WO=WO, KH=kh, KW=size, SH=sh, SW=stride,
-                          MODE=pool, AUX=walk.aux)
-            walk.aux += HO * WO * C  # a max's winners (a mean's room unused: every view must fit)
-            walk.shape = (C, HO, WO) if dims == 2 else (C, WO)
-            walk.order = channels_last(walk.shape)
-        elif kind == "global_avgpool":
-            if len(walk.shape) not in (2, 3):
-                raise ConfigError(f"{where} takes (C, H, W) or (C, L) maps, got {_show(walk.shape)}")
-            walk.channels_last()
-            C, P = walk.shape[0], int(np.prod(walk.shape[1:]))
-            walk.op(ops.GLOBAL_POOL, C, C=C, H=1, W=P, CO=C)
-            walk.shape, walk.order = (C,), None
-        elif kind == "relu" and _fusable(walk):
-            walk.ops[-1][ops.F_MODE] = 1  # the dense layer or convolution applies it (and its derivative)
-        elif kind in ACTIVATIONS:
-            n = int(np.prod(walk.shape))
-            walk.op(ops.ACTIVATION, n, MODE=ACTIVATIONS[kind])
-            walk.slopes[-1] = layer.get("slope", 0.0)
-        elif kind == "dropout":
-            n = int(np.prod(walk.shape))
-            walk.op(ops.DROPOUT, n, AUX=walk.aux)
-            walk.slopes[-1] = layer["rate"]
-            walk.aux += n
-        elif kind == "groupnorm":
-            C = walk.shape[0]
-            if C % layer["groups"]:
-                raise ConfigError(f"{where}: groups = {layer['groups']} does not divide its {C} channels")
-            if len(walk.shape) == 1:
-                walk.permute(None)
-            else:
-                walk.channels_last()
-            P = int(np.prod(walk.shape[1:]))
-            row = walk.op(ops.GROUPNORM, int(np.prod(walk.shape)), C=C, H=1, W=P, CO=C, MODE=layer["groups"])
-            walk.params(row, i, [("weight", (C,), (C,), (C, C), "norm", None), ("bias", (C,), (C,), (C, C), "norm", None)])
+        TYPES[kind].plan(walk, layer, i, f"config: model.layers[{i}] ({kind})")
         shapes.append(walk.shape)
     if len(walk.shape) != 1:
         raise ConfigError(f"config: model.layers ends with {_show(walk.shape)} maps; end with "
