@@ -7,7 +7,9 @@ Prints this core's two ceilings first: its float32 fma throughput (a kernel of n
 registers) and OpenBLAS's sgemm on a large product. Then each model's time per SGD step (forward,
 backward and update of one minibatch) beside NumPy and PyTorch, its GFLOP/s and its fraction of the
 sgemm; then the products the models are made of, alone; then CNN evaluation of 10,000 images and the
-cold start of the default experiment (a fresh kernel cache, in a subprocess). edgefed runs a device's K
+cold start of the default experiment (a fresh kernel cache, in a subprocess). (Until issue 26 it also
+timed each stage of the hand-written CNN step; the models are layer lists now, and benchmarks/layer_speed.py
+times layer lists of your own.) edgefed runs a device's K
 local steps in one kernel call, so its time per step is that of a K-step call divided by K (K = 20, the
 default local_steps, for logistic regression and the 2NN; 1 for the CNN, whose step is long enough that
 the call costs nothing); the one-step-per-call time is shown beside it. NumPy and PyTorch run one step per
@@ -35,7 +37,7 @@ import numpy as np  # noqa: E402
 
 from edgefed.kernels import linalg  # noqa: E402
 from edgefed.kernels.sgd import step_terms  # noqa: E402
-from edgefed.models import CNN, MLP, LogReg  # noqa: E402
+from edgefed.models import Sequential  # noqa: E402
 from edgefed.problems import ClassificationData  # noqa: E402
 from edgefed.rng import Purpose, kernel_state  # noqa: E402
 from edgefed.runlog import read_run  # noqa: E402
@@ -49,6 +51,18 @@ except ImportError:  # optional: only for the comparison
 
 
 K_STEPS = 20
+
+
+def LogReg(features, classes, dtype):  # noqa: N802 - the built-in models, as the tables name them
+    return Sequential.builtin("logreg", (features,), classes, dtype)
+
+
+def MLP(sizes, dtype, seed):  # noqa: N802
+    return Sequential.builtin("mlp", (sizes[0],), sizes[-1], dtype, seed, tuple(sizes[1:-1]))
+
+
+def CNN(pixels, classes, dtype, seed):  # noqa: N802
+    return Sequential.builtin("cnn", (1, 28, 28), classes, dtype, seed)
 
 
 def paired_times(fns: dict, repeats: int, rounds: int = 10) -> dict:
@@ -274,70 +288,6 @@ def bench_products(peaks, repeats):
               f"{gf / peaks[0]:.0%} |", flush=True)
 
 
-def bench_cnn_parts(peaks, batch=10, repeats=30):
-    """Where a CNN step's time goes: each stage of kernels/cnn.py's step timed alone on its real shapes
-    (ten samples' worth for the per-sample stages), beside two floors: its flops at the fma peak, and its
-    bytes at this core's measured memory bandwidth (a copy of 100 MB)."""
-    from edgefed.kernels import cnn
-    from edgefed.kernels.sgd import apply_step
-
-    g = np.random.default_rng(3)
-    f32 = np.float32
-
-    def rnd(*shape):
-        return g.random(shape, dtype=f32) - f32(0.5)
-
-    big = rnd(25_000_000)
-    copy = np.empty_like(big)
-    bandwidth = 2 * big.nbytes / best_time(lambda: np.copyto(copy, big), 5)  # bytes/s, read + write
-    scratch = np.zeros(cnn.scratch_size(28), f32)
-    cols, w2t, pad1, pad2, gblock = cnn._scratch(scratch, 28)
-    img, a1, p1, a2 = rnd(28, 28, 1), rnd(28, 28, 32), rnd(14, 14, 32), rnd(14, 14, 64)
-    arg1, arg2 = np.zeros((14, 14, 32), np.int8), np.zeros((7, 7, 64), np.int8)
-    p2 = rnd(7, 7, 64)
-    w1, b1, w2, b2 = rnd(5, 5, 1, 32), rnd(32), rnd(5, 5, 32, 64), rnd(64)
-    P2, H, Z, dH = rnd(batch, 3136), rnd(batch, 512), rnd(batch, 10), rnd(batch, 512)
-    w3, b3, w4, b4 = rnd(3136, 512), rnd(512), rnd(512, 10), rnd(10)
-    params = rnd(w3.size)
-    dP2, DT, PT, g3 = rnd(batch, 3136), rnd(512, batch), rnd(3136, batch), rnd(3136, 512)
-    terms = step_terms(f32)
-    small = rnd(1_663_370 - w3.size), rnd(1_663_370 - w3.size)
-    stages = (  # name, seconds per call, calls per step, flops per step, bytes per step (streamed from memory)
-        ("conv1 forward (im2col product)", lambda: cnn._conv_forward(img, w1, b1, a1, 28, 1, 32, cols, pad1), batch,
-         2 * batch * 28 * 28 * 25 * 32, 0),
-        ("pool1 + ReLU", lambda: cnn._pool_forward(a1, p1, arg1, 28, 32), batch, 0, 0),
-        ("conv2 forward (im2col product)", lambda: cnn._conv_forward(p1, w2, b2, a2, 14, 32, 64, cols, pad2), batch,
-         2 * batch * 196 * 800 * 64, 0),
-        ("pool2 + ReLU", lambda: cnn._pool_forward(a2, p2, arg2, 14, 64), batch, 0, 0),
-        ("fc1 + fc2 forward", lambda: cnn._dense_forward(P2, H, Z, w3, b3, w4, b4, batch), 1,
-         2 * batch * (3136 * 512 + 512 * 10), w3.nbytes),
-        ("fc1 backward fused with its update", lambda: cnn._fc1_backward(P2, dH, w3, g3, dP2, batch, DT, PT, gblock,
-                                                                         True, params, 0, f32(1e-9), terms), 1,
-         4 * batch * 3136 * 512, 2 * w3.nbytes),
-        ("pool2 backward", lambda: cnn._pool_backward(p2, arg2, a2, 14, 64, a2), batch, 0, 0),
-        ("conv2 backward (weight and input gradients)",
-         lambda: cnn._conv_backward(p1, w2t, a2, w2, b2, p1, 14, 32, 64, cols, pad2, False, True), batch,
-         4 * batch * 196 * 800 * 64, 0),
-        ("pool1 backward", lambda: cnn._pool_backward(p1, arg1, a1, 28, 32, a1), batch, 0, 0),
-        ("conv1 backward (weight gradient)",
-         lambda: cnn._conv_backward(img, w2t, a1, w1, b1, img, 28, 1, 32, cols, pad1, False, False), batch,
-         2 * batch * 28 * 28 * 25 * 32, 0),
-        ("update of the other parameters", lambda: apply_step(small[0], small[1], f32(1e-9), terms), 1, 0,
-         3 * small[0].nbytes),
-    )
-    print(f"\n| CNN step at batch {batch}, stage | ms per step | share | floor at the fma peak (ms) "
-          "| floor at memory bandwidth (ms) |\n| --- | --- | --- | --- | --- |")
-    med = paired_times({name: fn for name, fn, _, _, _ in stages}, repeats)  # interleaved: one phase for all
-    rows = [(name, med[name] * calls, flops, nbytes) for name, _, calls, flops, nbytes in stages]
-    total = sum(t for _, t, _, _ in rows)
-    for name, t, flops, nbytes in rows:
-        print(f"| {name} | {t * 1e3:.2f} | {t / total:.0%} | {flops / peaks[0] / 1e6:.2f} | "
-              f"{nbytes / bandwidth * 1e3:.2f} |")
-    flops, nbytes = sum(r[2] for r in rows), sum(r[3] for r in rows)
-    print(f"| all stages | {total * 1e3:.2f} | 100% | {flops / peaks[0] / 1e6:.2f} | {nbytes / bandwidth * 1e3:.2f} |")
-    print(f"memory bandwidth (copy of 100 MB, read + write): {bandwidth / 1e9:.1f} GB/s")
-
-
 def bench_cnn_eval(model, x, n=10_000):
     g = np.random.default_rng(2)
     X = g.random((n, 784), dtype=np.float32)
@@ -422,7 +372,6 @@ def main():
     bench("2NN 784-200-200-10", (784, 200, 200, 10), 64, max(args.repeats // 5, 30), peaks)
     model, x = bench_cnn(10, max(args.repeats // 10, 15), peaks)
     bench_products(peaks, max(args.repeats // 3, 20))
-    bench_cnn_parts(peaks)
     bench_cnn_eval(model, x)
     cold_start()
     bench_terms(args.repeats)

@@ -39,6 +39,7 @@ from edgefed import layers as layer_lib  # noqa: E402
 from edgefed.models import Sequential  # noqa: E402
 from edgefed.problems import ClassificationData  # noqa: E402
 from edgefed.rng import Purpose, kernel_state  # noqa: E402
+from kernel_speed import paired_times  # noqa: E402 - the same alternating blocks
 
 try:
     import torch
@@ -81,20 +82,6 @@ def torch_twin(model, params):
     return module
 
 
-def paired(fns: dict, repeats: int, rounds: int = 8) -> dict:
-    """Median seconds per call of each function, in alternating blocks (the first call of a block untimed)."""
-    times = {name: [] for name in fns}
-    per_block = max(repeats // rounds, 2)
-    for _ in range(rounds):
-        for name, fn in fns.items():
-            fn()
-            for _ in range(per_block):
-                t = time.perf_counter()
-                fn()
-                times[name].append(time.perf_counter() - t)
-    return {name: float(np.median(ts)) for name, ts in times.items()}
-
-
 def step_table(repeats: int) -> None:
     print("| model | batch | edgefed ms/step | PyTorch ms/step | edgefed vs PyTorch | target |")
     print("| --- | --- | --- | --- | --- | --- |")
@@ -120,7 +107,7 @@ def step_table(repeats: int) -> None:
                     opt.step()
 
             fns["torch"] = torch_steps
-        t = paired(fns, repeats)
+        t = paired_times(fns, repeats)
         ours = t["edgefed"] / k * 1e3
         theirs = t["torch"] / k * 1e3 if "torch" in t else float("nan")
         print(f"| {name} ({model.dim:,} parameters) | {batch} | {ours:.3f} | {theirs:.3f} | {theirs / ours:.2f}x | "
