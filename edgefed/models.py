@@ -149,8 +149,7 @@ class Sequential:
         """n_steps of minibatch SGD on params in place; batch_size None means the full local gradient.
 
         terms: what the algorithm adds to each step's gradient (kernels/sgd.py's step_terms), none by default.
-        A model with large dense layers takes its steps one call at a time (a step is milliseconds there),
-        so a deadline can stop it between any two.
+        The deadline runner calls it in chunks sized by the measured step time (runtime/deadline.py).
         """
         X, y, b, inv_b = self._checked(params, data, batch_size)
         terms = self._no_terms if terms is None else terms
