@@ -89,7 +89,7 @@ def check_layers(layers, key: str = "model.layers") -> tuple[dict, ...]:
         if not isinstance(layer, dict):
             raise ConfigError(f'{where} must be a table like {{type = "dense", out = 10}}')
         kind = layer.get("type")
-        if kind not in TYPES:
+        if not isinstance(kind, str) or kind not in TYPES:
             import difflib
 
             hint = difflib.get_close_matches(str(kind), list(TYPES), n=1)
@@ -282,6 +282,20 @@ def _pads(padding, k: int, s: int, i: int, kind: str) -> tuple[int, int]:
         return (k - 1) // 2, k - 1 - (k - 1) // 2  # PyTorch's: the odd one out at the end
     p = 0 if padding == "valid" else padding
     return p, p
+
+
+def first_spatial(model) -> int:
+    """The dimensions (2 or 1) of a [model] table's first spatial layer, 0 if it flattens first: what says
+    whether a 2-D sample is an image (H, W) or a sequence (C, L)."""
+    if model.kind == "cnn":
+        return 2
+    for layer in model.layers if model.kind == "sequential" else ():
+        dims = TYPES[layer["type"]].spatial
+        if dims:
+            return dims
+        if layer["type"] not in ("dropout", *ACTIVATIONS):
+            break
+    return 0
 
 
 def input_shape_for(sample_shape: tuple, layers) -> tuple:

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from edgefed.orchestration import run as runs
+from edgefed.layers import first_spatial
 from edgefed.problems import build_problem
 from edgefed.runlog import measured, read_run
 
@@ -26,7 +27,7 @@ def fma_exact(a, b, c, dtype=None):
 
 def problem_of(cfg):
     """The problem a config describes, as every process builds it."""
-    return build_problem(cfg.data, cfg.seed, cfg.model.dtype, cfg.model.loss)
+    return build_problem(cfg.data, cfg.seed, cfg.model.dtype, cfg.model.loss, first_spatial(cfg.model))
 
 
 def compared(log: dict) -> dict:

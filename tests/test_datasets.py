@@ -4,12 +4,16 @@ log keeps, and every refusal in one line."""
 
 import json
 import pickle
+import re
+import subprocess
+import sys
 
 import h5py
 import numpy as np
 import pytest
 
 from conftest import config_with
+from edgefed.config import load_config
 from edgefed.errors import ConfigError, EdgefedError
 from edgefed.problems.partition import partition
 from helpers import problem_of
@@ -249,3 +253,73 @@ def test_bad_folders_are_one_line(tmp_path):
         problem_of(cfg)
     with pytest.raises(ConfigError, match="has no data_batch_1"):
         problem_of(config_with({"data.kind": "cifar10", "data.path": str(tmp_path), "train.clients_per_round": 1}))
+
+
+def test_images_stored_as_h_w_are_one_channel_for_the_statistics(tmp_path):
+    """The same pixels as (n, H, W) and (n, 1, H, W) reach a 2-D model alike; read by a 1-D layer, (C, L)."""
+    g = np.random.default_rng(3)
+    x = (g.random((40, 4, 4)) * np.arange(1, 5)[None, :, None]).astype(np.float32)  # rows of unequal spread
+    y = g.integers(0, 2, 40)
+    np.savez(tmp_path / "hw.npz", x_train=x, y_train=y)
+    np.savez(tmp_path / "chw.npz", x_train=x[:, None], y_train=y)
+    conv = [{"type": "conv2d", "out": 2, "kernel": 3}, {"type": "flatten"}, {"type": "dense", "out": 2}]
+    rows = []
+    for name, layers in (("hw", conv), ("chw", conv), ("hw", [{"type": "conv1d", "out": 2, "kernel": 3}] + conv[1:])):
+        cfg = config_with({"data.kind": "arrays", "data.path": str(tmp_path / f"{name}.npz"), "data.clients": 2,
+                           "data.normalize": "standard", "model.kind": "sequential", "model.layers": layers,
+                           "train.clients_per_round": 1})
+        problem = problem_of(cfg)
+        rows.append(np.concatenate([problem.device(k).X_train for k in range(2)]))
+    np.testing.assert_array_equal(rows[0], rows[1])
+    per_row = rows[2].reshape(-1, 4, 4).std(axis=(0, 2))
+    np.testing.assert_allclose(per_row, 1, atol=0.05)  # (C, L): each of the 4 channels its own statistics (the
+    # devices hold 90 % of the training set, the statistics are over all of it)
+    assert np.abs(rows[0].reshape(-1, 4, 4).std(axis=(0, 2)) - 1).max() > 0.1
+
+
+def test_a_regression_logs_its_test_loss_per_sample(tmp_path, run_experiment):
+    g = np.random.default_rng(4)
+    x = g.normal(size=(40, 3)).astype(np.float32)
+    targets = g.normal(size=(40, 4))
+    np.savez(tmp_path / "r.npz", x_train=x, y_train=targets, x_test=x, y_test=targets)
+    log = run_experiment({"data.kind": "arrays", "data.path": str(tmp_path / "r.npz"), "data.clients": 2,
+                          "model.kind": "sequential", "model.loss": "mse", "train.clients_per_round": 2,
+                          "model.layers": [{"type": "dense", "out": 4}], "rounds": 1, "train.local_steps": 1})
+    # x_test is x_train: the mean test loss per sample equals the train objective (n_test counts samples)
+    assert log["metrics/test_loss"][0] == pytest.approx(log["metrics/train_loss"][0], rel=1e-6)
+    assert np.isnan(log["metrics/test_accuracy"]).all()
+
+
+def test_natural_device_ids_need_not_be_consecutive(tmp_path):
+    path, _ = arrays_file(tmp_path, device=np.repeat([7, 2, 40], 20), test=0)
+    problem = problem_of(cfg_for(path, partition="natural"))
+    assert problem.n_devices == 3 and problem.n_train.tolist() == [18, 18, 18]  # ids 2, 7, 40 in order
+
+
+def test_refusals_before_anything_is_written(tmp_path):
+    path, arrays = arrays_file(tmp_path)
+    arrays["x_test"][3, 0, 1, 1] = np.inf
+    np.savez(path, **arrays)
+    done = subprocess.run([sys.executable, "-m", "edgefed", "run", "--out", str(tmp_path / "r.h5"), "--set",
+                           'data.kind="arrays"', "--set", f'data.path="{path}"', "--set", "data.clients=2", "--set",
+                           "train.clients_per_round=2"],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2 and done.stderr.strip().endswith("x_test row 3 holds NaN or infinity; clean the data "
+                                                                  "(edgefed trains on finite values only)")
+    assert not (tmp_path / "r.h5").exists()
+    for sets, message in ((['model.loss="mse"', 'model.kind="sequential"', 'model.layers=[{type="dense", out=10}]'],
+                           'model.loss = "mse" trains on float targets, which only data.kind = "arrays"'),
+                          (['data.kind="cifar100"', f'data.path="{tmp_path}"', 'data.partition="natural"'],
+                           'data.partition = "natural" needs each sample\'s device, which CIFAR does not have'),
+                          (['model.kind="sequential"', 'model.layers=[{type=["dense"]}]'],
+                           "model.layers[0].type = ['dense'] is not a layer type")):
+        with pytest.raises(ConfigError, match=re.escape(message)):
+            load_config(None, sets)
+
+
+def test_labels_must_be_one_per_sample(tmp_path):
+    path, arrays = arrays_file(tmp_path)
+    arrays["y_train"] = arrays["y_train"][:, None]
+    np.savez(path, **arrays)
+    with pytest.raises(ConfigError, match=r"y_train has shape \(60, 1\); give one integer label per sample"):
+        problem_of(cfg_for(path, clients=2))

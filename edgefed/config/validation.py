@@ -368,7 +368,7 @@ def _validate_file_data(d: DataConfig) -> DataConfig:
     _choice(partition, PARTITIONS + ("natural",), "data.partition")
     if d.kind == "leaf" and partition != "natural":
         raise ConfigError('config: data.partition for LEAF is "natural" (a device per user); remove it')
-    if d.kind == "cifar10" and partition == "natural":
+    if d.kind.startswith("cifar") and partition == "natural":
         raise ConfigError('config: data.partition = "natural" needs each sample\'s device, which CIFAR does not '
                           "have; choose iid, label, shards or dirichlet")
     normalize = d.normalize or ("unit" if d.kind.startswith("cifar") else "none")
@@ -409,6 +409,9 @@ def _validate_model(m: ModelConfig, data: DataConfig) -> ModelConfig:
     _choice(m.loss, layer_lib.LOSSES, "model.loss")
     if m.init is not None:
         _choice(m.init, layer_lib.INITS, "model.init")
+    if m.loss == "mse" and data.kind != "arrays":
+        raise ConfigError(f'config: model.loss = "mse" trains on float targets, which only data.kind = "arrays" '
+                          f'holds (y_train of floats), not {data.kind!r}; use loss = "cross_entropy"')
     if m.kind == "sequential":
         return dataclasses.replace(m, layers=layer_lib.check_layers(m.layers))
     if m.layers:

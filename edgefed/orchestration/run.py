@@ -25,6 +25,7 @@ from edgefed.config import Config
 from edgefed.engine.asynchronous import AsyncEngine
 from edgefed.engine.rounds import RoundEngine
 from edgefed.errors import ConfigError, EdgefedError, ResourceError, RunLogError
+from edgefed.layers import first_spatial
 from edgefed.models import build_model
 from edgefed.orchestration.timing import link_speeds, timing_for
 from edgefed.participation.budgets import local_budgets
@@ -102,7 +103,7 @@ def resolve_config(config_path: str | None, overrides, resume: str | None):
 
 def problem_and_model(cfg: Config):
     """The problem a config describes and the model that trains on it (every process builds them alike)."""
-    problem = build_problem(cfg.data, cfg.seed, cfg.model.dtype, cfg.model.loss)
+    problem = build_problem(cfg.data, cfg.seed, cfg.model.dtype, cfg.model.loss, first_spatial(cfg.model))
     return problem, build_model(cfg.model, problem, cfg.seed)
 
 

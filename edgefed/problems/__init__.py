@@ -13,22 +13,23 @@ from edgefed.problems.data import ClassificationData, QuadraticData
 __all__ = ["ClassificationData", "QuadraticData", "build_problem"]
 
 
-def build_problem(data, seed: int, dtype: str, loss: str = "cross_entropy"):
+def build_problem(data, seed: int, dtype: str, loss: str = "cross_entropy", spatial: int = 0):
     """The problem a validated [data] table describes (a quadratic file, or a dataset file, is opened and
-    checked here); loss: the model's, which says whether a file's y are labels or float targets."""
+    checked here); loss: the model's, which says whether a file's y are labels or float targets; spatial: the
+    dimensions of the model's first spatial layer (how a dataset file's 2-D samples are normalized)."""
     dtype = np.dtype(dtype)
     if data.kind == "arrays":
         from edgefed.problems.arrays import arrays_problem
 
-        return arrays_problem(data, seed, dtype, loss)
+        return arrays_problem(data, seed, dtype, loss, spatial)
     if data.kind == "leaf":
         from edgefed.problems.leaf import leaf_problem
 
-        return leaf_problem(data, seed, dtype, loss)
+        return leaf_problem(data, seed, dtype, loss, spatial)
     if data.kind in ("cifar10", "cifar100"):
         from edgefed.problems.cifar import cifar_problem
 
-        return cifar_problem(data, seed, dtype, loss)
+        return cifar_problem(data, seed, dtype, loss, spatial)
     if data.kind == "synthetic":
         from edgefed.problems.synthetic import SyntheticProblem
 

@@ -70,6 +70,7 @@ class ArraysSource(Source):
                 raise ConfigError(f"{path}: device_train must hold device ids (integers >= 0)")
             device = device.astype(np.int64)
         super().__init__(str(path), tuple(int(s) for s in x_train.shape[1:]), y_train, y_test, device)
+        self.finite_checked = all(x is None or x.dtype.kind in "iub" for x in (x_train, x_test))  # no NaN in ints
 
     def _open_h5(self, path: Path) -> dict:
         import h5py
@@ -142,11 +143,11 @@ def _map_member(path: Path, member: str):
         return None
 
 
-def arrays_problem(cfg, seed: int, dtype, loss: str) -> PoolProblem:
+def arrays_problem(cfg, seed: int, dtype, loss: str, spatial: int = 0) -> PoolProblem:
     path = Path(cfg.path)
     if not path.is_file():
         raise ConfigError(f"config: data.path = {cfg.path!r} is not a file; give the .npz or .h5 file of your "
                           "arrays (x_train, y_train, optionally x_test, y_test, device_train)")
     if path.suffix not in SUFFIXES:
         raise ConfigError(f"config: data.path = {cfg.path!r}: an arrays file ends in .npz or .h5")
-    return PoolProblem(cfg, seed, dtype, ArraysSource(path), loss, path.name)
+    return PoolProblem(cfg, seed, dtype, ArraysSource(path), loss, path.name, spatial)

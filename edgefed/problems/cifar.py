@@ -49,7 +49,7 @@ def read_batch(path: Path) -> dict:
 class CifarSource(Source):
     def __init__(self, folder: Path, kind: str, split: str | None):
         self.key = LABELS["cifar10" if kind == "cifar10" else split]
-        self.paths = {}
+        self.paths, self._last = {}, None
         labels = {}
         for part, names in zip(("train", "test"), FILES[kind]):
             paths = [folder / name for name in names]
@@ -81,16 +81,21 @@ class CifarSource(Source):
             lo, hi = starts[i], starts[i + 1]
             mine = (rows >= lo) & (rows < hi)
             if mine.any():
-                data = np.asarray(read_batch(path)[b"data"])
-                out[mine] = data[rows[mine] - lo].reshape(-1, *SHAPE)
+                out[mine] = self._batch(path)[rows[mine] - lo].reshape(-1, *SHAPE)
         return out
 
+    def _batch(self, path: Path) -> np.ndarray:
+        """A batch's data, the last one read kept (a scan in blocks reads each batch once, not per block)."""
+        if self._last is None or self._last[0] != path:
+            self._last = (path, np.asarray(read_batch(path)[b"data"]))
+        return self._last[1]
 
-def cifar_problem(cfg, seed: int, dtype, loss: str) -> PoolProblem:
+
+def cifar_problem(cfg, seed: int, dtype, loss: str, spatial: int = 0) -> PoolProblem:
     folder = Path(cfg.path)
     if not folder.is_dir():
         raise ConfigError(f"config: data.path = {cfg.path!r} is not a folder; give the CIFAR python version's "
                           "folder (cifar-10-batches-py or cifar-100-python)")
     source = CifarSource(folder, cfg.kind, cfg.split)
     title = "CIFAR-10" if cfg.kind == "cifar10" else f"CIFAR-100 ({cfg.split})"
-    return PoolProblem(cfg, seed, dtype, source, loss, title)
+    return PoolProblem(cfg, seed, dtype, source, loss, title, spatial)

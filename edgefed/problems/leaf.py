@@ -74,9 +74,13 @@ class LeafSource(Source):
                     if x:
                         found = np.shape(x[0])
                         shape = shape or found
-                        if found != shape:
-                            raise ProblemFileError(f"{path}: user {user!r} has samples of shape {found}, others "
-                                                   f"{shape}; give every sample one shape")
+                        values = np.asarray(x, np.float64)  # parsed anyway: checked here, before a log is written
+                        if values.shape[1:] != shape:
+                            raise ProblemFileError(f"{path}: user {user!r} has samples of shape {values.shape[1:]}, "
+                                                   f"others {shape}; give every sample one shape")
+                        if not np.all(np.isfinite(values)):
+                            raise ConfigError(f"{path}: user {user!r} has samples with NaN or infinity; clean the "
+                                              "data")
                     part_labels += y
                     part_devices += [where[user]] * len(y)
                 self.files[part][i] = (path, [u for u in data["users"] if u in where])
@@ -112,19 +116,17 @@ class LeafSource(Source):
                     continue
                 x, _ = _samples(path, user, data["user_data"][user])
                 values = np.asarray(x, np.float64).reshape(len(x), *self.sample_shape)
-                if not np.all(np.isfinite(values)):
-                    raise ConfigError(f"{path}: user {user!r} has samples with NaN or infinity; clean the data")
                 lo = self._first[part, k]
                 mine = rows[(rows >= lo) & (rows < lo + len(x))]
                 out[np.searchsorted(rows, mine)] = values[mine - lo]
         return out
 
 
-def leaf_problem(cfg, seed: int, dtype, loss: str) -> PoolProblem:
+def leaf_problem(cfg, seed: int, dtype, loss: str, spatial: int = 0) -> PoolProblem:
     folder = Path(cfg.path)
     if not folder.is_dir():
         raise ConfigError(f"config: data.path = {cfg.path!r} is not a folder; give a LEAF data folder (with train/ "
                           "and test/ of *.json files)")
     source = LeafSource(folder)
-    return PoolProblem(cfg, seed, dtype, source, loss, f"LEAF {folder.name}")
+    return PoolProblem(cfg, seed, dtype, source, loss, f"LEAF {folder.name}", spatial)
 

@@ -22,6 +22,9 @@ from edgefed.problems.partition import PARTITIONS, partition
 from edgefed.rng import Purpose, generator
 
 NORMALIZE = ("none", "standard", "unit")
+# round keys of the (seed, DATA_DEVICE) streams this module draws from (partition.py uses 1, 2, 3, and 4 for
+# an IID split of held-out images, as here)
+TEST_SPLIT, HOLDOUT = 4, 5
 BLOCK_BYTES = 1 << 26  # rows read at a time when the whole training set is scanned (64 MB)
 
 
@@ -43,16 +46,20 @@ class Source:
         """Samples rows (ascending, unique) of part ("train" or "test"), shaped (len(rows), *sample_shape)."""
         raise NotImplementedError
 
-    def blocks(self):
-        """The training samples in order, a block of rows at a time (for statistics and checks)."""
-        n = self.y_train.shape[0]
+    def blocks(self, part: str = "train"):
+        """A part's samples in order, a block of rows at a time (for statistics and checks)."""
+        y = self.y_train if part == "train" else self.y_test
+        n = 0 if y is None else y.shape[0]
         step = max(1, BLOCK_BYTES // (8 * max(1, int(np.prod(self.sample_shape)))))
         for start in range(0, n, step):
-            yield start, self.read("train", np.arange(start, min(start + step, n)))
+            yield start, self.read(part, np.arange(start, min(start + step, n)))
 
 
 def check_labels(y: np.ndarray, n_classes: int | None, where: str, classes_key: str = "data.classes") -> np.ndarray:
     """Integer labels in [0, C) as int64; C from data.classes when given."""
+    if y.ndim != 1:
+        raise ConfigError(f"{where} has shape {y.shape}; give one integer label per sample, shape (n,) (float "
+                          'targets of any width go with model.loss = "mse")')
     if y.dtype.kind == "f":
         if not np.all(np.isfinite(y)) or not np.all(y == np.round(y)):
             raise ConfigError(f"{where} holds labels that are not integers; give int labels for cross-entropy, or "
@@ -73,7 +80,9 @@ class PoolProblem:
 
     has_test = True
 
-    def __init__(self, cfg, seed: int, dtype: np.dtype, source: Source, loss: str, title: str):
+    def __init__(self, cfg, seed: int, dtype: np.dtype, source: Source, loss: str, title: str, spatial: int = 0):
+        """spatial: the dimensions of the model's first spatial layer (2, 1, or 0 for none), which says whether
+        a 2-D sample is one channel (H, W) or C channels (C, L) for the statistics of normalize = "standard"."""
         self.cfg, self.seed, self.dtype, self.source, self.title = cfg, seed, np.dtype(dtype), source, title
         self.sample_shape = tuple(source.sample_shape)
         self.n_features = int(np.prod(self.sample_shape))
@@ -99,6 +108,7 @@ class PoolProblem:
         self.n_devices = len(train_parts)
         self.train_rows, self.test_rows = train_parts, test_parts
         self.n_train = np.array([p.size for p in train_parts], dtype=np.int64)
+        self.channels = channels_of(self.sample_shape, spatial)
         self._shift, self._scale = self._normalization()
         self._cache, self._read, self._hosted = {}, set(), None
 
@@ -110,13 +120,14 @@ class PoolProblem:
             if src.device_train is None:
                 raise ConfigError(f'config: data.partition = "natural" needs each training sample\'s device: '
                                   f"{src.name} has no device_train; add it or choose one of {', '.join(PARTITIONS)}")
-            found = int(src.device_train.max()) + 1 if src.device_train.size else 0
+            ids, device = np.unique(src.device_train, return_inverse=True)  # the distinct ids, ascending: 0..
+            found = ids.size
             n = cfg.clients or found
             if n > found:
                 raise ConfigError(f"config: data.clients = {n} but {src.name} has {found} devices (natural "
                                   f"partition); use at most {found}")
-            order = np.argsort(src.device_train, kind="stable")
-            cuts = np.searchsorted(src.device_train[order], np.arange(1, n + 1))
+            order = np.argsort(device, kind="stable")
+            cuts = np.searchsorted(device[order], np.arange(1, n + 1))
             parts = [np.sort(p) for p in np.split(order, cuts)[:n]]
             small = [k for k, p in enumerate(parts) if p.size < (1 if self.y_test is not None else 2)]
             if small:
@@ -135,7 +146,7 @@ class PoolProblem:
         if src.device_test is not None and kind == "natural":
             tests = [np.flatnonzero(src.device_test == k) for k in range(len(parts))]
         else:
-            order = generator(self.seed, Purpose.DATA_DEVICE, 4).permutation(self.y_test.shape[0])
+            order = generator(self.seed, Purpose.DATA_DEVICE, TEST_SPLIT).permutation(self.y_test.shape[0])
             tests = [np.sort(p) for p in np.array_split(order, len(parts))]
         return parts, tests
 
@@ -146,7 +157,7 @@ class PoolProblem:
             if rows.size < 2:
                 raise ConfigError(f"{self.source.name}: device {k} has {rows.size} sample; with no test set in the "
                                   "file each device needs two (one to train, one to test)")
-            shuffled = rows[generator(self.seed, Purpose.DATA_DEVICE, 5, k).permutation(rows.size)]
+            shuffled = rows[generator(self.seed, Purpose.DATA_DEVICE, HOLDOUT, k).permutation(rows.size)]
             n_test = min(max(int(math.ceil(self.cfg.test_fraction * rows.size)), 1), rows.size - 1)
             trains.append(np.sort(shuffled[n_test:]))
             tests.append(np.sort(shuffled[:n_test]))
@@ -156,46 +167,45 @@ class PoolProblem:
     # -- normalization -----------------------------------------------------------------------------------
     def _normalization(self):
         """(shift, scale) per channel (or feature) broadcast over a sample, or None: x' = (x - shift) / scale.
-        "standard" takes them from one pass over the whole training set (float64 sums in row order), which
-        also refuses NaN or infinity before anything is trained."""
+        "standard" takes them from one pass over the whole training set (per block NumPy sums in float64,
+        the blocks merged in row order by Chan et al.'s update, which does not cancel as E[x^2] - mean^2
+        would). The same pass refuses NaN or infinity in x_train and x_test before anything is written."""
         how = self.cfg.normalize
-        if how == "unit":
-            return None, 255.0
-        if how == "none" and self.source.finite_checked:
-            return None, None
-        channels = self.sample_shape[0] if len(self.sample_shape) > 1 else self.n_features
-        per = self.n_features // channels if len(self.sample_shape) > 1 else 1
-        total, squares, count = np.zeros(channels), np.zeros(channels), 0
-        for start, block in self.source.blocks():
-            values = block.reshape(block.shape[0], channels, per).astype(np.float64)
-            bad = ~np.isfinite(values)
-            if bad.any():
-                row = start + int(np.flatnonzero(bad.any(axis=(1, 2)))[0])
-                raise ConfigError(f"{self.source.name}: x_train row {row} holds NaN or infinity; clean the data "
-                                  "(edgefed trains on finite values only)")
-            if how == "standard":
-                total += values.sum(axis=(0, 2))
-                squares += np.square(values).sum(axis=(0, 2))
-                count += values.shape[0] * per
+        scan = not self.source.finite_checked
+        if how != "standard" and not scan:
+            return (None, 255.0) if how == "unit" else (None, None)
+        channels, per = self.channels, self.n_features // self.channels
+        count, mean, m2 = 0, np.zeros(channels), np.zeros(channels)
+        for part in ("train", "test") if scan else ("train",):
+            for start, block in self.source.blocks(part):
+                values = block.reshape(block.shape[0], channels, per).astype(np.float64)
+                bad = ~np.isfinite(values)
+                if bad.any():
+                    row = start + int(np.flatnonzero(bad.any(axis=(1, 2)))[0])
+                    raise ConfigError(f"{self.source.name}: x_{part} row {row} holds NaN or infinity; clean the "
+                                      "data (edgefed trains on finite values only)")
+                if how == "standard" and part == "train":
+                    n_b = values.shape[0] * per
+                    mean_b = values.mean(axis=(0, 2))
+                    m2_b = np.square(values - mean_b[None, :, None]).sum(axis=(0, 2))
+                    delta, total = mean_b - mean, count + n_b
+                    mean, m2 = mean + delta * (n_b / total), m2 + m2_b + delta * delta * (count * n_b / total)
+                    count = total
         if how != "standard":
-            return None, None
-        mean = total / max(count, 1)
-        std = np.sqrt(np.maximum(squares / max(count, 1) - mean * mean, 0.0))
+            return (None, 255.0) if how == "unit" else (None, None)
+        std = np.sqrt(m2 / max(count, 1))
         std[std == 0] = 1.0
-        shape = (channels, 1) if len(self.sample_shape) > 1 else (channels,)
+        shape = (channels, 1)
         return mean.reshape(shape), std.reshape(shape)
 
-    def _normalized(self, raw: np.ndarray, part: str) -> np.ndarray:
-        """Flat rows in the model dtype, normalized; a test row with NaN or infinity is refused too."""
-        if part == "test" and raw.dtype.kind == "f" and not np.all(np.isfinite(raw)):
-            raise ConfigError(f"{self.source.name}: x_test holds NaN or infinity; clean the data")
+    def _normalized(self, raw: np.ndarray) -> np.ndarray:
+        """Flat rows in the model dtype, normalized."""
         n = raw.shape[0]
         if self._shift is None and self._scale is None:
             return np.ascontiguousarray(raw.reshape(n, -1), dtype=self.dtype)
         if self._shift is None:  # "unit": as the MNIST reader, in the model dtype
             return np.ascontiguousarray(raw.reshape(n, -1), dtype=self.dtype) / self.dtype.type(self._scale)
-        channels = self._shift.shape[0]
-        x = (raw.reshape(n, channels, -1).astype(np.float64) - self._shift) / self._scale
+        x = (raw.reshape(n, self.channels, -1).astype(np.float64) - self._shift) / self._scale
         return np.ascontiguousarray(x.reshape(n, -1), dtype=self.dtype)
 
     # -- devices -----------------------------------------------------------------------------------------
@@ -210,12 +220,12 @@ class PoolProblem:
         want = {"train": np.unique(np.concatenate([self.train_rows[k] for k in device_ids] + [np.zeros(0, np.int64)])),
                 "test": np.unique(np.concatenate([self.test_rows[k] for k in device_ids] + [np.zeros(0, np.int64)]))}
         part_test = "train" if self.source.y_test is None else "test"  # held-out rows come from the training set
-        read = {"train": (want["train"], self._normalized(self.source.read("train", want["train"]), "train"))}
+        read = {"train": (want["train"], self._normalized(self.source.read("train", want["train"])))}
         if part_test == "test":
-            read["test"] = (want["test"], self._normalized(self.source.read("test", want["test"]), "test"))
+            read["test"] = (want["test"], self._normalized(self.source.read("test", want["test"])))
         else:
             rows = np.union1d(want["train"], want["test"])
-            read["train"] = read["test"] = (rows, self._normalized(self.source.read("train", rows), "train"))
+            read["train"] = read["test"] = (rows, self._normalized(self.source.read("train", rows)))
         for k in device_ids:
             arrays = []
             for part, rows_k in (("train", self.train_rows[k]), ("test", self.test_rows[k])):
@@ -248,6 +258,16 @@ class PoolProblem:
         return (f"{self.title} ({self.cfg.partition}): {self.n_devices} devices, {int(self.n_train.sum())} training "
                 f"samples of {shape} (per device {int(self.n_train.min())}..{int(self.n_train.max())}), {what}, "
                 f"{n_test} for testing")
+
+
+def channels_of(sample_shape: tuple, spatial: int) -> int:
+    """The channels normalization takes statistics over: the first axis of a (C, H, W) sample, of a 2-D one
+    read as (C, L) by a 1-D layer (else it is one channel, (H, W)), every feature of a vector."""
+    if len(sample_shape) == 1:
+        return int(sample_shape[0])
+    if len(sample_shape) == 2 and spatial != 1:
+        return 1
+    return int(sample_shape[0])
 
 
 def _as_targets(y: np.ndarray) -> np.ndarray:

@@ -406,7 +406,7 @@ class LocalTransport:
                 test_loss[k], correct[k] = self.eval_model.loss_correct(x, data.X_test, data.y_test)
                 if not self.eval_model.has_accuracy:  # a regression: its test metric is the loss only
                     correct[k] = -1
-                n_test[k] = data.y_test.size
+                n_test[k] = data.y_test.shape[0]  # samples (float targets are (n, width))
         return Evaluation(train, test_loss, correct, n_test)
 
     def close(self, failed: bool = False) -> None:
