@@ -93,7 +93,8 @@ class Profile:
 
     def comm_seconds(self, model: str, params: int) -> float | None:
         """Seconds to broadcast a model of `params` parameters and gather one report, from the `[mpi]` times
-        `edgefed profile` measured under mpirun (scaled by size from the model's entry); None without them."""
+        `edgefed profile` measured under mpirun, scaled by size from the model's entry (a model without one:
+        from the largest measured, since what moves is only its size); None without them."""
         collectives = self.extra.get("mpi", {}).get("collective", [])
         entries = [c for c in collectives if c.get("model") == model] or collectives  # its size is what counts
         if not entries:

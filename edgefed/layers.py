@@ -71,7 +71,7 @@ def _shape(value, where):
 @dataclass(frozen=True)
 class LayerType:
     settings: dict  # name -> (default or REQUIRED, check(value, where) -> value)
-    torch: str  # the equivalent PyTorch module, for docs/ and `edgefed export`
+    torch: object  # torch(layer, input shape, output shape): its PyTorch module as Python (`edgefed export`)
     plan: object  # plan(walk, layer, index, where): its operation, output, parameters and workspaces (below)
     spatial: int = 0  # the input's dimensions a spatial layer works on (2: (C, H, W), 1: (C, L)); 0: not spatial
 
@@ -126,10 +126,6 @@ def channels_last(shape: tuple) -> np.ndarray | None:
         return None
     c, rest = shape[0], int(np.prod(shape[1:]))
     return (np.arange(c)[None, :] * rest + np.arange(rest)[:, None]).reshape(-1).astype(np.int64)
-
-
-def _same(a, b) -> bool:
-    return (a is None and b is None) or (a is not None and b is not None and np.array_equal(a, b))
 
 
 @dataclass(frozen=True)
@@ -261,23 +257,23 @@ class _Walk:
         self.permute(channels_last(self.shape))
 
 
-def _spatial(shape: tuple, dims: int, i: int, kind: str) -> tuple:
+def _spatial(shape: tuple, dims: int, where: str) -> tuple:
     """(C, H, W) of a spatial layer's input (H = 1 for a 1-D map)."""
     if len(shape) != dims + 1:
         want = "(C, H, W)" if dims == 2 else "(C, L)"
-        raise ConfigError(f"config: model.layers[{i}] ({kind}) takes {want} maps, got {_show(shape)}; "
+        raise ConfigError(f"{where} takes {want} maps, got {_show(shape)}; "
                           + ("add a reshape before it" if len(shape) == 1 else "check the layer types"))
     return (shape[0], 1, shape[1]) if dims == 1 else shape
 
 
 def _show(shape: tuple) -> str:
-    return "(" + ", ".join(map(str, shape)) + ")"
+    return str(tuple(shape))
 
 
-def _pads(padding, k: int, s: int, i: int, kind: str) -> tuple[int, int]:
+def _pads(padding, k: int, s: int, where: str) -> tuple[int, int]:
     if padding == "same":
         if s != 1:
-            raise ConfigError(f'config: model.layers[{i}] ({kind}): padding = "same" needs stride = 1 (as in PyTorch); '
+            raise ConfigError(f'{where}: padding = "same" needs stride = 1 (as in PyTorch); '
                               "give the padding as an integer")
         return (k - 1) // 2, k - 1 - (k - 1) // 2  # PyTorch's: the odd one out at the end
     p = 0 if padding == "valid" else padding
@@ -353,12 +349,12 @@ def _plan_dense(walk, layer, i, where):
 def _plan_conv(walk, layer, i, where):
     kind = layer["type"]
     dims = TYPES[kind].spatial
-    C, H, W = _spatial(walk.shape, dims, i, kind)
+    C, H, W = _spatial(walk.shape, dims, where)
     walk.channels_last()
     k, s, co = layer["kernel"], layer["stride"], layer["out"]
     kh = k if dims == 2 else 1
-    pt, pb = _pads(layer["padding"], k, s, i, kind) if dims == 2 else (0, 0)
-    pl, pr = _pads(layer["padding"], k, s, i, kind)
+    pt, pb = _pads(layer["padding"], k, s, where) if dims == 2 else (0, 0)
+    pl, pr = _pads(layer["padding"], k, s, where)
     HP, WP = H + pt + pb, W + pl + pr
     if HP < kh or WP < k:
         raise ConfigError(f"{where}: kernel = {k} is larger than its (padded) input {_show(walk.shape)}; use a "
@@ -380,7 +376,7 @@ def _plan_conv(walk, layer, i, where):
 def _plan_pool(walk, layer, i, where):
     kind = layer["type"]
     dims = TYPES[kind].spatial
-    C, H, W = _spatial(walk.shape, dims, i, kind)
+    C, H, W = _spatial(walk.shape, dims, where)
     walk.channels_last()
     size = layer["size"]
     stride = layer.get("stride", size)
@@ -437,48 +433,71 @@ def _plan_groupnorm(walk, layer, i, where):
     walk.params(row, i, [("weight", (C,), (C,), (C, C), "norm", None), ("bias", (C,), (C,), (C, C), "norm", None)])
 
 
+# each type's PyTorch module, as Python text: torch(layer, input shape, output shape)
+def _torch_conv(layer, shape, out):
+    pad = layer["padding"]
+    pad = f"'{pad}'" if isinstance(pad, str) else pad
+    return (f"nn.Conv{layer['type'][-2:]}({shape[0]}, {layer['out']}, {layer['kernel']}, stride={layer['stride']}, "
+            f"padding={pad})")
+
+
+def _torch_pool(layer, shape, out):
+    kind = layer["type"]
+    return f"nn.{kind[:3].capitalize()}Pool{kind[-2:]}({layer['size']}, stride={layer.get('stride', layer['size'])})"
+
+
+def _torch_reshape(layer, shape, out):
+    inner = f"nn.Unflatten(1, {tuple(out)})"
+    return inner if len(shape) == 1 else f"nn.Sequential(nn.Flatten(), {inner})"
+
+
+def _fixed(text):
+    return lambda layer, shape, out: text
+
+
 _CONV = {"out": (REQUIRED, _int(1)), "kernel": (REQUIRED, _int(1)), "stride": (1, _int(1)), "padding": ("same", _padding)}
 _POOL = {"size": (REQUIRED, _int(1)), "stride": (None, _int(1))}
 TYPES = {
-    "dense": LayerType({"out": (REQUIRED, _int(1))}, "nn.Linear(in, out)", _plan_dense),
-    "conv2d": LayerType(_CONV, "nn.Conv2d(in, out, kernel, stride, padding)", _plan_conv, 2),
-    "conv1d": LayerType(_CONV, "nn.Conv1d(in, out, kernel, stride, padding)", _plan_conv, 1),
-    "maxpool2d": LayerType(_POOL, "nn.MaxPool2d(size, stride)", _plan_pool, 2),
-    "avgpool2d": LayerType(_POOL, "nn.AvgPool2d(size, stride)", _plan_pool, 2),
-    "maxpool1d": LayerType(_POOL, "nn.MaxPool1d(size, stride)", _plan_pool, 1),
-    "avgpool1d": LayerType(_POOL, "nn.AvgPool1d(size, stride)", _plan_pool, 1),
-    "global_avgpool": LayerType({}, "nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten()) (1-D: AdaptiveAvgPool1d)",
+    "dense": LayerType({"out": (REQUIRED, _int(1))}, lambda l, i, o: f"nn.Linear({i[0]}, {l['out']})", _plan_dense),
+    "conv2d": LayerType(_CONV, _torch_conv, _plan_conv, 2),
+    "conv1d": LayerType(_CONV, _torch_conv, _plan_conv, 1),
+    "maxpool2d": LayerType(_POOL, _torch_pool, _plan_pool, 2),
+    "avgpool2d": LayerType(_POOL, _torch_pool, _plan_pool, 2),
+    "maxpool1d": LayerType(_POOL, _torch_pool, _plan_pool, 1),
+    "avgpool1d": LayerType(_POOL, _torch_pool, _plan_pool, 1),
+    "global_avgpool": LayerType({}, lambda l, i, o: f"nn.Sequential(nn.AdaptiveAvgPool{len(i) - 1}d(1), nn.Flatten())",
                                 _plan_global_pool),
-    "flatten": LayerType({}, "nn.Flatten()", _plan_flatten),
-    "reshape": LayerType({"shape": (REQUIRED, _shape)}, "nn.Unflatten(1, shape) (after nn.Flatten() if the input "
-                         "is not flat)", _plan_reshape),
-    "relu": LayerType({}, "nn.ReLU()", _plan_activation),
-    "leaky_relu": LayerType({"slope": (0.01, _number)}, "nn.LeakyReLU(slope)", _plan_activation),
-    "tanh": LayerType({}, "nn.Tanh()", _plan_activation),
-    "sigmoid": LayerType({}, "nn.Sigmoid()", _plan_activation),
-    "dropout": LayerType({"rate": (0.5, _rate)}, "nn.Dropout(rate)", _plan_dropout),
-    "groupnorm": LayerType({"groups": (REQUIRED, _int(1))}, "nn.GroupNorm(groups, channels)", _plan_groupnorm),
+    "flatten": LayerType({}, _fixed("nn.Flatten()"), _plan_flatten),
+    "reshape": LayerType({"shape": (REQUIRED, _shape)}, _torch_reshape, _plan_reshape),
+    "relu": LayerType({}, _fixed("nn.ReLU()"), _plan_activation),
+    "leaky_relu": LayerType({"slope": (0.01, _number)}, lambda l, i, o: f"nn.LeakyReLU({l['slope']})", _plan_activation),
+    "tanh": LayerType({}, _fixed("nn.Tanh()"), _plan_activation),
+    "sigmoid": LayerType({}, _fixed("nn.Sigmoid()"), _plan_activation),
+    "dropout": LayerType({"rate": (0.5, _rate)}, lambda l, i, o: f"nn.Dropout({l['rate']})", _plan_dropout),
+    "groupnorm": LayerType({"groups": (REQUIRED, _int(1))}, lambda l, i, o: f"nn.GroupNorm({l['groups']}, {i[0]})",
+                           _plan_groupnorm),
 }
-def build(layers, sample_shape: tuple, out_width: int, dtype, outputs_what: str = "classes") -> Network:
+def build(layers, sample_shape: tuple, out_width: int, dtype, outputs_what: str = "classes",
+          name: str = "model.layers") -> Network:
     """Plan a checked layer list (check_layers) for samples of sample_shape; the last width must be out_width
-    (the classes, or the targets' width). Errors name the layer's index and the fix."""
+    (the classes, or the targets' width). Errors name the layer (name[index]) and the fix."""
     itemsize = np.dtype(dtype).itemsize
     shape = input_shape_for(tuple(int(s) for s in sample_shape), layers)
     walk = _Walk(shape, itemsize)
     shapes = []
     for i, layer in enumerate(layers):
         kind = layer["type"]
-        TYPES[kind].plan(walk, layer, i, f"config: model.layers[{i}] ({kind})")
+        TYPES[kind].plan(walk, layer, i, f"config: {name}[{i}] ({kind})")
         shapes.append(walk.shape)
     if len(walk.shape) != 1:
-        raise ConfigError(f"config: model.layers ends with {_show(walk.shape)} maps; end with "
+        raise ConfigError(f"config: {name} ends with {_show(walk.shape)} maps; end with "
                           f'{{type = "flatten"}} and a dense layer of {out_width} outputs')
     walk.permute(None)
     if walk.shape[0] != out_width:
-        raise ConfigError(f"config: model.layers ends with {walk.shape[0]} outputs but the data has {out_width} "
+        raise ConfigError(f"config: {name} ends with {walk.shape[0]} outputs but the data has {out_width} "
                           f"{outputs_what}; give the last layer out = {out_width}")
     if walk.dim == 0:
-        raise ConfigError("config: model.layers has no layer with parameters; add a dense or conv layer")
+        raise ConfigError(f"config: {name} has no layer with parameters; add a dense or conv layer")
     prog = np.stack(walk.ops)
     _mark_input_gradients(prog)
     conv_wt = 0  # each convolution packs its W^T once per step and keeps it through its samples: its own room
@@ -548,35 +567,9 @@ def state_dict(network: Network, flat: np.ndarray) -> dict[str, np.ndarray]:
 
 def torch_text(network: Network) -> str:
     """The equivalent torch.nn.Sequential, as Python: what `edgefed export --weights` prints."""
-    shape = network.input_shape
-    parts = []
+    shape, parts = network.input_shape, []
     for layer, out_shape in zip(network.layers, network.output_shapes):
-        kind = layer["type"]
-        if kind == "dense":
-            parts.append(f"nn.Linear({shape[0]}, {layer['out']})")
-        elif kind in ("conv2d", "conv1d"):
-            pad = layer["padding"]
-            pad = f"'{pad}'" if isinstance(pad, str) else pad
-            parts.append(f"nn.Conv{kind[-2:]}({shape[0]}, {layer['out']}, {layer['kernel']}, "
-                         f"stride={layer['stride']}, padding={pad})")
-        elif kind.endswith(("pool2d", "pool1d")):
-            name = ("Max" if kind.startswith("max") else "Avg") + "Pool" + kind[-2:]
-            parts.append(f"nn.{name}({layer['size']}, stride={layer.get('stride', layer['size'])})")
-        elif kind == "global_avgpool":
-            parts.append(f"nn.Sequential(nn.AdaptiveAvgPool{len(shape) - 1}d(1), nn.Flatten())")
-        elif kind == "flatten":
-            parts.append("nn.Flatten()")
-        elif kind == "reshape":
-            inner = f"nn.Unflatten(1, {tuple(out_shape)})"
-            parts.append(inner if len(shape) == 1 else f"nn.Sequential(nn.Flatten(), {inner})")
-        elif kind == "leaky_relu":
-            parts.append(f"nn.LeakyReLU({layer['slope']})")
-        elif kind == "dropout":
-            parts.append(f"nn.Dropout({layer['rate']})")
-        elif kind == "groupnorm":
-            parts.append(f"nn.GroupNorm({layer['groups']}, {shape[0]})")
-        else:
-            parts.append({"relu": "nn.ReLU()", "tanh": "nn.Tanh()", "sigmoid": "nn.Sigmoid()"}[kind])
+        parts.append(TYPES[layer["type"]].torch(layer, shape, out_shape))
         shape = out_shape
     return "nn.Sequential(\n" + "".join(f"    {p},\n" for p in parts) + ")"
 

@@ -82,7 +82,7 @@ class Sequential:
     def builtin(cls, kind: str, sample_shape: tuple, n_classes: int, dtype, seed: int = 0, hidden=(200, 200)):
         """A built-in model ("logreg", "mlp" with these hidden widths, "cnn") for samples of this shape."""
         layers = layer_lib.builtin_layers(kind, tuple(sample_shape), n_classes, hidden)
-        network = layer_lib.build(layers, tuple(sample_shape), n_classes, dtype)
+        network = layer_lib.build(layers, tuple(sample_shape), n_classes, dtype, name=f'model.kind = "{kind}", layers')
         return cls(network, dtype, seed, "zeros" if kind == "logreg" else "glorot", "cross_entropy", kind)
 
     @property
@@ -119,6 +119,11 @@ class Sequential:
         elif y.dtype != self.dtype or y.shape != (X.shape[0], self.n_outputs) or not y.flags.c_contiguous:
             raise ValueError(f"y must be contiguous {self.dtype} ({X.shape[0]}, {self.n_outputs}), got {y.dtype} {y.shape}")
 
+    def _check_labels(self, y: np.ndarray) -> None:
+        """Labels in [0, classes): the kernels index the outputs by them and check nothing."""
+        if self._loss_kind == net.CROSS_ENTROPY and y.size and (y.min() < 0 or y.max() >= self.n_outputs):
+            raise ValueError(f"labels must lie in [0, {self.n_outputs}), found {int(y.min())}..{int(y.max())}")
+
     def _targets(self, y):
         """(labels, targets) as the kernel takes them: the one the loss reads, and an empty other."""
         return (y, self._no_targets) if self._loss_kind == net.CROSS_ENTROPY else (self._no_labels, y)
@@ -134,6 +139,8 @@ class Sequential:
 
     # -- training ----------------------------------------------------------------------------------------
     def begin(self, data: ClassificationData, rng_state: np.ndarray) -> LocalRun:
+        """A device's local work in a round: its labels are checked here, once, not in every chunk of steps."""
+        self._check_labels(data.y_train)
         return LocalRun(rng_state, data.n_train)
 
     def _checked(self, params, data: ClassificationData, batch_size):
@@ -170,6 +177,7 @@ class Sequential:
         """Mean training loss F_k(params) and its full gradient (dropout off), summed over chunks (bounded
         memory): each chunk's gradient scaled by 1/n, the chunks added in order."""
         X, y, _, _ = self._checked(params, data, None)
+        self._check_labels(y)
         n = X.shape[0]
         grad_out[:] = 0
         loss = 0.0
@@ -186,6 +194,7 @@ class Sequential:
     def loss_correct(self, params, X: np.ndarray, y: np.ndarray) -> tuple[float, int]:
         """(sum of losses, correct predictions) over the given samples (mse: correct is 0), dropout off."""
         self._check(params, X, y)
+        self._check_labels(y)
         if X.shape[0] == 0:
             return 0.0, 0
         rows = min(self.EVAL_CHUNK, X.shape[0]) + 1  # and one row of scratch

@@ -43,13 +43,16 @@ def test_exported_weights_give_the_logs_test_accuracy_in_a_numpy_forward_pass(di
     done = cli("export", str(log), "--weights", str(folder / "w.npz"))
     assert done.returncode == 0, done.stderr
     assert "nn.Conv2d(1, 4, 3, stride=1, padding='same')" in done.stdout and "nn.Linear(64, 10)" in done.stdout
+    assert "its inputs: (N, 1, 8, 8), normalized as the run's: (x - shift) / scale, shift [" in done.stdout
     weights = dict(np.load(folder / "w.npz"))
     assert {k: v.shape for k, v in weights.items()} == {"0.weight": (4, 1, 3, 3), "0.bias": (4,),
                                                         "4.weight": (10, 64), "4.bias": (10,)}
     d = np.load(DIGITS)
     x = d["x_train"].astype(np.float64)
-    mean, std = x.mean(axis=(0, 2, 3))[:, None, None], x.std(axis=(0, 2, 3))[:, None, None]
-    xt = ((d["x_test"] - mean) / std).astype(np.float32).astype(np.float64)
+    attrs = read_run(log)["attrs"]  # the normalization the run applied, kept for this: the training set's
+    np.testing.assert_allclose(attrs["input_shift"], [x.mean()], rtol=1e-12)
+    np.testing.assert_allclose(attrs["input_scale"], [x.std()], rtol=1e-12)
+    xt = ((d["x_test"] - attrs["input_shift"][0]) / attrs["input_scale"][0]).astype(np.float32).astype(np.float64)
     z, _ = network_forward(LAYERS, {k: v.astype(np.float64) for k, v in weights.items()}, xt)
     accuracy = float((z.argmax(axis=1) == d["y_test"]).mean())
     assert accuracy == pytest.approx(read_run(log)["metrics/test_accuracy"][-1], abs=1e-12)

@@ -286,3 +286,13 @@ def test_bad_layer_lists_name_the_layer_and_the_fix(layers, message):
     with pytest.raises(ConfigError) as err:
         layer_lib.build(layer_lib.check_layers(layers), (1, 5, 5), N_CLASSES, np.float32)
     assert message in str(err.value)
+
+
+def test_the_built_in_models_errors_name_them_and_labels_out_of_range_are_refused():
+    with pytest.raises(ConfigError, match=r'config: model.kind = "cnn", layers\[2\] \(maxpool2d\): size = 2 is larger '
+                                          r"than its input \(32, 1, 3\)"):
+        Sequential.builtin("cnn", (1, 1, 3), 3, np.float32)
+    model = model_for((4,), [], np.float64)
+    data = samples(model, 5)
+    with pytest.raises(ValueError, match=r"labels must lie in \[0, 3\), found 0..7"):
+        model.loss_correct(model.initial_params(), data.X_train, np.array([0, 1, 7, 2, 1]))

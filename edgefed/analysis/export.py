@@ -5,11 +5,10 @@ stored server model as the equivalent torch.nn.Sequential's state_dict (`--weigh
 from __future__ import annotations
 
 import csv
+import os
 from pathlib import Path
 
 import numpy as np
-
-import os
 
 from edgefed import config as config_mod
 from edgefed import layers as layer_lib
@@ -65,8 +64,8 @@ def network_of(run: Run) -> layer_lib.Network:
         raise EdgefedError(f"{run.path}: the quadratic model is the vector x itself, with no PyTorch equivalent; "
                            "read /trajectory/x")
     if "sample_shape" not in run.attrs:
-        raise EdgefedError(f"{run.path} was written before logs kept the data's shape (edgefed < 0.2); run it again "
-                           "to export its weights")
+        raise EdgefedError(f"{run.path} was written before logs kept the data's shape, which the weights' layout "
+                           "needs; run it again to export its weights")
     shape = tuple(int(v) for v in run.attrs["sample_shape"])
     outputs = int(run.attrs["model_outputs"])
     layers = (cfg.model.layers if kind == "sequential"
@@ -74,9 +73,22 @@ def network_of(run: Run) -> layer_lib.Network:
     return layer_lib.build(layers, shape, outputs, cfg.model.dtype)
 
 
+def inputs_text(run: Run, network: layer_lib.Network) -> str:
+    """What the exported model takes: samples in the layers' input shape, normalized as the run's were."""
+    shape = "(N, " + ", ".join(map(str, network.input_shape)) + ")"
+    if "input_shift" not in run.attrs:
+        return f"its inputs: {shape}, as the data file holds them"
+    shift, scale = (np.asarray(run.attrs[k], np.float64) for k in ("input_shift", "input_scale"))
+    per = "" if shift.size == 1 else f" per channel of {shift.size}"
+    numbers = lambda v: ", ".join(f"{x:.6g}" for x in v[:8]) + (", ..." if v.size > 8 else "")  # noqa: E731
+    return (f"its inputs: {shape}, normalized as the run's: (x - shift) / scale{per}, shift [{numbers(shift)}], "
+            f"scale [{numbers(scale)}] (the log's attributes input_shift, input_scale)")
+
+
 def export_weights(run: Run, out: Path, round_idx: int | None = None) -> tuple[int, str]:
     """Write the server model of a stored round (default: the last) as one array per parameter, named and
-    shaped as the equivalent torch.nn.Sequential's state_dict; returns (round, that Sequential as Python)."""
+    shaped as the equivalent torch.nn.Sequential's state_dict; returns (round, that Sequential as Python and
+    what its inputs are)."""
     network = network_of(run)
     stored = run["trajectory/round"]
     if round_idx is None:
@@ -98,4 +110,4 @@ def export_weights(run: Run, out: Path, round_idx: int | None = None) -> tuple[i
     except OSError as exc:
         tmp.unlink(missing_ok=True)
         raise EdgefedError(f"cannot write {out} ({exc}); choose another --weights file") from None
-    return int(stored[row]), layer_lib.torch_text(network)
+    return int(stored[row]), f"{layer_lib.torch_text(network)}\n{inputs_text(run, network)}"

@@ -85,7 +85,7 @@ class Run:
 
     def partition(self) -> dict | None:
         """How the training labels are spread over the devices (logs with /devices/label_counts): the counts,
-        labels held per device (mean, of those with a sample), and the label skew: the mean total-variation
+        the labels each device holds a sample of (the mean over the devices), and the label skew: the mean total-variation
         distance of a device's label distribution from the pooled one (0: every device like the pool, IID;
         near 1: devices with disjoint labels)."""
         counts = self.data.get("devices/label_counts")

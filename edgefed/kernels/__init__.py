@@ -1,4 +1,5 @@
-"""Numba kernels, one module per model, over flat parameter vectors.
+"""Numba kernels over flat parameter vectors: the layer library's operations and the one entry that runs a
+model (network.py), the quadratic's oracle, the products, the streams, secure aggregation's encoding.
 
 `JIT` is the one place the Numba flags live. fastmath stays off: it lets LLVM reorder float sums, and a
 trajectory must not depend on which machine or compiler version produced it.

@@ -209,7 +209,7 @@ def conv_forward_op(op, slope, perms, params, acts, aux, cols, pads, r0, r1, tra
     p = op[F_PARAM]
     Wt = matrix(params, p, depth, CO)
     bias = vector(params, p + depth * CO, CO)
-    pad = vector(pads, op[F_PAD], op[F_HP] * op[F_WP] * C)
+    pad = vector(pads, op[F_PAD], op[F_HP] * op[F_WP] * C if op[F_HP] != op[F_H] or op[F_WP] != op[F_W] else 0)
     X, Z = block(acts, op[F_IN], op[F_NIN]), block(acts, op[F_OUT], op[F_NOUT])
     for r in range(r0, r1):
         conv_forward(X[r], Wt, bias, Z[r], op[F_H], op[F_W], C, op[F_HP], op[F_WP], op[F_PT], op[F_PL], op[F_KH],
@@ -235,7 +235,7 @@ def conv_backward_op(op, slope, perms, params, grad, acts, deltas, aux, tr, cols
             transpose_into(matrix(params, p, depth, CO), WT, depth, CO)
         for j in range(CO):
             gb[j] = 0
-    pad = vector(pads, op[F_PAD], op[F_HP] * op[F_WP] * C)
+    pad = vector(pads, op[F_PAD], op[F_HP] * op[F_WP] * C if op[F_HP] != op[F_H] or op[F_WP] != op[F_W] else 0)
     X, DX = block(acts, op[F_IN], op[F_NIN]), block(deltas, op[F_IN], op[F_NIN])
     DZ = block(deltas, op[F_OUT], op[F_NOUT])
     for r in range(r0, r1):

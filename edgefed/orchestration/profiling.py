@@ -15,6 +15,7 @@ before anything is measured, and any failure ends every rank (exit 2), so no ran
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 import platform
@@ -71,10 +72,7 @@ def build(spec: str, dtype: str = "float32", n: int = 200):
         model = Quadratic(d, np.zeros(d), dt)
         return model, QuadraticData(np.ones(d, dt), np.zeros(d, dt), 0.0)
     if spec.startswith(CONFIG):
-        from edgefed.orchestration.run import problem_and_model
-
-        cfg = _config(spec)
-        model = problem_and_model(dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, dtype=dtype)))[1]
+        model = _config_model(spec, dtype)
     else:
         shape = (60,) if spec == "logreg" else (1, 28, 28)
         model = Sequential.builtin(spec, shape, 10, dt)
@@ -84,6 +82,15 @@ def build(spec: str, dtype: str = "float32", n: int = 200):
     else:
         y = g.random((n, model.n_outputs)).astype(dt)
     return model, ClassificationData(X, y, X[:20].copy(), y[:20].copy())
+
+
+@functools.lru_cache(maxsize=None)
+def _config_model(spec: str, dtype: str):
+    """A config's model, its data read once per process (only for the samples' shape and the classes)."""
+    from edgefed.orchestration.run import problem_and_model
+
+    cfg = _config(spec)
+    return problem_and_model(dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, dtype=dtype)))[1]
 
 
 def speed_entry(model, batch: int, steps_per_s: float) -> dict:

@@ -281,6 +281,9 @@ def _prepared(cfg: Config, log_path: Path, resume_point, on_info, config_toml: s
     if hasattr(problem, "sample_shape"):  # what rebuilds the model's layers from the config (edgefed export)
         header.attrs["sample_shape"] = np.asarray(problem.sample_shape, np.int64)
         header.attrs["model_outputs"] = int(problem.n_outputs)
+    normalization = problem.input_normalization() if hasattr(problem, "input_normalization") else None
+    if normalization is not None:  # what the model's inputs were: the exported model wants the same
+        header.attrs["input_shift"], header.attrs["input_scale"] = (np.asarray(v, np.float64) for v in normalization)
     if cfg.secagg.enabled:  # which keys a run used: the test mode's are reproducible from the config
         header.attrs["secagg_key_source"] = cfg.secagg.key_source
     return Setup(cfg, algorithm, problem, model, header, trace)

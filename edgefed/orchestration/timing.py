@@ -97,7 +97,7 @@ def timing_for(setup, owners: np.ndarray | None = None, on_info=None, resume_poi
                           f"which [log] every = 1 keeps; this log has every = {cfg.log.every}: run it again")
     if clock == "simulated" and boards is None:
         raise ConfigError('config: participation.clock = "simulated" times each device by its board\'s profile; '
-                          'set [device] profile (or boards under mpirun) for a profiled model (logreg, mlp, cnn)')
+                          'set [device] profile (or boards under mpirun), a profile that times the run\'s model')
     deadlines = _deadlines(setup, board_step, profiles, names, on_info, attrs)
     timing = Timing(clock=str(clock), boards=boards, deadlines=deadlines,
                     quantile=p.deadline_quantile if p.deadline_s == "adaptive" else None, covers=p.deadline_covers,

@@ -110,6 +110,10 @@ class ImageProblem:
             self._read.update(todo if k in todo else [k])
         return self._cache.pop(k)
 
+    def input_normalization(self) -> tuple:
+        """Pixels scaled to [0, 1]: x' = (x - 0) / 255."""
+        return np.zeros(1), np.full(1, 255.0)
+
     def label_counts(self) -> np.ndarray:
         """(N, C) int64: each device's training labels."""
         return np.stack([np.bincount(labels, minlength=self.n_classes) for labels in self.train_labels])

@@ -245,6 +245,14 @@ class PoolProblem:
             self._read.update(batch)
         return self._cache.pop(k)
 
+    def input_normalization(self) -> tuple | None:
+        """(shift, scale) per channel the samples were normalized by, x' = (x - shift) / scale (None: as read)."""
+        if self._shift is None and self._scale is None:
+            return None
+        if self._shift is None:
+            return np.zeros(1), np.full(1, self._scale)
+        return self._shift.reshape(-1), self._scale.reshape(-1)
+
     def label_counts(self) -> np.ndarray | None:
         """(N, C) int64: each device's training labels (None for float targets)."""
         if self.regression:
