@@ -27,16 +27,18 @@ class GrowingRows:
         self.row_shapes = row_shapes  # (shape of one row, dtype) per buffer
         self.rows = 0
         self.buffers = ()
-        self._last_b, self._last = -1, ()
+        self._views = {}  # b -> the views of b rows: a round asks for a few sizes, again and again
 
     def take(self, b: int):
-        if b == self._last_b:  # the hot path: every local_steps call of a round asks for the same batch
-            return self._last
+        views = self._views.get(b)
+        if views is not None:
+            return views
         if b > self.rows:
             self.rows = b
             self.buffers = tuple(np.zeros((b, *shape), dtype) for shape, dtype in self.row_shapes)
-        self._last_b, self._last = b, tuple(buf[:b] for buf in self.buffers)
-        return self._last
+            self._views.clear()
+        views = self._views[b] = tuple(buf[:b] for buf in self.buffers)
+        return views
 
 
 class LocalRun:
@@ -119,11 +121,6 @@ class Sequential:
         elif y.dtype != self.dtype or y.shape != (X.shape[0], self.n_outputs) or not y.flags.c_contiguous:
             raise ValueError(f"y must be contiguous {self.dtype} ({X.shape[0]}, {self.n_outputs}), got {y.dtype} {y.shape}")
 
-    def _check_labels(self, y: np.ndarray) -> None:
-        """Labels in [0, classes): the kernels index the outputs by them and check nothing."""
-        if self._loss_kind == net.CROSS_ENTROPY and y.size and (y.min() < 0 or y.max() >= self.n_outputs):
-            raise ValueError(f"labels must lie in [0, {self.n_outputs}), found {int(y.min())}..{int(y.max())}")
-
     def _targets(self, y):
         """(labels, targets) as the kernel takes them: the one the loss reads, and an empty other."""
         return (y, self._no_targets) if self._loss_kind == net.CROSS_ENTROPY else (self._no_labels, y)
@@ -133,14 +130,15 @@ class Sequential:
         deltas, tr = self._deltas.take(b) if mode != net.EVAL else self._no_deltas
         labels, targets = self._targets(y)
         nw = self.network
-        return net.network(nw.prog, nw.slopes, nw.perms, self._loss_kind, params, X, labels, targets, idx, n, b,
-                           n_steps, lr, scale, terms, rng, mode, grad, acts, deltas, aux, tr, *self._scratch,
-                           self._no_targets if outputs is None else outputs)
+        loss, count = net.network(nw.prog, nw.slopes, nw.perms, self._loss_kind, params, X, labels, targets, idx, n,
+                                  b, n_steps, lr, scale, terms, rng, mode, grad, acts, deltas, aux, tr, *self._scratch,
+                                  self._no_targets if outputs is None else outputs)
+        if count < 0:  # the kernel found a label outside the classes (its row: -1 - count) and stopped there
+            raise ValueError(f"labels must lie in [0, {self.n_outputs}); row {-1 - count} has {int(labels[-1 - count])}")
+        return loss, count
 
     # -- training ----------------------------------------------------------------------------------------
     def begin(self, data: ClassificationData, rng_state: np.ndarray) -> LocalRun:
-        """A device's local work in a round: its labels are checked here, once, not in every chunk of steps."""
-        self._check_labels(data.y_train)
         return LocalRun(rng_state, data.n_train)
 
     def _checked(self, params, data: ClassificationData, batch_size):
@@ -177,7 +175,6 @@ class Sequential:
         """Mean training loss F_k(params) and its full gradient (dropout off), summed over chunks (bounded
         memory): each chunk's gradient scaled by 1/n, the chunks added in order."""
         X, y, _, _ = self._checked(params, data, None)
-        self._check_labels(y)
         n = X.shape[0]
         grad_out[:] = 0
         loss = 0.0
@@ -194,7 +191,6 @@ class Sequential:
     def loss_correct(self, params, X: np.ndarray, y: np.ndarray) -> tuple[float, int]:
         """(sum of losses, correct predictions) over the given samples (mse: correct is 0), dropout off."""
         self._check(params, X, y)
-        self._check_labels(y)
         if X.shape[0] == 0:
             return 0.0, 0
         rows = min(self.EVAL_CHUNK, X.shape[0]) + 1  # and one row of scratch

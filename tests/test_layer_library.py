@@ -294,5 +294,5 @@ def test_the_built_in_models_errors_name_them_and_labels_out_of_range_are_refuse
         Sequential.builtin("cnn", (1, 1, 3), 3, np.float32)
     model = model_for((4,), [], np.float64)
     data = samples(model, 5)
-    with pytest.raises(ValueError, match=r"labels must lie in \[0, 3\), found 0..7"):
+    with pytest.raises(ValueError, match=r"labels must lie in \[0, 3\); row 2 has 7"):
         model.loss_correct(model.initial_params(), data.X_train, np.array([0, 1, 7, 2, 1]))

@@ -125,6 +125,8 @@ def _loss(prog, labels, targets, idx, first, b, scale, loss_kind, acts, deltas, 
     for r in range(b):
         k = idx[r] if idx.shape[0] > 0 else first + r
         z = Z[r]
+        if loss_kind == CROSS_ENTROPY and not 0 <= labels[k] < width:
+            return loss, -1 - k  # the outputs are indexed by the label: nothing is computed with one outside them
         if loss_kind == CROSS_ENTROPY:
             if want_deltas:
                 loss += softmax_xent(z, labels[k], scale, D[r])
@@ -238,7 +240,8 @@ def network(prog, slopes, perms, loss_kind, params, X, labels, targets, idx, n, 
     such minibatch. ROWS: grad <- scale * the summed gradient of rows idx[:b] (dropout off: the model's
     deterministic objective). EVAL: loss and correct predictions of rows 0..n-1, acts.shape[0] - 1 at a time,
     and their outputs (the last layer's, e.g. logits) into outputs when it has n rows.
-    scale and lr come in the parameter dtype; losses are float64 sums.
+    scale and lr come in the parameter dtype; losses are float64 sums. A label outside the classes stops it:
+    count is then -1 - its row.
     """
     # Borrowed views of every buffer (no reference count): the operations' calls then count nothing up and
     # down for their arguments (an atomic operation each way per array: 0.2 us of a logreg step, measured).
@@ -262,6 +265,8 @@ def network(prog, slopes, perms, loss_kind, params, X, labels, targets, idx, n, 
             _forward(prog, slopes, perms, params, acts, aux, cols, pads, m, train, want_deltas, rng)
             loss, right = _loss(prog, labels, targets, empty, i0, m, scale, loss_kind, acts, deltas, want_deltas,
                                 loss)  # one running sum over every sample, whatever the chunks
+            if right < 0:
+                return loss, right
             correct += right
             if outputs.shape[0] == n:
                 last = prog[prog.shape[0] - 1]
@@ -272,7 +277,9 @@ def network(prog, slopes, perms, loss_kind, params, X, labels, targets, idx, n, 
     if mode == ROWS:
         _gather(prog, perms, X, idx, 0, b, acts)
         _forward(prog, slopes, perms, params, acts, aux, cols, pads, b, train, want_deltas, rng)
-        loss, _ = _loss(prog, labels, targets, idx, 0, b, scale, loss_kind, acts, deltas, want_deltas, 0.0)
+        loss, bad = _loss(prog, labels, targets, idx, 0, b, scale, loss_kind, acts, deltas, want_deltas, 0.0)
+        if bad < 0:
+            return loss, bad
         _backward(prog, slopes, perms, params, grad, acts, deltas, aux, tr, cols, wt, gt, gblock, pads, b, step, lr,
                   terms)
         return loss, 0
@@ -284,7 +291,9 @@ def network(prog, slopes, perms, loss_kind, params, X, labels, targets, idx, n, 
             draw_batch(rng, idx, n, b)
         _gather(prog, perms, X, idx, 0, b, acts)
         _forward(prog, slopes, perms, params, acts, aux, cols, pads, b, train, want_deltas, rng)
-        loss, _ = _loss(prog, labels, targets, idx, 0, b, scale, loss_kind, acts, deltas, want_deltas, 0.0)
+        loss, bad = _loss(prog, labels, targets, idx, 0, b, scale, loss_kind, acts, deltas, want_deltas, 0.0)
+        if bad < 0:
+            return loss, bad
         _backward(prog, slopes, perms, params, grad, acts, deltas, aux, tr, cols, wt, gt, gblock, pads, b, step, lr,
                   terms)
         if step:
