@@ -296,3 +296,19 @@ def test_the_built_in_models_errors_name_them_and_labels_out_of_range_are_refuse
     data = samples(model, 5)
     with pytest.raises(ValueError, match=r"labels must lie in \[0, 3\); row 2 has 7"):
         model.loss_correct(model.initial_params(), data.X_train, np.array([0, 1, 7, 2, 1]))
+
+
+def test_a_new_layer_list_compiles_nothing_once_the_library_is_compiled(tmp_path):
+    """The library's one entry per dtype serves every list: a model never run before loads what the first
+    one compiled (or found in the cache) and compiles nothing."""
+    from conftest import config_with
+    from edgefed.orchestration import run as runs
+    from edgefed.runlog import read_run
+
+    common = {"rounds": 1, "data.clients": 3, "train.clients_per_round": 2, "train.local_steps": 2}
+    runs.run(config_with(common), tmp_path / "a.h5")  # the built-in logistic regression
+    layers = [{"type": "dense", "out": 7}, {"type": "leaky_relu", "slope": 0.3}, {"type": "dropout", "rate": 0.2},
+              {"type": "reshape", "shape": [7, 1]}, {"type": "conv1d", "out": 3, "kernel": 1},
+              {"type": "groupnorm", "groups": 3}, {"type": "global_avgpool"}, {"type": "dense", "out": 10}]
+    runs.run(config_with({**common, "model.kind": "sequential", "model.layers": layers}), tmp_path / "b.h5")
+    assert read_run(tmp_path / "b.h5")["attrs"]["warmup_compiled"].tolist() == [0]
