@@ -32,6 +32,7 @@ _FACTOR = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*x\s*$")
 
 
 SEQUENTIAL = "sequential"
+NAMED = (SEQUENTIAL, "torch")  # models a speed entry names by `layers`: a layer list's signature, a module's
 
 
 @dataclass(frozen=True)
@@ -44,7 +45,7 @@ class Speed:
 
     @property
     def key(self) -> str:
-        return f"{SEQUENTIAL}: {self.layers}" if self.model == SEQUENTIAL else self.model
+        return f"{self.model}: {self.layers}" if self.model in NAMED else self.model
 
 
 def model_key(model) -> str:
@@ -169,10 +170,10 @@ def profile_from_dict(raw: dict, source: str) -> Profile:
             raise bad(where, "must be a table ([[speed]])")
         model, params, batch, sps = (entry.get(k) for k in ("model", "params", "batch", "steps_per_s"))
         layers = entry.get("layers", "")
-        if model not in TIMED + (SEQUENTIAL,):
-            raise bad(f"{where}.model", f"must be one of {', '.join(TIMED + (SEQUENTIAL,))}, found {model!r}")
-        if (model == SEQUENTIAL) != bool(layers) or not isinstance(layers, str):
-            raise bad(f"{where}.layers", 'names the layer list of a model = "sequential" (and only of one)')
+        if model not in TIMED + NAMED:
+            raise bad(f"{where}.model", f"must be one of {', '.join(TIMED + NAMED)}, found {model!r}")
+        if (model in NAMED) != bool(layers) or not isinstance(layers, str):
+            raise bad(f"{where}.layers", 'names the model of a model = "sequential" or "torch" (and only of one)')
         for key, value in (("params", params), ("batch", batch)):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise bad(f"{where}.{key}", f"must be a positive integer, found {value!r}")

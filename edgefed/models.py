@@ -257,6 +257,10 @@ def build_model(model, problem, seed: int = 0):
     dtype = np.dtype(model.dtype)
     if model.kind == "quadratic":
         return Quadratic(problem.dim, problem.x0, dtype)
+    if model.kind == "torch":
+        from edgefed.torchmodel import TorchModel
+
+        return TorchModel(model.module, model.factory, problem.sample_shape, problem.n_outputs, dtype, seed, model.loss)
     if model.kind == "sequential":
         network = layer_lib.build(model.layers, problem.sample_shape, problem.n_outputs, dtype,
                                   "classes" if model.loss == "cross_entropy" else "target values")

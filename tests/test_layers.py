@@ -12,7 +12,7 @@ LAYERS = [
     {"__init__", "errors", "kernels"},  # the version, the error hierarchy, the Numba kernels
     {"rng"},  # random streams (their kernel lives in kernels/)
     {"algorithms", "participation", "compression", "secagg"},  # the math: pure, no I/O, no transport
-    {"problems", "layers", "models", "hwprofile", "tracefiles"},  # problems, layer lists, models, the files they read
+    {"problems", "layers", "models", "torchmodel", "hwprofile", "tracefiles"},  # problems, layer lists, models
     {"config"},  # the schema, checked against the registries below it
     {"transport", "runlog"},  # the engine-transport interface; the run log's format
     {"engine", "runtime", "analysis"},  # the round loop beside the transports; reading logs for answers

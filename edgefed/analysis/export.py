@@ -56,8 +56,9 @@ def export_csv(run: Run, folder: Path) -> list[Path]:
     return paths
 
 
-def network_of(run: Run) -> layer_lib.Network:
-    """The run's model as a planned layer list, from its config and the data's shape the log keeps."""
+def network_of(run: Run):
+    """The run's model as a planned layer list (or, for kind = "torch", the module itself), from its config
+    and the data's shape the log keeps."""
     cfg = config_mod.config_from_dict(config_mod.parse_toml(run.config_toml, f"the config stored in {run.path}"))
     kind = cfg.model.kind
     if kind == "quadratic":
@@ -68,12 +69,16 @@ def network_of(run: Run) -> layer_lib.Network:
                            "needs; run it again to export its weights")
     shape = tuple(int(v) for v in run.attrs["sample_shape"])
     outputs = int(run.attrs["model_outputs"])
+    if kind == "torch":
+        from edgefed.torchmodel import TorchModel
+
+        return TorchModel(cfg.model.module, cfg.model.factory, shape, outputs, cfg.model.dtype, cfg.seed, cfg.model.loss)
     layers = (cfg.model.layers if kind == "sequential"
               else layer_lib.builtin_layers(kind, shape, outputs, cfg.model.hidden))
     return layer_lib.build(layers, shape, outputs, cfg.model.dtype)
 
 
-def inputs_text(run: Run, network: layer_lib.Network) -> str:
+def inputs_text(run: Run, network) -> str:
     """What the exported model takes: samples in the layers' input shape, normalized as the run's were."""
     shape = "(N, " + ", ".join(map(str, network.input_shape)) + ")"
     if "input_shift" not in run.attrs:
@@ -100,7 +105,14 @@ def export_weights(run: Run, out: Path, round_idx: int | None = None) -> tuple[i
             raise EdgefedError(f"--round {round_idx}: {run.path} stores the model of rounds {shown} (the last "
                                f"{int(stored[-1])}); pick one of them")
         row = int(hits[0])
-    weights = layer_lib.state_dict(network, np.asarray(run["trajectory/x"][row]))
+    params = np.ascontiguousarray(run["trajectory/x"][row])
+    if not isinstance(network, layer_lib.Network):  # a torch module: its own state_dict
+        weights = network.state_dict(params)
+        text = (f"the module {network.factory}(input_shape={network.sample_shape}, n_classes={network.n_outputs}) "
+                f"of {network.path}\n{inputs_text(run, network)}")
+    else:
+        weights = layer_lib.state_dict(network, params)
+        text = f"{layer_lib.torch_text(network)}\n{inputs_text(run, network)}"
     out = Path(out)
     tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp.npz")
     try:
@@ -110,4 +122,4 @@ def export_weights(run: Run, out: Path, round_idx: int | None = None) -> tuple[i
     except OSError as exc:
         tmp.unlink(missing_ok=True)
         raise EdgefedError(f"cannot write {out} ({exc}); choose another --weights file") from None
-    return int(stored[row]), f"{layer_lib.torch_text(network)}\n{inputs_text(run, network)}"
+    return int(stored[row]), text

@@ -15,11 +15,21 @@ from edgefed.errors import ConfigError
 
 
 def load_config(path: str | Path | None = None, overrides: typing.Sequence[str] = ()) -> Config:
-    """Read CONFIG.toml (None: the built-in default), apply `table.key=value` overrides, validate."""
+    """Read CONFIG.toml (None: the built-in default), apply `table.key=value` overrides, validate. A file a
+    config names (model.module) is taken relative to the config file, or to the working folder when set by an
+    override, and stored absolute: a resumed run and every rank find it whatever their working folder."""
     raw = {} if path is None else read_toml(path)
+    _absolute(raw, Path(path).parent if path is not None else Path.cwd())
     for item in overrides:
         apply_override(raw, item)
+        _absolute(raw, Path.cwd())
     return config_from_dict(raw)
+
+
+def _absolute(raw: dict, base: Path) -> None:
+    model = raw.get("model")
+    if isinstance(model, dict) and isinstance(model.get("module"), str) and not Path(model["module"]).is_absolute():
+        model["module"] = str((base / model["module"]).resolve())
 
 
 def read_toml(path: str | Path) -> dict:

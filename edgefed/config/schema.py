@@ -45,6 +45,8 @@ class ModelConfig:
     layers: tuple[dict, ...] = ()  # sequential: the layer list, tables with a type and its settings (layers.py)
     loss: str = "cross_entropy"  # or "mse" (float targets; a sequential model)
     init: str | None = None  # "pytorch", "glorot" or "zeros"; None: pytorch for sequential, the built-ins' own
+    module: str | None = None  # torch: the Python file of the user's module (relative to the config file)
+    factory: str | None = None  # torch: the function in it, factory(input_shape, n_classes) -> nn.Module
 
 
 @dataclass(frozen=True)

@@ -29,11 +29,12 @@ from edgefed.problems import cifar, pool
 from edgefed.problems.partition import PARTITIONS
 
 DATA_KINDS = ("synthetic", "quadratic", "mnist", "emnist", "arrays", "leaf", "cifar10", "cifar100")
-MODEL_KINDS = ("logreg", "mlp", "cnn", "sequential", "quadratic")
-MODELS_FOR_DATA = {"synthetic": ("logreg", "mlp", "sequential"), "quadratic": ("quadratic",),
-                   "mnist": ("mlp", "cnn", "logreg", "sequential"), "emnist": ("cnn", "mlp", "logreg", "sequential"),
-                   "arrays": ("logreg", "mlp", "cnn", "sequential"), "leaf": ("cnn", "mlp", "logreg", "sequential"),
-                   "cifar10": ("cnn", "mlp", "logreg", "sequential"), "cifar100": ("cnn", "mlp", "logreg", "sequential")}
+MODEL_KINDS = ("logreg", "mlp", "cnn", "sequential", "torch", "quadratic")
+_ANY = ("sequential", "torch")  # a user's model: on every data kind with samples
+MODELS_FOR_DATA = {"synthetic": ("logreg", "mlp") + _ANY, "quadratic": ("quadratic",),
+                   "mnist": ("mlp", "cnn", "logreg") + _ANY, "emnist": ("cnn", "mlp", "logreg") + _ANY,
+                   "arrays": ("logreg", "mlp", "cnn") + _ANY, "leaf": ("cnn", "mlp", "logreg") + _ANY,
+                   "cifar10": ("cnn", "mlp", "logreg") + _ANY, "cifar100": ("cnn", "mlp", "logreg") + _ANY}
 DTYPES = ("float32", "float64")
 LR_SCHEDULES = ("constant", "staircase")
 SAMPLE_LAWS = ("lognormal", "pareto")
@@ -412,6 +413,19 @@ def _validate_model(m: ModelConfig, data: DataConfig) -> ModelConfig:
     if m.loss == "mse" and data.kind != "arrays":
         raise ConfigError(f'config: model.loss = "mse" trains on float targets, which only data.kind = "arrays" '
                           f'holds (y_train of floats), not {data.kind!r}; use loss = "cross_entropy"')
+    given = [key for key in ("module", "factory") if getattr(m, key) is not None]
+    if m.kind == "torch":
+        missing = [key for key in ("module", "factory") if key not in given]
+        if missing:
+            raise ConfigError(f'config: model.kind = "torch" needs model.{missing[0]}: the Python file of your '
+                              "module and the function in it that builds it, factory(input_shape, n_classes)")
+        if m.layers or m.init is not None:
+            raise ConfigError(f'config: model.{"layers" if m.layers else "init"} does not apply to kind = "torch" '
+                              "(the module is its own layers and initializes itself); remove it")
+        return m
+    if given:
+        raise ConfigError(f'config: model.{given[0]} applies to kind = "torch", not {m.kind!r}; set model.kind = '
+                          '"torch" or remove it')
     if m.kind == "sequential":
         return dataclasses.replace(m, layers=layer_lib.check_layers(m.layers))
     if m.layers:

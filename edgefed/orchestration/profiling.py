@@ -96,8 +96,8 @@ def _config_model(spec: str, dtype: str):
 def speed_entry(model, batch: int, steps_per_s: float) -> dict:
     """A profile's [[speed]] entry for a model: a built-in by name, a layer list by its signature."""
     entry = {"model": model.kind, "params": model.dim, "batch": batch, "steps_per_s": float(f"{steps_per_s:.4g}")}
-    if model.kind == hwprofile.SEQUENTIAL:
-        entry["layers"] = model.network.signature()
+    if model.kind in hwprofile.NAMED:
+        entry["layers"] = hwprofile.model_key(model).split(": ", 1)[1]
     return entry
 
 

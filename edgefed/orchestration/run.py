@@ -104,7 +104,13 @@ def resolve_config(config_path: str | None, overrides, resume: str | None):
 def problem_and_model(cfg: Config):
     """The problem a config describes and the model that trains on it (every process builds them alike)."""
     problem = build_problem(cfg.data, cfg.seed, cfg.model.dtype, cfg.model.loss, first_spatial(cfg.model))
-    return problem, build_model(cfg.model, problem, cfg.seed)
+    model = build_model(cfg.model, problem, cfg.seed)
+    threads = cfg.mpi.threads_per_rank or 1
+    if threads > 1 and getattr(model, "draws", False):
+        raise ConfigError(f"config: mpi.threads_per_rank = {threads}, but model.module draws random numbers in "
+                          "training (dropout) from PyTorch's one generator per process, so its devices run one at a "
+                          "time per process; remove threads_per_rank and use more ranks")
+    return problem, model
 
 
 def log_layout(algorithm: Algorithm, cfg: Config, n: int, d: int, dtype) -> dict:
@@ -284,6 +290,10 @@ def _prepared(cfg: Config, log_path: Path, resume_point, on_info, config_toml: s
     normalization = problem.input_normalization() if hasattr(problem, "input_normalization") else None
     if normalization is not None:  # what the model's inputs were: the exported model wants the same
         header.attrs["input_shift"], header.attrs["input_scale"] = (np.asarray(v, np.float64) for v in normalization)
+    if model.kind == "torch":  # its bits repeat on this machine and torch build only
+        header.attrs["torch_version"] = str(model.torch.__version__)
+        header.attrs["bits"] = ("repeat on the same machine and torch build; not promised across CPUs (PyTorch's "
+                                "kernels choose their own summation order)")
     if cfg.secagg.enabled:  # which keys a run used: the test mode's are reproducible from the config
         header.attrs["secagg_key_source"] = cfg.secagg.key_source
     return Setup(cfg, algorithm, problem, model, header, trace)

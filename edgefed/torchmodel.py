@@ -1,0 +1,336 @@
+"""A PyTorch module as it is (`[model] kind = "torch"`): the user's `factory(input_shape, n_classes)` builds it,
+and edgefed trains its parameters held as one flat vector, the run's own.
+
+Every model's interface (models.Sequential's), so every algorithm, rule, deadline, compression, FedBuff and
+secure aggregation run it unchanged. A device's local step is plain SGD: the module's parameters are views
+into the flat vector the round hands over (no copies per step), their gradients views into one preallocated
+flat gradient, and the step adds the algorithm's terms as kernels/sgd.py does: g = grad + mu (y - anchor) +
+correction, y = y - lr g. Minibatches come from the device's stream as for every model; the module's own
+randomness (dropout) from a torch generator state seeded by that stream and carried across the chunks a
+deadline cuts the work into, so a replay reproduces it. PyTorch runs deterministic algorithms, one thread per
+lane (each lane its own module); a module that draws random numbers in training runs its devices one at a time
+per process, since torch's generator is the process's.
+
+Bits: a run repeats to the byte on one machine and torch build; across CPUs they are not promised (PyTorch's
+kernels choose their own order): the Numba layer library is the path that keeps that promise.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+from pathlib import Path
+
+import numpy as np
+
+from edgefed.errors import ConfigError
+from edgefed.kernels.random import draw_batch
+from edgefed.rng import Purpose, generator
+
+EVAL_CHUNK = 64
+_MODULES = {}  # path -> the loaded module file (clones and ranks' second models reuse it)
+
+
+def import_torch():
+    """torch, configured for edgefed once: one thread, deterministic algorithms."""
+    try:
+        import torch
+    except ImportError:
+        raise ConfigError('config: model.kind = "torch" needs PyTorch: install the extra, pip install '
+                          '"edgefed[torch]" (or pip install torch)') from None
+    if not getattr(torch, "_edgefed_configured", False):
+        torch.set_num_threads(1)
+        torch.use_deterministic_algorithms(True)
+        torch._edgefed_configured = True
+    return torch
+
+
+def _load(path: str):
+    if path not in _MODULES:
+        file = Path(path)
+        if not file.is_file():
+            raise ConfigError(f"config: model.module = {path!r} is not a file; give the Python file of your module "
+                              "(relative to the config file, or absolute)")
+        name = "edgefed_user_module_" + hashlib.sha256(str(file.resolve()).encode()).hexdigest()[:12]
+        spec = importlib.util.spec_from_file_location(name, file)
+        module = importlib.util.module_from_spec(spec)
+        try:
+            spec.loader.exec_module(module)
+        except Exception as exc:  # noqa: BLE001 - the user's file: its error, in one line
+            raise ConfigError(f"config: model.module {path} cannot be imported: {type(exc).__name__}: "
+                              f"{_first_line(exc)}") from None
+        _MODULES[path] = module
+    return _MODULES[path]
+
+
+class TorchRun:
+    """One device's local work in one round: its minibatch generator and permutation (as every model's), and
+    the torch generator state of the module's own randomness."""
+
+    def __init__(self, rng_state: np.ndarray, n_samples: int, torch_state):
+        self.rng = rng_state
+        self.perm = np.arange(n_samples, dtype=np.int64)
+        self.torch_state = torch_state
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else "(no message)"
+
+
+class TorchModel:
+    """A user's torch.nn.Module behind edgefed's model interface (see the module's docstring)."""
+
+    kind = "torch"
+    EVAL_CHUNK = EVAL_CHUNK
+
+    def __init__(self, path: str, factory: str, sample_shape: tuple, n_outputs: int, dtype, seed: int,
+                 loss: str = "cross_entropy"):
+        torch = self.torch = import_torch()
+        self.path, self.factory, self.seed, self.loss = path, factory, seed, loss
+        self.sample_shape, self.n_outputs = tuple(int(s) for s in sample_shape), int(n_outputs)
+        self.n_features = int(np.prod(self.sample_shape))
+        self.dtype = np.dtype(dtype)
+        self.tdtype = torch.float64 if self.dtype == np.float64 else torch.float32
+        self.has_accuracy = loss == "cross_entropy"
+        build = getattr(_load(path), factory, None)
+        if not callable(build):
+            raise ConfigError(f"config: model.factory = {factory!r} is not a function in {path}; name the function "
+                              "that returns your nn.Module, called as factory(input_shape, n_classes)")
+        with torch.random.fork_rng(devices=[]):  # its initialization from the run's (seed, INIT) stream
+            torch.manual_seed(int(generator(seed, Purpose.INIT).integers(2**62)))
+            try:
+                module = build(self.sample_shape, self.n_outputs)
+            except Exception as exc:  # noqa: BLE001 - the user's factory: its error, in one line
+                raise ConfigError(f"config: model.factory {factory}(input_shape={self.sample_shape}, n_classes="
+                                  f"{self.n_outputs}) in {path} raised {type(exc).__name__}: {_first_line(exc)}") from None
+        if not isinstance(module, torch.nn.Module):
+            raise ConfigError(f"config: model.factory {factory} returned {type(module).__name__}, not a "
+                              "torch.nn.Module")
+        self.module = module.to(self.tdtype)
+        self.names, self.shapes, self.offsets = [], [], []
+        self.dim = 0
+        for name, p in self.module.named_parameters():
+            if not p.dtype.is_floating_point:
+                raise ConfigError(f"config: model.module's parameter {name} is {p.dtype}; edgefed trains floating "
+                                  "point parameters only")
+            self.names.append(name)
+            self.shapes.append(tuple(p.shape))
+            self.offsets.append(self.dim)
+            self.dim += p.numel()
+        if self.dim == 0:
+            raise ConfigError("config: model.module has no parameters to train")
+        self._flat_grad = torch.zeros(self.dim, dtype=self.tdtype)
+        for p, off, shape in zip(self.module.parameters(), self.offsets, self.shapes):
+            p.grad = self._flat_grad[off:off + int(np.prod(shape))].view(shape)
+        self._g = torch.zeros(self.dim, dtype=self.tdtype)  # the step's gradient with the algorithm's terms
+        self._bound = None
+        self._init = torch.cat([p.detach().reshape(-1) for p in self.module.parameters()]).numpy().astype(self.dtype)
+        self._check_module()
+
+    def _check_module(self) -> None:
+        """The output's columns, buffers that a training step would change (batch-norm statistics), and
+        whether training draws from torch's generator (dropout): `draws`, then its devices run one at a time
+        per process, since that generator is the process's."""
+        torch = self.torch
+        x = torch.zeros((2, *self.sample_shape), dtype=self.tdtype)
+        before = {k: v.clone() for k, v in self.module.named_buffers()}
+        self.module.train()
+        with torch.no_grad(), torch.random.fork_rng(devices=[]):
+            drawn = torch.get_rng_state()
+            try:
+                out = self.module(x + 1.0)
+            except Exception as exc:  # noqa: BLE001 - the user's forward: its error, in one line
+                raise ConfigError(f"config: model.module's forward on a batch of {tuple(x.shape)} raised "
+                                  f"{type(exc).__name__}: {_first_line(exc)}") from None
+            self.draws = not torch.equal(drawn, torch.get_rng_state())
+        changed = [k for k, v in self.module.named_buffers() if not torch.equal(v, before[k])]
+        for k, v in self.module.named_buffers():
+            v.copy_(before[k])
+        if changed:
+            raise ConfigError(f"config: model.module's buffers change in training ({', '.join(changed[:3])}): "
+                              "edgefed federates parameters only; use GroupNorm instead of batch norm, or "
+                              "BatchNorm with track_running_stats=False")
+        if tuple(out.shape) != (2, self.n_outputs):
+            what = "classes" if self.has_accuracy else "target values"
+            raise ConfigError(f"config: model.module's output has shape {tuple(out.shape)} for a batch of 2; it "
+                              f"must be (batch, {self.n_outputs}): one column per {what[:-1]} of the data's "
+                              f"{self.n_outputs} {what}")
+
+    @property
+    def input_shape(self) -> tuple:
+        return self.sample_shape
+
+    # -- edgefed's model interface ------------------------------------------------------------------------
+    def profile_key(self) -> str:
+        """A board profile's key: the module file, its factory and the input shape."""
+        shape = "x".join(map(str, self.sample_shape))
+        return f"torch: {Path(self.path).name}:{self.factory} {shape} -> {self.n_outputs}"
+
+    def initial_params(self) -> np.ndarray:
+        return self._init.copy()
+
+    def clone(self) -> "TorchModel":
+        """Its own module (and workspaces), for a second thread: evaluation while a late worker computes."""
+        return TorchModel(self.path, self.factory, self.sample_shape, self.n_outputs, self.dtype, self.seed, self.loss)
+
+    def state_dict(self, params: np.ndarray) -> dict[str, np.ndarray]:
+        """The module's own state_dict (names and shapes) with these parameters."""
+        self._bind(params)
+        return {k: v.detach().numpy().copy() for k, v in self.module.state_dict().items()}
+
+    def begin(self, data, rng_state: np.ndarray) -> TorchRun:
+        seed = int(rng_state[0] & np.uint64(2**62 - 1))  # the device's stream for this round seeds it
+        state = self.torch.Generator().manual_seed(seed).get_state() if self.draws else None
+        return TorchRun(rng_state, data.n_train, state)
+
+    def _bind(self, params: np.ndarray) -> None:
+        """The module's parameters become views into params (the round's array, updated in place)."""
+        if self._bound is params:
+            return
+        if params.dtype != self.dtype or params.shape != (self.dim,) or not params.flags.c_contiguous:
+            raise ValueError(f"params must be a contiguous {self.dtype} vector of {self.dim}")
+        flat = self.torch.from_numpy(params)
+        for p, off, shape in zip(self.module.parameters(), self.offsets, self.shapes):
+            p.data = flat[off:off + int(np.prod(shape))].view(shape)
+        self._bound, self._flat = params, flat
+
+    def _mode(self, training: bool) -> None:
+        """Training or evaluation mode, switched only when it changes (train() walks every submodule)."""
+        if self.module.training != training:
+            self.module.train(training)
+
+    def _inputs(self, data_x: np.ndarray):
+        return self.torch.from_numpy(data_x).view((data_x.shape[0], *self.sample_shape))
+
+    def _targets(self, y: np.ndarray):
+        t = self.torch.from_numpy(y)
+        return t if self.has_accuracy else t.view((y.shape[0], self.n_outputs))
+
+    def _loss(self, out, target, reduction: str = "mean"):
+        F = self.torch.nn.functional
+        if self.has_accuracy:
+            return F.cross_entropy(out, target, reduction=reduction)
+        return F.mse_loss(out, target, reduction=reduction)
+
+    def _gradient(self, xb, yb, scale: float = 1.0):
+        """flat_grad += scale * d(mean loss)/d(params) of one batch."""
+        loss = self._loss(self.module(xb), yb)
+        (loss * scale if scale != 1.0 else loss).backward()
+        return loss
+
+    def local_steps(self, params, data, run: TorchRun, n_steps: int, batch_size, lr: float, terms=None) -> int:
+        """n_steps of minibatch SGD on params in place (batch_size None: the full batch), each step's gradient
+        plus the algorithm's terms (kernels/sgd.py's step_terms: correction, anchor, mu)."""
+        torch = self.torch
+        self._bind(params)
+        X, y = self._inputs(data.X_train), self._targets(data.y_train)
+        n = X.shape[0]
+        b = n if batch_size is None else min(int(batch_size), n)
+        correction = anchor = None
+        mu = 0.0
+        if terms is not None:
+            correction = torch.from_numpy(terms[0]) if terms[0].shape[0] else None
+            anchor = torch.from_numpy(terms[1]) if terms[1].shape[0] else None
+            mu = float(terms[2][0])
+        index = torch.from_numpy(run.perm)
+        self._mode(True)
+        if self.draws:
+            torch.set_rng_state(run.torch_state)
+        y_flat, g, grad = self._flat, self._g, self._flat_grad
+        for _ in range(int(n_steps)):
+            if b < n:
+                draw_batch(run.rng, run.perm, n, b)
+            rows = index[:b]
+            grad.zero_()
+            self._gradient(X.index_select(0, rows), y.index_select(0, rows))
+            with torch.no_grad():
+                step = grad
+                if anchor is not None:  # as apply_step: g = grad + mu (y - anchor), then + correction
+                    torch.sub(y_flat, anchor, out=g)
+                    g.mul_(mu).add_(grad)
+                    step = g
+                if correction is not None:
+                    torch.add(step, correction, out=g)
+                    step = g
+                y_flat.add_(step, alpha=-lr)
+        if self.draws:
+            run.torch_state = torch.get_rng_state()
+        return int(n_steps)
+
+    def oracle_grad(self, params, data, run: TorchRun, batch_size, grad_out) -> None:
+        """grad_out <- one stochastic gradient: a minibatch drawn from run (None: the full gradient)."""
+        if batch_size is None:
+            self.loss_grad(params, data, grad_out)
+            return
+        torch = self.torch
+        self._bind(params)
+        X, y = self._inputs(data.X_train), self._targets(data.y_train)
+        n = X.shape[0]
+        b = min(int(batch_size), n)
+        if b < n:
+            draw_batch(run.rng, run.perm, n, b)
+        rows = torch.from_numpy(run.perm[:b])
+        self._mode(True)
+        if self.draws:
+            torch.set_rng_state(run.torch_state)
+        self._flat_grad.zero_()
+        self._gradient(X.index_select(0, rows), y.index_select(0, rows))
+        if self.draws:
+            run.torch_state = torch.get_rng_state()
+        grad_out[:] = self._flat_grad.numpy()
+
+    def loss_grad(self, params, data, grad_out: np.ndarray) -> float:
+        """Mean training loss and its full gradient, in chunks, the module in evaluation mode (dropout off:
+        the model's deterministic objective)."""
+        self._bind(params)
+        X, y = self._inputs(data.X_train), self._targets(data.y_train)
+        n = X.shape[0]
+        self._mode(False)
+        self._flat_grad.zero_()
+        total = 0.0
+        for start in range(0, n, EVAL_CHUNK):
+            xb, yb = X[start:start + EVAL_CHUNK], y[start:start + EVAL_CHUNK]
+            loss = self._loss(self.module(xb), yb, "sum")
+            (loss / n).backward()
+            total += float(loss.detach().double())
+        grad_out[:] = self._flat_grad.numpy()
+        return total / n
+
+    def loss_correct(self, params, X: np.ndarray, y: np.ndarray) -> tuple[float, int]:
+        """(sum of per-sample losses, correct predictions; mse: 0), the module in evaluation mode."""
+        torch = self.torch
+        if X.shape[0] == 0:
+            return 0.0, 0
+        self._bind(params)
+        Xt, yt = self._inputs(np.ascontiguousarray(X)), self._targets(np.ascontiguousarray(y))
+        self._mode(False)
+        total, correct = 0.0, 0
+        with torch.no_grad():
+            for start in range(0, Xt.shape[0], EVAL_CHUNK):
+                out = self.module(Xt[start:start + EVAL_CHUNK]).double()
+                target = yt[start:start + EVAL_CHUNK]
+                if self.has_accuracy:
+                    if int(target.min()) < 0 or int(target.max()) >= self.n_outputs:
+                        raise ValueError(f"labels must lie in [0, {self.n_outputs})")
+                    total += float(self._loss(out, target, "sum"))
+                    correct += int((out.argmax(dim=1) == target).sum())
+                else:
+                    total += float(((out - target.double()) ** 2).mean(dim=1).sum())
+        return total, correct
+
+    def train_loss(self, params, data) -> float:
+        return self.loss_correct(params, data.X_train, data.y_train)[0] / data.n_train
+
+    def outputs(self, params, X: np.ndarray) -> np.ndarray:
+        torch = self.torch
+        self._bind(params)
+        self._mode(False)
+        with torch.no_grad():
+            return self.module(self._inputs(np.ascontiguousarray(X))).numpy().astype(self.dtype)
+
+
+def torch_version() -> str:
+    return import_torch().__version__
+
+

@@ -1,0 +1,56 @@
+"""Modules written as a PyTorch user writes them, for tests/test_torch.py (imported by edgefed from this file)."""
+
+import torch
+from torch import nn
+
+
+class Residual(nn.Module):
+    """A skip connection a layer list cannot say, with dropout (its masks: the device's stream)."""
+
+    def __init__(self, features: int, n_classes: int):
+        super().__init__()
+        self.inp = nn.Linear(features, 12)
+        self.block = nn.Sequential(nn.Linear(12, 12), nn.Tanh(), nn.Linear(12, 12))
+        self.drop = nn.Dropout(0.2)
+        self.out = nn.Linear(12, n_classes)
+
+    def forward(self, x):
+        h = torch.relu(self.inp(torch.flatten(x, 1)))
+        return self.out(self.drop(h + self.block(h)))
+
+
+def residual(input_shape, n_classes):
+    features = 1
+    for s in input_shape:
+        features *= s
+    return Residual(features, n_classes)
+
+
+def linear(input_shape, n_classes):
+    return nn.Sequential(nn.Flatten(), nn.Linear(int(torch.tensor(input_shape).prod()), n_classes))
+
+
+def batchnorm(input_shape, n_classes):
+    return nn.Sequential(nn.Flatten(), nn.Linear(input_shape[0], 8), nn.BatchNorm1d(8), nn.Linear(8, n_classes))
+
+
+def wrong_width(input_shape, n_classes):
+    return nn.Sequential(nn.Flatten(), nn.Linear(input_shape[0], n_classes + 1))
+
+
+def broken(input_shape, n_classes):
+    raise ValueError("no such layer size")
+
+
+class Counting(nn.Module):
+    def __init__(self, features, n_classes):
+        super().__init__()
+        self.lin = nn.Linear(features, n_classes)
+        self.steps = nn.Parameter(torch.zeros(1, dtype=torch.int64), requires_grad=False)
+
+    def forward(self, x):
+        return self.lin(torch.flatten(x, 1))
+
+
+def integer_parameter(input_shape, n_classes):
+    return Counting(input_shape[0], n_classes)
