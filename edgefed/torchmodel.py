@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -54,9 +55,14 @@ def _load(path: str):
         name = "edgefed_user_module_" + hashlib.sha256(str(file.resolve()).encode()).hexdigest()[:12]
         spec = importlib.util.spec_from_file_location(name, file)
         module = importlib.util.module_from_spec(spec)
+        folder = str(file.resolve().parent)
+        if folder not in sys.path:  # its own imports of files beside it, as `python file.py` would find them
+            sys.path.append(folder)
+        sys.modules[name] = module  # what dataclasses and pickling inside it look up
         try:
             spec.loader.exec_module(module)
-        except Exception as exc:  # noqa: BLE001 - the user's file: its error, in one line
+        except (Exception, SystemExit) as exc:  # noqa: BLE001 - the user's file: its error, in one line
+            del sys.modules[name]
             raise ConfigError(f"config: model.module {path} cannot be imported: {type(exc).__name__}: "
                               f"{_first_line(exc)}") from None
         _MODULES[path] = module
@@ -108,54 +114,81 @@ class TorchModel:
             raise ConfigError(f"config: model.factory {factory} returned {type(module).__name__}, not a "
                               "torch.nn.Module")
         self.module = module.to(self.tdtype)
-        self.names, self.shapes, self.offsets = [], [], []
-        self.dim = 0
         for name, p in self.module.named_parameters():
             if not p.dtype.is_floating_point:
                 raise ConfigError(f"config: model.module's parameter {name} is {p.dtype}; edgefed trains floating "
                                   "point parameters only")
-            self.names.append(name)
-            self.shapes.append(tuple(p.shape))
-            self.offsets.append(self.dim)
-            self.dim += p.numel()
+        # x: the trainable parameters in order; frozen ones (requires_grad False) stay the factory's, alike
+        # on every device since the factory's draws are the run's
+        self.params = [p for p in self.module.parameters() if p.requires_grad]
+        self.names = [name for name, p in self.module.named_parameters() if p.requires_grad]
+        self.shapes = [tuple(p.shape) for p in self.params]
+        self.offsets = list(np.cumsum([0] + [p.numel() for p in self.params[:-1]]).tolist()) if self.params else []
+        self.dim = sum(p.numel() for p in self.params)
         if self.dim == 0:
             raise ConfigError("config: model.module has no parameters to train")
         self._flat_grad = torch.zeros(self.dim, dtype=self.tdtype)
-        for p, off, shape in zip(self.module.parameters(), self.offsets, self.shapes):
-            p.grad = self._flat_grad[off:off + int(np.prod(shape))].view(shape)
         self._g = torch.zeros(self.dim, dtype=self.tdtype)  # the step's gradient with the algorithm's terms
         self._bound = None
-        self._init = torch.cat([p.detach().reshape(-1) for p in self.module.parameters()]).numpy().astype(self.dtype)
+        self._init = torch.cat([p.detach().reshape(-1) for p in self.params]).numpy().astype(self.dtype)
         self._check_module()
+        self._bind_grads()
 
     def _check_module(self) -> None:
-        """The output's columns, buffers that a training step would change (batch-norm statistics), and
-        whether training draws from torch's generator (dropout): `draws`, then its devices run one at a time
-        per process, since that generator is the process's."""
+        """One training step's forward and backward on a batch of 2, and one evaluation: the output's type and
+        columns, buffers a training step would change (batch-norm statistics), randomness in evaluation
+        (refused), and whether training draws from torch's generator (dropout): `draws`, then its devices
+        run one at a time per process, since that generator is the process's."""
         torch = self.torch
-        x = torch.zeros((2, *self.sample_shape), dtype=self.tdtype)
+        x = torch.ones((2, *self.sample_shape), dtype=self.tdtype)
         before = {k: v.clone() for k, v in self.module.named_buffers()}
-        self.module.train()
-        with torch.no_grad(), torch.random.fork_rng(devices=[]):
-            drawn = torch.get_rng_state()
-            try:
-                out = self.module(x + 1.0)
-            except Exception as exc:  # noqa: BLE001 - the user's forward: its error, in one line
-                raise ConfigError(f"config: model.module's forward on a batch of {tuple(x.shape)} raised "
-                                  f"{type(exc).__name__}: {_first_line(exc)}") from None
-            self.draws = not torch.equal(drawn, torch.get_rng_state())
+        with torch.random.fork_rng(devices=[]):
+            state = torch.get_rng_state()
+            self.module.train()
+            out = self._forward(x, "config: model.module's forward on a batch of 2")
+            self.draws = not torch.equal(state, torch.get_rng_state())
+            if isinstance(out, torch.Tensor) and tuple(out.shape) == (2, self.n_outputs):
+                target = (torch.zeros(2, dtype=torch.int64) if self.has_accuracy
+                          else torch.zeros((2, self.n_outputs), dtype=self.tdtype))
+                self._backward(self._loss(out, target), "config: model.module's backward on a batch of 2")
+            self.module.eval()
+            state = torch.get_rng_state()
+            with torch.no_grad():
+                self._forward(x, "config: model.module's forward in evaluation mode")
+            eval_draws = not torch.equal(state, torch.get_rng_state())
+        self.module.zero_grad(set_to_none=True)
         changed = [k for k, v in self.module.named_buffers() if not torch.equal(v, before[k])]
-        for k, v in self.module.named_buffers():
-            v.copy_(before[k])
+        with torch.no_grad():
+            for k, v in self.module.named_buffers():
+                v.copy_(before[k])
+        if not isinstance(out, torch.Tensor):
+            raise ConfigError(f"config: model.module's forward returned {type(out).__name__}; it must return one "
+                              f"tensor of shape (batch, {self.n_outputs})")
         if changed:
             raise ConfigError(f"config: model.module's buffers change in training ({', '.join(changed[:3])}): "
-                              "edgefed federates parameters only; use GroupNorm instead of batch norm, or "
-                              "BatchNorm with track_running_stats=False")
+                              "edgefed federates parameters only; use GroupNorm instead of batch norm, BatchNorm "
+                              "with track_running_stats=False, or keep the batch norm in eval mode (frozen "
+                              "statistics) in your module's train()")
         if tuple(out.shape) != (2, self.n_outputs):
-            what = "classes" if self.has_accuracy else "target values"
+            what = "class" if self.has_accuracy else "target value"
             raise ConfigError(f"config: model.module's output has shape {tuple(out.shape)} for a batch of 2; it "
-                              f"must be (batch, {self.n_outputs}): one column per {what[:-1]} of the data's "
-                              f"{self.n_outputs} {what}")
+                              f"must be (batch, {self.n_outputs}): one column per {what} of the data's "
+                              f"{self.n_outputs}")
+        if eval_draws:
+            raise ConfigError("config: model.module draws random numbers in evaluation mode; edgefed evaluates "
+                              "the deterministic model: make its randomness depend on self.training")
+
+    def _forward(self, x, what: str = "model.module's forward"):
+        try:
+            return self.module(x)
+        except Exception as exc:  # noqa: BLE001 - the user's forward: its error, in one line
+            raise ConfigError(f"{what} raised {type(exc).__name__}: {_first_line(exc)}") from None
+
+    def _backward(self, loss, what: str = "model.module's backward") -> None:
+        try:
+            loss.backward()
+        except Exception as exc:  # noqa: BLE001 - the user's module: its error, in one line
+            raise ConfigError(f"{what} raised {type(exc).__name__}: {_first_line(exc)}") from None
 
     @property
     def input_shape(self) -> tuple:
@@ -191,9 +224,25 @@ class TorchModel:
         if params.dtype != self.dtype or params.shape != (self.dim,) or not params.flags.c_contiguous:
             raise ValueError(f"params must be a contiguous {self.dtype} vector of {self.dim}")
         flat = self.torch.from_numpy(params)
-        for p, off, shape in zip(self.module.parameters(), self.offsets, self.shapes):
+        for p, off, shape in zip(self.params, self.offsets, self.shapes):
             p.data = flat[off:off + int(np.prod(shape))].view(shape)
         self._bound, self._flat = params, flat
+        self._addresses = [p.data_ptr() for p in self.params] + [p.grad.data_ptr() for p in self.params]
+
+    def _bind_grads(self) -> None:
+        for p, off, shape in zip(self.params, self.offsets, self.shapes):
+            p.grad = self._flat_grad[off:off + int(np.prod(shape))].view(shape)
+
+    def _still_bound(self) -> None:
+        """After the module ran: its parameters and gradients are still the views edgefed gave them. A forward
+        that assigns p.data (or sets gradients to None) would silently train a copy."""
+        now = [p.data_ptr() for p in self.params] + [p.grad.data_ptr() if p.grad is not None else 0
+                                                     for p in self.params]
+        if now != self._addresses:
+            i = next(i for i, (a, b) in enumerate(zip(now, self._addresses)) if a != b) % len(self.params)
+            raise ConfigError(f"model.module replaced parameter {self.names[i]} (or its gradient) while it ran: "
+                              "edgefed holds the parameters as views of one vector; change them in place "
+                              "(p.data.clamp_(...)), never assign p.data or zero_grad() in forward")
 
     def _mode(self, training: bool) -> None:
         """Training or evaluation mode, switched only when it changes (train() walks every submodule)."""
@@ -207,17 +256,40 @@ class TorchModel:
         t = self.torch.from_numpy(y)
         return t if self.has_accuracy else t.view((y.shape[0], self.n_outputs))
 
-    def _loss(self, out, target, reduction: str = "mean"):
+    def _loss(self, out, target):
+        """The batch's mean loss: nn.CrossEntropyLoss's, or nn.MSELoss's (over samples and outputs)."""
         F = self.torch.nn.functional
-        if self.has_accuracy:
-            return F.cross_entropy(out, target, reduction=reduction)
-        return F.mse_loss(out, target, reduction=reduction)
+        return F.cross_entropy(out, target) if self.has_accuracy else F.mse_loss(out, target)
 
-    def _gradient(self, xb, yb, scale: float = 1.0):
-        """flat_grad += scale * d(mean loss)/d(params) of one batch."""
-        loss = self._loss(self.module(xb), yb)
-        (loss * scale if scale != 1.0 else loss).backward()
-        return loss
+    def _sample_losses(self, out, target):
+        """Each sample's loss (mse: the mean over its outputs), whose mean is _loss."""
+        if self.has_accuracy:
+            return self.torch.nn.functional.cross_entropy(out, target, reduction="none")
+        return ((out - target) ** 2).mean(dim=1)
+
+    def _rng_bytes(self) -> bytes:
+        return self.torch.get_rng_state().numpy().tobytes()
+
+    def _train_on(self, run: TorchRun, work) -> None:
+        """work() in training mode: the module's randomness from the device's torch state (carried on), or,
+        for a module that drew nothing when checked, a check that it still draws nothing."""
+        torch = self.torch
+        self._mode(True)
+        if self.draws:
+            torch.set_rng_state(run.torch_state)
+        else:
+            before = self._rng_bytes()
+        work()
+        if self.draws:
+            run.torch_state = torch.get_rng_state()
+        elif self._rng_bytes() != before:
+            raise ConfigError("model.module drew random numbers in training although its first forward drew none: "
+                              "edgefed seeds a module's randomness only when every training forward draws")
+        self._still_bound()
+
+    def _gradient(self, xb, yb) -> None:
+        """flat_grad += d(mean loss)/d(params) of one batch."""
+        self._backward(self._loss(self._forward(xb), yb))
 
     def local_steps(self, params, data, run: TorchRun, n_steps: int, batch_size, lr: float, terms=None) -> int:
         """n_steps of minibatch SGD on params in place (batch_size None: the full batch), each step's gradient
@@ -234,28 +306,27 @@ class TorchModel:
             anchor = torch.from_numpy(terms[1]) if terms[1].shape[0] else None
             mu = float(terms[2][0])
         index = torch.from_numpy(run.perm)
-        self._mode(True)
-        if self.draws:
-            torch.set_rng_state(run.torch_state)
         y_flat, g, grad = self._flat, self._g, self._flat_grad
-        for _ in range(int(n_steps)):
-            if b < n:
-                draw_batch(run.rng, run.perm, n, b)
-            rows = index[:b]
-            grad.zero_()
-            self._gradient(X.index_select(0, rows), y.index_select(0, rows))
-            with torch.no_grad():
-                step = grad
-                if anchor is not None:  # as apply_step: g = grad + mu (y - anchor), then + correction
-                    torch.sub(y_flat, anchor, out=g)
-                    g.mul_(mu).add_(grad)
-                    step = g
-                if correction is not None:
-                    torch.add(step, correction, out=g)
-                    step = g
-                y_flat.add_(step, alpha=-lr)
-        if self.draws:
-            run.torch_state = torch.get_rng_state()
+
+        def steps():
+            for _ in range(int(n_steps)):
+                if b < n:
+                    draw_batch(run.rng, run.perm, n, b)
+                rows = index[:b]
+                grad.zero_()
+                self._gradient(X.index_select(0, rows), y.index_select(0, rows))
+                with torch.no_grad():
+                    step = grad
+                    if anchor is not None:  # as apply_step: g = grad + mu (y - anchor), then + correction
+                        torch.sub(y_flat, anchor, out=g)
+                        g.mul_(mu).add_(grad)
+                        step = g
+                    if correction is not None:
+                        torch.add(step, correction, out=g)
+                        step = g
+                    y_flat.add_(step, alpha=-lr)
+
+        self._train_on(run, steps)
         return int(n_steps)
 
     def oracle_grad(self, params, data, run: TorchRun, batch_size, grad_out) -> None:
@@ -271,13 +342,8 @@ class TorchModel:
         if b < n:
             draw_batch(run.rng, run.perm, n, b)
         rows = torch.from_numpy(run.perm[:b])
-        self._mode(True)
-        if self.draws:
-            torch.set_rng_state(run.torch_state)
         self._flat_grad.zero_()
-        self._gradient(X.index_select(0, rows), y.index_select(0, rows))
-        if self.draws:
-            run.torch_state = torch.get_rng_state()
+        self._train_on(run, lambda: self._gradient(X.index_select(0, rows), y.index_select(0, rows)))
         grad_out[:] = self._flat_grad.numpy()
 
     def loss_grad(self, params, data, grad_out: np.ndarray) -> float:
@@ -291,9 +357,10 @@ class TorchModel:
         total = 0.0
         for start in range(0, n, EVAL_CHUNK):
             xb, yb = X[start:start + EVAL_CHUNK], y[start:start + EVAL_CHUNK]
-            loss = self._loss(self.module(xb), yb, "sum")
-            (loss / n).backward()
-            total += float(loss.detach().double())
+            losses = self._sample_losses(self._forward(xb), yb)
+            self._backward(losses.sum() / n)
+            total += float(losses.detach().double().sum())
+        self._still_bound()
         grad_out[:] = self._flat_grad.numpy()
         return total / n
 
@@ -308,15 +375,16 @@ class TorchModel:
         total, correct = 0.0, 0
         with torch.no_grad():
             for start in range(0, Xt.shape[0], EVAL_CHUNK):
-                out = self.module(Xt[start:start + EVAL_CHUNK]).double()
+                out = self._forward(Xt[start:start + EVAL_CHUNK]).double()
                 target = yt[start:start + EVAL_CHUNK]
                 if self.has_accuracy:
                     if int(target.min()) < 0 or int(target.max()) >= self.n_outputs:
                         raise ValueError(f"labels must lie in [0, {self.n_outputs})")
-                    total += float(self._loss(out, target, "sum"))
                     correct += int((out.argmax(dim=1) == target).sum())
                 else:
-                    total += float(((out - target.double()) ** 2).mean(dim=1).sum())
+                    target = target.double()
+                total += float(self._sample_losses(out, target).sum())
+        self._still_bound()
         return total, correct
 
     def train_loss(self, params, data) -> float:
@@ -327,7 +395,7 @@ class TorchModel:
         self._bind(params)
         self._mode(False)
         with torch.no_grad():
-            return self.module(self._inputs(np.ascontiguousarray(X))).numpy().astype(self.dtype)
+            return self._forward(self._inputs(np.ascontiguousarray(X))).numpy().astype(self.dtype)
 
 
 def torch_version() -> str:

@@ -108,6 +108,18 @@ def test_bare_dotted_keys_set_one_key_as_quoted_ones_do(tmp_path):
     assert (cfg.train.batch_size, cfg.train.local_steps, cfg.train.lr_local) == (5, 4, 0.1)  # the base's K stays
 
 
+def test_a_module_file_is_found_beside_the_config_or_the_sweep_that_names_it(tmp_path):
+    (tmp_path / "configs").mkdir()
+    (tmp_path / "configs" / "torch.toml").write_text('[model]\nkind = "torch"\nmodule = "net.py"\nfactory = "f"\n')
+    sweep = tmp_path / "sweeps" / "s.toml"
+    sweep.parent.mkdir()
+    sweep.write_text('base = "../configs/torch.toml"\n[axes]\nseed = [0, 1]\n')
+    assert {j.raw["model"]["module"] for j in read_sweep(sweep).jobs} == {str((tmp_path / "configs" / "net.py").resolve())}
+    sweep.write_text('base = "../configs/torch.toml"\n[axes]\n"model.module" = ["a.py", "/abs/b.py"]\n')
+    assert [j.raw["model"]["module"] for j in read_sweep(sweep).jobs] == [str((sweep.parent / "a.py").resolve()),
+                                                                     "/abs/b.py"]
+
+
 def test_growing_an_axis_keeps_the_names_of_the_cells_there_were(tmp_path):
     small = read_sweep(write_sweep(tmp_path, '[axes]\n"participation.scheme" = ["B"]\n"train.lr_local" = [0.1]\n'))
     grown = read_sweep(write_sweep(tmp_path, '[axes]\n"participation.scheme" = ["A", "B"]\n'

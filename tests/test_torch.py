@@ -167,6 +167,9 @@ def test_mse_step_and_loss_are_torchs(tmp_path):
     np.testing.assert_allclose(x, x0 - 0.5 * grad, rtol=1e-12, atol=1e-14)
     total, correct = model.loss_correct(x0, X, Y)
     assert correct == 0 and total == pytest.approx((residual ** 2).mean(1).sum(), rel=1e-12)
+    full = np.zeros(model.dim)
+    assert model.loss_grad(x0, data, full) == pytest.approx(total / 12, rel=1e-12)
+    np.testing.assert_allclose(full, grad, rtol=1e-12, atol=1e-14)
 
 
 def test_a_board_profile_times_a_module_by_file_factory_and_shape(tmp_path):
@@ -193,11 +196,40 @@ def test_a_board_profile_times_a_module_by_file_factory_and_shape(tmp_path):
     ("batchnorm", "model.module's buffers change in training (2.running_mean, 2.running_var, 2.num_batches_tracked)"
                   ": edgefed federates parameters only; use GroupNorm"),
     ("integer_parameter", "model.module's parameter steps is torch.int64"),
+    ("tuple_output", "model.module's forward returned tuple; it must return one tensor of shape (batch, 3)"),
+    ("detached", "model.module's backward on a batch of 2 raised RuntimeError: element 0 of tensors does not "
+                 "require grad"),
+    ("noisy_always", "model.module draws random numbers in evaluation mode"),
 ])
 def test_refusals_are_one_line(factory, message):
     with pytest.raises(ConfigError) as err:
         model_of(factory, dtype=np.float32)
     assert message in str(err.value) and "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("factory,message", [
+    ("clamping", "model.module replaced parameter lin.weight (or its gradient) while it ran"),
+    ("noisy_on_large_batches", "model.module drew random numbers in training although its first forward drew none"),
+])
+def test_what_a_forward_does_wrong_while_training_is_one_line(factory, message):
+    model, data = model_of(factory), samples()
+    x = model.initial_params()
+    with pytest.raises(ConfigError) as err:
+        model.local_steps(x, data, model.begin(data, kernel_state(0, Purpose.LOCAL, 1, 0)), 2, 5, 0.1)
+    assert message in str(err.value) and "\n" not in str(err.value)
+
+
+def test_frozen_parameters_stay_the_factorys_and_out_of_x():
+    model, data = model_of("frozen_first_layer"), samples()
+    assert model.names == ["3.weight", "3.bias"] and model.dim == 8 * 3 + 3
+    x0 = model.initial_params()
+    x = x0.copy()
+    terms = step_terms(np.float64, anchor=x0 + 1.0, mu=0.5)  # FedProx's pull moves only what x holds
+    model.local_steps(x, data, model.begin(data, kernel_state(0, Purpose.LOCAL, 1, 0)), 3, 5, 0.1, terms)
+    weights = model.state_dict(x)
+    assert set(weights) == {"1.weight", "1.bias", "3.weight", "3.bias"}
+    assert np.array_equal(weights["1.weight"], model.clone().state_dict(x0)["1.weight"])
+    assert np.array_equal(np.concatenate([weights["3.weight"].ravel(), weights["3.bias"]]), x)
 
 
 def test_a_missing_file_a_relative_path_and_a_missing_torch(tmp_path, monkeypatch):

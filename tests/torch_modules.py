@@ -54,3 +54,63 @@ class Counting(nn.Module):
 
 def integer_parameter(input_shape, n_classes):
     return Counting(input_shape[0], n_classes)
+
+
+class _Linear(nn.Module):
+    def __init__(self, features, n_classes):
+        super().__init__()
+        self.lin = nn.Linear(features, n_classes)
+
+
+class TupleOutput(_Linear):
+    def forward(self, x):
+        out = self.lin(torch.flatten(x, 1))
+        return out, out
+
+
+class Detached(_Linear):
+    def forward(self, x):
+        return self.lin(torch.flatten(x, 1)).detach()
+
+
+class NoisyAlways(_Linear):
+    def forward(self, x):
+        return self.lin(torch.flatten(x, 1)) + torch.randn(x.shape[0], 1)
+
+
+class Clamping(_Linear):
+    def forward(self, x):
+        self.lin.weight.data = self.lin.weight.data.clamp(-0.1, 0.1)  # a copy, not in place
+        return self.lin(torch.flatten(x, 1))
+
+
+class NoisyOnLargeBatches(_Linear):
+    def forward(self, x):
+        out = self.lin(torch.flatten(x, 1))
+        return out + torch.randn_like(out) if self.training and x.shape[0] > 2 else out
+
+
+def tuple_output(input_shape, n_classes):
+    return TupleOutput(input_shape[0], n_classes)
+
+
+def detached(input_shape, n_classes):
+    return Detached(input_shape[0], n_classes)
+
+
+def noisy_always(input_shape, n_classes):
+    return NoisyAlways(input_shape[0], n_classes)
+
+
+def clamping(input_shape, n_classes):
+    return Clamping(input_shape[0], n_classes)
+
+
+def noisy_on_large_batches(input_shape, n_classes):
+    return NoisyOnLargeBatches(input_shape[0], n_classes)
+
+
+def frozen_first_layer(input_shape, n_classes):
+    module = nn.Sequential(nn.Flatten(), nn.Linear(input_shape[0], 8), nn.Tanh(), nn.Linear(8, n_classes))
+    module[1].requires_grad_(False)
+    return module

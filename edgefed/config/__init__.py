@@ -5,7 +5,8 @@ and types; validation.py: ranges, choices, and the defaults that depend on other
 effective config as TOML (stored in every run log) and the comparison `--resume` makes.
 """
 
-from edgefed.config.reading import apply_override, config_from_dict, load_config, parse_toml, read_toml, set_key
+from edgefed.config.reading import (FILE_KEYS, absolute_path, absolute_paths, apply_override, config_from_dict,
+                                    load_config, parse_toml, read_toml, set_key)
 from edgefed.config.schema import (ArrivalConfig, Config, DataConfig, DepartureConfig, DeviceConfig, DynamicsConfig,
                                    FaultConfig, FedProxConfig, LogConfig, ModelConfig, MpiConfig, ParticipationConfig,
                                    ScaffoldConfig, TrainConfig)
@@ -13,7 +14,7 @@ from edgefed.config.validation import check_clients_per_round, validate, with_cl
 from edgefed.config.schema import rank_timeout
 from edgefed.config.writing import dict_differences, same_experiment, to_dict, to_toml, with_placement
 
-__all__ = ["ArrivalConfig", "Config", "DataConfig", "DepartureConfig", "DeviceConfig", "DynamicsConfig", "FaultConfig", "FedProxConfig",
+__all__ = ["FILE_KEYS", "absolute_path", "absolute_paths", "ArrivalConfig", "Config", "DataConfig", "DepartureConfig", "DeviceConfig", "DynamicsConfig", "FaultConfig", "FedProxConfig",
            "LogConfig", "ModelConfig", "MpiConfig", "ParticipationConfig", "ScaffoldConfig", "TrainConfig",
            "apply_override", "check_clients_per_round", "config_from_dict", "load_config", "parse_toml", "read_toml",
            "dict_differences", "rank_timeout", "same_experiment", "set_key", "to_dict", "to_toml", "validate", "with_clients",

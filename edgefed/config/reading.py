@@ -19,17 +19,27 @@ def load_config(path: str | Path | None = None, overrides: typing.Sequence[str] 
     config names (model.module) is taken relative to the config file, or to the working folder when set by an
     override, and stored absolute: a resumed run and every rank find it whatever their working folder."""
     raw = {} if path is None else read_toml(path)
-    _absolute(raw, Path(path).parent if path is not None else Path.cwd())
+    absolute_paths(raw, Path(path).parent if path is not None else Path.cwd())
     for item in overrides:
         apply_override(raw, item)
-        _absolute(raw, Path.cwd())
+        absolute_paths(raw, Path.cwd())
     return config_from_dict(raw)
 
 
-def _absolute(raw: dict, base: Path) -> None:
-    model = raw.get("model")
-    if isinstance(model, dict) and isinstance(model.get("module"), str) and not Path(model["module"]).is_absolute():
-        model["module"] = str((base / model["module"]).resolve())
+FILE_KEYS = ("model.module",)  # files a config names relative to itself
+
+
+def absolute_path(value, base: Path):
+    """A relative file path made absolute against base (anything else as it is)."""
+    return str((base / value).resolve()) if isinstance(value, str) and not Path(value).is_absolute() else value
+
+
+def absolute_paths(raw: dict, base: Path) -> None:
+    """FILE_KEYS of a raw config made absolute against base, in place."""
+    for key in FILE_KEYS:
+        table, name = key.split(".")
+        if isinstance(raw.get(table), dict) and name in raw[table]:
+            raw[table][name] = absolute_path(raw[table][name], base)
 
 
 def read_toml(path: str | Path) -> dict:

@@ -88,6 +88,7 @@ def resolve_config(config_path: str | None, overrides, resume: str | None):
     if config_path is None:
         for item in overrides:
             config_mod.apply_override(stored, item)
+            config_mod.absolute_paths(stored, Path.cwd())
         cfg = config_mod.config_from_dict(stored)
     else:
         cfg = config_mod.load_config(config_path, overrides)
