@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import itertools
 import sys
 from pathlib import Path
 
@@ -123,7 +124,7 @@ class TorchModel:
         self.params = [p for p in self.module.parameters() if p.requires_grad]
         self.names = [name for name, p in self.module.named_parameters() if p.requires_grad]
         self.shapes = [tuple(p.shape) for p in self.params]
-        self.offsets = list(np.cumsum([0] + [p.numel() for p in self.params[:-1]]).tolist()) if self.params else []
+        self.offsets = list(itertools.accumulate((p.numel() for p in self.params[:-1]), initial=0))
         self.dim = sum(p.numel() for p in self.params)
         if self.dim == 0:
             raise ConfigError("config: model.module has no parameters to train")
@@ -193,6 +194,11 @@ class TorchModel:
     @property
     def input_shape(self) -> tuple:
         return self.sample_shape
+
+    @property
+    def one_lane(self) -> bool:
+        """Its devices run one at a time per process: its training draws from torch's process-wide generator."""
+        return self.draws
 
     # -- edgefed's model interface ------------------------------------------------------------------------
     def profile_key(self) -> str:
@@ -396,9 +402,3 @@ class TorchModel:
         self._mode(False)
         with torch.no_grad():
             return self._forward(self._inputs(np.ascontiguousarray(X))).numpy().astype(self.dtype)
-
-
-def torch_version() -> str:
-    return import_torch().__version__
-
-

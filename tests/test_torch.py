@@ -103,6 +103,11 @@ def test_lanes_each_their_own_module_give_one_lanes_bits_and_dropout_asks_for_on
                                           r"training \(dropout\)"):
         runs.run(config_with({**base, "model.factory": "residual", "mpi.threads_per_rank": 2}), tmp_path / "r.h5")
     assert not (tmp_path / "r.h5").exists()
+    cfg = config_with({**base, "model.factory": "residual"})  # a rank's cores by default: one lane for it
+    problem, model = runs.problem_and_model(cfg)
+    transport = runs.local_transport(cfg, runs.build_algorithm(cfg), problem, model, cores=[0, 0])
+    assert transport.threads == 1
+    transport.close()
 
 
 def test_resume_of_a_torch_run_is_the_whole_run(tmp_path):

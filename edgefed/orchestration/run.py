@@ -107,7 +107,7 @@ def problem_and_model(cfg: Config):
     problem = build_problem(cfg.data, cfg.seed, cfg.model.dtype, cfg.model.loss, first_spatial(cfg.model))
     model = build_model(cfg.model, problem, cfg.seed)
     threads = cfg.mpi.threads_per_rank or 1
-    if threads > 1 and getattr(model, "draws", False):
+    if threads > 1 and getattr(model, "one_lane", False):
         raise ConfigError(f"config: mpi.threads_per_rank = {threads}, but model.module draws random numbers in "
                           "training (dropout) from PyTorch's one generator per process, so its devices run one at a "
                           "time per process; remove threads_per_rank and use more ranks")

@@ -125,7 +125,7 @@ class LocalTransport:
         if cores is None and self.contention:
             cores = (min(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 0,)
         cores = (None,) if not cores else tuple(cores)
-        if getattr(model, "draws", False):  # its training draws from a process-wide generator: one lane
+        if getattr(model, "one_lane", False):  # e.g. a torch module drawing from torch's process-wide generator
             cores = cores[:1]
         if self.contention:
             pin(cores[0])  # competitors start before any priority drop, on their lanes' cores
