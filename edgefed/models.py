@@ -42,11 +42,14 @@ class GrowingRows:
 
 
 class LocalRun:
-    """Workspace of one device's local work in one round: its generator state and minibatch permutation."""
+    """Workspace of one device's local work in one round: its generator state and minibatch permutation, and
+    what its steps report of their losses: the sum of the squared losses of the samples trained on, and how
+    many (a sample drawn twice counts twice)."""
 
     def __init__(self, rng_state: np.ndarray, n_samples: int):
         self.rng = rng_state
         self.perm = np.arange(n_samples, dtype=np.int64)
+        self.loss_sq, self.samples = 0.0, 0
 
 
 class Sequential:
@@ -158,8 +161,10 @@ class Sequential:
         """
         X, y, b, inv_b = self._checked(params, data, batch_size)
         terms = self._no_terms if terms is None else terms
-        _, steps = self._call(params, X, y, run.perm, X.shape[0], b, int(n_steps), self.dtype.type(lr), inv_b, terms,
-                              run.rng, net.STEPS, self._grad, b)
+        squares, steps = self._call(params, X, y, run.perm, X.shape[0], b, int(n_steps), self.dtype.type(lr), inv_b,
+                                    terms, run.rng, net.STEPS, self._grad, b)
+        run.loss_sq += squares
+        run.samples += int(steps) * b
         return int(steps)
 
     def oracle_grad(self, params, data: ClassificationData, run: LocalRun, batch_size, grad_out) -> None:
@@ -236,8 +241,10 @@ class Quadratic:
     def local_steps(self, params, data: QuadraticData, run: LocalRun, n_steps: int, batch_size, lr: float,
                     terms: tuple | None = None) -> int:
         terms = step_terms(self.dtype) if terms is None else terms
-        return _quad._sgd_steps(params, data.a, data.b, int(n_steps), self.dtype.type(lr), float(data.noise_std),
-                                run.rng, terms)
+        run.loss_sq += _quad._sgd_steps(params, data.a, data.b, int(n_steps), self.dtype.type(lr),
+                                        float(data.noise_std), run.rng, terms)
+        run.samples += int(n_steps)
+        return int(n_steps)
 
     def oracle_grad(self, params, data: QuadraticData, run: LocalRun, batch_size, grad_out) -> None:
         """grad_out <- g_k(params), with the oracle's noise if the problem has any."""

@@ -28,6 +28,9 @@ class Purpose(IntEnum):
     ASYNC_SELECT = 12  # buffered async: the n-th device drawn to start a task (round = n)
     SECAGG_GRAPH = 13  # secure aggregation: the ring order of a round's selected devices (SecAgg+'s graph)
     SECAGG_KEYS = 14  # secure aggregation's test mode ([secagg] key_source = "seeded"): a device's key material
+    CANDIDATES = 15  # a selection policy's candidate draw (FedCS, power of choice) of a round
+    EXPLOIT = 16  # Oort's draw among the explored devices above the cut-off
+    EXPLORE = 17  # Oort's draw among the unexplored devices (device 0: the uniform top-up)
 
 
 def seed_sequence(seed: int, purpose: Purpose, round_idx: int = 0, device_id: int | None = None):

@@ -686,6 +686,8 @@ class RecordedParticipation:
     comm_s: np.ndarray | None = None  # (R, N)
     overselected: bool = False  # its late devices were surplus (over-selection), not part of the round's weights
     staleness: np.ndarray | None = None  # (R, N) int32 of an async run (its rows are server updates); else None
+    candidate: np.ndarray | None = None  # (R, N) bool: a selection policy's considered devices; None: uniform
+    utility: np.ndarray | None = None  # (R, N) float64: their scores
 
 
 def no_round_yet(path, attrs, data: dict | None = None) -> RunLogError | None:
@@ -715,7 +717,8 @@ def read_participation(path: str | Path) -> RecordedParticipation:
             overselected = bool(f.attrs["overselected"]) if "overselected" in f.attrs else (
                 tomllib.loads(text).get("participation", {}).get("overselect", 0) > 0)
             staleness = p["staleness"][()] if "staleness" in p else None
+            considered = [p[name][()] if name in p else None for name in ("candidate", "utility")]
             return RecordedParticipation(p["selected"][()], p["steps"][()], p["budget"][()], late, text, clock, comm,
-                                         overselected, staleness)
+                                         overselected, staleness, *considered)
         except KeyError as exc:
             raise _lacks(path, exc, "an edgefed run log with participation") from None

@@ -78,6 +78,7 @@ class TorchRun:
         self.rng = rng_state
         self.perm = np.arange(n_samples, dtype=np.int64)
         self.torch_state = torch_state
+        self.loss_sq, self.samples = 0.0, 0  # what the steps report of their losses, as models.LocalRun
 
 
 def _first_line(exc: BaseException) -> str:
@@ -313,6 +314,7 @@ class TorchModel:
             mu = float(terms[2][0])
         index = torch.from_numpy(run.perm)
         y_flat, g, grad = self._flat, self._g, self._flat_grad
+        squares = torch.zeros((), dtype=torch.float64)
 
         def steps():
             for _ in range(int(n_steps)):
@@ -320,7 +322,8 @@ class TorchModel:
                     draw_batch(run.rng, run.perm, n, b)
                 rows = index[:b]
                 grad.zero_()
-                self._gradient(X.index_select(0, rows), y.index_select(0, rows))
+                losses = self._sample_losses(self._forward(X.index_select(0, rows)), y.index_select(0, rows))
+                self._backward(losses.mean())
                 with torch.no_grad():
                     step = grad
                     if anchor is not None:  # as apply_step: g = grad + mu (y - anchor), then + correction
@@ -331,8 +334,11 @@ class TorchModel:
                         torch.add(step, correction, out=g)
                         step = g
                     y_flat.add_(step, alpha=-lr)
+                    squares.add_(torch.dot(losses, losses))
 
         self._train_on(run, steps)
+        run.loss_sq += float(squares)
+        run.samples += int(n_steps) * b
         return int(n_steps)
 
     def oracle_grad(self, params, data, run: TorchRun, batch_size, grad_out) -> None:

@@ -14,6 +14,9 @@ from typing import Mapping, Protocol
 import numpy as np
 
 
+PROBE_BYTES = 8  # a device's answer when asked for its loss at the server model (power of choice): one float64
+
+
 @dataclass(frozen=True)
 class RoundPlan:
     """Who works this round, how many steps each may take, and with which learning rate."""
@@ -57,6 +60,10 @@ class LocalResults:
     masked: np.ndarray | None = None  # (S, d + 1) uint{bits}: y_k, the update and its clip count (zeros: none)
     nonfinite: np.ndarray | None = None  # (S,) bool: the device found its update non-finite and sent no y_k
     secagg_s: np.ndarray | None = None  # (S,) float32: the device's protocol time through its masked input
+    # what the local steps saw of their losses (Oort's statistical utility): the sum of the squared loss of
+    # every sample trained on, and how many (a sample drawn twice counts twice); None: not reported
+    loss_sq: np.ndarray | None = None  # (S,) float64
+    samples: np.ndarray | None = None  # (S,) int64
 
 
 @dataclass(frozen=True)
@@ -94,6 +101,10 @@ class Transport(Protocol):
 
     def secagg_reveal(self, round_idx: int, survivors: np.ndarray) -> np.ndarray:
         """Phase 5 (after the masked inputs): the survivors' REVEAL records."""
+
+    def probe(self, round_idx: int, x: np.ndarray, device_ids: np.ndarray) -> np.ndarray:
+        """These devices' training losses F_k(x) (ascending ids in, a float64 each out), each computed by the
+        device itself: a selection policy's candidates (power of choice)."""
 
     def evaluate(self, x: np.ndarray) -> Evaluation:
         """Every device's train loss and held-out counts at x."""

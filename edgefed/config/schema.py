@@ -167,6 +167,22 @@ class SecAggConfig:
 
 
 @dataclass(frozen=True)
+class SelectionConfig:
+    """Who takes part in a round (docs/design.md 2.18); a parameter left unset takes its policy's default."""
+
+    policy: str = "uniform"  # "uniform", "fedcs", "oort" or "power_of_choice"
+    candidates: int | None = None  # fedcs: devices asked (None: all members); power_of_choice: d (None: 2S)
+    alpha: float | None = None  # oort: the system penalty's exponent (2)
+    exploration: float | None = None  # oort: the initial exploration share epsilon (0.9)
+    exploration_decay: float | None = None  # oort: epsilon's factor per round (0.98)
+    exploration_min: float | None = None  # oort: epsilon's floor (0.3)
+    cut_off: float | None = None  # oort: the exploitation cut-off c (0.95)
+    preferred_s: float | None = None  # oort: T (None: the fixed deadline, else the median predicted round)
+    pacer_step: int | None = None  # oort: the pacer's window W in rounds (20)
+    pacer_delta: float | None = None  # oort: what the pacer adds to T, s (None: T / 10)
+
+
+@dataclass(frozen=True)
 class FaultConfig:
     """A fault injected into one device's local work in one round, to test what the runtime does."""
 
@@ -204,6 +220,7 @@ class Config:
     compress: CompressConfig = field(default_factory=CompressConfig)
     asynchronous: AsyncConfig = field(default_factory=AsyncConfig)  # TOML [async] (a Python keyword)
     secagg: SecAggConfig = field(default_factory=SecAggConfig)
+    selection: SelectionConfig = field(default_factory=SelectionConfig)
     fault: tuple[FaultConfig, ...] = ()
 
     @property

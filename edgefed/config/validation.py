@@ -20,10 +20,11 @@ from edgefed.secagg import crypto as secagg_crypto
 from edgefed.secagg import fixedpoint
 from edgefed.secagg import protocol as secagg_protocol
 from edgefed.config.schema import (CompressConfig, Config, DataConfig, DeviceConfig, DynamicsConfig, FedProxConfig, ModelConfig,
-                                   ParticipationConfig, TrainConfig)
+                                   ParticipationConfig, SelectionConfig, TrainConfig)
 from edgefed.errors import ConfigError
 from edgefed.participation import asynchrony
 from edgefed.participation.schemes import SCHEMES, WEIGHTINGS
+from edgefed.participation.selection import POLICIES
 from edgefed.problems.idx import EMNIST_SPLITS
 from edgefed.problems import cifar, pool
 from edgefed.problems.partition import PARTITIONS
@@ -84,6 +85,7 @@ def validate(cfg: Config) -> Config:
     _validate_async(cfg, data, train, compress)
     _validate_secagg(cfg, train, compress)
     _validate_dynamics(cfg.dynamics, cfg.data.clients, cfg.rounds)
+    selection = _validate_selection(cfg.selection, participation, train, data.clients)
     for i, fault in enumerate(cfg.fault):
         _choice(fault.kind, FAULT_KINDS, f"fault[{i}].kind")
         if fault.device < 0 or (cfg.data.clients is not None and fault.device >= cfg.data.clients):
@@ -97,7 +99,60 @@ def validate(cfg: Config) -> Config:
     _positive(cfg.log.trajectory_mb, "log.trajectory_mb", "trajectory_mb = 100")
     _positive(cfg.log.eval_every, "log.eval_every", "eval_every = 5")
     return dataclasses.replace(cfg, data=data, model=model, train=train, fedprox=fedprox, participation=participation,
-                               compress=compress)
+                               compress=compress, selection=selection)
+
+
+# Each policy's parameters and, for Oort, the paper's defaults (Lai et al., OSDI 2021, and its reference
+# selector: exploration 0.9 decaying by 0.98 a round to 0.3, penalty exponent 2, cut-off 0.95, pacer window 20)
+OORT_DEFAULTS = {"alpha": 2.0, "exploration": 0.9, "exploration_decay": 0.98, "exploration_min": 0.3,
+                 "cut_off": 0.95, "pacer_step": 20}
+POLICY_KEYS = {"uniform": (), "fedcs": ("candidates",), "power_of_choice": ("candidates",),
+               "oort": tuple(OORT_DEFAULTS) + ("preferred_s", "pacer_delta")}
+
+
+def _validate_selection(s: SelectionConfig, p: ParticipationConfig, t: TrainConfig, n: int | None) -> SelectionConfig:
+    _choice(s.policy, POLICIES, "selection.policy")
+    for key in POLICY_KEYS["oort"] + ("candidates",):
+        if getattr(s, key) is not None and key not in POLICY_KEYS[s.policy]:
+            owners = " and ".join(repr(name) for name, keys in POLICY_KEYS.items() if key in keys)
+            raise ConfigError(f"config: selection.{key} is a parameter of policy {owners}, not of {s.policy!r}; "
+                              "remove it or choose that policy")
+    replay = p.mode == "trace" and isinstance(p.trace, str) and p.trace.endswith((".h5", ".hdf5"))
+    if s.policy == "fedcs" and p.mode != "deadline" and not replay:  # a replay takes the logged selection
+        raise ConfigError('config: selection.policy = "fedcs" takes the devices whose work fits the round\'s '
+                          'deadline: set participation.mode = "deadline" and participation.deadline_s')
+    if s.policy != "uniform" and p.mode == "async":
+        raise ConfigError(f'config: selection.policy = {s.policy!r} chooses a round\'s devices; FedBuff\'s idle draw '
+                          '(participation.mode = "async") is uniform for now: remove selection.policy or run rounds')
+    if s.candidates is not None:
+        _positive(s.candidates, "selection.candidates", "candidates = 20")
+        if n is not None and s.candidates > n:
+            raise ConfigError(f"config: selection.candidates = {s.candidates} exceeds the {n} devices (data.clients)")
+        count = t.clients_per_round
+        if isinstance(count, int) and s.candidates < count:
+            raise ConfigError(f"config: selection.candidates = {s.candidates} is fewer than the "
+                              f"{count} devices a round selects (train.clients_per_round); ask at least {count}")
+    if s.policy != "oort":
+        return s
+    s = dataclasses.replace(s, **{key: value for key, value in OORT_DEFAULTS.items() if getattr(s, key) is None})
+    if not (s.alpha >= 0 and math.isfinite(s.alpha)):
+        raise ConfigError(f"config: selection.alpha = {s.alpha} must be a finite number >= 0 (Oort's: 2)")
+    for key in ("exploration", "exploration_min"):
+        if not 0 <= getattr(s, key) <= 1:
+            raise ConfigError(f"config: selection.{key} = {getattr(s, key)} must lie in [0, 1] (a share of S)")
+    for key in ("exploration_decay", "cut_off"):
+        if not 0 < getattr(s, key) <= 1:
+            raise ConfigError(f"config: selection.{key} = {getattr(s, key)} must lie in (0, 1] (Oort's: "
+                              f"{OORT_DEFAULTS[key]})")
+    if s.exploration_min > s.exploration:
+        raise ConfigError(f"config: selection.exploration_min = {s.exploration_min} exceeds selection.exploration "
+                          f"= {s.exploration}; the share only decays to its floor")
+    _positive(s.pacer_step, "selection.pacer_step", "pacer_step = 20")
+    if s.preferred_s is not None:
+        _positive(s.preferred_s, "selection.preferred_s", "preferred_s = 30.0")
+    if s.pacer_delta is not None and not (s.pacer_delta >= 0 and math.isfinite(s.pacer_delta)):
+        raise ConfigError(f"config: selection.pacer_delta = {s.pacer_delta} must be a finite number of seconds >= 0")
+    return s
 
 
 def _validate_async(cfg: Config, data: DataConfig, train: TrainConfig, compress: CompressConfig) -> None:
@@ -494,5 +549,10 @@ def with_clients(cfg: Config, n_clients: int) -> Config:
             "remove data.clients or make them agree"
         )
     check_clients_per_round(cfg.train, n_clients)
+    count, d = cfg.clients_per_round_count(n_clients), cfg.selection.candidates
+    if d is not None and not count <= d <= n_clients:
+        fix = f"ask at least {count}" if d < count else f"ask at most {n_clients}"
+        raise ConfigError(f"config: selection.candidates = {d} must lie between the {count} devices a round selects "
+                          f"and the {n_clients} of the federation; {fix}")
     cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, clients=n_clients))
     return validate(cfg)  # device ids in [[dynamics.*]] and [[fault]] now checked against this N

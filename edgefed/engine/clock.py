@@ -14,7 +14,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from edgefed.participation.timing import History, Timing, first_to_finish, quantile_deadline, steps_by, steps_within
+from edgefed.participation.timing import (History, Timing, first_to_finish, forward_pass_s, quantile_deadline, steps_by,
+                                          steps_within)
 from edgefed.transport import LocalResults, RoundPlan
 
 
@@ -39,8 +40,9 @@ class Settled:
 
 
 class RoundClock:
-    def __init__(self, timing: Timing, n_devices: int, mode: str, replay=None):
+    def __init__(self, timing: Timing, n_devices: int, mode: str, replay=None, budgets: np.ndarray | None = None):
         self.timing, self.mode, self.replay = timing, mode, replay
+        self.budgets = budgets  # (N,) K_k: an adaptive deadline set among other devices than the selected
         self.history = History(n_devices)
         self.clock_s = 0.0
 
@@ -49,19 +51,39 @@ class RoundClock:
         return self.timing.clock == "simulated"
 
     # -- before the round -------------------------------------------------------------------------------
-    def deadlines(self, ids: np.ndarray, budgets: np.ndarray) -> RoundDeadlines:
+    def forecast(self, ids: np.ndarray, budgets: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(each device's predicted seconds for its K_k steps, and for its round: those plus its links), from
+        its measured history, else its profile (NaN: no speed known)."""
+        t = self.timing
+        work = budgets * self.history.step_s(ids, None if t.boards is None else t.boards.step_s[ids])
+        return work, work + self.history.comm(ids, t.link_prior(ids))
+
+    def _links(self, ids: np.ndarray):
+        return self.history.comm(ids, self.timing.link_prior(ids)) if self.timing.covers == "round" else 0.0
+
+    def _due(self, ids: np.ndarray, budgets: np.ndarray, among: np.ndarray | None) -> np.ndarray:
+        t = self.timing
+        if t.quantile is None:
+            return t.deadlines[ids]
+        # adaptive: about a share q of the selected devices (or of those a selection policy fitted into the
+        # deadline) can finish their K_k steps (and, with covers = "round", get their reports in)
+        basis, k = (ids, budgets) if among is None else (among, self.budgets[among])
+        predicted = self.forecast(basis, k)[0] + self._links(basis)
+        return np.full(ids.size, quantile_deadline(predicted, t.quantile))
+
+    def windows(self, ids: np.ndarray, budgets: np.ndarray) -> np.ndarray:
+        """The seconds of local work each device's deadline leaves it, were these devices the round's (NaN:
+        no deadline)."""
+        if self.mode != "deadline":
+            return np.full(ids.size, np.nan)
+        return self._due(ids, budgets, None) - self._links(ids)
+
+    def deadlines(self, ids: np.ndarray, budgets: np.ndarray, among: np.ndarray | None = None) -> RoundDeadlines:
         t = self.timing
         if self.mode != "deadline":
             return RoundDeadlines(None, None, None)
-        prior_step = None if t.boards is None else t.boards.step_s[ids]
-        links = self.history.comm(ids, t.link_prior(ids)) if t.covers == "round" else 0.0
-        if t.quantile is None:
-            due = t.deadlines[ids]
-        else:  # adaptive: about a share q of the selected devices can finish their K_k steps (and, with
-            # covers = "round", get their reports in)
-            predicted = budgets * self.history.step_s(ids, prior_step) + links
-            due = np.full(ids.size, quantile_deadline(predicted, t.quantile))
-        compute = due - links
+        due = self._due(ids, budgets, among)
+        compute = due - self._links(ids)
         if self.simulated:
             return RoundDeadlines(due, None, steps_within(budgets, t.boards.step_s[ids], compute))
         if not np.isfinite(compute).any():
@@ -116,19 +138,29 @@ class RoundClock:
                     duration = float(finish[~late].max()) if (~late).any() else 0.0
         return Settled(late, steps, comm_log, duration, res.round_s)
 
-    def advance(self, round_idx: int, settled: Settled, wall_s: float, after_s: float) -> float:
+    def advance(self, round_idx: int, settled: Settled, wall_s: float, after_s: float, before_s: float = 0.0) -> float:
         """The clock at the end of round round_idx: recorded, simulated, or measured on: the round's wall
         time, or (when the transport timed its end apart from what it collected after, as over-selection's
-        stopped devices) that end plus the after_s spent aggregating."""
+        stopped devices) that end plus the after_s spent aggregating; before_s: what selecting took before
+        the work was sent (power of choice's candidates' losses), simulated or measured."""
         if self.replay is not None and self.replay.clock_s is not None:
             self.clock_s = float(self.replay.clock_s[round_idx])
         elif self.simulated:
-            self.clock_s += settled.duration_s
+            self.clock_s += before_s + settled.duration_s
         elif math.isfinite(settled.reported_s):
-            self.clock_s += settled.reported_s + after_s
+            self.clock_s += before_s + settled.reported_s + after_s
         else:
-            self.clock_s += wall_s
+            self.clock_s += before_s + wall_s
         return self.clock_s
+
+    def probe_s(self, ids: np.ndarray, n_train: np.ndarray, batch: np.ndarray, nbytes: int, measured_s: float) -> float:
+        """How long asking these devices for their losses took: measured, or on a simulated clock the slowest
+        device's links (the model down, a loss up) plus a forward pass over its data (docs/design.md 2.18)."""
+        if not self.simulated:
+            return measured_s
+        t = self.timing
+        links = t.boards.comm_or_zero(ids) + t.transfer_s(ids, nbytes)
+        return float(np.max(forward_pass_s(t.boards.step_s[ids], n_train, batch) + links, initial=0.0))
 
     def comm_log(self, round_idx: int, ids: np.ndarray, settled: Settled) -> np.ndarray:
         """A replay logs the recorded communication times, as it logs the recorded clock."""

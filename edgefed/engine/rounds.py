@@ -22,11 +22,11 @@ from edgefed.engine.secure import SecureSum
 from edgefed.participation import schemes
 from edgefed.participation.budgets import local_budgets
 from edgefed.participation.dynamics import Dynamics
-from edgefed.participation.sampling import select_devices
+from edgefed.participation.selection import Choice, Feedback, View, build_policy
 from edgefed.participation.timing import Timing, overselected
 from edgefed.participation.traces import ReplayTrace
 from edgefed.rng import Purpose, generator
-from edgefed.transport import Evaluation, RoundPlan
+from edgefed.transport import PROBE_BYTES, Evaluation, RoundPlan
 
 
 @dataclass(frozen=True)
@@ -66,7 +66,13 @@ class RoundEngine:
         self._budgets = local_budgets(cfg.train, self.n_train)
         self.timing = timing or Timing()
         self.clock = RoundClock(self.timing, self.n_devices, cfg.participation.mode,
-                                trace if isinstance(trace, ReplayTrace) else None)
+                                trace if isinstance(trace, ReplayTrace) else None, self._budgets)
+        self.selection = build_policy(cfg.selection, cfg.seed, self.n_train, cfg.rounds)
+        self.considered = cfg.selection.policy != "uniform"  # the log keeps what the policy considered
+        batch = self.n_train if cfg.train.batch_size == "full" else np.minimum(self.n_train, cfg.train.batch_size)
+        self._batch = np.maximum(batch, 1)
+        self._choice: Choice | None = None  # the round's selection, as the policy made it
+        self._probed = None  # (candidates, seconds) of the round's loss pass (power of choice)
         self.state: ServerState | None = None
         _, self.downlink = compression.codecs(cfg.compress)
         self.residual_names = (tuple(compression.residual_name(r) for r in algorithm.reports)
@@ -85,6 +91,7 @@ class RoundEngine:
         """Who works in round round_idx (the federation's membership already updated) and how much."""
         lr = self.learning_rate(round_idx, self.dynamics.shift_round(round_idx))
         p = self.cfg.participation
+        self._choice, self._probed = None, None
         if isinstance(self.trace, ReplayTrace):  # the recorded selection, within this run's federation
             selected, steps = self.trace.round(round_idx)
             member = self.active[selected]
@@ -96,12 +103,13 @@ class RoundEngine:
             quorum = None
             if self.timing.overselect > 0:  # over-commit: the first S to complete are taken
                 quorum, count = count, overselected(count, self.timing.overselect, active_ids.size)
-            selected = select_devices(self.cfg.seed, round_idx, active_ids, count)
+            self._choice = self.selection.select(self._view(round_idx, active_ids, count))
+            selected = self._choice.selected
             steps = None
             if self.trace is not None:
                 steps = self.trace.steps(self.cfg.seed, round_idx, selected, self._budgets[selected])
         budgets = self._budgets[selected]
-        deadlines = self.clock.deadlines(selected, budgets)
+        deadlines = self.clock.deadlines(selected, budgets, None if self._choice is None else self._choice.deadline_among)
         if deadlines.steps is not None:  # a simulated deadline: the steps that fit at the device's speed
             steps = deadlines.steps if steps is None else np.minimum(steps, deadlines.steps)
         silent = self.dynamics.silent(round_idx)[selected]
@@ -115,6 +123,48 @@ class RoundEngine:
                          deadline_s=deadlines.compute_s, grace_s=p.grace_s, round_deadline_s=deadlines.due_s,
                          quorum=quorum, by_arrival=quorum is not None and not self.clock.simulated,
                          down_bytes=self.down_bytes(), prescale=prescale)
+
+    # -- selection ---------------------------------------------------------------------------------------
+    def _view(self, round_idx: int, members: np.ndarray, count: int) -> View:
+        """What a selection policy may read: the members and their weights, the devices' predicted times
+        (measured speeds and links, else their profiles'), the deadline's window, and their losses on demand."""
+        ids = np.arange(self.n_devices)
+        work, seconds = self.clock.forecast(ids, self._budgets)
+        return View(round_idx, members, count,
+                    schemes.objective_weights(self.cfg.train.weighting, members, self.n_train), seconds, work,
+                    np.minimum(self.n_train, self._budgets * self._batch),
+                    window=lambda c: self.clock.windows(c, self._budgets[c]),
+                    deadline_s=None if self.timing.quantile is not None else self.timing.deadlines,
+                    losses=lambda c: self._probe(round_idx, c))
+
+    def _probe(self, round_idx: int, ids: np.ndarray) -> np.ndarray:
+        """The candidates' local losses F_k(x) at the server model: the model to each, a loss back, counted in
+        the round's bytes and clock."""
+        t0 = time.perf_counter()
+        losses = self.transport.probe(round_idx, self.state.x, ids)
+        seconds = self.clock.probe_s(ids, self.n_train[ids], self._batch[ids], self.down_bytes() + PROBE_BYTES,
+                                     time.perf_counter() - t0)
+        self._probed = (ids, seconds)
+        return losses
+
+    def _observe(self, plan: RoundPlan, res, reported: np.ndarray) -> None:
+        """What the round's reports tell the selection policy (Oort's utilities)."""
+        n = plan.device_ids.size
+        loss_sq = np.zeros(n) if res.loss_sq is None else res.loss_sq
+        samples = np.zeros(n, np.int64) if res.samples is None else res.samples
+        self.selection.observe(Feedback(plan.round_idx, plan.device_ids, reported, loss_sq, samples))
+
+    def _considered_row(self, round_idx: int) -> dict:
+        """The log's /participation/candidate and /utility rows: the policy's, or a replay's recorded ones."""
+        if not self.considered:
+            return {}
+        candidate, utility = np.zeros(self.n_devices, bool), np.full(self.n_devices, np.nan)
+        if self._choice is not None:
+            candidate[self._choice.candidates] = True
+            utility[self._choice.candidates] = self._choice.utility
+        elif isinstance(self.trace, ReplayTrace) and self.trace.candidate is not None:
+            candidate, utility = self.trace.candidate[round_idx - 1], self.trace.utility[round_idx - 1]
+        return {"participation/candidate": candidate, "participation/utility": utility}
 
     # -- the wire ----------------------------------------------------------------------------------------
     def down_bytes(self) -> int:
@@ -146,11 +196,21 @@ class RoundEngine:
         row = np.zeros(self.n_devices, np.int64)
         if not self.downlink.lossy:
             row[plan.device_ids] = plan.down_bytes
+            if self._probed is not None:  # the candidates asked for their losses (the selected keep that model)
+                row[self._probed[0]] = plan.down_bytes
             return row
         row[self.active] = plan.down_bytes
         if self.dynamics.shifts_at(plan.round_idx):
             x = self.state.x
             row[self.dynamics.arriving(plan.round_idx)] = (1 + len(self.algorithm.server_vectors)) * x.size * x.itemsize
+        return row
+
+    def _bytes_up(self, plan: RoundPlan, res) -> np.ndarray:
+        """Each report's payload, and a loss from each device asked for one (power of choice)."""
+        row = np.zeros(self.n_devices, np.int64)
+        row[plan.device_ids] = 0 if res.bytes_up is None else res.bytes_up
+        if self._probed is not None:
+            row[self._probed[0]] += PROBE_BYTES
         return row
 
     @staticmethod
@@ -233,6 +293,7 @@ class RoundEngine:
         rows = [v.name for v in algo.device_vectors] + list(self.residual_names)
         if rows:
             self.transport.load_devices({name: state[name] for name in rows})
+        self.selection.load({name: state[name] for name, _, _ in self.selection.state})
         return self.state
 
     def _secure_side(self, dim: int) -> None:
@@ -313,13 +374,15 @@ class RoundEngine:
             elif extra["metrics/secagg_clipped"]:  # the sum is not the plain one: say so
                 note = f"secagg clipped {extra['metrics/secagg_clipped']} coordinates"
         self.state = self._declared(self.algorithm.server_update(self.state, reports), "server_update")
+        self._observe(plan, res, reported)
         done = time.perf_counter()
         # the residuals come to the log for --resume, as the evaluation comes: the bench's traffic, outside
         # the round's clock and bytes (a deployment's devices would keep them)
         accepted = plan.device_ids[reported]
         residuals = self.transport.residuals(round_idx, accepted) if self.residual_names else {}
         self.transport.accept(round_idx, accepted)
-        clock = self.clock.advance(round_idx, settled, done - work0, done - worked)
+        clock = self.clock.advance(round_idx, settled, done - work0, done - worked,
+                                   0.0 if self._probed is None else self._probed[1])
 
         evaluate, store = self._due(round_idx)
         metrics = self.metrics(self.transport.evaluate(self.state.x)) if evaluate else (math.nan,) * 3
@@ -342,7 +405,8 @@ class RoundEngine:
         changes: {device vector: (reporting ids, their Deltas)} of the round (None at the start).
         """
         state, algo = self.state, self.algorithm
-        slots = {"x": state.x, **{v.name: state.vectors[v.name] for v in algo.server_vectors}, **self._replica_slots()}
+        slots = {"x": state.x, **{v.name: state.vectors[v.name] for v in algo.server_vectors}, **self._replica_slots(),
+                 **self.selection.values()}
         stored = {"trajectory/round": round_idx, "trajectory/x": state.x,
                   **{v.column: state.vectors[v.name] for v in algo.server_vectors}}
         self.log.stage(round_idx, slots, changes or None, sets or None)
@@ -378,8 +442,9 @@ class RoundEngine:
                                                 np.float64, np.nan),
             "participation/comm_s": scatter(self.clock.comm_log(plan.round_idx, ids, settled), np.float32, np.nan),
             "participation/core": scatter(res.core if raced else -1, np.int16, -1),
-            "participation/bytes_up": scatter(0 if res.bytes_up is None else res.bytes_up, np.int64),
+            "participation/bytes_up": self._bytes_up(plan, res),
             "participation/bytes_down": self._bytes_down(plan),
+            **self._considered_row(plan.round_idx),
             "metrics/lr": plan.lr,
             "metrics/n_applied": int(np.count_nonzero(coeffs)),
             "metrics/round_elapsed_s": elapsed,

@@ -115,9 +115,10 @@ def _forward(prog, slopes, perms, params, acts, aux, cols, pads, b, train, keep,
 
 
 @njit(inline="always", **JIT)
-def _loss(prog, labels, targets, idx, first, b, scale, loss_kind, acts, deltas, want_deltas, loss):
+def _loss(prog, labels, targets, idx, first, b, scale, loss_kind, acts, deltas, want_deltas, squares, loss):
     """(loss + the losses of rows idx[:b] (or first..), one by one, correct predictions); want_deltas: the
-    output's deltas <- scale * dloss/doutput (cross-entropy: softmax - onehot; mse: 2 (z - t) / width)."""
+    output's deltas <- scale * dloss/doutput (cross-entropy: softmax - onehot; mse: 2 (z - t) / width);
+    squares: add each loss squared instead (Oort's statistical utility, docs/design.md 2.18)."""
     op = prog[prog.shape[0] - 1]
     width = op[F_NOUT]
     Z, D = block(acts, op[F_OUT], width), block(deltas, op[F_OUT], width)
@@ -129,7 +130,8 @@ def _loss(prog, labels, targets, idx, first, b, scale, loss_kind, acts, deltas, 
             return loss, -1 - k  # the outputs are indexed by the label: nothing is computed with one outside them
         if loss_kind == CROSS_ENTROPY:
             if want_deltas:
-                loss += softmax_xent(z, labels[k], scale, D[r])
+                sample_loss = softmax_xent(z, labels[k], scale, D[r])
+                loss = fma(sample_loss, sample_loss, loss) if squares else loss + sample_loss
             else:
                 sample_loss, best = cross_entropy(z, labels[k])
                 loss += sample_loss
@@ -141,7 +143,8 @@ def _loss(prog, labels, targets, idx, first, b, scale, loss_kind, acts, deltas, 
             for j in range(width):
                 diff = np.float64(z[j]) - np.float64(t[j])
                 sq = fma(diff, diff, sq)
-            loss += sq / width
+            sample_loss = sq / width
+            loss = fma(sample_loss, sample_loss, loss) if squares else loss + sample_loss
             if want_deltas:
                 d = D[r]
                 for j in range(width):
@@ -236,9 +239,9 @@ def network(prog, slopes, perms, loss_kind, params, X, labels, targets, idx, n, 
 
     STEPS: n_steps of params <- params - lr (mean gradient of a minibatch of b of the n rows + the
     algorithm's terms, sgd.py); a minibatch is drawn into idx[:b] from rng as every model draws it (b = n:
-    the full batch, in idx order); count = steps. MINIBATCH: grad <- scale * the summed gradient of one
-    such minibatch. ROWS: grad <- scale * the summed gradient of rows idx[:b] (dropout off: the model's
-    deterministic objective). EVAL: loss and correct predictions of rows 0..n-1, acts.shape[0] - 1 at a time,
+    the full batch, in idx order); count = steps, loss = the sum over every sample trained on of its loss
+    squared. MINIBATCH: grad <- scale * the summed gradient of one such minibatch. ROWS: grad <- scale * the
+    summed gradient of rows idx[:b] (dropout off: the model's deterministic objective). EVAL: loss and correct predictions of rows 0..n-1, acts.shape[0] - 1 at a time,
     and their outputs (the last layer's, e.g. logits) into outputs when it has n rows.
     scale and lr come in the parameter dtype; losses are float64 sums. A label outside the classes stops it:
     count is then -1 - its row.
@@ -264,7 +267,7 @@ def network(prog, slopes, perms, loss_kind, params, X, labels, targets, idx, n, 
             _gather(prog, perms, X, empty, i0, m, acts)
             _forward(prog, slopes, perms, params, acts, aux, cols, pads, m, train, want_deltas, rng)
             loss, right = _loss(prog, labels, targets, empty, i0, m, scale, loss_kind, acts, deltas, want_deltas,
-                                loss)  # one running sum over every sample, whatever the chunks
+                                False, loss)  # one running sum over every sample, whatever the chunks
             if right < 0:
                 return loss, right
             correct += right
@@ -277,7 +280,7 @@ def network(prog, slopes, perms, loss_kind, params, X, labels, targets, idx, n, 
     if mode == ROWS:
         _gather(prog, perms, X, idx, 0, b, acts)
         _forward(prog, slopes, perms, params, acts, aux, cols, pads, b, train, want_deltas, rng)
-        loss, bad = _loss(prog, labels, targets, idx, 0, b, scale, loss_kind, acts, deltas, want_deltas, 0.0)
+        loss, bad = _loss(prog, labels, targets, idx, 0, b, scale, loss_kind, acts, deltas, want_deltas, False, 0.0)
         if bad < 0:
             return loss, bad
         _backward(prog, slopes, perms, params, grad, acts, deltas, aux, tr, cols, wt, gt, gblock, pads, b, step, lr,
@@ -291,7 +294,9 @@ def network(prog, slopes, perms, loss_kind, params, X, labels, targets, idx, n, 
             draw_batch(rng, idx, n, b)
         _gather(prog, perms, X, idx, 0, b, acts)
         _forward(prog, slopes, perms, params, acts, aux, cols, pads, b, train, want_deltas, rng)
-        loss, bad = _loss(prog, labels, targets, idx, 0, b, scale, loss_kind, acts, deltas, want_deltas, 0.0)
+        # STEPS: one running sum of the squared sample losses over every step (a report field, no extra pass)
+        loss, bad = _loss(prog, labels, targets, idx, 0, b, scale, loss_kind, acts, deltas, want_deltas, step,
+                          loss if step else 0.0)
         if bad < 0:
             return loss, bad
         _backward(prog, slopes, perms, params, grad, acts, deltas, aux, tr, cols, wt, gt, gblock, pads, b, step, lr,

@@ -12,16 +12,22 @@ from edgefed.kernels.sgd import step_coordinate
 @njit(**JIT)
 def _sgd_steps(x, a, b, n_steps, lr, noise_std, rng, terms):
     """n_steps of x <- x - lr * (g(x) + the algorithm's terms); the gradient is separable, so coordinates
-    update in place."""
+    update in place. Returns the sum over the steps of f(x_t)^2, f at each step's starting point (the
+    quadratic's "sample" is a step: Oort's statistical utility, docs/design.md 2.18)."""
     d = x.shape[0]
     noisy = noise_std > 0
+    squares = 0.0
     for _ in range(n_steps):
+        f = 0.0
         for j in range(d):
-            g = a[j] * (x[j] - b[j])
+            r = x[j] - b[j]
+            f += 0.5 * np.float64(a[j]) * np.float64(r) * np.float64(r)
+            g = a[j] * r
             if noisy:
                 g = fma(noise_std, normal(rng), g)
             step_coordinate(x, j, g, lr, terms)
-    return n_steps
+        squares = fma(f, f, squares)
+    return squares
 
 
 @njit(**JIT)

@@ -33,6 +33,7 @@ from edgefed.participation.timing import Timing
 from edgefed.participation import asynchrony
 from edgefed.participation.traces import ReplayTrace
 from edgefed.problems import build_problem
+from edgefed.participation.selection import build_policy
 from edgefed.runlog import (Column, Header, RunLogWriter, discard_stub, read_participation, read_resume_point,
                             read_run, size_text, write_stub)
 from edgefed.runtime.local import LocalTransport
@@ -139,10 +140,19 @@ def log_layout(algorithm: Algorithm, cfg: Config, n: int, d: int, dtype) -> dict
                    "their updates: no one device's count is seen)"),
             Column("metrics/secagg_aborted", (), np.bool_, "round",
                    "secure aggregation could not unmask the round (too few survivors): nothing was applied")]
+    if cfg.selection.policy != "uniform":
+        columns += [
+            Column("participation/candidate", (n,), np.bool_, "round",
+                   f"the selection policy ({cfg.selection.policy}) considered the device for the round"),
+            Column("participation/utility", (n,), np.float64, "round",
+                   "the policy's score of a considered device when it selected (fedcs: predicted seconds; oort: "
+                   "utility; power_of_choice: local loss; NaN: not considered)", np.nan)]
     rows = [v.name for v in algorithm.device_vectors]
     if cfg.compress.error_feedback:
         rows += [compression.residual_name(r) for r in algorithm.reports]
-    return {"extra_columns": tuple(columns), "slots": tuple((name, (d,), dtype) for name in slots),
+    policy = build_policy(cfg.selection, cfg.seed, np.zeros(n, np.int64), cfg.rounds)
+    return {"extra_columns": tuple(columns),
+            "slots": tuple((name, (d,), dtype) for name in slots) + tuple(policy.state),
             "row_states": tuple((name, (n, d), dtype) for name in rows)}
 
 

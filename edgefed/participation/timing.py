@@ -33,6 +33,12 @@ def steps_within(budgets: np.ndarray, step_s: np.ndarray, compute_s: np.ndarray)
     return np.minimum(fit, budgets).astype(np.int32)
 
 
+def forward_pass_s(step_s: np.ndarray, n_train: np.ndarray, batch: np.ndarray) -> np.ndarray:
+    """A simulated forward pass over each device's n_k samples: a third of a step per batch (a step is a
+    forward and a backward pass, and a backward pass costs about two forward ones)."""
+    return np.ceil(n_train / batch) * step_s / 3.0
+
+
 def quantile_deadline(predicted_s: np.ndarray, q: float) -> float:
     """The smallest predicted time t such that at least a fraction q of the devices finish within t (the
     inverted-CDF quantile: ceil(q n)-th smallest); NaN when nothing is predicted."""

@@ -28,6 +28,8 @@ class ReplayTrace:
     clock_s: np.ndarray | None = None  # (R + 1,)
     comm_s: np.ndarray | None = None  # (R, N)
     overselected: bool = False  # the late devices were over-selected surplus, outside the rounds' weights
+    candidate: np.ndarray | None = None  # (R, N) bool: the devices a selection policy considered (None: not kept)
+    utility: np.ndarray | None = None  # (R, N) float64: their scores
 
     @classmethod
     def checked(cls, recorded, source: str, n_devices: int, rounds: int, budgets: np.ndarray) -> "ReplayTrace":
@@ -50,8 +52,9 @@ class ReplayTrace:
                               f"run's budget is {budgets[k]}; use the same train.local_steps / local_epochs")
         clock = None if recorded.clock_s is None else recorded.clock_s[:rounds + 1].copy()
         comm = None if recorded.comm_s is None else recorded.comm_s[:rounds].copy()
+        considered = [None if v is None else v[:rounds].copy() for v in (recorded.candidate, recorded.utility)]
         return cls(selected.copy(), steps.astype(np.int32), recorded.late[:rounds].copy(), clock, comm,
-                   recorded.overselected)
+                   recorded.overselected, *considered)
 
     def round(self, round_idx: int) -> tuple[np.ndarray, np.ndarray]:
         """(selected device ids ascending, steps each completes) of round round_idx (1-based)."""

@@ -85,6 +85,7 @@ class RoundWork:
         self.finish, self.comm = np.full(n_sel, np.nan), np.full(n_sel, np.nan, np.float32)
         self.core = np.full(n_sel, -1, np.int16)
         self.started = np.full(n_sel, np.nan)  # perf_counter when each device began
+        self.loss_sq, self.samples = np.zeros(n_sel), np.zeros(n_sel, np.int64)  # what its steps said of their losses
 
     def results(self, rows=slice(None)) -> LocalResults:
         """In one process the link is all the communication there is (a slow_link fault's, or none). Under
@@ -96,7 +97,27 @@ class RoundWork:
                             self.core[rows], self.comm[rows], bytes_up=self.bytes_up[rows],
                             masked=_read_only(self.masked[rows]) if secure else None,
                             nonfinite=self.nonfinite[rows] if secure else None,
-                            secagg_s=self.secagg_s[rows] if secure else None)
+                            secagg_s=self.secagg_s[rows] if secure else None, loss_sq=self.loss_sq[rows],
+                            samples=self.samples[rows])
+
+
+class Streams:
+    """stream(purpose): the model's generator workspace on (seed, purpose, round, device); it remembers the
+    workspaces it gave, whose steps say what the device's round saw of its losses (a report field)."""
+
+    def __init__(self, begin):
+        self.begin, self.runs = begin, []
+
+    def __call__(self, purpose):
+        run = self.begin(purpose)
+        self.runs.append(run)
+        return run
+
+    def loss_sq(self) -> float:
+        return math.fsum(run.loss_sq for run in self.runs)
+
+    def samples(self) -> int:
+        return sum(run.samples for run in self.runs)
 
 
 class LocalTransport:
@@ -320,10 +341,11 @@ class LocalTransport:
             budget_s = math.inf if plan.deadline_s is None else float(plan.deadline_s[i])
             runner = DeadlineRunner(budget_s - (client.spent_s if client is not None else 0.0),
                                     stop=self._stop if stoppable else None)
-        task = LocalTask(x, server, own, plan.steps_to_run(i), plan.lr, self.batch_size, runner,
-                         self._streams(lane.model, data, plan.round_idx, k))
+        streams = self._streams(lane.model, data, plan.round_idx, k)
+        task = LocalTask(x, server, own, plan.steps_to_run(i), plan.lr, self.batch_size, runner, streams)
         work.steps[i] = self.algorithm.client_update(lane.model, data, task,
                                                      {name: rows[i] for name, rows in work.vectors.items()})
+        work.loss_sq[i], work.samples[i] = streams.loss_sq(), streams.samples()
         if client is not None:
             self._mask(client, i, plan, work)
         elif work.steps[i] > 0:
@@ -381,9 +403,8 @@ class LocalTransport:
             delay += compression.transfer_s(nbytes, float(self.links[device_id]))
         return delay
 
-    def _streams(self, model, data, round_idx: int, device_id: int):
-        """stream(purpose): the model's generator workspace on (seed, purpose, round, device)."""
-        return lambda purpose: model.begin(data, kernel_state(self.seed, purpose, round_idx, device_id))
+    def _streams(self, model, data, round_idx: int, device_id: int) -> "Streams":
+        return Streams(lambda purpose: model.begin(data, kernel_state(self.seed, purpose, round_idx, device_id)))
 
     def _inject_fault(self, device_id: int, round_idx: int) -> None:
         fault = self._faults.get((device_id, round_idx))
@@ -394,6 +415,14 @@ class LocalTransport:
         time.sleep(fault.seconds)
 
     # -- evaluation --------------------------------------------------------------------------------------
+    def probe(self, round_idx: int, x: np.ndarray, device_ids: np.ndarray) -> np.ndarray:
+        """The training loss at x of each of these devices this process hosts (NaN: hosted elsewhere)."""
+        out = np.full(len(device_ids), np.nan)
+        for i, k in enumerate(device_ids):
+            if int(k) in self._row:
+                out[i] = self.eval_model.train_loss(x, self.data(int(k)))
+        return out
+
     def evaluate(self, x: np.ndarray) -> Evaluation:
         """Evaluation of the hosted devices (others NaN / 0), indexed by device id."""
         n = self.problem.n_devices

@@ -320,6 +320,14 @@ class MpiTransport:
         got = self._collect(protocol.TAG_EVAL, [r for r, ids in self.hosted.items() if ids.size])
         return self.wire.unpack_evaluation(got.values())
 
+    def probe(self, round_idx: int, x: np.ndarray, device_ids: np.ndarray) -> np.ndarray:
+        """The addressed devices' losses at x, each computed on its rank, in device_ids order."""
+        device_ids = np.asarray(device_ids)
+        self._command(protocol.PROBE, devices=device_ids, x=x, round_idx=round_idx)
+        got = self._collect(protocol.TAG_PROBE, np.unique(self.owners[device_ids]))
+        losses = {int(rec["device"]): float(rec["loss"]) for records in got.values() for rec in records}
+        return np.array([losses[int(k)] for k in device_ids], np.float64)
+
     def start_devices(self, x: np.ndarray, device_ids: np.ndarray) -> dict[str, np.ndarray]:
         """Fresh device vectors for these devices, joining at x; returns their rows in device_ids order."""
         device_ids = np.asarray(device_ids)

@@ -222,6 +222,8 @@ class DeviceServer:
                 self._evaluate(x)
             elif command == protocol.START_DEVICES:
                 self._start_devices(x)
+            elif command == protocol.PROBE:
+                self._probe(x)
 
     def _receive_state(self, command: int):
         """(x, server vectors) of the command: in full, or a compressed downlink's differences added to the
@@ -328,6 +330,15 @@ class DeviceServer:
         records = self._records(protocol.TAG_EVAL, self.own.size)
         self.wire.pack_evaluation(records, self.own, ev)
         self._send_records(protocol.TAG_EVAL, records)
+
+    def _probe(self, x) -> None:
+        ids = self.wire.addressed(self.command, self.own)
+        if ids.size == 0:
+            return
+        losses = self.heart.beating(self.transport.probe, int(self.command[0]["round"]), x, ids)
+        records = self._records(protocol.TAG_PROBE, ids.size)
+        records["device"], records["loss"] = ids, losses
+        self._send_records(protocol.TAG_PROBE, records)
 
     def _start_devices(self, x) -> None:
         ids = self.wire.addressed(self.command, self.own)

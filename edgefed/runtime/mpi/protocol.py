@@ -26,7 +26,7 @@ from edgefed.compression import Codec
 from edgefed.transport import Evaluation, LocalResults, RoundPlan
 
 # Commands (the command record's `command`), and the tags of the messages that answer them.
-STOP, ROUND, EVAL, START_DEVICES, LOAD_DEVICES, SECAGG = range(6)
+STOP, ROUND, EVAL, START_DEVICES, LOAD_DEVICES, SECAGG, PROBE = range(7)
 TAG_WORK, TAG_EVAL, TAG_ROWS, TAG_LOAD, TAG_BYE, TAG_CANCEL = 11, 12, 13, 14, 15, 16
 TAG_ALIVE = 17  # a device rank's heartbeat: one int64, the rank; says only "still here"
 TAG_SETUP = 18  # a device rank's report after building its devices (pickled: failure, warm-up, lanes)
@@ -34,6 +34,7 @@ TAG_CONFIG = 19  # rank 0's setup for the device ranks (pickled: the config and 
 TAG_RESIDUAL = 20  # error feedback: the residuals a rank's reports of a round leave its devices
 TAG_TASK = 21  # async: one device's task, point to point to its rank (the model it starts from inside)
 TAG_SECAGG = 22  # secure aggregation: a rank's protocol records of one phase (a SECAGG header, then records)
+TAG_PROBE = 23  # a selection policy's question: the addressed devices' losses at the model broadcast with it
 # SECAGG phases: keys up; keys down and sealed shares up; sealed shares down; survivors down and reveals up
 KEYS, SHARES, DELIVER, REVEAL = range(4)
 SECAGG_HEADER = np.dtype([("round", "<i8"), ("phase", "<i8")])
@@ -100,6 +101,8 @@ class Wire:
             ("bytes_up", "<i8"),  # the payload's bytes that carry work (0: none sent)
             ("nonfinite", "?"),  # secure aggregation: the device found its update non-finite and sent none
             ("secagg_s", "<f4"),  # secure aggregation: the device's protocol time through its masked input
+            ("loss_sq", "<f8"),  # the squared losses of the samples its steps trained on, summed (Oort's utility)
+            ("samples", "<i8"),  # how many samples those were
             ("payload", "u1", (payload,)),  # the report vectors, encoded, back to back (or the masked input)
         ], align=True)
         self.residual = np.dtype([("round", "<i8"), ("device", "<i8"),
@@ -109,11 +112,12 @@ class Wire:
         self.rows = np.dtype([("device", "<i8"), ("vectors", self.dtype, (len(self.device), dim))], align=True)
         self.load = np.dtype([("device", "<i8"), ("vectors", self.dtype, (len(self.restored), dim))], align=True)
         self.bye = np.dtype([("rank", "<i8")])
+        self.probe = np.dtype([("device", "<i8"), ("loss", "<f8")])
         self.task = np.dtype([("round", "<i8"), ("device", "<i8"), ("steps", "<i4"), ("budget", "<i4"),
                               ("lr", "<f8"), ("deadline_s", "<f8"), ("down_bytes", "<i8"),
                               ("x", self.dtype, (dim,))], align=True)
         self.tags = {TAG_WORK: self.work, TAG_EVAL: self.evaluation, TAG_ROWS: self.rows, TAG_LOAD: self.load,
-                     TAG_BYE: self.bye, TAG_RESIDUAL: self.residual}
+                     TAG_BYE: self.bye, TAG_RESIDUAL: self.residual, TAG_PROBE: self.probe}
 
     # -- async: a task down, its work record up -------------------------------------------------------
     def pack_task(self, plan: RoundPlan, x: np.ndarray) -> np.ndarray:
@@ -280,6 +284,8 @@ class Wire:
         records["elapsed_s"], records["cpu_percent"] = res.elapsed_s, res.cpu_percent
         records["cpu_freq_mhz"], records["temperature_c"], records["core"] = res.cpu_freq_mhz, res.temperature_c, res.core
         records["bytes_up"] = 0 if res.bytes_up is None else res.bytes_up
+        if res.loss_sq is not None:
+            records["loss_sq"], records["samples"] = res.loss_sq, res.samples
         if self.masked is not None:
             records["nonfinite"], records["secagg_s"] = res.nonfinite, res.secagg_s
             records["payload"] = np.ascontiguousarray(res.masked).view(np.uint8).reshape(len(records), -1)
@@ -323,7 +329,7 @@ class Wire:
         compiled = np.zeros(n_sel, bool)
         core = np.full(n_sel, -1, np.int16)
         finish, wait_s = np.full(n_sel, np.nan), np.zeros(n_sel)
-        bytes_up = np.zeros(n_sel, np.int64)
+        bytes_up, samples, loss_sq = np.zeros(n_sel, np.int64), np.zeros(n_sel, np.int64), np.zeros(n_sel)
         secure = self.masked is not None
         masked = np.zeros((n_sel, self.dim + 1), self.masked) if secure else None
         nonfinite = np.zeros(n_sel, bool)
@@ -338,6 +344,7 @@ class Wire:
                 late[i], compiled[i], core[i], finish[i] = rec["late"], rec["compiled"], rec["core"], arrival
                 wait_s[i], bytes_up[i] = rec["wait_s"], rec["bytes_up"]
                 steps[i] = 0 if rec["late"] else rec["steps"]
+                loss_sq[i], samples[i] = rec["loss_sq"], rec["samples"]
                 for name, values in measured.items():
                     values[i] = rec[name]
                 if secure:
@@ -352,7 +359,7 @@ class Wire:
                             measured["cpu_freq_mhz"], measured["temperature_c"], compiled, finish,
                             comm.astype(np.float32), core, (comm - wait_s).astype(np.float32), bytes_up=bytes_up,
                             masked=masked, nonfinite=nonfinite if secure else None,
-                            secagg_s=secagg_s if secure else None)
+                            secagg_s=secagg_s if secure else None, loss_sq=loss_sq, samples=samples)
 
     # -- up: evaluation --------------------------------------------------------------------------------
     @staticmethod
