@@ -9,8 +9,10 @@
   traces' 0/30/50/70/90 % competitors leave), a deadline of 1.5x each device's profiled time (the two fast
   fifths finish, the rest do part), on the simulated clock: deterministic.
 - measured: `mpiexec -n 3` on this machine, two device ranks under real CPU competitors of 0 % and 70 %,
-  10 devices, 4 a round, K = 500, a fixed 10 ms deadline, 60 rounds, on the measured clock. Every
-  policy-seed run is replayed in the simulator from its log, and the replay's model must equal the run's.
+  10 devices, 4 a round, K = 2000 steps at lr 0.003, a fixed 8 ms deadline (a free core does the 2000
+  logistic-regression steps in about 7 ms, the loaded rank a third to a half of them), 60 rounds, on the
+  measured clock. Every Scheme C run is replayed in the simulator from its log, and the replay's
+  selections, steps and models must equal the run's.
 - inconsistency: where each policy x rule stops on a quadratic (docs/design.md 2.18): N = 8, d = 4, exact
   gradients, K = 20, S = 4, uniform weights, relative speeds 1 .. 0.1 on a hand-written profile, a
   deadline of 1.5x the profiled time; the distance to the optimum of (1/N) sum f_k and to that of
@@ -35,6 +37,7 @@ from pathlib import Path
 import numpy as np
 
 from edgefed import config as config_mod
+from edgefed.analysis.logs import jain_index
 from edgefed.orchestration import run as runs
 from edgefed.runlog import read_run
 from edgefed.runtime.mpi.comm import local_mpiexec, outside_world_env
@@ -50,8 +53,8 @@ SETTINGS = {
         'participation.clock="simulated"', 'device.profile="pi4b"', "device.speed=[1.0, 0.7, 0.5, 0.3, 0.1]",
         "log.eval_every=2", "log.every=1000"]},
     "measured": {"ranks": 3, "overrides": [
-        "rounds=60", "data.clients=10", "train.clients_per_round=4", "train.local_steps=500", "train.lr_local=0.01",
-        'participation.mode="deadline"', "participation.deadline_s=0.01", "participation.grace_s=0.5",
+        "rounds=60", "data.clients=10", "train.clients_per_round=4", "train.local_steps=2000", "train.lr_local=0.003",
+        'participation.mode="deadline"', "participation.deadline_s=0.008", "participation.grace_s=0.5",
         'participation.clock="measured"', 'device.boards=["x86-64-laptop", "x86-64-laptop"]',
         "device.contention=[0.0, 0.7]", "log.eval_every=2", "log.every=1000"]},
 }
@@ -72,12 +75,6 @@ def time_to(log: dict, target: float) -> tuple[float, float]:
     acc, clock = log["metrics/test_accuracy"], log["metrics/clock_s"]
     reached = np.flatnonzero(np.nan_to_num(acc, nan=-1.0) >= target)
     return (float(clock[reached[0]]) if reached.size else float("nan")), float(acc[np.isfinite(acc)][-1])
-
-
-def jain(log: dict) -> float:
-    """Jain's fairness index of the devices' participation counts: (sum c)^2 / (N sum c^2)."""
-    c = log["participation/selected"].sum(axis=0).astype(np.float64)
-    return float(c.sum() ** 2 / (c.size * (c ** 2).sum()))
 
 
 def device_accuracies(log: dict) -> np.ndarray:
@@ -127,7 +124,7 @@ def experiment(args, folder: Path) -> None:
                 out = folder / f"{policy}-{scheme}-{seed}.h5".replace(" ", "_")
                 log = run(setting["overrides"] + extra + [f"seed={seed}", f'participation.scheme="{scheme}"'],
                           setting["ranks"], out)
-                values.append((*time_to(log, args.target), jain(log), float(np.percentile(device_accuracies(log), 10))))
+                values.append((*time_to(log, args.target), jain_index(log["participation/selected"].sum(axis=0)), float(np.percentile(device_accuracies(log), 10))))
                 if setting["ranks"] and scheme == "C":
                     replays.append(replayed_exactly(log, out, folder))
             print(f"| {policy} | {scheme} | " + " | ".join(cells(values)) + " |", flush=True)

@@ -274,6 +274,17 @@ class TorchModel:
             return self.torch.nn.functional.cross_entropy(out, target, reduction="none")
         return ((out - target) ** 2).mean(dim=1)
 
+    def _training_loss(self, out, target):
+        """Backward through the batch's mean loss; returns each sample's loss, detached (the report's
+        squared losses). Cross-entropy's per-sample losses averaged give nn.CrossEntropyLoss's gradient to
+        the bit; mse keeps nn.MSELoss for its gradient (averaging per-sample means rounds otherwise)."""
+        if self.has_accuracy:
+            losses = self._sample_losses(out, target)
+            self._backward(losses.mean())
+            return losses.detach()
+        self._backward(self._loss(out, target))
+        return self._sample_losses(out.detach(), target)
+
     def _rng_bytes(self) -> bytes:
         return self.torch.get_rng_state().numpy().tobytes()
 
@@ -322,8 +333,7 @@ class TorchModel:
                     draw_batch(run.rng, run.perm, n, b)
                 rows = index[:b]
                 grad.zero_()
-                losses = self._sample_losses(self._forward(X.index_select(0, rows)), y.index_select(0, rows))
-                self._backward(losses.mean())
+                losses = self._training_loss(self._forward(X.index_select(0, rows)), y.index_select(0, rows))
                 with torch.no_grad():
                     step = grad
                     if anchor is not None:  # as apply_step: g = grad + mu (y - anchor), then + correction

@@ -1,6 +1,7 @@
 """Client selection (docs/design.md 2.18): each policy's arithmetic by hand and against a NumPy reference,
 then through the engine: determinism, resume, replay, loopback ranks, mpiexec, and the refusals."""
 
+import dataclasses
 import math
 from types import SimpleNamespace
 
@@ -25,7 +26,7 @@ def view(members, count, seconds, work=None, window=None, **extra):
     n = len(seconds)
     seconds = np.asarray(seconds, float)
     return View(1, np.asarray(members), count, np.full(len(members), 1.0 / len(members)), seconds,
-                seconds if work is None else np.asarray(work, float), np.full(n, 20),
+                seconds if work is None else np.asarray(work, float), np.full(n, 20), np.full(n, 5),
                 window=(lambda ids: np.full(ids.size, np.nan)) if window is None else window, **extra)
 
 
@@ -45,6 +46,9 @@ def test_fedcs_takes_the_fastest_whose_work_fits_up_to_s():
     # nothing fits: the fastest still works, so the round is not empty
     none = policy.select(view(np.arange(7), 4, seconds, work, lambda ids: np.zeros(ids.size)))
     assert none.selected.tolist() == [5]
+    secure = policy.select(dataclasses.replace(view(np.arange(7), 4, seconds, work, lambda ids: np.zeros(ids.size)),
+                                               least=2))
+    assert secure.selected.tolist() == [5, 6]  # secure aggregation needs two to hide one
 
 
 def test_fedcs_candidates_are_a_uniform_draw_of_the_asked_count():
@@ -136,13 +140,15 @@ def test_oort_explores_a_decaying_share_and_its_pacer_relaxes_t():
     second = policy.select(View(2, members, count, v.weights, seconds, seconds, v.sizes))
     eps = 0.9 * 0.98 * 0.98
     assert np.isin(second.selected, np.arange(20)).sum() >= int(count * (1 - eps))
-    # the pacer: every W rounds from 2W on, T grows by its step when the recent W rounds' utility fell
+    # the pacer: once 2W rounds ran, every W rounds, T grows by its step when the last W rounds' utility fell
     t = policy.scalars[1]
-    policy.history[1:21], policy.history[21:40] = 5.0, 1.0
+    policy.history[1:21], policy.history[21:41] = 5.0, 1.0
     policy.select(View(40, members, count, v.weights, seconds, seconds, v.sizes))
+    assert policy.scalars[1] == t  # round 40: only 39 have run
+    policy.select(View(41, members, count, v.weights, seconds, seconds, v.sizes))
     assert policy.scalars[1] == pytest.approx(t + t / 10)
-    policy.history[40:60] = 9.0
-    policy.select(View(60, members, count, v.weights, seconds, seconds, v.sizes))
+    policy.history[41:61] = 9.0
+    policy.select(View(61, members, count, v.weights, seconds, seconds, v.sizes))
     assert policy.scalars[1] == pytest.approx(t + t / 10)  # utility rose: T stays
 
 
@@ -190,10 +196,15 @@ def test_fedcs_on_a_simulated_clock_selects_what_fits_and_logs_its_forecast(tmp_
     log = read_run(tmp_path / "r.h5")
     speed = np.array([1.0, 0.5, 0.25, 1.0, 0.2, 2.0, 1.0, 0.5])
     predicted = 5 * 0.001 / speed + 0.002
-    assert log["participation/candidate"].all()
-    np.testing.assert_allclose(log["participation/utility"], np.tile(predicted, (4, 1)), rtol=1e-6)  # links: float32
-    for row in log["participation/selected"]:  # the three fastest: 5, then two of the tied 0, 3, 6 (by the draw)
-        assert row.sum() == 3 and row[5] and row[[0, 3, 6]].sum() == 2
+    asked = log["participation/candidate"]
+    assert (asked.sum(axis=1) == 6).all()  # 2S drawn
+    np.testing.assert_allclose(log["participation/utility"][asked], np.tile(predicted, (4, 1))[asked], rtol=1e-6)
+    fits = speed >= 0.5  # 5 steps of 1 ms / speed within the 12 ms deadline
+    for row, cand in zip(log["participation/selected"], asked):
+        fitting = np.flatnonzero(cand & fits)
+        assert row.sum() == min(3, fitting.size) and not (row & ~(cand & fits)).any()
+        # the fastest first: no fitting candidate left out is faster than one taken
+        assert predicted[fitting[~row[fitting]]].min(initial=np.inf) >= predicted[row].max()
     assert (log["participation/steps"][log["participation/selected"]] == 5).all()
 
 
@@ -205,7 +216,8 @@ def test_power_of_choice_counts_its_question_in_bytes_and_clock(tmp_path, board)
     asked, sel = log["participation/candidate"], log["participation/selected"]
     assert (asked.sum(axis=1) == 5).all() and (sel <= asked).all()
     assert (log["participation/bytes_up"][asked & ~sel] == 8).all()
-    assert (log["participation/bytes_down"][asked] == 2440).all()
+    down = log["participation/bytes_down"]  # x to each candidate; the round's broadcast besides to the selected
+    assert (down[asked & ~sel] == 2440).all() and (down[sel] == 2 * 2440).all()
     for r in range(4):  # the selected hold the three highest losses of the candidates
         u = log["participation/utility"][r]
         assert np.sort(u[sel[r]]).tolist() == np.sort(u[asked[r]])[-3:].tolist()
@@ -214,6 +226,27 @@ def test_power_of_choice_counts_its_question_in_bytes_and_clock(tmp_path, board)
     round1 = log["metrics/clock_s"][1]
     probe = max(0.002 + math.ceil(n[k] / 20) * 0.001 / 3 for k in np.flatnonzero(asked[0]))
     assert round1 == pytest.approx(probe + 5 * 0.001 + 0.002)
+    # the summary says who took part: Jain's index of the selection counts, by hand
+    from edgefed.analysis.logs import Run
+    from edgefed.analysis.summary import summary_lines
+
+    c = sel.sum(axis=0).astype(float)
+    line = next(x for x in summary_lines(Run.read(tmp_path / "r.h5")) if x.startswith("selection:"))
+    assert line.startswith(f"selection: power_of_choice; Jain's index of the devices' participation "
+                           f"{c.sum() ** 2 / (8 * (c ** 2).sum()):.3f}")
+    assert f"{int((c == 0).sum())} of 8 devices never selected" in line
+
+
+def test_power_of_choice_does_not_hear_from_a_device_that_left(tmp_path):
+    cfg = config_with({**SMALL, "rounds": 5, "selection.policy": "power_of_choice", "selection.candidates": 7,
+                       "dynamics.depart": [{"device": 2, "round": 3, "policy": "include"}]})
+    runs.run(cfg, tmp_path / "r.h5")
+    log = read_run(tmp_path / "r.h5")
+    gone = slice(2, None)  # rounds 3..5: device 2 is silent, so it answers nothing and is never taken
+    assert log["participation/candidate"][gone, 2].any()
+    asked = log["participation/candidate"][gone, 2]
+    assert np.isnan(log["participation/utility"][gone, 2][asked]).all()
+    assert not log["participation/selected"][gone, 2].any() and (log["participation/bytes_up"][gone, 2] == 0).all()
 
 
 @pytest.mark.parametrize("policy", ["oort", "power_of_choice"])
@@ -270,6 +303,9 @@ def test_power_of_choice_under_mpiexec_writes_the_simulators_bytes(tmp_path):
      "selection.candidates = 40 exceeds the 30 devices"),
     ({"selection.policy": "oort", "selection.exploration_decay": 1.5}, "selection.exploration_decay = 1.5 must lie in"),
     ({"selection.policy": "oort", "participation.mode": "async"}, "FedBuff's idle draw"),
+    ({"selection.policy": "oort", "secagg.enabled": True}, "reads each device's training loss in the clear"),
+    ({"selection.policy": "power_of_choice", "selection.candidates": 4, "train.clients_per_round": 4,
+      "participation.overselect": 0.5}, "selection.candidates = 4 is fewer than the 6 devices a round selects"),
 ])
 def test_bad_selection_keys_are_refused_in_one_line(overrides, message):
     with pytest.raises(ConfigError) as err:
@@ -283,6 +319,6 @@ def test_candidates_beyond_a_files_federation_are_refused(tmp_path, quad_file):
     cfg = config_with({"data.kind": "quadratic", "data.path": str(path), "train.clients_per_round": 2,
                        "selection.policy": "power_of_choice", "selection.candidates": 6})
     with pytest.raises(ConfigError, match=r"selection.candidates = 6 must lie between the 2 devices a round selects "
-                                          r"and the 4 of the federation; ask at most 4"):
+                                          r"\(with over-selection's\) and the 4 of the federation; ask at most 4"):
         runs.run(cfg, tmp_path / "r.h5")
     assert not (tmp_path / "r.h5").exists()

@@ -144,6 +144,13 @@ class Run:
         with np.errstate(invalid="ignore", divide="ignore"):
             return np.where(self["participation/selected"] & (budget > 0), self["participation/steps"] / budget, np.nan)
 
+    def participation(self) -> dict:
+        """Who took part: the selection policy, Jain's index of the devices' selection counts and how many
+        devices were never selected."""
+        counts = self["participation/selected"].sum(axis=0)
+        policy = self.config_dict().get("selection", {}).get("policy", "uniform")
+        return {"policy": policy, "jain": jain_index(counts), "never": int((counts == 0).sum()), "n": counts.size}
+
     def devices(self) -> list[dict]:
         """Per device: rounds selected, mean completed fraction, inactive and late shares (of its selected
         rounds), mean CPU share."""
@@ -163,3 +170,11 @@ class Run:
                              "cpu_percent": float(np.nanmean(cpu[mine, k])) if n and np.isfinite(cpu[mine, k]).any()
                              else math.nan})
         return rows
+
+
+def jain_index(counts) -> float:
+    """Jain's fairness index (sum c)^2 / (N sum c^2) of per-device counts: 1 when all are equal, 1/N when
+    one device has everything (NaN when all are zero)."""
+    c = np.asarray(counts, np.float64)
+    total = float((c ** 2).sum())
+    return float(c.sum() ** 2 / (c.size * total)) if total > 0 else math.nan

@@ -28,6 +28,9 @@ def summary_lines(run: Run, target: float | None = None) -> list[str]:
         lines.append(f"partition: {n} devices x {c} labels, {part['samples'][0]}..{part['samples'][1]} training "
                      f"samples each; a device holds {part['labels_held']:.1f} of the {c} labels on average; label "
                      f"skew {part['skew']:.2f} (mean total variation from the pooled labels: 0 IID, 1 disjoint)")
+    who = run.participation()
+    lines.append(f"selection: {who['policy']}; Jain's index of the devices' participation {_num(who['jain'], '.3f')} "
+                 f"(1: each as often), {who['never']} of {who['n']} devices never selected")
     up, down = run.bytes_per_round("up"), run.bytes_per_round("down")
     if not math.isnan(up):
         lines.append(f"wire per round: {size_text(up)} up, {size_text(down)} down "

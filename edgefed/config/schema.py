@@ -171,7 +171,7 @@ class SelectionConfig:
     """Who takes part in a round (docs/design.md 2.18); a parameter left unset takes its policy's default."""
 
     policy: str = "uniform"  # "uniform", "fedcs", "oort" or "power_of_choice"
-    candidates: int | None = None  # fedcs: devices asked (None: all members); power_of_choice: d (None: 2S)
+    candidates: int | None = None  # fedcs: devices asked, drawn uniformly; power_of_choice: d, by weight (None: 2S)
     alpha: float | None = None  # oort: the system penalty's exponent (2)
     exploration: float | None = None  # oort: the initial exploration share epsilon (0.9)
     exploration_decay: float | None = None  # oort: epsilon's factor per round (0.98)

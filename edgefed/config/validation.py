@@ -25,6 +25,7 @@ from edgefed.errors import ConfigError
 from edgefed.participation import asynchrony
 from edgefed.participation.schemes import SCHEMES, WEIGHTINGS
 from edgefed.participation.selection import POLICIES
+from edgefed.participation.timing import overselected
 from edgefed.problems.idx import EMNIST_SPLITS
 from edgefed.problems import cifar, pool
 from edgefed.problems.partition import PARTITIONS
@@ -85,7 +86,7 @@ def validate(cfg: Config) -> Config:
     _validate_async(cfg, data, train, compress)
     _validate_secagg(cfg, train, compress)
     _validate_dynamics(cfg.dynamics, cfg.data.clients, cfg.rounds)
-    selection = _validate_selection(cfg.selection, participation, train, data.clients)
+    selection = _validate_selection(cfg.selection, participation, train, data.clients, cfg.secagg.enabled)
     for i, fault in enumerate(cfg.fault):
         _choice(fault.kind, FAULT_KINDS, f"fault[{i}].kind")
         if fault.device < 0 or (cfg.data.clients is not None and fault.device >= cfg.data.clients):
@@ -110,7 +111,8 @@ POLICY_KEYS = {"uniform": (), "fedcs": ("candidates",), "power_of_choice": ("can
                "oort": tuple(OORT_DEFAULTS) + ("preferred_s", "pacer_delta")}
 
 
-def _validate_selection(s: SelectionConfig, p: ParticipationConfig, t: TrainConfig, n: int | None) -> SelectionConfig:
+def _validate_selection(s: SelectionConfig, p: ParticipationConfig, t: TrainConfig, n: int | None,
+                        cfg_secagg: bool) -> SelectionConfig:
     _choice(s.policy, POLICIES, "selection.policy")
     for key in POLICY_KEYS["oort"] + ("candidates",):
         if getattr(s, key) is not None and key not in POLICY_KEYS[s.policy]:
@@ -124,14 +126,20 @@ def _validate_selection(s: SelectionConfig, p: ParticipationConfig, t: TrainConf
     if s.policy != "uniform" and p.mode == "async":
         raise ConfigError(f'config: selection.policy = {s.policy!r} chooses a round\'s devices; FedBuff\'s idle draw '
                           '(participation.mode = "async") is uniform for now: remove selection.policy or run rounds')
+    if s.policy in ("oort", "power_of_choice") and cfg_secagg:
+        raise ConfigError(f"config: selection.policy = {s.policy!r} reads each device's training loss in the clear, "
+                          "which [secagg] exists to hide; use \"uniform\" or \"fedcs\" (speeds only) with secure "
+                          "aggregation")
     if s.candidates is not None:
         _positive(s.candidates, "selection.candidates", "candidates = 20")
         if n is not None and s.candidates > n:
             raise ConfigError(f"config: selection.candidates = {s.candidates} exceeds the {n} devices (data.clients)")
         count = t.clients_per_round
-        if isinstance(count, int) and s.candidates < count:
-            raise ConfigError(f"config: selection.candidates = {s.candidates} is fewer than the "
-                              f"{count} devices a round selects (train.clients_per_round); ask at least {count}")
+        if isinstance(count, int) and s.candidates < overselected(count, p.overselect, math.inf):
+            count = overselected(count, p.overselect, math.inf)
+            raise ConfigError(f"config: selection.candidates = {s.candidates} is fewer than the {count} devices a "
+                              "round selects (train.clients_per_round, and participation.overselect's more); "
+                              f"ask at least {count}")
     if s.policy != "oort":
         return s
     s = dataclasses.replace(s, **{key: value for key, value in OORT_DEFAULTS.items() if getattr(s, key) is None})
@@ -549,10 +557,11 @@ def with_clients(cfg: Config, n_clients: int) -> Config:
             "remove data.clients or make them agree"
         )
     check_clients_per_round(cfg.train, n_clients)
-    count, d = cfg.clients_per_round_count(n_clients), cfg.selection.candidates
+    count, d = overselected(cfg.clients_per_round_count(n_clients), cfg.participation.overselect, n_clients), \
+        cfg.selection.candidates
     if d is not None and not count <= d <= n_clients:
         fix = f"ask at least {count}" if d < count else f"ask at most {n_clients}"
         raise ConfigError(f"config: selection.candidates = {d} must lie between the {count} devices a round selects "
-                          f"and the {n_clients} of the federation; {fix}")
+                          f"(with over-selection's) and the {n_clients} of the federation; {fix}")
     cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, clients=n_clients))
     return validate(cfg)  # device ids in [[dynamics.*]] and [[fault]] now checked against this N

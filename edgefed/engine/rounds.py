@@ -132,19 +132,23 @@ class RoundEngine:
         work, seconds = self.clock.forecast(ids, self._budgets)
         return View(round_idx, members, count,
                     schemes.objective_weights(self.cfg.train.weighting, members, self.n_train), seconds, work,
-                    np.minimum(self.n_train, self._budgets * self._batch),
-                    window=lambda c: self.clock.windows(c, self._budgets[c]),
+                    np.minimum(self.n_train, self._budgets * self._batch), self._budgets,
+                    least=2 if self.cfg.secagg.enabled else 1, window=lambda c: self.clock.windows(c, self._budgets[c]),
                     deadline_s=None if self.timing.quantile is not None else self.timing.deadlines,
                     losses=lambda c: self._probe(round_idx, c))
 
     def _probe(self, round_idx: int, ids: np.ndarray) -> np.ndarray:
-        """The candidates' local losses F_k(x) at the server model: the model to each, a loss back, counted in
-        the round's bytes and clock."""
+        """The candidates' local losses F_k(x) at the server model: x to each, a loss back from each that
+        answers (a departed device that stays in the objective is silent: NaN), counted in the round's bytes
+        and clock."""
         t0 = time.perf_counter()
-        losses = self.transport.probe(round_idx, self.state.x, ids)
-        seconds = self.clock.probe_s(ids, self.n_train[ids], self._batch[ids], self.down_bytes() + PROBE_BYTES,
+        answers = ~self.dynamics.silent(round_idx)[ids]
+        losses = np.full(ids.size, np.nan)
+        if answers.any():
+            losses[answers] = self.transport.probe(round_idx, self.state.x, ids[answers])
+        seconds = self.clock.probe_s(ids, self.n_train[ids], self._batch[ids], self.state.x.nbytes + PROBE_BYTES,
                                      time.perf_counter() - t0)
-        self._probed = (ids, seconds)
+        self._probed = (ids, seconds, ids[answers])
         return losses
 
     def _observe(self, plan: RoundPlan, res, reported: np.ndarray) -> None:
@@ -193,24 +197,29 @@ class RoundEngine:
         """The broadcast's bytes each device received: the selected ones the model; with a compressed
         downlink every member the difference (each keeps the copy it adds to), and an arriving device the
         whole copy (x_0, which every device builds from the seed, is never sent)."""
-        row = np.zeros(self.n_devices, np.int64)
+        row = self._probe_bytes(0)
         if not self.downlink.lossy:
-            row[plan.device_ids] = plan.down_bytes
-            if self._probed is not None:  # the candidates asked for their losses (the selected keep that model)
-                row[self._probed[0]] = plan.down_bytes
+            row[plan.device_ids] += plan.down_bytes
             return row
-        row[self.active] = plan.down_bytes
+        row[self.active] += plan.down_bytes
         if self.dynamics.shifts_at(plan.round_idx):
             x = self.state.x
             row[self.dynamics.arriving(plan.round_idx)] = (1 + len(self.algorithm.server_vectors)) * x.size * x.itemsize
         return row
 
-    def _bytes_up(self, plan: RoundPlan, res) -> np.ndarray:
-        """Each report's payload, and a loss from each device asked for one (power of choice)."""
+    def _probe_bytes(self, up: int) -> np.ndarray:
+        """What asking for the candidates' losses moved (power of choice): x, whole, down to each candidate
+        (up = 0), or a float64 loss up from each that answered."""
         row = np.zeros(self.n_devices, np.int64)
-        row[plan.device_ids] = 0 if res.bytes_up is None else res.bytes_up
         if self._probed is not None:
-            row[self._probed[0]] += PROBE_BYTES
+            asked, _, answered = self._probed
+            row[answered if up else asked] = PROBE_BYTES if up else self.state.x.nbytes
+        return row
+
+    def _bytes_up(self, plan: RoundPlan, res) -> np.ndarray:
+        """Each report's payload, and each candidate's loss."""
+        row = self._probe_bytes(1)
+        row[plan.device_ids] += 0 if res.bytes_up is None else res.bytes_up
         return row
 
     @staticmethod

@@ -1,8 +1,9 @@
 """Who takes part in a round: the selection policies of docs/design.md 2.18, as arithmetic.
 
 - `uniform` (the default): S of the members uniformly, from the round's SELECT stream.
-- `fedcs` (Nishio and Yonetani, ICC 2019): from `candidates` members drawn uniformly, greedily the device
-  whose predicted time adds least to the round, while its K_k steps fit in its deadline; up to S.
+- `fedcs` (Nishio and Yonetani, ICC 2019): from `candidates` members drawn uniformly (its resource request
+  to a random share of the clients; 2S by default), greedily the device whose predicted time adds least to
+  the round, while its K_k steps fit in its deadline; up to S.
 - `oort` (Lai et al., OSDI 2021): exploitation of the explored devices by statistical utility
   |B_k| sqrt(mean of squared sample losses), normalized and clipped, plus a staleness bonus, times the
   system penalty (T / t_k)^alpha past the preferred duration T; a decaying share explores unexplored
@@ -24,6 +25,7 @@ from typing import Callable
 import numpy as np
 
 from edgefed.participation.sampling import select_devices
+from edgefed.participation.timing import steps_within
 from edgefed.rng import Purpose, generator
 
 POLICIES = ("uniform", "fedcs", "oort", "power_of_choice")
@@ -46,6 +48,8 @@ class View:
     seconds: np.ndarray  # (N,) each device's predicted round: K_k x its seconds per step + its links; NaN unknown
     work_s: np.ndarray  # (N,) of that, the K_k steps alone; NaN unknown
     sizes: np.ndarray  # (N,) min(n_k, K_k b): the samples a full round trains on (Oort's |B_k| before it reports)
+    budgets: np.ndarray | None = None  # (N,) K_k
+    least: int = 1  # the fewest devices a round may have (secure aggregation needs 2 to hide one)
     window: Callable | None = None  # window(ids) -> (ids,) seconds the deadline leaves ids' steps (candidates set it)
     deadline_s: np.ndarray | None = None  # (N,) a fixed deadline policy's seconds (Oort's preferred duration)
     losses: Callable | None = None  # losses(ids) -> (ids,) F_k at the current model (one pass over their data)
@@ -115,16 +119,18 @@ class FedCS(Uniform):
         self.candidates = settings.candidates
 
     def select(self, view: View) -> Choice:
-        d = view.members.size if self.candidates is None else self.candidates
+        d = 2 * view.count if self.candidates is None else self.candidates
         drawn = draw_candidates(self.seed, view.round_idx, view.members, d)
-        seconds = view.seconds[drawn]
-        work = view.work_s[drawn]
-        window = view.window(drawn)
-        fits = ~(work > window)  # NaN (unknown speed, or no window) fits
+        seconds, budgets = view.seconds[drawn], view.budgets[drawn]
+        step_s, window = view.work_s[drawn] / np.maximum(budgets, 1), view.window(drawn)
+        # the steps the window leaves at the device's speed, as a simulated deadline counts them; unknown
+        # speed (NaN) or no window: it fits
+        known = np.isfinite(step_s) & np.isfinite(window)
+        fits = ~known | (steps_within(budgets, np.where(known, step_s, 1.0), np.where(known, window, 0.0)) >= budgets)
         order = np.lexsort((np.arange(drawn.size), np.where(np.isfinite(seconds), seconds, 0.0)))
         taken = [i for i in order if fits[i]][:view.count]
-        if not taken:  # none fits: the fastest still works (and shows its partial work), so a round is never empty
-            taken = [int(order[0])]
+        if len(taken) < view.least:  # too few fit: the fastest still work (and show their partial work)
+            taken += [i for i in order if i not in taken][:view.least - len(taken)]
         return _choice(drawn[taken], drawn, seconds, deadline_among=drawn)
 
 
@@ -142,7 +148,8 @@ class PowerOfChoice(Uniform):
         p = view.weights / math.fsum(view.weights)
         drawn = draw_candidates(self.seed, view.round_idx, view.members, d, p)
         losses = np.asarray(view.losses(np.sort(drawn)), np.float64)[np.argsort(np.argsort(drawn))]
-        order = np.lexsort((drawn, -np.where(np.isfinite(losses), losses, -np.inf)))  # highest first, then id
+        # highest first (a device that did not answer, NaN, last), then by id
+        order = np.lexsort((drawn, -np.nan_to_num(losses, nan=-np.inf, posinf=np.inf, neginf=-np.inf)))
         return _choice(drawn[order[:view.count]], drawn, losses)
 
 
@@ -153,8 +160,9 @@ def _choice(selected, considered, scores, deadline_among=None) -> Choice:
 
 
 class Oort(Uniform):
-    """Lai et al.'s participant selector, as its reference implementation orders the steps (docs/design.md
-    2.18): state per device (its last statistical utility, NaN until it reported; the last round it took
+    """Lai et al.'s participant selector, its steps in the order of the authors' reference selector (Oort's
+    repository; the cut-off at the score ranked just below the exploited count, as there), the pacer as the
+    paper's Algorithm 1 (docs/design.md 2.18): state per device (its last statistical utility, NaN until it reported; the last round it took
     part in) and per run (the exploration share, the preferred duration T, each round's summed utility for
     the pacer)."""
 
@@ -202,9 +210,10 @@ class Oort(Uniform):
         return t
 
     def _pace(self, r: int) -> None:
-        """Every W rounds from 2W on: T <- T + delta when the last W rounds' utility fell below the W before."""
+        """Once 2W rounds have run, every W rounds: T <- T + delta when the last W rounds' utility fell below
+        the W before."""
         w = self.step
-        if r >= 2 * w and r % w == 0 and math.isfinite(self.scalars[1]):
+        if r > 2 * w and (r - 1) % w == 0 and math.isfinite(self.scalars[1]):  # rounds 1..r-1 have run
             earlier = math.fsum(self.history[r - 2 * w:r - w])
             recent = math.fsum(self.history[r - w:r])
             if earlier > recent:
@@ -282,7 +291,7 @@ def _weighted(rng: np.random.Generator, items: np.ndarray, weights: np.ndarray, 
     """k of items without replacement, each draw in proportion to the weights (uniform when they are all 0)."""
     total = math.fsum(weights)
     p = None if not total > 0 else weights / total
-    if p is not None and np.count_nonzero(p) < k:  # fewer weighted than needed: the zero-weight ones after
+    if p is not None and np.count_nonzero(p) < k:  # fewer weighted than needed: uniformly among all
         p = None
     return rng.choice(items, size=k, replace=False, p=p)
 

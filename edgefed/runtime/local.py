@@ -345,7 +345,8 @@ class LocalTransport:
         task = LocalTask(x, server, own, plan.steps_to_run(i), plan.lr, self.batch_size, runner, streams)
         work.steps[i] = self.algorithm.client_update(lane.model, data, task,
                                                      {name: rows[i] for name, rows in work.vectors.items()})
-        work.loss_sq[i], work.samples[i] = streams.loss_sq(), streams.samples()
+        if self.secure is None:  # under secure aggregation nothing of a device's training leaves it in the clear
+            work.loss_sq[i], work.samples[i] = streams.loss_sq(), streams.samples()
         if client is not None:
             self._mask(client, i, plan, work)
         elif work.steps[i] > 0:
