@@ -9,17 +9,17 @@
   traces' 0/30/50/70/90 % competitors leave), a deadline of 1.5x each device's profiled time (the two fast
   fifths finish, the rest do part), on the simulated clock: deterministic.
 - measured: `mpiexec -n 3` on this machine, two device ranks under real CPU competitors of 0 % and 70 %,
-  10 devices, 4 a round, K = 2000 steps at lr 0.003, a fixed 8 ms deadline (a free core does the 2000
-  logistic-regression steps in about 7 ms, the loaded rank a third to a half of them), 60 rounds, on the
-  measured clock. Every Scheme C run is replayed in the simulator from its log, and the replay's
-  selections, steps and models must equal the run's.
+  10 devices, 4 a round, K = 2000 steps at lr 0.003, a fixed 20 ms deadline (`--deadline` to change it: a
+  free core does the 2000 logistic-regression steps in about 7 ms, the loaded rank needs about 20), 60
+  rounds, on the measured clock. Every Scheme C run is replayed in the simulator from its log, and the
+  replay's selections, steps and models must equal the run's.
 - inconsistency: where each policy x rule stops on a quadratic (docs/design.md 2.18): N = 8, d = 4, exact
   gradients, K = 20, S = 4, uniform weights, relative speeds 1 .. 0.1 on a hand-written profile, a
   deadline of 1.5x the profiled time; the distance to the optimum of (1/N) sum f_k and to that of
   sum pi_k f_k, pi_k each device's share of the selections the run made.
 
-Each cell of the first two: the clock_s of the first evaluated round at the target (mean +- std over the
-seeds that reached it; in brackets how many did), the final accuracy, Jain's index of the devices'
+Each cell of the first two: the clock_s of the first evaluated round at the target and that round (mean +-
+std over the seeds that reached it; in brackets how many did), the final accuracy, Jain's index of the devices'
 participation counts (1: all equal), and the 10th percentile of the devices' own test accuracies at the
 final model.
 """
@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import os
 import platform
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -40,9 +39,8 @@ from edgefed import config as config_mod
 from edgefed.analysis.logs import jain_index
 from edgefed.orchestration import run as runs
 from edgefed.runlog import read_run
-from edgefed.runtime.mpi.comm import local_mpiexec, outside_world_env
+from time_to_accuracy import MPIEXEC, run, time_to  # the same runs and the same time to a target
 
-MPIEXEC = local_mpiexec()
 POLICIES = {"uniform": [], "fedcs": ['selection.policy="fedcs"'], "oort": ['selection.policy="oort"'],
             "power of choice": ['selection.policy="power_of_choice"']}
 SCHEMES = ("B", "C", "fednova")
@@ -54,27 +52,10 @@ SETTINGS = {
         "log.eval_every=2", "log.every=1000"]},
     "measured": {"ranks": 3, "overrides": [
         "rounds=60", "data.clients=10", "train.clients_per_round=4", "train.local_steps=2000", "train.lr_local=0.003",
-        'participation.mode="deadline"', "participation.deadline_s=0.008", "participation.grace_s=0.5",
+        'participation.mode="deadline"', "participation.deadline_s=0.02", "participation.grace_s=0.5",
         'participation.clock="measured"', 'device.boards=["x86-64-laptop", "x86-64-laptop"]',
         "device.contention=[0.0, 0.7]", "log.eval_every=2", "log.every=1000"]},
 }
-
-
-def run(args: list[str], ranks: int | None, out: Path) -> dict:
-    cmd = [sys.executable, "-m", "edgefed", "run", *sum((["--set", a] for a in args), []), "--out", str(out),
-           "--force", "--quiet"]
-    if ranks:
-        cmd = [MPIEXEC, "-n", str(ranks), *cmd]
-    done = subprocess.run(cmd, capture_output=True, text=True, env=outside_world_env())
-    if done.returncode:
-        raise SystemExit(f"{' '.join(cmd)} failed:\n{done.stderr[-2000:]}")
-    return read_run(out)
-
-
-def time_to(log: dict, target: float) -> tuple[float, float]:
-    acc, clock = log["metrics/test_accuracy"], log["metrics/clock_s"]
-    reached = np.flatnonzero(np.nan_to_num(acc, nan=-1.0) >= target)
-    return (float(clock[reached[0]]) if reached.size else float("nan")), float(acc[np.isfinite(acc)][-1])
 
 
 def device_accuracies(log: dict) -> np.ndarray:
@@ -90,12 +71,20 @@ def device_accuracies(log: dict) -> np.ndarray:
     return np.array(out)
 
 
+def rounds_to(log: dict, target: float) -> float:
+    reached = np.flatnonzero(np.nan_to_num(log["metrics/test_accuracy"], nan=-1.0) >= target)
+    return float(reached[0]) if reached.size else float("nan")
+
+
 def cells(values: list[tuple]) -> list[str]:
-    times = np.array([v[0] for v in values])
-    hit = times[np.isfinite(times)]
-    reached = "" if hit.size == times.size else f" ({hit.size}/{times.size})"
-    seconds = "never" if not hit.size else f"{hit.mean():.3f} ± {hit.std():.3f}{reached}"
-    return [seconds] + [f"{np.mean([v[i] for v in values]):.3f}" for i in (1, 2, 3)]
+    """(seconds to the target, rounds to it) over the seeds that reached it, then the means of the rest."""
+    out = []
+    for i, digits in ((0, 3), (1, 0)):
+        got = np.array([v[i] for v in values])
+        hit = got[np.isfinite(got)]
+        reached = "" if hit.size == got.size else f" ({hit.size}/{got.size})"
+        out.append("never" if not hit.size else f"{hit.mean():.{digits}f} ± {hit.std():.{digits}f}{reached}")
+    return out + [f"{np.mean([v[i] for v in values]):.3f}" for i in (2, 3, 4)]
 
 
 def replayed_exactly(log: dict, path: Path, folder: Path) -> bool:
@@ -114,17 +103,23 @@ def replayed_exactly(log: dict, path: Path, folder: Path) -> bool:
 
 def experiment(args, folder: Path) -> None:
     setting = SETTINGS[args.experiment]
-    print(f"| policy | scheme | seconds to {args.target:g} | final accuracy | Jain's index | 10th pct device "
-          "accuracy |\n| --- | --- | --- | --- | --- | --- |")
+    if args.deadline is not None:
+        setting = {**setting, "overrides": [o for o in setting["overrides"] if not o.startswith("participation.deadline_s")]
+                   + [f"participation.deadline_s={args.deadline}"]}
+    print(f"| policy | scheme | seconds to {args.target:g} | rounds to it | final accuracy | Jain's index | 10th pct "
+          "device accuracy |\n| --- | --- | --- | --- | --- | --- | --- |")
     replays = []
     for policy, extra in POLICIES.items():
-        for scheme in SCHEMES:
+        for scheme in args.schemes:
             values = []
             for seed in args.seeds:
                 out = folder / f"{policy}-{scheme}-{seed}.h5".replace(" ", "_")
                 log = run(setting["overrides"] + extra + [f"seed={seed}", f'participation.scheme="{scheme}"'],
                           setting["ranks"], out)
-                values.append((*time_to(log, args.target), jain_index(log["participation/selected"].sum(axis=0)), float(np.percentile(device_accuracies(log), 10))))
+                seconds, final = time_to(log, args.target)
+                values.append((seconds, rounds_to(log, args.target), final,
+                               jain_index(log["participation/selected"].sum(axis=0)),
+                               float(np.percentile(device_accuracies(log), 10))))
                 if setting["ranks"] and scheme == "C":
                     replays.append(replayed_exactly(log, out, folder))
             print(f"| {policy} | {scheme} | " + " | ".join(cells(values)) + " |", flush=True)
@@ -175,6 +170,8 @@ def main():
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--target", type=float, default=0.75)
     parser.add_argument("--rounds", type=int, default=1500)
+    parser.add_argument("--deadline", type=float, help="measured: the deadline in seconds (default 0.02)")
+    parser.add_argument("--schemes", nargs="+", default=list(SCHEMES))
     args = parser.parse_args()
     if args.experiment == "measured" and MPIEXEC is None:
         raise SystemExit("the measured setting needs mpiexec: pip install 'edgefed[mpi]'")

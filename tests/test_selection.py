@@ -237,6 +237,16 @@ def test_power_of_choice_counts_its_question_in_bytes_and_clock(tmp_path, board)
     assert f"{int((c == 0).sum())} of 8 devices never selected" in line
 
 
+def test_over_selection_asks_a_policy_for_more_and_takes_the_first_to_finish(tmp_path, board):
+    cfg = config_with({**SMALL, "device.profile": board, "device.speed": [1.0, 0.5, 0.25, 1.0, 0.2, 2.0, 1.0, 0.5],
+                       "participation.overselect": 0.5, "selection.policy": "oort"})
+    runs.run(cfg, tmp_path / "r.h5")
+    log = read_run(tmp_path / "r.h5")
+    sel, late = log["participation/selected"], log["participation/late"]
+    assert (sel.sum(axis=1) == 5).all()  # ceil(1.5 x 3)
+    assert ((sel & ~late).sum(axis=1) == 3).all() and log["participation/candidate"].all()
+
+
 def test_power_of_choice_does_not_hear_from_a_device_that_left(tmp_path):
     cfg = config_with({**SMALL, "rounds": 5, "selection.policy": "power_of_choice", "selection.candidates": 7,
                        "dynamics.depart": [{"device": 2, "round": 3, "policy": "include"}]})

@@ -72,7 +72,7 @@ class RoundEngine:
         batch = self.n_train if cfg.train.batch_size == "full" else np.minimum(self.n_train, cfg.train.batch_size)
         self._batch = np.maximum(batch, 1)
         self._choice: Choice | None = None  # the round's selection, as the policy made it
-        self._probed = None  # (candidates, seconds) of the round's loss pass (power of choice)
+        self._probed = None  # (candidates, seconds, those that answered) of the round's loss pass (power of choice)
         self.state: ServerState | None = None
         _, self.downlink = compression.codecs(cfg.compress)
         self.residual_names = (tuple(compression.residual_name(r) for r in algorithm.reports)

@@ -106,7 +106,18 @@ def draw_candidates(seed: int, round_idx: int, members: np.ndarray, d: int, p: n
     return rng.choice(members, size=min(d, members.size), replace=False, p=p)
 
 
-class FedCS(Uniform):
+class _FromCandidates(Uniform):
+    """A policy that first draws `candidates` members (2S unless set)."""
+
+    def __init__(self, seed: int, settings, n_train: np.ndarray, rounds: int):
+        super().__init__(seed, settings, n_train, rounds)
+        self.candidates = settings.candidates
+
+    def asked(self, view: View) -> int:
+        return 2 * view.count if self.candidates is None else self.candidates
+
+
+class FedCS(_FromCandidates):
     """Nishio and Yonetani's greedy: with each device's link its own (edgefed's links, the deadline per device),
     the round's time is the largest predicted time of its devices, so the device adding least to it is the
     fastest left; a device is taken when its K_k steps fit in the compute its deadline leaves. Unknown
@@ -114,13 +125,8 @@ class FedCS(Uniform):
 
     name = "fedcs"
 
-    def __init__(self, seed: int, settings, n_train: np.ndarray, rounds: int):
-        super().__init__(seed, settings, n_train, rounds)
-        self.candidates = settings.candidates
-
     def select(self, view: View) -> Choice:
-        d = 2 * view.count if self.candidates is None else self.candidates
-        drawn = draw_candidates(self.seed, view.round_idx, view.members, d)
+        drawn = draw_candidates(self.seed, view.round_idx, view.members, self.asked(view))
         seconds, budgets = view.seconds[drawn], view.budgets[drawn]
         step_s, window = view.work_s[drawn] / np.maximum(budgets, 1), view.window(drawn)
         # the steps the window leaves at the device's speed, as a simulated deadline counts them; unknown
@@ -134,19 +140,14 @@ class FedCS(Uniform):
         return _choice(drawn[taken], drawn, seconds, deadline_among=drawn)
 
 
-class PowerOfChoice(Uniform):
+class PowerOfChoice(_FromCandidates):
     """Cho, Wang and Joshi's pi_pow-d: d candidates by weight, the S with the highest local loss F_k(x)."""
 
     name = "power_of_choice"
 
-    def __init__(self, seed: int, settings, n_train: np.ndarray, rounds: int):
-        super().__init__(seed, settings, n_train, rounds)
-        self.candidates = settings.candidates
-
     def select(self, view: View) -> Choice:
-        d = 2 * view.count if self.candidates is None else self.candidates
         p = view.weights / math.fsum(view.weights)
-        drawn = draw_candidates(self.seed, view.round_idx, view.members, d, p)
+        drawn = draw_candidates(self.seed, view.round_idx, view.members, self.asked(view), p)
         losses = np.asarray(view.losses(np.sort(drawn)), np.float64)[np.argsort(np.argsort(drawn))]
         # highest first (a device that did not answer, NaN, last), then by id
         order = np.lexsort((drawn, -np.nan_to_num(losses, nan=-np.inf, posinf=np.inf, neginf=-np.inf)))
