@@ -91,6 +91,7 @@ class TorchModel:
 
     kind = "torch"
     EVAL_CHUNK = EVAL_CHUNK
+    report_losses = False  # fill run.loss_sq (a selection policy reads them): off, a step costs nothing more
 
     def __init__(self, path: str, factory: str, sample_shape: tuple, n_outputs: int, dtype, seed: int,
                  loss: str = "cross_entropy"):
@@ -326,6 +327,7 @@ class TorchModel:
         index = torch.from_numpy(run.perm)
         y_flat, g, grad = self._flat, self._g, self._flat_grad
         squares = torch.zeros((), dtype=torch.float64)
+        report = self.report_losses
 
         def steps():
             for _ in range(int(n_steps)):
@@ -333,7 +335,11 @@ class TorchModel:
                     draw_batch(run.rng, run.perm, n, b)
                 rows = index[:b]
                 grad.zero_()
-                losses = self._training_loss(self._forward(X.index_select(0, rows)), y.index_select(0, rows))
+                xb, yb = X.index_select(0, rows), y.index_select(0, rows)
+                if report:
+                    losses = self._training_loss(self._forward(xb), yb)
+                else:
+                    self._gradient(xb, yb)
                 with torch.no_grad():
                     step = grad
                     if anchor is not None:  # as apply_step: g = grad + mu (y - anchor), then + correction
@@ -344,11 +350,13 @@ class TorchModel:
                         torch.add(step, correction, out=g)
                         step = g
                     y_flat.add_(step, alpha=-lr)
-                    squares.add_(torch.dot(losses, losses))
+                    if report:
+                        squares.add_(torch.dot(losses, losses))
 
         self._train_on(run, steps)
-        run.loss_sq += float(squares)
-        run.samples += int(n_steps) * b
+        if report:
+            run.loss_sq += float(squares)
+            run.samples += int(n_steps) * b
         return int(n_steps)
 
     def oracle_grad(self, params, data, run: TorchRun, batch_size, grad_out) -> None:

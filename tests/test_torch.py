@@ -70,6 +70,34 @@ def test_one_full_batch_step_is_x_minus_lr_grad_by_torch_autograd(algorithm):
     np.testing.assert_allclose(x, x0 - 0.2 * (autograd_gradient(model, x0, data) + extra), rtol=1e-12, atol=1e-14)
 
 
+@pytest.mark.parametrize("loss", ["cross_entropy", "mse"])
+def test_reporting_the_losses_for_oort_moves_no_bit_of_the_step(loss):
+    model = TorchModel(MODULES, "linear", (6,), 3, np.float64, seed=0, loss=loss)
+    data = samples()
+    if loss == "mse":
+        data = dataclasses.replace(data, y_train=np.eye(3)[data.y_train], y_test=np.eye(3)[data.y_test])
+    x0 = model.initial_params()
+    plain, reported = x0.copy(), x0.copy()
+    model.local_steps(plain, data, model.begin(data, kernel_state(0, Purpose.LOCAL, 1, 0)), 3, 5, 0.2)
+    model.report_losses = True
+    run = model.begin(data, kernel_state(0, Purpose.LOCAL, 1, 0))
+    model.local_steps(reported, data, run, 3, 5, 0.2)
+    assert np.array_equal(plain, reported) and run.samples == 15 and run.loss_sq > 0
+    run = model.begin(data, kernel_state(0, Purpose.LOCAL, 1, 0))
+    model.local_steps(x0.copy(), data, run, 1, None, 0.0)  # one full batch at lr 0: each sample's loss at x0
+    import torch_modules
+
+    module = torch_modules.linear((6,), 3).double()
+    with torch.no_grad():
+        for p, off, shape in zip(module.parameters(), model.offsets, model.shapes):
+            p.copy_(torch.from_numpy(x0[off:off + int(np.prod(shape))]).view(shape))
+        out = module(torch.from_numpy(data.X_train))
+        target = torch.from_numpy(data.y_train)
+        each = (torch.nn.functional.cross_entropy(out, target, reduction="none") if loss == "cross_entropy"
+                else ((out - target) ** 2).mean(dim=1))
+    assert run.samples == 20 and run.loss_sq == pytest.approx(float((each ** 2).sum()), rel=1e-12)
+
+
 def test_a_skip_connection_with_dropout_steps_alike_in_chunks_and_repeats(tmp_path):
     model = model_of("residual")
     data = samples()

@@ -33,7 +33,7 @@ from edgefed.participation.timing import Timing
 from edgefed.participation import asynchrony
 from edgefed.participation.traces import ReplayTrace
 from edgefed.problems import build_problem
-from edgefed.participation.selection import build_policy
+from edgefed.participation.selection import POLICY_CLASSES, build_policy
 from edgefed.runlog import (Column, Header, RunLogWriter, discard_stub, read_participation, read_resume_point,
                             read_run, size_text, write_stub)
 from edgefed.runtime.local import LocalTransport
@@ -322,7 +322,8 @@ def local_transport(cfg: Config, algorithm: Algorithm, problem, model, device_id
         cores = [usable[t % len(usable)] for t in range(cfg.mpi.threads_per_rank)]
     return LocalTransport(problem, model, algorithm, cfg.seed, batch, device_ids, cfg.fault, loads, cores,
                           compression.codecs(cfg.compress)[0], link_speeds(cfg, problem.n_devices),
-                          secagg=cfg.secagg if cfg.secagg.enabled else None, scheme=cfg.participation.scheme)
+                          secagg=cfg.secagg if cfg.secagg.enabled else None, scheme=cfg.participation.scheme,
+                          report_losses=POLICY_CLASSES[cfg.selection.policy].reads_losses)
 
 
 def usable_cores() -> list[int]:

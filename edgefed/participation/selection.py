@@ -79,6 +79,7 @@ class Feedback:
 class Uniform:
     name = "uniform"
     state: tuple = ()
+    reads_losses = False  # whether it reads what the devices' steps say of their losses
 
     def __init__(self, seed: int, settings, n_train: np.ndarray, rounds: int):
         self.seed, self.n_train = seed, np.asarray(n_train, np.int64)
@@ -168,6 +169,7 @@ class Oort(Uniform):
     the pacer)."""
 
     name = "oort"
+    reads_losses = True
 
     def __init__(self, seed: int, settings, n_train: np.ndarray, rounds: int):
         super().__init__(seed, settings, n_train, rounds)
