@@ -8,6 +8,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
+from edgefed.config.schema import SelectionConfig
 from edgefed.errors import ConfigError
 from edgefed.orchestration import run as runs
 from edgefed.participation.selection import FedCS, Feedback, Oort, PowerOfChoice, View, draw_candidates
@@ -18,8 +19,7 @@ from test_clock import board, simulated  # noqa: F401 - the board fixture
 from test_mpi import MPIEXEC, edgefed, write
 from test_protocol import loopback_run
 
-OORT = SimpleNamespace(policy="oort", candidates=None, alpha=2.0, exploration=0.9, exploration_decay=0.98,
-                       exploration_min=0.3, cut_off=0.95, preferred_s=None, pacer_step=20, pacer_delta=None)
+OORT = SelectionConfig(policy="oort")  # the paper's defaults
 
 
 def view(members, count, seconds, work=None, window=None, **extra):

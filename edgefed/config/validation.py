@@ -24,7 +24,7 @@ from edgefed.config.schema import (CompressConfig, Config, DataConfig, DeviceCon
 from edgefed.errors import ConfigError
 from edgefed.participation import asynchrony
 from edgefed.participation.schemes import SCHEMES, WEIGHTINGS
-from edgefed.participation.selection import POLICIES
+from edgefed.participation.selection import OORT_DEFAULTS, POLICIES, oort_settings
 from edgefed.participation.timing import overselected
 from edgefed.problems.idx import EMNIST_SPLITS
 from edgefed.problems import cifar, pool
@@ -103,10 +103,7 @@ def validate(cfg: Config) -> Config:
                                compress=compress, selection=selection)
 
 
-# Each policy's parameters and, for Oort, the paper's defaults (Lai et al., OSDI 2021, and its reference
-# selector: exploration 0.9 decaying by 0.98 a round to 0.3, penalty exponent 2, cut-off 0.95, pacer window 20)
-OORT_DEFAULTS = {"alpha": 2.0, "exploration": 0.9, "exploration_decay": 0.98, "exploration_min": 0.3,
-                 "cut_off": 0.95, "pacer_step": 20}
+# each policy's own parameters
 POLICY_KEYS = {"uniform": (), "fedcs": ("candidates",), "power_of_choice": ("candidates",),
                "oort": tuple(OORT_DEFAULTS) + ("preferred_s", "pacer_delta")}
 
@@ -142,7 +139,7 @@ def _validate_selection(s: SelectionConfig, p: ParticipationConfig, t: TrainConf
                               f"ask at least {count}")
     if s.policy != "oort":
         return s
-    s = dataclasses.replace(s, **{key: value for key, value in OORT_DEFAULTS.items() if getattr(s, key) is None})
+    checked, s = s, oort_settings(s)  # the values as run; the config keeps what was set
     if not (s.alpha >= 0 and math.isfinite(s.alpha)):
         raise ConfigError(f"config: selection.alpha = {s.alpha} must be a finite number >= 0 (Oort's: 2)")
     for key in ("exploration", "exploration_min"):
@@ -160,7 +157,7 @@ def _validate_selection(s: SelectionConfig, p: ParticipationConfig, t: TrainConf
         _positive(s.preferred_s, "selection.preferred_s", "preferred_s = 30.0")
     if s.pacer_delta is not None and not (s.pacer_delta >= 0 and math.isfinite(s.pacer_delta)):
         raise ConfigError(f"config: selection.pacer_delta = {s.pacer_delta} must be a finite number of seconds >= 0")
-    return s
+    return checked
 
 
 def _validate_async(cfg: Config, data: DataConfig, train: TrainConfig, compress: CompressConfig) -> None:

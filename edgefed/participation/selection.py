@@ -18,6 +18,7 @@ algorithm's server vectors; every draw comes from a stream of its own.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Callable
@@ -35,6 +36,16 @@ POLICIES = ("uniform", "fedcs", "oort", "power_of_choice")
 OORT_CLIP = 0.98
 OORT_SAMPLE_WINDOW = 5.0
 OORT_STALENESS = 0.1  # the bonus sqrt(0.1 ln r / L_k)
+# Oort's parameters left unset take the paper's values (Lai et al., OSDI 2021, and its reference selector:
+# exploration 0.9 decaying by 0.98 a round to 0.3, penalty exponent 2, cut-off 0.95, pacer window 20)
+OORT_DEFAULTS = {"alpha": 2.0, "exploration": 0.9, "exploration_decay": 0.98, "exploration_min": 0.3,
+                 "cut_off": 0.95, "pacer_step": 20}
+
+
+def oort_settings(settings):
+    """The [selection] table with Oort's unset parameters at their defaults."""
+    return dataclasses.replace(settings, **{key: value for key, value in OORT_DEFAULTS.items()
+                                            if getattr(settings, key) is None})
 
 
 @dataclass(frozen=True)
@@ -173,7 +184,7 @@ class Oort(Uniform):
 
     def __init__(self, seed: int, settings, n_train: np.ndarray, rounds: int):
         super().__init__(seed, settings, n_train, rounds)
-        s = settings
+        s = oort_settings(settings)
         self.alpha, self.decay, self.floor = s.alpha, s.exploration_decay, s.exploration_min
         self.cut_off, self.step, self.preferred_s, self.delta = s.cut_off, s.pacer_step, s.preferred_s, s.pacer_delta
         self.reward = np.full(self.n_train.size, np.nan)
