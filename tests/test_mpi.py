@@ -363,10 +363,12 @@ max_staleness = 4
 """
 
 
-def test_async_under_mpiexec_replays_in_the_simulator_bit_for_bit(tmp_path):
+@pytest.mark.parametrize("selection", ["", '[selection]\npolicy = "oort"\n'], ids=["uniform", "oort"])
+def test_async_under_mpiexec_replays_in_the_simulator_bit_for_bit(tmp_path, selection):
     """FedBuff on real ranks (measured clock, reports in arrival order), then its log replayed in the
-    simulator on a profile: the recorded order, staleness and clock, the same trajectory."""
-    cfg = write(tmp_path, "a.toml", ASYNC)
+    simulator on a profile: the recorded order, staleness and clock, the same trajectory; with Oort drawing
+    the tasks' devices from the speeds and losses measured, its rows too."""
+    cfg = write(tmp_path, "a.toml", ASYNC + selection)
     done = edgefed(["run", cfg, "--out", str(tmp_path / "mpi.h5"), "--quiet"], 3)
     assert done.returncode == 0, done.stderr
     replay = ["run", cfg, "--set", f'participation.trace="{tmp_path / "mpi.h5"}"', "--out", str(tmp_path / "r.h5"),
@@ -375,8 +377,12 @@ def test_async_under_mpiexec_replays_in_the_simulator_bit_for_bit(tmp_path):
     assert done.returncode == 0, done.stderr
     mpi, again = read_run(tmp_path / "mpi.h5"), read_run(tmp_path / "r.h5")
     assert mpi["attrs"]["clock"] == "measured" and again["attrs"]["clock"] == "replayed"
-    for name in ("trajectory/x", "participation/staleness", "participation/coeff", "participation/steps",
-                 "participation/selected", "metrics/test_accuracy", "metrics/clock_s"):
+    names = ["trajectory/x", "participation/staleness", "participation/coeff", "participation/steps",
+             "participation/selected", "metrics/test_accuracy", "metrics/clock_s"]
+    if selection:
+        names += ["participation/candidate", "participation/utility"]
+        assert mpi["participation/candidate"].any() and np.isfinite(mpi["state/oort_reward"]).any()
+    for name in names:
         assert mpi[name].tobytes() == again[name].tobytes(), name
     resumed = edgefed(["run", cfg, "--resume", str(tmp_path / "mpi.h5")], 3)
     assert resumed.returncode == 0 and "already complete" in resumed.stdout

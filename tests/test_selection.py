@@ -284,6 +284,28 @@ def test_fedcs_through_loopback_ranks_and_a_replay_takes_the_logged_selection(tm
         assert again[name].tobytes() == log[name].tobytes(), name
 
 
+ASYNC = {"rounds": 8, "data.clients": 8, "data.samples": 60, "train.local_steps": 5, "participation.mode": "async",
+         "train.clients_per_round": "all",
+         "async.concurrency": 3, "async.buffer": 2, "participation.clock": "simulated",
+         "device.speed": [1.0, 0.5, 0.25, 1.0, 0.2, 2.0, 1.0, 0.5]}
+
+
+@pytest.mark.parametrize("policy", ["oort", "power_of_choice", "fedcs"])
+def test_fedbuffs_idle_draw_uses_the_policy_repeats_and_resumes_to_the_byte(tmp_path, board, policy):
+    extra = {"participation.deadline_s": 0.012} if policy == "fedcs" else {}
+    cfg = config_with({**ASYNC, "device.profile": board, "selection.policy": policy, **extra})
+    whole, resumed = interrupted_then_resumed(cfg, tmp_path, 4)
+    assert_same_logs(whole, resumed)  # the tasks in flight and the policy's state came back from the log
+    asked = whole["participation/candidate"]
+    assert asked.any(axis=1).all() and whole["state/async_counters"][0][1] > 0
+    uniform = config_with({**ASYNC, "device.profile": board, **extra})
+    runs.run(uniform, tmp_path / "u.h5")
+    assert read_run(tmp_path / "u.h5")["participation/selected"].tobytes() != whole["participation/selected"].tobytes()
+    if policy == "power_of_choice":  # each draw asks 2 idle devices (2S, S = 1) for their loss: x down, 8 bytes up
+        down, sel = whole["participation/bytes_down"], whole["participation/selected"]
+        assert (down[asked & ~sel] % 2440 == 0).all() and (down[asked & ~sel] > 0).all()
+
+
 needs_mpi = pytest.mark.skipif(MPIEXEC is None, reason="no mpiexec: pip install 'edgefed[mpi]'")
 
 
@@ -312,7 +334,8 @@ def test_power_of_choice_under_mpiexec_writes_the_simulators_bytes(tmp_path):
     ({"selection.policy": "power_of_choice", "selection.candidates": 40, "data.clients": 30},
      "selection.candidates = 40 exceeds the 30 devices"),
     ({"selection.policy": "oort", "selection.exploration_decay": 1.5}, "selection.exploration_decay = 1.5 must lie in"),
-    ({"selection.policy": "oort", "participation.mode": "async"}, "FedBuff's idle draw"),
+    ({"selection.policy": "fedcs", "participation.mode": "async"}, 'set participation.mode = "deadline" (or '
+                                                                   '"async") and participation.deadline_s'),
     ({"selection.policy": "oort", "secagg.enabled": True}, "reads each device's training loss in the clear"),
     ({"selection.policy": "power_of_choice", "selection.candidates": 4, "train.clients_per_round": 4,
       "participation.overselect": 0.5}, "selection.candidates = 4 is fewer than the 6 devices a round selects"),

@@ -117,12 +117,10 @@ def _validate_selection(s: SelectionConfig, p: ParticipationConfig, t: TrainConf
             raise ConfigError(f"config: selection.{key} is a parameter of policy {owners}, not of {s.policy!r}; "
                               "remove it or choose that policy")
     replay = p.mode == "trace" and isinstance(p.trace, str) and p.trace.endswith((".h5", ".hdf5"))
-    if s.policy == "fedcs" and p.mode != "deadline" and not replay:  # a replay takes the logged selection
-        raise ConfigError('config: selection.policy = "fedcs" takes the devices whose work fits the round\'s '
-                          'deadline: set participation.mode = "deadline" and participation.deadline_s')
-    if s.policy != "uniform" and p.mode == "async":
-        raise ConfigError(f'config: selection.policy = {s.policy!r} chooses a round\'s devices; FedBuff\'s idle draw '
-                          '(participation.mode = "async") is uniform for now: remove selection.policy or run rounds')
+    deadline = p.mode == "deadline" or (p.mode == "async" and p.deadline_s is not None)
+    if s.policy == "fedcs" and not deadline and not replay:  # a replay takes the logged selection
+        raise ConfigError('config: selection.policy = "fedcs" takes the devices whose work fits the deadline: set '
+                          'participation.mode = "deadline" (or "async") and participation.deadline_s')
     if s.policy in ("oort", "power_of_choice") and cfg_secagg:
         raise ConfigError(f"config: selection.policy = {s.policy!r} reads each device's training loss in the clear, "
                           "which [secagg] exists to hide; use \"uniform\" or \"fedcs\" (speeds only) with secure "

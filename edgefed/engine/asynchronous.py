@@ -20,9 +20,10 @@ import numpy as np
 from edgefed.algorithms.base import RoundReports, ServerState
 from edgefed.engine.clock import Settled
 from edgefed.engine.rounds import RoundEngine, RoundSummary
-from edgefed.participation.asynchrony import Recorded, Schedule, Task, Update, buffer_coefficients, draw_idle
+from edgefed.participation.asynchrony import (Recorded, Schedule, Task, Update, buffer_coefficients, draw_idle,
+                                              idle_members)
 from edgefed.participation.timing import steps_within
-from edgefed.transport import LocalResults, RoundPlan
+from edgefed.transport import PROBE_BYTES, LocalResults, RoundPlan
 
 
 class AsyncEngine(RoundEngine):
@@ -36,7 +37,10 @@ class AsyncEngine(RoundEngine):
         elif self.timing.clock == "measured":
             self.schedule = LiveSchedule(self)
         else:
-            self.schedule = Schedule(cfg.seed, a.concurrency, a.buffer, a.max_staleness, self._duration)
+            self.schedule = Schedule(cfg.seed, a.concurrency, a.buffer, a.max_staleness, self._duration,
+                                     self._pick if self.considered else None)
+        self._drawn: dict[int, float] = {}  # a selection policy's considered devices and scores since the last row
+        self._asked = (np.zeros(self.n_devices, np.int64), np.zeros(self.n_devices, np.int64))  # probes: down, up
         self.versions: dict[int, ServerState] = {}  # the server models a task in flight may have started from
         recorded = self.schedule.staleness.max(initial=0) if isinstance(trace, Recorded) else 0
         self.window = max(a.max_staleness, int(recorded))  # the oldest version a taken report can start from
@@ -51,6 +55,49 @@ class AsyncEngine(RoundEngine):
         comm = boards.comm_or_zero(k) + self.timing.transfer_s(k, self.timing.round_bytes)
         return int(steps[0]), float(steps[0] * boards.step_s[device] + comm[0])
 
+    def _pick(self, draw: int, idle: np.ndarray) -> tuple[int, float]:
+        """A selection policy's device for the draw-th task, among the idle members, for the server update
+        its report will go into (the policy's round), and the seconds choosing took on a simulated clock."""
+        self._probed = None
+        choice = self.selection.select(dataclasses.replace(self._view(self.schedule.version + 1, idle, 1), draw=draw))
+        self._drawn.update(zip(choice.candidates.tolist(), choice.utility.tolist()))
+        if self._probed is None:
+            return int(choice.selected[0]), 0.0
+        asked, seconds, answered = self._probed
+        self._asked[0][asked] += self.state.x.nbytes  # the probes' bytes since the last row
+        self._asked[1][answered] += PROBE_BYTES
+        return int(choice.selected[0]), seconds
+
+    def _probe_bytes(self, up: int) -> np.ndarray:
+        return self._asked[up].copy()
+
+    def _considered_row(self, round_idx: int) -> dict:
+        """Row t: what the policy considered in the draws since row t - 1 (a device's latest score)."""
+        if not self.considered:
+            return {}
+        if isinstance(self.schedule, Recorded) and self.schedule.candidate is not None:  # a replay: the log's
+            return {"participation/candidate": self.schedule.candidate[round_idx - 1],
+                    "participation/utility": self.schedule.utility[round_idx - 1]}
+        candidate, utility = np.zeros(self.n_devices, bool), np.full(self.n_devices, np.nan)
+        for k, score in self._drawn.items():
+            candidate[k], utility[k] = True, score
+        self._drawn = {}
+        return {"participation/candidate": candidate, "participation/utility": utility}
+
+    def _extra_slots(self) -> dict:
+        """With a selection policy the schedule's tasks in flight: its draws cannot be simulated again."""
+        return self.schedule.state() if self.considered and isinstance(self.schedule, Schedule) else {}
+
+    def _learn(self, round_idx: int, ids: np.ndarray, res: LocalResults, reported: np.ndarray) -> None:
+        """What update round_idx's reports tell a selection policy: their losses, and their devices' speeds
+        and links for its forecasts (the simulated clock's, or as measured)."""
+        if not self.considered:
+            return
+        self._observe(RoundPlan(round_idx, ids, self._budgets[ids], 0.0), res, reported)
+        boards = self.timing.boards
+        work = (res.steps * boards.step_s[ids] if self.clock.simulated else res.elapsed_s.astype(np.float64))
+        self.clock.history.observe(ids, res.steps, np.where(reported, work, np.nan), res.comm_s.astype(np.float64))
+
     def start(self, x0: np.ndarray) -> ServerState:
         state = super().start(x0)
         self.versions[0] = state
@@ -61,10 +108,14 @@ class AsyncEngine(RoundEngine):
         """The server state after update `done`, the schedule as it stood then (simulated again: it is
         arithmetic on the boards' times, or the recorded one), and the models its tasks in flight started
         from (the log's trajectory: every version is stored with [log] every = 1)."""
+        resumed = state
         state = super().resume(state, done, prefix)
-        self.schedule.fill(np.flatnonzero(self.active))
-        for _ in range(done):
-            self.schedule.next_update(np.flatnonzero(self.active))
+        if self._extra_slots():
+            self.schedule.restore(resumed)
+        else:
+            self.schedule.fill(np.flatnonzero(self.active))
+            for _ in range(done):
+                self.schedule.next_update(np.flatnonzero(self.active))
         stored = dict(zip(prefix["trajectory/round"].tolist(), prefix["trajectory/x"]))
         for v in range(max(done - self.window, 0), done + 1):
             self.versions[v] = ServerState(stored[v].copy()) if v < done else state
@@ -120,6 +171,7 @@ class AsyncEngine(RoundEngine):
             self.state, RoundReports(ids, res.vectors, coeffs, reported, t.lr_global, int(self.active.sum()))),
             "server_update")
         self.versions[round_idx] = self.state
+        self._learn(round_idx, ids, res, reported)
         for v in [v for v in self.versions if v < round_idx - self.window]:
             del self.versions[v]  # no task of it can be taken any more
         self.clock.clock_s = update.time_s
@@ -167,6 +219,8 @@ class AsyncEngine(RoundEngine):
         tau[ids] = staleness
         tau[late_ids] = [round_idx - 1 - task.version for task in discarded]
         row["participation/staleness"] = tau
+        for sent in self._asked:
+            sent[:] = 0
         return row
 
 
@@ -197,7 +251,11 @@ class LiveSchedule:
 
     def _start(self, members: np.ndarray, now: float) -> None:
         e = self.engine
-        device = draw_idle(e.cfg.seed, self.draws + 1, members, self.busy())
+        if e.considered:  # a selection policy chooses among the idle members
+            idle = idle_members(members, self.busy())
+            device = e._pick(self.draws + 1, idle)[0] if idle.size else None
+        else:
+            device = draw_idle(e.cfg.seed, self.draws + 1, members, self.busy())
         if device is None:
             return
         self.draws += 1

@@ -74,8 +74,9 @@ class RoundClock:
     def windows(self, ids: np.ndarray, budgets: np.ndarray) -> np.ndarray:
         """The seconds of local work each device's deadline leaves it, were these devices the round's (NaN:
         no deadline)."""
-        if self.mode != "deadline":
-            return np.full(ids.size, np.nan)
+        t = self.timing
+        if self.mode not in ("deadline", "async") or (t.deadlines is None and t.quantile is None):
+            return np.full(ids.size, np.nan)  # no deadline (an async task's is fixed when it has one)
         return self._due(ids, budgets, None) - self._links(ids)
 
     def deadlines(self, ids: np.ndarray, budgets: np.ndarray, among: np.ndarray | None = None) -> RoundDeadlines:

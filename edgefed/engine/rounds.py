@@ -305,6 +305,10 @@ class RoundEngine:
         self.selection.load({name: state[name] for name, _, _ in self.selection.state})
         return self.state
 
+    def _extra_slots(self) -> dict:
+        """Resume state an engine keeps beside the server's and the policy's (FedBuff's: its schedule)."""
+        return {}
+
     def _secure_side(self, dim: int) -> None:
         if self.cfg.secagg.enabled:
             self.secure = SecureSum(self.cfg, dim, self.transport, self.n_devices)
@@ -415,7 +419,7 @@ class RoundEngine:
         """
         state, algo = self.state, self.algorithm
         slots = {"x": state.x, **{v.name: state.vectors[v.name] for v in algo.server_vectors}, **self._replica_slots(),
-                 **self.selection.values()}
+                 **self.selection.values(), **self._extra_slots()}
         stored = {"trajectory/round": round_idx, "trajectory/x": state.x,
                   **{v.column: state.vectors[v.name] for v in algo.server_vectors}}
         self.log.stage(round_idx, slots, changes or None, sets or None)

@@ -151,8 +151,12 @@ def log_layout(algorithm: Algorithm, cfg: Config, n: int, d: int, dtype) -> dict
     if cfg.compress.error_feedback:
         rows += [compression.residual_name(r) for r in algorithm.reports]
     policy = build_policy(cfg.selection, cfg.seed, np.zeros(n, np.int64), cfg.rounds)
+    schedule = ()
+    if cfg.participation.mode == "async" and cfg.selection.policy != "uniform":  # the tasks in flight, for --resume
+        schedule = (("async_flight", (cfg.asynchronous.concurrency, 5), np.float64),
+                    ("async_counters", (2,), np.int64))
     return {"extra_columns": tuple(columns),
-            "slots": tuple((name, (d,), dtype) for name in slots) + tuple(policy.state),
+            "slots": tuple((name, (d,), dtype) for name in slots) + tuple(policy.state) + schedule,
             "row_states": tuple((name, (n, d), dtype) for name in rows)}
 
 
@@ -245,8 +249,9 @@ def _recorded_updates(recorded, spec: str, n_devices: int, rounds: int) -> async
     if recorded.staleness.shape[0] < rounds:
         raise ConfigError(f"config: {where} holds {recorded.staleness.shape[0]} server updates but this run needs "
                           f"{rounds}; lower rounds to at most {recorded.staleness.shape[0]}")
+    considered = [None if v is None else v[:rounds] for v in (recorded.candidate, recorded.utility)]
     return asynchrony.Recorded(recorded.staleness[:rounds], recorded.late[:rounds], recorded.steps[:rounds],
-                               recorded.clock_s)
+                               recorded.clock_s, *considered)
 
 
 def prepare(cfg: Config, log_path: Path, *, resume_point=None, force: bool = False, on_info=None,

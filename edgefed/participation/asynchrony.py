@@ -67,19 +67,25 @@ class Update:
 def draw_idle(seed: int, draw: int, members: np.ndarray, busy: set[int]) -> int | None:
     """The device the draw-th draw (1-based) starts a task on: uniform over the idle members, from its own
     stream; None when every member is busy."""
-    idle = np.array([k for k in np.asarray(members, np.int64) if int(k) not in busy], np.int64)
+    idle = idle_members(members, busy)
     if idle.size == 0:
         return None
     return int(generator(seed, Purpose.ASYNC_SELECT, draw).choice(idle))
 
 
+def idle_members(members: np.ndarray, busy: set[int]) -> np.ndarray:
+    return np.array([k for k in np.asarray(members, np.int64) if int(k) not in busy], np.int64)
+
+
 class Schedule:
     """Tasks in flight on a simulated clock. `duration(device) -> (steps, seconds)` says how much a task of
-    that device does and how long it takes (its steps at its board's speed, plus its links)."""
+    that device does and how long it takes (its steps at its board's speed, plus its links); `pick(draw,
+    idle) -> (device, seconds)`, when given, chooses the device a task starts on (a selection policy) and
+    what choosing took before it starts; by default it is drawn uniformly."""
 
-    def __init__(self, seed: int, concurrency: int, buffer: int, max_staleness: int, duration):
+    def __init__(self, seed: int, concurrency: int, buffer: int, max_staleness: int, duration, pick=None):
         self.seed, self.concurrency, self.buffer, self.max_staleness = seed, concurrency, buffer, max_staleness
-        self.duration = duration
+        self.duration, self.pick = duration, pick
         self.version = 0  # the latest server model
         self.draws = 0  # devices drawn so far: the key of the next draw's stream
         self.flight: list[Task] = []  # a heap
@@ -89,13 +95,33 @@ class Schedule:
         return {t.device for t in self.flight} | {t.device for t in self.buffered}
 
     def _start(self, members: np.ndarray, now: float) -> None:
-        """One new task on an idle member drawn uniformly (none when every member is busy)."""
-        device = draw_idle(self.seed, self.draws + 1, members, self.busy())
+        """One new task on an idle member (none when every member is busy)."""
+        if self.pick is None:
+            device, chosen_s = draw_idle(self.seed, self.draws + 1, members, self.busy()), 0.0
+        else:
+            idle = idle_members(members, self.busy())
+            device, chosen_s = self.pick(self.draws + 1, idle) if idle.size else (None, 0.0)
         if device is None:
             return
         self.draws += 1
         steps, seconds = self.duration(device)
-        heapq.heappush(self.flight, Task(now + float(seconds), device, self.version, now, int(steps)))
+        start = now + float(chosen_s)
+        heapq.heappush(self.flight, Task(start + float(seconds), device, self.version, start, int(steps)))
+
+    # -- resume: with a selection policy the draws depend on what the run reported, so the tasks in flight
+    # are kept in the log rather than simulated again
+    def state(self) -> dict:
+        flight = np.full((self.concurrency, 5), np.nan)
+        for i, t in enumerate(self.flight):
+            flight[i] = (t.finish_s, t.device, t.version, t.start_s, t.steps)
+        return {"async_flight": flight, "async_counters": np.array([self.version, self.draws], np.int64)}
+
+    def restore(self, values: dict) -> None:
+        self.version, self.draws = (int(v) for v in values["async_counters"])
+        self.flight = [Task(float(f), int(d), int(v), float(s), int(n)) for f, d, v, s, n in values["async_flight"]
+                       if not math.isnan(f)]
+        heapq.heapify(self.flight)
+        self.buffered = []
 
     def fill(self, members: np.ndarray, now: float = 0.0) -> None:
         """Start tasks until `concurrency` are in flight (or every member is busy)."""
@@ -131,8 +157,10 @@ class Recorded:
     RUN.h5 with mode = "async"): which reports each update took and discarded, from which versions, with
     how many steps, and when."""
 
-    def __init__(self, staleness: np.ndarray, late: np.ndarray, steps: np.ndarray, clock_s: np.ndarray | None):
+    def __init__(self, staleness: np.ndarray, late: np.ndarray, steps: np.ndarray, clock_s: np.ndarray | None,
+                 candidate: np.ndarray | None = None, utility: np.ndarray | None = None):
         self.staleness, self.late, self.steps, self.clock_s = staleness, late, steps, clock_s
+        self.candidate, self.utility = candidate, utility  # a selection policy's rows, copied into the replay
         self.version = 0
 
     def fill(self, members: np.ndarray, now: float = 0.0) -> None:

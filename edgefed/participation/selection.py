@@ -64,6 +64,11 @@ class View:
     window: Callable | None = None  # window(ids) -> (ids,) seconds the deadline leaves ids' steps (candidates set it)
     deadline_s: np.ndarray | None = None  # (N,) a fixed deadline policy's seconds (Oort's preferred duration)
     losses: Callable | None = None  # losses(ids) -> (ids,) F_k at the current model (one pass over their data)
+    draw: int | None = None  # the key of the policy's streams (None: the round; FedBuff: its n-th task draw)
+
+    @property
+    def key(self) -> int:
+        return self.round_idx if self.draw is None else self.draw
 
 
 @dataclass(frozen=True)
@@ -96,7 +101,7 @@ class Uniform:
         self.seed, self.n_train = seed, np.asarray(n_train, np.int64)
 
     def select(self, view: View) -> Choice:
-        chosen = select_devices(self.seed, view.round_idx, view.members, view.count)
+        chosen = select_devices(self.seed, view.key, view.members, view.count)
         return Choice(chosen, view.members, np.full(view.members.size, np.nan))
 
     def observe(self, fb: Feedback) -> None:
@@ -138,7 +143,7 @@ class FedCS(_FromCandidates):
     name = "fedcs"
 
     def select(self, view: View) -> Choice:
-        drawn = draw_candidates(self.seed, view.round_idx, view.members, self.asked(view))
+        drawn = draw_candidates(self.seed, view.key, view.members, self.asked(view))
         seconds, budgets = view.seconds[drawn], view.budgets[drawn]
         step_s, window = view.work_s[drawn] / np.maximum(budgets, 1), view.window(drawn)
         # the steps the window leaves at the device's speed, as a simulated deadline counts them; unknown
@@ -159,7 +164,7 @@ class PowerOfChoice(_FromCandidates):
 
     def select(self, view: View) -> Choice:
         p = view.weights / math.fsum(view.weights)
-        drawn = draw_candidates(self.seed, view.round_idx, view.members, self.asked(view), p)
+        drawn = draw_candidates(self.seed, view.key, view.members, self.asked(view), p)
         losses = np.asarray(view.losses(np.sort(drawn)), np.float64)[np.argsort(np.argsort(drawn))]
         # highest first (a device that did not answer, NaN, last), then by id
         order = np.lexsort((drawn, -np.nan_to_num(losses, nan=-np.inf, posinf=np.inf, neginf=-np.inf)))
@@ -190,13 +195,13 @@ class Oort(Uniform):
         self.reward = np.full(self.n_train.size, np.nan)
         self.last = np.zeros(self.n_train.size, np.int64)
         self.history = np.zeros(rounds + 1)  # round r's summed statistical utility of the devices taken
-        self.scalars = np.array([s.exploration, math.nan, math.nan])  # epsilon, T, pacer delta
+        self.scalars = np.array([s.exploration, math.nan, math.nan, 0.0])  # epsilon, T, pacer delta, last round
 
     @property
     def state(self) -> tuple:
         n, r = self.reward.size, self.history.size
         return (("oort_reward", (n,), np.float64), ("oort_last", (n,), np.int64),
-                ("oort_history", (r,), np.float64), ("oort_scalars", (3,), np.float64))
+                ("oort_history", (r,), np.float64), ("oort_scalars", (4,), np.float64))
 
     def values(self) -> dict:
         return {"oort_reward": self.reward.copy(), "oort_last": self.last.copy(), "oort_history": self.history.copy(),
@@ -256,9 +261,11 @@ class Oort(Uniform):
 
     def select(self, view: View) -> Choice:
         r, members, count = view.round_idx, view.members, view.count
-        self._pace(r)
+        if r != self.scalars[3]:  # once a round (FedBuff draws a round's tasks one at a time)
+            self.scalars[3] = r
+            self._pace(r)
+            self.scalars[0] = max(self.scalars[0] * self.decay, self.floor)
         preferred = self._preferred(view)
-        self.scalars[0] = max(self.scalars[0] * self.decay, self.floor)
         explored, scores = self.scores(r, members, view.seconds, view.sizes, preferred)
         ex, un = np.flatnonzero(explored), np.flatnonzero(~explored)
         n_exploit = min(count if un.size == 0 else int(count * (1.0 - self.scalars[0])), ex.size)
@@ -267,15 +274,15 @@ class Oort(Uniform):
             ranked = ex[np.lexsort((members[ex], -scores[ex]))]
             cut = scores[ranked[n_exploit]] * self.cut_off if n_exploit < ranked.size else -math.inf
             admitted = ranked[scores[ranked] >= cut]
-            picked += list(_weighted(generator(self.seed, Purpose.EXPLOIT, r), admitted, scores[admitted], n_exploit))
+            picked += list(_weighted(generator(self.seed, Purpose.EXPLOIT, view.key), admitted, scores[admitted], n_exploit))
         n_explore = min(un.size, count - len(picked))
         if n_explore > 0:
             ranked = un[np.lexsort((members[un], -scores[un]))]
             window = ranked[:min(int(OORT_SAMPLE_WINDOW * n_explore), ranked.size)]
-            picked += list(_weighted(generator(self.seed, Purpose.EXPLORE, r), window, scores[window], n_explore))
+            picked += list(_weighted(generator(self.seed, Purpose.EXPLORE, view.key), window, scores[window], n_explore))
         if len(picked) < count:  # nothing left to explore: the rest uniformly among the others
             rest = np.setdiff1d(np.arange(members.size), picked)
-            more = generator(self.seed, Purpose.EXPLORE, r, 0).choice(rest, size=min(count - len(picked), rest.size),
+            more = generator(self.seed, Purpose.EXPLORE, view.key, 0).choice(rest, size=min(count - len(picked), rest.size),
                                                                      replace=False)
             picked += list(more)
         return Choice(np.sort(members[np.asarray(picked, np.int64)]), members, scores)
