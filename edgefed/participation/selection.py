@@ -11,6 +11,8 @@
 - `power_of_choice` (Cho, Wang and Joshi, AISTATS 2022): `candidates` members drawn without replacement
   by their objective weight, their local losses at the current model evaluated, the S highest taken.
 
+Under FedBuff a policy chooses each task's device, one among the idle members at a time.
+
 A policy reads only a `View` (what the log holds or the devices reported) and declares its state as
 (name, shape, dtype) slots, which the engine keeps in the log's /state for --resume, as it keeps an
 algorithm's server vectors; every draw comes from a stream of its own.
