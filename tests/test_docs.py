@@ -94,7 +94,9 @@ def documented_paths() -> tuple[set[str], set[str]]:
     ["rounds=2", "data.clients=3", 'train.clients_per_round="all"', "train.local_steps=5",
      'participation.mode="deadline"', "participation.deadline_s=0.01"],
     ["rounds=2", "data.clients=3", "train.clients_per_round=3", "secagg.enabled=true"],
-], ids=["fedavg", "scaffold", "deadline", "secagg"])
+    ["rounds=2", "data.clients=4", "train.clients_per_round=2", 'privacy.mechanism="central"',
+     "privacy.noise_multiplier=1.0", 'selection.policy="oort"'],
+], ids=["fedavg", "scaffold", "deadline", "secagg", "privacy-and-selection"])
 def test_runlog_md_documents_every_dataset_and_attribute_a_run_writes(tmp_path, overrides):
     runs.run(config_mod.load_config(None, overrides), tmp_path / "r.h5")
     datasets, attributes = documented_paths()

@@ -144,6 +144,19 @@ class Run:
         with np.errstate(invalid="ignore", divide="ignore"):
             return np.where(self["participation/selected"] & (budget > 0), self["participation/steps"] / budget, np.nan)
 
+    def privacy(self) -> dict | None:
+        """Differential privacy's terms ([privacy] runs only): the mechanism, z, C, delta, the last epsilon
+        logged, and the share of applied contributions the clip cut."""
+        if "privacy_mechanism" not in self.attrs:
+            return None
+        eps = self.data.get("metrics/epsilon", np.array([math.nan]))
+        clipped, applied = self.data.get("participation/clipped"), self["participation/coeff"] != 0
+        share = float(clipped[applied].mean()) if clipped is not None and applied.any() else math.nan
+        a = self.attrs
+        return {"mechanism": str(a["privacy_mechanism"]), "z": float(a["privacy_noise_multiplier"]),
+                "clip": float(a["privacy_clip"]), "delta": float(a["privacy_delta"]),
+                "epsilon": float(eps[-1]) if eps.size else math.nan, "clipped": share}
+
     def participation(self) -> dict:
         """Who took part: the selection policy, Jain's index of the devices' selection counts and how many
         devices were never selected."""

@@ -36,6 +36,11 @@ def summary_lines(run: Run, target: float | None = None) -> list[str]:
         lines.append(f"wire per round: {size_text(up)} up, {size_text(down)} down "
                      f"(uplink {run.config_dict().get('compress', {}).get('uplink', 'none')}, "
                      f"downlink {run.config_dict().get('compress', {}).get('downlink', 'none')})")
+    private = run.privacy()
+    if private is not None:
+        lines.append(f"privacy: {private['mechanism']} noise; epsilon {_num(private['epsilon'], '.3f')} at delta "
+                     f"{private['delta']:.3g} (z = {private['z']:.4g}, clip C = {private['clip']:g}); "
+                     f"{_num(private['clipped'], '.1%')} of applied contributions clipped")
     secure = run.secagg()
     if secure is not None:
         lines.append(f"secure aggregation: {_num(secure['seconds'] * 1e3, '.1f')} ms and "

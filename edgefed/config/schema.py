@@ -183,6 +183,19 @@ class SelectionConfig:
 
 
 @dataclass(frozen=True)
+class PrivacyConfig:
+    """User-level differential privacy (DP-FedAvg; docs/design.md 2.19): each applied device's contribution
+    clipped, Gaussian noise on their sum, epsilon accounted every round."""
+
+    mechanism: str = "none"  # "none" or "central" (the coordinator adds the noise)
+    clip: float = 1.0  # C: the L2 bound on a device's contribution a_k Delta_k (its rule's multiplier first)
+    noise_multiplier: float | None = None  # z: the noise's std is z C; or give epsilon
+    epsilon: float | None = None  # a target over the planned rounds: z is the smallest that keeps within it
+    delta: float | None = None  # None: 1 / N^1.1
+    noise_source: str = "seeded"  # "seeded": the stream (seed, privacy, round); "os": the OS's CSPRNG
+
+
+@dataclass(frozen=True)
 class FaultConfig:
     """A fault injected into one device's local work in one round, to test what the runtime does."""
 
@@ -221,6 +234,7 @@ class Config:
     asynchronous: AsyncConfig = field(default_factory=AsyncConfig)  # TOML [async] (a Python keyword)
     secagg: SecAggConfig = field(default_factory=SecAggConfig)
     selection: SelectionConfig = field(default_factory=SelectionConfig)
+    privacy: PrivacyConfig = field(default_factory=PrivacyConfig)
     fault: tuple[FaultConfig, ...] = ()
 
     @property

@@ -23,6 +23,7 @@ from edgefed.config.schema import (CompressConfig, Config, DataConfig, DeviceCon
                                    ParticipationConfig, SelectionConfig, TrainConfig)
 from edgefed.errors import ConfigError
 from edgefed.participation import asynchrony
+from edgefed.participation import privacy
 from edgefed.participation.schemes import SCHEMES, WEIGHTINGS
 from edgefed.participation.selection import OORT_DEFAULTS, POLICIES, oort_settings
 from edgefed.participation.timing import overselected
@@ -87,6 +88,7 @@ def validate(cfg: Config) -> Config:
     _validate_secagg(cfg, train, compress)
     _validate_dynamics(cfg.dynamics, cfg.data.clients, cfg.rounds)
     selection = _validate_selection(cfg.selection, participation, train, data.clients, cfg.secagg.enabled)
+    _validate_privacy(cfg, participation, train)
     for i, fault in enumerate(cfg.fault):
         _choice(fault.kind, FAULT_KINDS, f"fault[{i}].kind")
         if fault.device < 0 or (cfg.data.clients is not None and fault.device >= cfg.data.clients):
@@ -101,6 +103,33 @@ def validate(cfg: Config) -> Config:
     _positive(cfg.log.eval_every, "log.eval_every", "eval_every = 5")
     return dataclasses.replace(cfg, data=data, model=model, train=train, fedprox=fedprox, participation=participation,
                                compress=compress, selection=selection)
+
+
+def _validate_privacy(cfg: Config, p: ParticipationConfig, t: TrainConfig) -> None:
+    d = cfg.privacy
+    _choice(d.mechanism, privacy.MECHANISMS, "privacy.mechanism")
+    _choice(d.noise_source, privacy.NOISE_SOURCES, "privacy.noise_source")
+    _positive(d.clip, "privacy.clip", "clip = 1.0")
+    if d.noise_multiplier is not None and not (d.noise_multiplier >= 0 and math.isfinite(d.noise_multiplier)):
+        raise ConfigError(f"config: privacy.noise_multiplier = {d.noise_multiplier} must be a finite number >= 0")
+    if d.epsilon is not None:
+        _positive(d.epsilon, "privacy.epsilon", "epsilon = 8.0")
+    if d.delta is not None and not 0 < d.delta < 1:
+        raise ConfigError(f"config: privacy.delta = {d.delta} must lie in (0, 1) (e.g. 1e-5, below 1 / N)")
+    if d.mechanism == "none":
+        return
+    if (d.noise_multiplier is None) == (d.epsilon is None):
+        raise ConfigError("config: [privacy] needs exactly one of noise_multiplier (z) and epsilon (a target over "
+                          "the planned rounds, which sets z)")
+    clash = [(key, why) for key, used, why in (
+        ('train.algorithm = "scaffold"', t.algorithm == "scaffold",
+         "its control variates are a second sum the clip does not bound"),
+        ('participation.mode = "async"', p.mode == "async", "FedBuff's updates are not rounds of S devices yet"),
+        ("[secagg] enabled = true", cfg.secagg.enabled, "the clip would have to run on the devices, before masking"),
+    ) if used]
+    if clash:
+        key, why = clash[0]
+        raise ConfigError(f"config: [privacy] mechanism = {d.mechanism!r} does not take {key}: {why}")
 
 
 # each policy's own parameters

@@ -15,11 +15,11 @@ from dataclasses import dataclass
 import numpy as np
 
 from edgefed import compression
-from edgefed.algorithms.base import Algorithm, RoundReports, ServerState
+from edgefed.algorithms.base import DELTA_X, Algorithm, RoundReports, ServerState
 from edgefed.config import Config
 from edgefed.engine.clock import RoundClock
 from edgefed.engine.secure import SecureSum
-from edgefed.participation import schemes
+from edgefed.participation import privacy, schemes
 from edgefed.participation.budgets import local_budgets
 from edgefed.participation.dynamics import Dynamics
 from edgefed.participation.selection import Choice, Feedback, View, build_policy
@@ -73,6 +73,11 @@ class RoundEngine:
         self._batch = np.maximum(batch, 1)
         self._choice: Choice | None = None  # the round's selection, as the policy made it
         self._probed = None  # (candidates, seconds, those that answered) of the round's loss pass (power of choice)
+        d = cfg.privacy
+        self.accountant = None  # differential privacy's: epsilon after each round
+        if d.mechanism != "none":
+            self.accountant = privacy.Accountant(cfg.clients_per_round_count(self.n_devices) / self.n_devices,
+                                                 d.noise_multiplier, d.delta)
         self.state: ServerState | None = None
         _, self.downlink = compression.codecs(cfg.compress)
         self.residual_names = (tuple(compression.residual_name(r) for r in algorithm.reports)
@@ -169,6 +174,25 @@ class RoundEngine:
         elif isinstance(self.trace, ReplayTrace) and self.trace.candidate is not None:
             candidate, utility = self.trace.candidate[round_idx - 1], self.trace.utility[round_idx - 1]
         return {"participation/candidate": candidate, "participation/utility": utility}
+
+    # -- differential privacy (docs/design.md 2.19) -----------------------------------------------------
+    @staticmethod
+    def _fixed_s(plan: RoundPlan) -> int:
+        """The round's fixed denominator S: the reports it takes (over-selection's quorum), so p_k = a_k / S."""
+        return plan.quorum if plan.quorum is not None else plan.device_ids.size
+
+    def _clipped(self, plan: RoundPlan, vectors, coeffs: np.ndarray):
+        """(the reports with each Delta_k scaled so that a_k Delta_k, a_k = S p_k, is at most C long, which
+        were cut)."""
+        rows, cut = privacy.clip(vectors[DELTA_X], coeffs * self._fixed_s(plan), self.cfg.privacy.clip)
+        return {**vectors, DELTA_X: rows}, cut
+
+    def _noised(self, plan: RoundPlan, round_idx: int) -> ServerState:
+        """x + eta_g / S N(0, z^2 C^2 I): the noise on the clipped sum, drawn in float64."""
+        d, x = self.cfg.privacy, self.state.x
+        noise = privacy.gaussian(self.cfg.seed, round_idx, x.size, d.noise_multiplier * d.clip, d.noise_source)
+        step = self.cfg.train.lr_global / self._fixed_s(plan)
+        return ServerState((x.astype(np.float64) + step * noise).astype(x.dtype), self.state.vectors)
 
     # -- the wire ----------------------------------------------------------------------------------------
     def down_bytes(self) -> int:
@@ -282,7 +306,8 @@ class RoundEngine:
             self.replica = ServerState(x0.copy(), {name: v.copy() for name, v in self.state.vectors.items()})
         train, test_loss, test_acc = self.metrics(self.transport.evaluate(x0))
         self.log.append({"metrics/train_loss": train, "metrics/test_loss": test_loss,
-                         "metrics/test_accuracy": test_acc, "metrics/clock_s": 0.0})
+                         "metrics/test_accuracy": test_acc, "metrics/clock_s": 0.0,
+                         **({} if self.accountant is None else {"metrics/epsilon": 0.0})})
         self._stage_and_commit(0, None, store=True)
         self.on_round(RoundSummary(0, self.cfg.rounds, train, test_loss, test_acc, 0, int(self.active.sum()), 0, 0.0))
         return self.state
@@ -374,7 +399,12 @@ class RoundEngine:
         coeffs *= self.dynamics.boost(plan.device_ids, round_idx)  # fast-reboot of arriving devices
         coeffs[counted_steps == 0] = 0.0  # nothing applied: log 0 (Scheme B's w_k would multiply a zero update)
         reported = counted_steps > 0
-        reports, extra = RoundReports(plan.device_ids, res.vectors, coeffs, reported, t.lr_global, active_ids.size), {}
+        vectors, extra = res.vectors, {}
+        if self.accountant is not None:  # each contribution a_k Delta_k clipped to C (the noise comes after)
+            vectors, clipped = self._clipped(plan, res.vectors, coeffs)
+            extra["participation/clipped"] = np.zeros(self.n_devices, bool)
+            extra["participation/clipped"][plan.device_ids] = clipped & reported
+        reports = RoundReports(plan.device_ids, vectors, coeffs, reported, t.lr_global, active_ids.size)
         note = ""
         if self.secure is not None:  # the one sum of the survivors' scaled updates, never one of them
             reports, extra, aborted = self.secure.reports(plan, res, coeffs, reported, counted_steps, t.lr_global,
@@ -387,6 +417,9 @@ class RoundEngine:
             elif extra["metrics/secagg_clipped"]:  # the sum is not the plain one: say so
                 note = f"secagg clipped {extra['metrics/secagg_clipped']} coordinates"
         self.state = self._declared(self.algorithm.server_update(self.state, reports), "server_update")
+        if self.accountant is not None:
+            self.state = self._noised(plan, round_idx)
+            extra["metrics/epsilon"] = self.accountant.epsilon(round_idx)
         self._observe(plan, res, reported)
         done = time.perf_counter()
         # the residuals come to the log for --resume, as the evaluation comes: the bench's traffic, outside

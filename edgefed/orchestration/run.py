@@ -30,7 +30,7 @@ from edgefed.models import build_model
 from edgefed.orchestration.timing import link_speeds, timing_for
 from edgefed.participation.budgets import local_budgets
 from edgefed.participation.timing import Timing
-from edgefed.participation import asynchrony
+from edgefed.participation import asynchrony, privacy
 from edgefed.participation.traces import ReplayTrace
 from edgefed.problems import build_problem
 from edgefed.participation.selection import POLICY_CLASSES, build_policy
@@ -140,6 +140,14 @@ def log_layout(algorithm: Algorithm, cfg: Config, n: int, d: int, dtype) -> dict
                    "their updates: no one device's count is seen)"),
             Column("metrics/secagg_aborted", (), np.bool_, "round",
                    "secure aggregation could not unmask the round (too few survivors): nothing was applied")]
+    if cfg.privacy.mechanism != "none":
+        columns += [
+            Column("participation/clipped", (n,), np.bool_, "round",
+                   "differential privacy: the device's contribution a_k Delta_k was longer than privacy.clip and "
+                   "was scaled to it"),
+            Column("metrics/epsilon", (), np.float64, "round+1",
+                   "differential privacy: the epsilon spent after the round, at the log's privacy_delta (RDP "
+                   "accountant, Poisson-sampled Gaussian)", np.nan)]
     if cfg.selection.policy != "uniform":
         columns += [
             Column("participation/candidate", (n,), np.bool_, "round",
@@ -312,7 +320,25 @@ def _prepared(cfg: Config, log_path: Path, resume_point, on_info, config_toml: s
                                 "kernels choose their own summation order)")
     if cfg.secagg.enabled:  # which keys a run used: the test mode's are reproducible from the config
         header.attrs["secagg_key_source"] = cfg.secagg.key_source
+    if cfg.privacy.mechanism != "none":
+        cfg = resolved_privacy(cfg, problem.n_devices, header.attrs, on_info)
     return Setup(cfg, algorithm, problem, model, header, trace)
+
+
+def resolved_privacy(cfg: Config, n: int, attrs: dict, on_info) -> Config:
+    """The config as run with z and delta settled (z solved for an epsilon target over the planned rounds),
+    and the log's attributes that say what the run's epsilon means."""
+    d = cfg.privacy
+    privacy.available()
+    q = cfg.clients_per_round_count(n) / n
+    delta = privacy.default_delta(n) if d.delta is None else d.delta
+    z = d.noise_multiplier if d.epsilon is None else privacy.noise_for(d.epsilon, delta, q, cfg.rounds)
+    attrs.update(privacy_mechanism=d.mechanism, privacy_noise_multiplier=float(z), privacy_clip=float(d.clip),
+                 privacy_delta=float(delta), privacy_sampling_rate=float(q), privacy_noise_source=d.noise_source)
+    target = "" if d.epsilon is None else f" (for epsilon {d.epsilon:g} over {cfg.rounds} rounds)"
+    on_info(f"privacy: {d.mechanism} noise, z = {z:.4g}{target}, clip C = {d.clip:g}, delta = {delta:.3g}, "
+            f"q = S/N = {q:.3g}")
+    return dataclasses.replace(cfg, privacy=dataclasses.replace(d, noise_multiplier=float(z), delta=float(delta)))
 
 
 def local_transport(cfg: Config, algorithm: Algorithm, problem, model, device_ids=None, cores=None,

@@ -1,0 +1,115 @@
+"""User-level differential privacy for partial work (DP-FedAvg, McMahan et al., ICLR 2018; docs/design.md
+2.19), as arithmetic: each applied device's contribution, its rule's multiplier applied first, clipped to
+L2 norm C; Gaussian noise N(0, z^2 C^2 I) added to their sum; and the (epsilon, delta) the rounds spend, from
+Google's dp-accounting (its RDP accountant over Poisson-sampled Gaussian mechanisms, q = S/N).
+
+With uniform weights (w_k = 1/S) a rule's coefficient is p_k = a_k / S, so the round is
+x_r = x_{r-1} + eta_g / S (sum_k clip_C(a_k Delta_k) + N(0, z^2 C^2 I)): one device changes the sum by at
+most C whatever its steps, and the noise is z times that sensitivity.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+
+import numpy as np
+
+from edgefed.errors import ConfigError
+from edgefed.rng import Purpose, generator
+
+MECHANISMS = ("none", "central")
+NOISE_SOURCES = ("seeded", "os")
+
+
+def clip(deltas: np.ndarray, multipliers: np.ndarray, bound: float) -> tuple[np.ndarray, np.ndarray]:
+    """(the rows scaled so that multiplier_k * row_k has L2 norm at most bound, which rows were cut).
+
+    The norm is taken in float64 of the product a_k Delta_k, the contribution the sum receives; a row is
+    scaled by bound / norm when it is longer (so a_k times the new row is exactly on the sphere, up to the
+    model dtype's rounding)."""
+    products = np.abs(multipliers)[:, None] * deltas.astype(np.float64)
+    norms = np.sqrt(np.einsum("ij,ij->i", products, products))
+    cut = norms > bound
+    scale = np.where(cut, bound / np.where(cut, norms, 1.0), 1.0)
+    return (deltas * scale[:, None]).astype(deltas.dtype), cut
+
+
+def gaussian(seed: int, round_idx: int, d: int, std: float, source: str, device: int | None = None) -> np.ndarray:
+    """d draws of N(0, std^2) in float64: from the stream (seed, privacy, round[, device]), or (source "os")
+    from the operating system's CSPRNG by the Box-Muller transform of its 53-bit uniforms."""
+    if std == 0:
+        return np.zeros(d)
+    if source == "seeded":
+        return std * generator(seed, Purpose.PRIVACY, round_idx, device).standard_normal(d)
+    pairs = (d + 1) // 2
+    words = np.frombuffer(os.urandom(16 * pairs), np.uint64).reshape(2, pairs)
+    u1 = ((words[0] >> np.uint64(11)).astype(np.float64) + 1.0) / 2.0 ** 53  # (0, 1]: the log is finite
+    u2 = (words[1] >> np.uint64(11)).astype(np.float64) / 2.0 ** 53
+    radius = np.sqrt(-2.0 * np.log(u1))
+    out = np.concatenate([radius * np.cos(2 * math.pi * u2), radius * np.sin(2 * math.pi * u2)])
+    return std * out[:d]
+
+
+def default_delta(n_devices: int) -> float:
+    """1 / N^1.1: below 1/N, as user-level DP needs, by the usual margin."""
+    return 1.0 / n_devices ** 1.1
+
+
+def available() -> None:
+    """Raise the one-line ConfigError naming the extra when dp-accounting is missing."""
+    _accounting()
+
+
+def _accounting():
+    try:
+        import dp_accounting
+    except ImportError:
+        raise ConfigError("config: [privacy] accounts epsilon with Google's dp-accounting, which is not installed: "
+                          "pip install 'edgefed[privacy]'") from None
+    logging.getLogger("absl").setLevel(logging.ERROR)  # orders that do not converge are left out, said at WARNING
+    return dp_accounting
+
+
+def _event(q: float, z: float, rounds: int):
+    dp = _accounting()
+    return dp.SelfComposedDpEvent(dp.PoissonSampledDpEvent(q, dp.GaussianDpEvent(z)), rounds)
+
+
+class Accountant:
+    """epsilon after r rounds of Poisson-sampled Gaussian mechanisms (rate q, noise multiplier z) at delta,
+    by dp-accounting's RDP accountant (DP-FedAvg's convention: the round's selection treated as Poisson
+    sampling with q = S/N)."""
+
+    def __init__(self, q: float, z: float, delta: float):
+        self.q, self.z, self.delta = q, z, delta
+        self._dp = _accounting()
+        self._one = None  # (orders, one round's RDP): composing r rounds multiplies it by r
+
+    def epsilon(self, rounds: int) -> float:
+        if rounds == 0:
+            return 0.0
+        if self.z == 0:
+            return math.inf
+        rdp = self._dp.rdp.rdp_privacy_accountant
+        if self._one is None:
+            accountant = rdp.RdpAccountant()
+            accountant.compose(_event(self.q, self.z, 1))
+            # the accountant's RDP per order (computed once: about 65 ms a call here), or None where a release
+            # keeps it elsewhere, when every round is composed afresh
+            self._one = (getattr(accountant, "_orders", None), getattr(accountant, "_rdp", None))
+        orders, one = self._one
+        if orders is None or one is None:
+            accountant = rdp.RdpAccountant()
+            accountant.compose(_event(self.q, self.z, rounds))
+            return float(accountant.get_epsilon(self.delta))
+        return float(rdp.compute_epsilon(orders, np.asarray(one) * rounds, self.delta)[0])
+
+
+def noise_for(epsilon: float, delta: float, q: float, rounds: int) -> float:
+    """The smallest noise multiplier z whose rounds spend at most epsilon at delta (dp-accounting's
+    calibration, to its default tolerance)."""
+    dp = _accounting()
+    return float(dp.calibrate_dp_mechanism(dp.rdp.RdpAccountant, lambda z: _event(q, z, rounds), epsilon, delta,
+                                           dp.LowerEndpointAndGuess(1e-3, 1.0)))

@@ -1,0 +1,154 @@
+"""Differential privacy for partial work (docs/design.md 2.19): the clipped, noised rule against an
+independent NumPy replay on the quadratic, the noise's variance, epsilon against dp-accounting called
+directly, determinism over ranks, and the refusals."""
+
+import math
+
+import numpy as np
+import pytest
+
+from edgefed.errors import ConfigError
+from edgefed.orchestration import run as runs
+from edgefed.rng import Purpose, generator
+from edgefed.runlog import read_run
+from edgefed.tracefiles import write_trace_file
+from conftest import config_with
+from helpers import assert_same_logs, interrupted_then_resumed
+from test_protocol import loopback_run
+
+dp = pytest.importorskip("dp_accounting", reason="dp-accounting is not installed: pip install 'edgefed[privacy]'")
+
+N, D, K, LR = 6, 3, 8, 0.1
+SHARES = [1.0, 0.75, 0.5, 0.375, 0.25, 1.0]
+
+
+@pytest.fixture
+def quadratic(tmp_path, quad_file):
+    """A quadratic with N = 6 devices, each completing its own constant share of K = 8 steps."""
+    g = np.random.default_rng(5)
+    A, b = g.uniform(0.5, 2.0, (N, D)), g.normal(0, 3, (N, D))
+    path = quad_file(A, b, x0=np.zeros(D))
+    write_trace_file(tmp_path / "shares.csv", [f"t{i}" for i in range(N)], np.array([SHARES]), {})
+    traces = [f"{tmp_path / 'shares.csv'}#t{i}" for i in range(N)]
+    return A, b, {"data.kind": "quadratic", "data.path": str(path), "model.dtype": "float64",
+                  "train.clients_per_round": 4, "train.local_steps": K, "train.lr_local": LR, "train.lr_global": 0.9,
+                  "train.weighting": "uniform", "rounds": 6, "participation.mode": "trace",
+                  "participation.trace": traces, "privacy.mechanism": "central"}
+
+
+@pytest.mark.parametrize("scheme,z", [("C", 0.0), ("fednova", 0.0), ("B", 0.7)])
+def test_the_rule_is_clip_of_the_multiplied_update_plus_noise_by_hand(tmp_path, quadratic, scheme, z):
+    A, b, base = quadratic
+    cfg = config_with({**base, "participation.scheme": scheme, "privacy.clip": 1.5, "privacy.noise_multiplier": z,
+                       "privacy.delta": 1e-3})
+    runs.run(cfg, tmp_path / "r.h5")
+    log = read_run(tmp_path / "r.h5")
+    x = np.zeros(D)
+    for r in range(6):
+        ids = np.flatnonzero(log["participation/selected"][r])
+        s = log["participation/steps"][r, ids]
+        # s exact steps on f_k = 1/2 sum a (x - b)^2 from x: y = b + (1 - lr a)^s (x - b)
+        deltas = b[ids] + (1 - LR * A[ids]) ** s[:, None] * (x - b[ids]) - x
+        S = ids.size
+        a = log["participation/coeff"][r, ids] * S  # the rule's multiplier (w_k = 1/S)
+        contrib = a[:, None] * deltas
+        norms = np.linalg.norm(contrib, axis=1)
+        clipped = norms > 1.5
+        contrib[clipped] *= (1.5 / norms[clipped])[:, None]
+        noise = z * 1.5 * generator(0, Purpose.PRIVACY, r + 1).standard_normal(D)
+        x = x + 0.9 / S * (contrib.sum(axis=0) + noise)
+        np.testing.assert_allclose(log["trajectory/x"][r + 1], x, rtol=1e-9, atol=1e-12)
+        assert log["participation/clipped"][r, ids].tolist() == (clipped & (s > 0)).tolist()
+    assert log["participation/clipped"].any() and not log["participation/clipped"].all()
+
+
+def test_the_noise_has_the_variance_it_promises(tmp_path, quad_file):
+    # a flat quadratic (a = 0): every update is 0, so x moves by eta_g / S N(0, z^2 C^2) alone
+    d, rounds = 400, 10
+    path = quad_file(np.zeros((5, d)), np.zeros((5, d)), x0=np.zeros(d))
+    cfg = config_with({"data.kind": "quadratic", "data.path": str(path), "model.dtype": "float64",
+                       "train.clients_per_round": 5, "rounds": rounds, "train.lr_global": 0.5,
+                       "privacy.mechanism": "central", "privacy.clip": 2.0, "privacy.noise_multiplier": 1.5})
+    runs.run(cfg, tmp_path / "r.h5")
+    steps = np.diff(read_run(tmp_path / "r.h5")["trajectory/x"], axis=0).ravel()
+    expected = (0.5 / 5 * 1.5 * 2.0) ** 2
+    assert abs(steps.mean()) < 4 * math.sqrt(expected / steps.size)
+    assert steps.var() == pytest.approx(expected, rel=0.1)  # 4,000 draws: the estimate is within 5 % (2 sigma)
+
+
+def test_epsilon_every_round_is_the_accountants_and_a_target_sets_z(tmp_path, quadratic):
+    _, _, base = quadratic
+    cfg = config_with({**base, "privacy.epsilon": 5.0, "privacy.delta": 1e-3, "rounds": 6})
+    lines = []
+    runs.run(cfg, tmp_path / "r.h5", on_info=lines.append)
+    log = read_run(tmp_path / "r.h5")
+    z, q = log["attrs"]["privacy_noise_multiplier"], log["attrs"]["privacy_sampling_rate"]
+    assert q == 4 / 6 and any(f"z = {z:.4g} (for epsilon 5 over 6 rounds)" in line for line in lines)
+    for r in (1, 3, 6):
+        accountant = dp.rdp.RdpAccountant()
+        accountant.compose(dp.SelfComposedDpEvent(dp.PoissonSampledDpEvent(q, dp.GaussianDpEvent(z)), r))
+        assert log["metrics/epsilon"][r] == pytest.approx(accountant.get_epsilon(1e-3), rel=1e-12)
+    assert log["metrics/epsilon"][0] == 0.0 and 4.9 < log["metrics/epsilon"][6] <= 5.0 + 1e-6
+    assert np.all(np.diff(log["metrics/epsilon"]) > 0)
+    from edgefed.analysis.logs import Run
+    from edgefed.analysis.summary import summary_lines
+
+    line = next(x for x in summary_lines(Run.read(tmp_path / "r.h5")) if x.startswith("privacy:"))
+    clipped = log["participation/clipped"][log["participation/coeff"] != 0].mean()
+    assert line == (f"privacy: central noise; epsilon {log['metrics/epsilon'][6]:.3f} at delta 0.001 (z = {z:.4g}, "
+                    f"clip C = 1); {clipped:.1%} of applied contributions clipped")
+
+
+def test_a_private_run_repeats_resumes_and_runs_on_ranks_to_the_byte(tmp_path, quadratic):
+    _, _, base = quadratic
+    cfg = config_with({**base, "participation.scheme": "C", "privacy.noise_multiplier": 0.8})
+    whole, resumed = interrupted_then_resumed(cfg, tmp_path, 3)
+    assert_same_logs(whole, resumed)
+    assert_same_logs(whole, loopback_run(cfg, tmp_path / "mpi.h5", 3))
+
+
+def test_the_os_noise_source_is_not_the_seeded_stream(tmp_path, quadratic):
+    _, _, base = quadratic
+    logs = []
+    for i, source in enumerate(("os", "os", "seeded")):
+        runs.run(config_with({**base, "privacy.noise_multiplier": 1.0, "privacy.noise_source": source}),
+                 tmp_path / f"{i}.h5")
+        logs.append(read_run(tmp_path / f"{i}.h5"))
+    xs = [log["trajectory/x"][-1].tobytes() for log in logs]
+    assert len(set(xs)) == 3 and logs[0]["attrs"]["privacy_noise_source"] == "os"
+
+
+@pytest.mark.parametrize("overrides,message", [
+    ({"privacy.mechanism": "gaussian"}, "privacy.mechanism = 'gaussian' is not known"),
+    ({"privacy.mechanism": "central", "privacy.clip": 0.0, "privacy.noise_multiplier": 1.0}, "privacy.clip = 0.0 must be positive"),
+    ({"privacy.mechanism": "central", "privacy.noise_multiplier": -1.0}, "privacy.noise_multiplier = -1.0 must be a finite"),
+    ({"privacy.mechanism": "central", "privacy.epsilon": 0.0}, "privacy.epsilon = 0.0 must be positive"),
+    ({"privacy.mechanism": "central", "privacy.epsilon": 2.0, "privacy.delta": 1.5}, "privacy.delta = 1.5 must lie in (0, 1)"),
+    ({"privacy.mechanism": "central"}, "needs exactly one of noise_multiplier (z) and epsilon"),
+    ({"privacy.mechanism": "central", "privacy.noise_multiplier": 1.0, "privacy.epsilon": 2.0}, "needs exactly one of"),
+    ({"privacy.mechanism": "central", "privacy.noise_multiplier": 1.0, "train.algorithm": "scaffold"},
+     "does not take train.algorithm = \"scaffold\": its control variates"),
+    ({"privacy.mechanism": "central", "privacy.noise_multiplier": 1.0, "secagg.enabled": True},
+     "does not take [secagg] enabled = true"),
+])
+def test_bad_privacy_keys_are_refused_in_one_line(overrides, message):
+    with pytest.raises(ConfigError) as err:
+        config_with(overrides)
+    assert message in str(err.value) and "\n" not in str(err.value)
+
+
+def test_without_dp_accounting_the_error_names_the_extra(tmp_path, quadratic, monkeypatch):
+    import builtins
+
+    real = builtins.__import__
+
+    def missing(name, *args, **kwargs):
+        if name == "dp_accounting":
+            raise ImportError(name)
+        return real(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", missing)
+    _, _, base = quadratic
+    with pytest.raises(ConfigError, match=r"pip install 'edgefed\[privacy\]'"):
+        runs.run(config_with({**base, "privacy.noise_multiplier": 1.0}), tmp_path / "r.h5")
+    assert not (tmp_path / "r.h5").exists()
