@@ -76,6 +76,28 @@ def test_the_noise_has_the_variance_it_promises(tmp_path, quad_file):
     assert steps.var() == pytest.approx(expected, rel=0.1)  # 4,000 draws: the estimate is within 5 % (2 sigma)
 
 
+def test_distributed_noise_under_secure_aggregation_survives_dropouts(tmp_path, quad_file):
+    # a flat quadratic (no update): x moves by eta_g G sum of the survivors' noise, G = 1/S (uniform, Scheme B);
+    # each device adds N(0, z^2 C^2 / t), so n survivors >= t carry n/t times the central variance
+    d, rounds, S = 300, 8, 5
+    path = quad_file(np.zeros((S, d)), np.zeros((S, d)), x0=np.zeros(d))
+    write_trace_file(tmp_path / "t.csv", ["full", "none"], np.array([[1.0, 0.0]]), {})
+    traces = [f"{tmp_path / 't.csv'}#full"] * 4 + [f"{tmp_path / 't.csv'}#none"]  # device 4 never reports
+    base = {"data.kind": "quadratic", "data.path": str(path), "model.dtype": "float64", "rounds": rounds,
+            "train.clients_per_round": S, "train.local_steps": 4, "train.lr_global": 0.5,
+            "participation.mode": "trace", "participation.trace": traces, "secagg.enabled": True,
+            "secagg.key_source": "seeded", "privacy.mechanism": "distributed", "privacy.clip": 2.0,
+            "privacy.noise_multiplier": 1.5}
+    runs.run(config_with(base), tmp_path / "r.h5")
+    log = read_run(tmp_path / "r.h5")
+    t = 4  # the default threshold for 5 devices: ceil(2 * 4 / 3) + 1
+    assert (log["participation/coeff"][:, 4] == 0).all() and np.isfinite(log["metrics/epsilon"]).all()
+    steps = np.diff(log["trajectory/x"], axis=0).ravel()
+    expected = (0.5 / S) ** 2 * 4 * (1.5 * 2.0) ** 2 / t
+    assert steps.var() == pytest.approx(expected, rel=0.1)
+    assert_same_logs(log, loopback_run(config_with(base), tmp_path / "mpi.h5", 3))
+
+
 def test_epsilon_every_round_is_the_accountants_and_a_target_sets_z(tmp_path, quadratic):
     _, _, base = quadratic
     cfg = config_with({**base, "privacy.epsilon": 5.0, "privacy.delta": 1e-3, "rounds": 6})
@@ -129,7 +151,8 @@ def test_the_os_noise_source_is_not_the_seeded_stream(tmp_path, quadratic):
     ({"privacy.mechanism": "central", "privacy.noise_multiplier": 1.0, "train.algorithm": "scaffold"},
      "does not take train.algorithm = \"scaffold\": its control variates"),
     ({"privacy.mechanism": "central", "privacy.noise_multiplier": 1.0, "secagg.enabled": True},
-     "does not take [secagg] enabled = true"),
+     "does not take [secagg] enabled = true: the coordinator sees only the masked sum"),
+    ({"privacy.mechanism": "distributed", "privacy.noise_multiplier": 1.0}, "set [secagg] enabled = true"),
 ])
 def test_bad_privacy_keys_are_refused_in_one_line(overrides, message):
     with pytest.raises(ConfigError) as err:

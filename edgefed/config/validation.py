@@ -118,6 +118,9 @@ def _validate_privacy(cfg: Config, p: ParticipationConfig, t: TrainConfig) -> No
         raise ConfigError(f"config: privacy.delta = {d.delta} must lie in (0, 1) (e.g. 1e-5, below 1 / N)")
     if d.mechanism == "none":
         return
+    if d.mechanism == "distributed" and not cfg.secagg.enabled:
+        raise ConfigError('config: privacy.mechanism = "distributed" has each device add its share of the noise '
+                          'before secure aggregation masks it: set [secagg] enabled = true (or use "central")')
     if (d.noise_multiplier is None) == (d.epsilon is None):
         raise ConfigError("config: [privacy] needs exactly one of noise_multiplier (z) and epsilon (a target over "
                           "the planned rounds, which sets z)")
@@ -125,7 +128,9 @@ def _validate_privacy(cfg: Config, p: ParticipationConfig, t: TrainConfig) -> No
         ('train.algorithm = "scaffold"', t.algorithm == "scaffold",
          "its control variates are a second sum the clip does not bound"),
         ('participation.mode = "async"', p.mode == "async", "FedBuff's updates are not rounds of S devices yet"),
-        ("[secagg] enabled = true", cfg.secagg.enabled, "the clip would have to run on the devices, before masking"),
+        ("[secagg] enabled = true", cfg.secagg.enabled and d.mechanism == "central",
+         'the coordinator sees only the masked sum and cannot clip a device\'s part: use mechanism = '
+         '"distributed"'),
     ) if used]
     if clash:
         key, why = clash[0]

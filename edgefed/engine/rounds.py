@@ -400,7 +400,8 @@ class RoundEngine:
         coeffs[counted_steps == 0] = 0.0  # nothing applied: log 0 (Scheme B's w_k would multiply a zero update)
         reported = counted_steps > 0
         vectors, extra = res.vectors, {}
-        if self.accountant is not None:  # each contribution a_k Delta_k clipped to C (the noise comes after)
+        central = self.cfg.privacy.mechanism == "central"
+        if central:  # each contribution a_k Delta_k clipped to C (the noise comes after)
             vectors, clipped = self._clipped(plan, res.vectors, coeffs)
             extra["participation/clipped"] = np.zeros(self.n_devices, bool)
             extra["participation/clipped"][plan.device_ids] = clipped & reported
@@ -417,8 +418,9 @@ class RoundEngine:
             elif extra["metrics/secagg_clipped"]:  # the sum is not the plain one: say so
                 note = f"secagg clipped {extra['metrics/secagg_clipped']} coordinates"
         self.state = self._declared(self.algorithm.server_update(self.state, reports), "server_update")
-        if self.accountant is not None:
-            self.state = self._noised(plan, round_idx)
+        if self.accountant is not None:  # (distributed: the devices added the noise to what they masked)
+            if central:
+                self.state = self._noised(plan, round_idx)
             extra["metrics/epsilon"] = self.accountant.epsilon(round_idx)
         self._observe(plan, res, reported)
         done = time.perf_counter()

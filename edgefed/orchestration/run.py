@@ -140,11 +140,12 @@ def log_layout(algorithm: Algorithm, cfg: Config, n: int, d: int, dtype) -> dict
                    "their updates: no one device's count is seen)"),
             Column("metrics/secagg_aborted", (), np.bool_, "round",
                    "secure aggregation could not unmask the round (too few survivors): nothing was applied")]
+    if cfg.privacy.mechanism == "central":  # (distributed: the devices clip, unseen)
+        columns.append(Column("participation/clipped", (n,), np.bool_, "round",
+                              "differential privacy: the device's contribution a_k Delta_k was longer than "
+                              "privacy.clip and was scaled to it"))
     if cfg.privacy.mechanism != "none":
         columns += [
-            Column("participation/clipped", (n,), np.bool_, "round",
-                   "differential privacy: the device's contribution a_k Delta_k was longer than privacy.clip and "
-                   "was scaled to it"),
             Column("metrics/epsilon", (), np.float64, "round+1",
                    "differential privacy: the epsilon spent after the round, at the log's privacy_delta (RDP "
                    "accountant, Poisson-sampled Gaussian)", np.nan)]
@@ -338,7 +339,9 @@ def resolved_privacy(cfg: Config, n: int, attrs: dict, on_info) -> Config:
     target = "" if d.epsilon is None else f" (for epsilon {d.epsilon:g} over {cfg.rounds} rounds)"
     on_info(f"privacy: {d.mechanism} noise, z = {z:.4g}{target}, clip C = {d.clip:g}, delta = {delta:.3g}, "
             f"q = S/N = {q:.3g}")
-    return dataclasses.replace(cfg, privacy=dataclasses.replace(d, noise_multiplier=float(z), delta=float(delta)))
+    # as run: z in place of the target (the ranks are sent this config; the log keeps the one given)
+    return dataclasses.replace(cfg, privacy=dataclasses.replace(d, noise_multiplier=float(z), epsilon=None,
+                                                                delta=float(delta)))
 
 
 def local_transport(cfg: Config, algorithm: Algorithm, problem, model, device_ids=None, cores=None,
@@ -354,7 +357,8 @@ def local_transport(cfg: Config, algorithm: Algorithm, problem, model, device_id
     return LocalTransport(problem, model, algorithm, cfg.seed, batch, device_ids, cfg.fault, loads, cores,
                           compression.codecs(cfg.compress)[0], link_speeds(cfg, problem.n_devices),
                           secagg=cfg.secagg if cfg.secagg.enabled else None, scheme=cfg.participation.scheme,
-                          report_losses=POLICY_CLASSES[cfg.selection.policy].reads_losses)
+                          report_losses=POLICY_CLASSES[cfg.selection.policy].reads_losses,
+                          privacy=cfg.privacy if cfg.privacy.mechanism == "distributed" else None)
 
 
 def usable_cores() -> list[int]:

@@ -19,7 +19,7 @@ import numpy as np
 from edgefed.errors import ConfigError
 from edgefed.rng import Purpose, generator
 
-MECHANISMS = ("none", "central")
+MECHANISMS = ("none", "central", "distributed")
 NOISE_SOURCES = ("seeded", "os")
 
 

@@ -123,13 +123,14 @@ class Streams:
 class LocalTransport:
     def __init__(self, problem, model, algorithm, seed: int, batch_size: int | None, device_ids=None,
                  faults=(), contention=(), cores=None, uplink: compression.Codec = compression.Codec(),
-                 links: np.ndarray | None = None, secagg=None, scheme: str = "B", report_losses: bool = False):
+                 links: np.ndarray | None = None, secagg=None, scheme: str = "B", report_losses: bool = False,
+                 privacy=None):
         """cores: the cores this process's lanes are pinned to, one lane each (None: one unpinned lane;
         with contention, a lane on core 0); uplink: how reports are compressed; links: each device's
         shaped link in megabits per second (index: device id; None: not shaped); secagg: the [secagg] table
         when secure aggregation is on, with the participation scheme its devices pre-scale for; report_losses:
         a selection policy reads what the steps say of their losses (a model that pays for them, torch, then
-        computes them)."""
+        computes them); privacy: the [privacy] table when the devices add the noise (mechanism "distributed")."""
         self.problem, self.model, self.algorithm = problem, model, algorithm
         self.eval_model = model.clone()  # evaluation may run while a late worker still computes
         self.seed, self.batch_size = seed, batch_size
@@ -160,7 +161,8 @@ class LocalTransport:
         self._pool = None  # the lanes' threads, when there are several or competitors to yield to
         self._dispatch = None  # the thread a device rank's round runs on while its main thread serves MPI
         self._stop = threading.Event()  # set: the coordinator needs no more of this round's work
-        self.secure = None if secagg is None else SecureDevices(secagg, seed, scheme, model.dim, self.device_ids)
+        self.secure = None if secagg is None else SecureDevices(secagg, seed, scheme, model.dim, self.device_ids,
+                                                                privacy)
 
     @property
     def threads(self) -> int:

@@ -10,14 +10,15 @@ from __future__ import annotations
 
 import numpy as np
 
-from edgefed.participation import schemes
+from edgefed.participation import privacy, schemes
 from edgefed.secagg import protocol
 
 
 class SecureDevices:
-    def __init__(self, settings, seed: int, scheme: str, dim: int, hosted: np.ndarray):
-        """settings: the run's [secagg] table; hosted: the device ids this process hosts."""
-        self.settings, self.seed, self.scheme, self.dim = settings, seed, scheme, dim
+    def __init__(self, settings, seed: int, scheme: str, dim: int, hosted: np.ndarray, private=None):
+        """settings: the run's [secagg] table; hosted: the device ids this process hosts; private: the
+        [privacy] table when each device clips its scaled update and adds its share of the noise."""
+        self.settings, self.seed, self.scheme, self.dim, self.private = settings, seed, scheme, dim, private
         self.hosted = set(int(k) for k in hosted)
         # (round, {device: Client}) of the current round, replaced as one: a late device's worker still on an
         # older round must never see the new round's clients
@@ -53,7 +54,16 @@ class SecureDevices:
         """y: the device's update scaled by a_k, clipped, encoded and masked (with its count of clipped
         coordinates, masked too)."""
         a = schemes.device_factors(self.scheme, np.array([prescale]), np.array([steps]), np.array([budget]))[0]
-        return client.masked_input(update, a)
+        if self.private is None:
+            return client.masked_input(update, a)
+        # distributed differential privacy (docs/design.md 2.19): a_k Delta_k clipped to C, plus N(0, z^2 C^2 / t)
+        # from this device's own stream, so any t survivors (the fewest that unmask) carry the central noise
+        p = self.private
+        scaled, _ = privacy.clip(update[None, :].astype(np.float64), np.array([a]), p.clip)
+        noise = privacy.gaussian(self.seed, client.setup.round_idx, update.size,
+                                 p.noise_multiplier * p.clip / np.sqrt(client.setup.threshold), p.noise_source,
+                                 client.device)
+        return client.masked_input((a * scaled[0] + noise).astype(update.dtype), 1.0)
 
     def _of(self, round_idx: int):
         current, clients = self._current
