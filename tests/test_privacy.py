@@ -14,6 +14,7 @@ from edgefed.runlog import read_run
 from edgefed.tracefiles import write_trace_file
 from conftest import config_with
 from helpers import assert_same_logs, interrupted_then_resumed
+from test_mpi import MPIEXEC, edgefed, write
 from test_protocol import loopback_run
 
 dp = pytest.importorskip("dp_accounting", reason="dp-accounting is not installed: pip install 'edgefed[privacy]'")
@@ -175,3 +176,19 @@ def test_without_dp_accounting_the_error_names_the_extra(tmp_path, quadratic, mo
     with pytest.raises(ConfigError, match=r"pip install 'edgefed\[privacy\]'"):
         runs.run(config_with({**base, "privacy.noise_multiplier": 1.0}), tmp_path / "r.h5")
     assert not (tmp_path / "r.h5").exists()
+
+
+@pytest.mark.skipif(MPIEXEC is None, reason="no mpiexec: pip install 'edgefed[mpi]'")
+def test_a_deadline_run_with_distributed_noise_under_mpiexec_is_the_simulators(tmp_path):
+    text = ('rounds = 4\n[data]\nclients = 6\nsamples = 60\n[train]\nclients_per_round = 4\nlocal_steps = 5\n'
+            '[participation]\nmode = "trace"\ntrace = "builtin"\nscheme = "C"\n'
+            '[secagg]\nenabled = true\nkey_source = "seeded"\nthreshold = 2\n'
+            '[privacy]\nmechanism = "distributed"\nepsilon = 20.0\nclip = 0.5\n')
+    cfg = write(tmp_path, "c.toml", text)
+    for ranks, name in ((None, "sim.h5"), (3, "mpi.h5")):
+        done = edgefed(["run", cfg, "--out", str(tmp_path / name), "--quiet"], ranks)
+        assert done.returncode == 0, done.stderr
+    sim, mpi = read_run(tmp_path / "sim.h5"), read_run(tmp_path / "mpi.h5")
+    for name in ("trajectory/x", "metrics/epsilon", "participation/coeff", "participation/steps"):
+        assert sim[name].tobytes() == mpi[name].tobytes(), name
+    assert 0 < mpi["metrics/epsilon"][1] < mpi["metrics/epsilon"][-1] <= 20.0 + 1e-6

@@ -38,9 +38,10 @@ def summary_lines(run: Run, target: float | None = None) -> list[str]:
                      f"downlink {run.config_dict().get('compress', {}).get('downlink', 'none')})")
     private = run.privacy()
     if private is not None:
+        clipped = ("each device clipped its own, unseen" if private["mechanism"] == "distributed" else
+                   f"{_num(private['clipped'], '.1%')} of applied contributions clipped")
         lines.append(f"privacy: {private['mechanism']} noise; epsilon {_num(private['epsilon'], '.3f')} at delta "
-                     f"{private['delta']:.3g} (z = {private['z']:.4g}, clip C = {private['clip']:g}); "
-                     f"{_num(private['clipped'], '.1%')} of applied contributions clipped")
+                     f"{private['delta']:.3g} (z = {private['z']:.4g}, clip C = {private['clip']:g}); {clipped}")
     secure = run.secagg()
     if secure is not None:
         lines.append(f"secure aggregation: {_num(secure['seconds'] * 1e3, '.1f')} ms and "
