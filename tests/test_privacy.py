@@ -63,6 +63,40 @@ def test_the_rule_is_clip_of_the_multiplied_update_plus_noise_by_hand(tmp_path, 
     assert log["participation/clipped"].any() and not log["participation/clipped"].all()
 
 
+def test_adaptive_clipping_follows_the_noised_quantile_by_hand_and_resumes(tmp_path, quadratic):
+    A, b, base = quadratic
+    cfg = config_with({**base, "participation.scheme": "C", "privacy.clip": 0.5, "privacy.noise_multiplier": 0.4,
+                       "privacy.adaptive_clip": True, "privacy.target_quantile": 0.5, "privacy.clip_lr": 0.3,
+                       "privacy.delta": 1e-3, "privacy.quantile_noise": 0.5})
+    with pytest.raises(ConfigError, match=r"needs the count's noise 2 sigma_b above z = 0.4, but sigma_b = 0.2"):
+        runs.run(config_with({**base, "privacy.noise_multiplier": 0.4, "privacy.adaptive_clip": True}),
+                 tmp_path / "default.h5")  # sigma_b = S / 20 = 0.2: too little for z = 0.4
+    runs.run(cfg, tmp_path / "r.h5")
+    log = read_run(tmp_path / "r.h5")
+    sigma_b = 0.5
+    assert log["attrs"]["privacy_quantile_noise"] == sigma_b
+    z_update = (0.4 ** -2 - (2 * sigma_b) ** -2) ** -0.5  # Andrew et al.: the two releases compose to z = 0.4
+    x, clip = np.zeros(D), 0.5
+    for r in range(6):
+        ids = np.flatnonzero(log["participation/selected"][r])
+        s = log["participation/steps"][r, ids]
+        deltas = b[ids] + (1 - LR * A[ids]) ** s[:, None] * (x - b[ids]) - x
+        S = ids.size
+        contrib = (log["participation/coeff"][r, ids] * S)[:, None] * deltas
+        norms = np.linalg.norm(contrib, axis=1)
+        cut = norms > clip
+        contrib[cut] *= (clip / norms[cut])[:, None]
+        noise = z_update * clip * generator(0, Purpose.PRIVACY, r + 1).standard_normal(D)
+        x = x + 0.9 / S * (contrib.sum(axis=0) + noise)
+        np.testing.assert_allclose(log["trajectory/x"][r + 1], x, rtol=1e-9, atol=1e-12)
+        assert log["metrics/privacy_clip"][r] == pytest.approx(clip, rel=1e-12)
+        count = np.sum(~cut & (s > 0)) + sigma_b * generator(0, Purpose.PRIVACY_QUANTILE, r + 1).standard_normal(1)[0]
+        clip = clip * math.exp(-0.3 * (count / S - 0.5))
+    assert len(set(np.round(log["metrics/privacy_clip"], 12))) > 1  # it moved
+    whole, resumed = interrupted_then_resumed(cfg, tmp_path, 3)
+    assert_same_logs(whole, resumed)
+
+
 def test_the_noise_has_the_variance_it_promises(tmp_path, quad_file):
     # a flat quadratic (a = 0): every update is 0, so x moves by eta_g / S N(0, z^2 C^2) alone
     d, rounds = 400, 10
@@ -154,6 +188,10 @@ def test_the_os_noise_source_is_not_the_seeded_stream(tmp_path, quadratic):
     ({"privacy.mechanism": "central", "privacy.noise_multiplier": 1.0, "secagg.enabled": True},
      "does not take [secagg] enabled = true: the coordinator sees only the masked sum"),
     ({"privacy.mechanism": "distributed", "privacy.noise_multiplier": 1.0}, "set [secagg] enabled = true"),
+    ({"privacy.mechanism": "distributed", "privacy.noise_multiplier": 1.0, "secagg.enabled": True,
+      "privacy.adaptive_clip": True}, "would need the count of unclipped updates summed securely"),
+    ({"privacy.mechanism": "central", "privacy.noise_multiplier": 1.0, "privacy.target_quantile": 1.0},
+     "privacy.target_quantile = 1.0 must lie in (0, 1)"),
 ])
 def test_bad_privacy_keys_are_refused_in_one_line(overrides, message):
     with pytest.raises(ConfigError) as err:

@@ -193,6 +193,10 @@ class PrivacyConfig:
     epsilon: float | None = None  # a target over the planned rounds: z is the smallest that keeps within it
     delta: float | None = None  # None: 1 / N^1.1
     noise_source: str = "seeded"  # "seeded": the stream (seed, privacy, round); "os": the OS's CSPRNG
+    adaptive_clip: bool = False  # C follows a quantile of the update norms (Andrew et al.; clip is C_0)
+    target_quantile: float = 0.5  # gamma: the share of updates C should leave unclipped
+    clip_lr: float = 0.2  # eta_C: C <- C exp(-eta_C (b - gamma)), b the noised unclipped share
+    quantile_noise: float | None = None  # sigma_b: the count's noise; None: S / 20
 
 
 @dataclass(frozen=True)

@@ -114,6 +114,15 @@ def _validate_privacy(cfg: Config, p: ParticipationConfig, t: TrainConfig) -> No
         raise ConfigError(f"config: privacy.noise_multiplier = {d.noise_multiplier} must be a finite number >= 0")
     if d.epsilon is not None:
         _positive(d.epsilon, "privacy.epsilon", "epsilon = 8.0")
+    if not 0 < d.target_quantile < 1:
+        raise ConfigError(f"config: privacy.target_quantile = {d.target_quantile} must lie in (0, 1) (Andrew et al.: "
+                          "0.5, the median update norm)")
+    _positive(d.clip_lr, "privacy.clip_lr", "clip_lr = 0.2")
+    if d.quantile_noise is not None:
+        _positive(d.quantile_noise, "privacy.quantile_noise", "quantile_noise = 1.5")
+    if d.adaptive_clip and d.mechanism == "distributed":
+        raise ConfigError("config: privacy.adaptive_clip with mechanism = \"distributed\" would need the count of "
+                          "unclipped updates summed securely too; use mechanism = \"central\" or a fixed clip")
     if d.delta is not None and not 0 < d.delta < 1:
         raise ConfigError(f"config: privacy.delta = {d.delta} must lie in (0, 1) (e.g. 1e-5, below 1 / N)")
     if d.mechanism == "none":

@@ -74,6 +74,7 @@ class RoundEngine:
         self._choice: Choice | None = None  # the round's selection, as the policy made it
         self._probed = None  # (candidates, seconds, those that answered) of the round's loss pass (power of choice)
         d = cfg.privacy
+        self.clip_now = self._clip_used = d.clip  # the clip C of the next round, and of the one just clipped
         self.accountant = None  # differential privacy's: epsilon after each round
         if d.mechanism != "none":
             self.accountant = privacy.Accountant(cfg.clients_per_round_count(self.n_devices) / self.n_devices,
@@ -184,15 +185,26 @@ class RoundEngine:
     def _clipped(self, plan: RoundPlan, vectors, coeffs: np.ndarray):
         """(the reports with each Delta_k scaled so that a_k Delta_k, a_k = S p_k, is at most C long, which
         were cut)."""
-        rows, cut = privacy.clip(vectors[DELTA_X], coeffs * self._fixed_s(plan), self.cfg.privacy.clip)
+        rows, cut = privacy.clip(vectors[DELTA_X], coeffs * self._fixed_s(plan), self.clip_now)
         return {**vectors, DELTA_X: rows}, cut
 
     def _noised(self, plan: RoundPlan, round_idx: int) -> ServerState:
-        """x + eta_g / S N(0, z^2 C^2 I): the noise on the clipped sum, drawn in float64."""
+        """x + eta_g / S N(0, z^2 C^2 I): the noise on the clipped sum, drawn in float64 (with adaptive
+        clipping z_Delta instead of z: the count's noise takes its share of the budget)."""
         d, x = self.cfg.privacy, self.state.x
-        noise = privacy.gaussian(self.cfg.seed, round_idx, x.size, d.noise_multiplier * d.clip, d.noise_source)
+        z = privacy.update_noise(d.noise_multiplier, d.quantile_noise) if d.adaptive_clip else d.noise_multiplier
+        noise = privacy.gaussian(self.cfg.seed, round_idx, x.size, z * self._clip_used, d.noise_source)
         step = self.cfg.train.lr_global / self._fixed_s(plan)
         return ServerState((x.astype(np.float64) + step * noise).astype(x.dtype), self.state.vectors)
+
+    def _adapt_clip(self, plan: RoundPlan, unclipped: int, round_idx: int) -> None:
+        """The next round's C from this round's noised count of unclipped contributions (Andrew et al.)."""
+        d = self.cfg.privacy
+        noise = privacy.gaussian(self.cfg.seed, round_idx, 1, d.quantile_noise, d.noise_source,
+                                 purpose=Purpose.PRIVACY_QUANTILE)[0]
+        self._clip_used = self.clip_now
+        self.clip_now = privacy.next_clip(self.clip_now, unclipped, noise, self._fixed_s(plan), d.target_quantile,
+                                          d.clip_lr)
 
     # -- the wire ----------------------------------------------------------------------------------------
     def down_bytes(self) -> int:
@@ -328,11 +340,14 @@ class RoundEngine:
         if rows:
             self.transport.load_devices({name: state[name] for name in rows})
         self.selection.load({name: state[name] for name, _, _ in self.selection.state})
+        if self.cfg.privacy.adaptive_clip:
+            self.clip_now = float(state["privacy_clip"][0])
         return self.state
 
     def _extra_slots(self) -> dict:
-        """Resume state an engine keeps beside the server's and the policy's (FedBuff's: its schedule)."""
-        return {}
+        """Resume state an engine keeps beside the server's and the policy's (adaptive clipping's C;
+        FedBuff's schedule)."""
+        return {"privacy_clip": np.array([self.clip_now])} if self.cfg.privacy.adaptive_clip else {}
 
     def _secure_side(self, dim: int) -> None:
         if self.cfg.secagg.enabled:
@@ -405,6 +420,9 @@ class RoundEngine:
             vectors, clipped = self._clipped(plan, res.vectors, coeffs)
             extra["participation/clipped"] = np.zeros(self.n_devices, bool)
             extra["participation/clipped"][plan.device_ids] = clipped & reported
+            if self.cfg.privacy.adaptive_clip:
+                extra["metrics/privacy_clip"] = self.clip_now
+                self._adapt_clip(plan, int(np.count_nonzero(reported & ~clipped)), round_idx)
         reports = RoundReports(plan.device_ids, vectors, coeffs, reported, t.lr_global, active_ids.size)
         note = ""
         if self.secure is not None:  # the one sum of the survivors' scaled updates, never one of them

@@ -144,6 +144,9 @@ def log_layout(algorithm: Algorithm, cfg: Config, n: int, d: int, dtype) -> dict
         columns.append(Column("participation/clipped", (n,), np.bool_, "round",
                               "differential privacy: the device's contribution a_k Delta_k was longer than "
                               "privacy.clip and was scaled to it"))
+    if cfg.privacy.adaptive_clip:
+        columns.append(Column("metrics/privacy_clip", (), np.float64, "round",
+                              "adaptive clipping: the clip C the round used (Andrew et al.'s quantile estimate)"))
     if cfg.privacy.mechanism != "none":
         columns += [
             Column("metrics/epsilon", (), np.float64, "round+1",
@@ -160,10 +163,10 @@ def log_layout(algorithm: Algorithm, cfg: Config, n: int, d: int, dtype) -> dict
     if cfg.compress.error_feedback:
         rows += [compression.residual_name(r) for r in algorithm.reports]
     policy = build_policy(cfg.selection, cfg.seed, np.zeros(n, np.int64), cfg.rounds)
-    schedule = ()
+    schedule = (("privacy_clip", (1,), np.float64),) if cfg.privacy.adaptive_clip else ()
     if cfg.participation.mode == "async" and cfg.selection.policy != "uniform":  # the tasks in flight, for --resume
-        schedule = (("async_flight", (cfg.asynchronous.concurrency, 5), np.float64),
-                    ("async_counters", (2,), np.int64))
+        schedule += (("async_flight", (cfg.asynchronous.concurrency, 5), np.float64),
+                     ("async_counters", (2,), np.int64))
     return {"extra_columns": tuple(columns),
             "slots": tuple((name, (d,), dtype) for name in slots) + tuple(policy.state) + schedule,
             "row_states": tuple((name, (n, d), dtype) for name in rows)}
@@ -336,12 +339,19 @@ def resolved_privacy(cfg: Config, n: int, attrs: dict, on_info) -> Config:
     z = d.noise_multiplier if d.epsilon is None else privacy.noise_for(d.epsilon, delta, q, cfg.rounds)
     attrs.update(privacy_mechanism=d.mechanism, privacy_noise_multiplier=float(z), privacy_clip=float(d.clip),
                  privacy_delta=float(delta), privacy_sampling_rate=float(q), privacy_noise_source=d.noise_source)
+    sigma_b = d.quantile_noise
+    if d.adaptive_clip:  # the count of unclipped updates is released too: its noise shares the budget
+        sigma_b = cfg.clients_per_round_count(n) / 20.0 if sigma_b is None else sigma_b
+        if not math.isfinite(privacy.update_noise(z, sigma_b)):
+            raise ConfigError(f"config: privacy.adaptive_clip needs the count's noise 2 sigma_b above z = {z:.4g}, but "
+                              f"sigma_b = {sigma_b:g}; raise privacy.quantile_noise or select more devices a round")
+        attrs.update(privacy_quantile_noise=float(sigma_b), privacy_update_noise=privacy.update_noise(z, sigma_b))
     target = "" if d.epsilon is None else f" (for epsilon {d.epsilon:g} over {cfg.rounds} rounds)"
     on_info(f"privacy: {d.mechanism} noise, z = {z:.4g}{target}, clip C = {d.clip:g}, delta = {delta:.3g}, "
             f"q = S/N = {q:.3g}")
     # as run: z in place of the target (the ranks are sent this config; the log keeps the one given)
     return dataclasses.replace(cfg, privacy=dataclasses.replace(d, noise_multiplier=float(z), epsilon=None,
-                                                                delta=float(delta)))
+                                                                delta=float(delta), quantile_noise=sigma_b))
 
 
 def local_transport(cfg: Config, algorithm: Algorithm, problem, model, device_ids=None, cores=None,

@@ -36,13 +36,14 @@ def clip(deltas: np.ndarray, multipliers: np.ndarray, bound: float) -> tuple[np.
     return (deltas * scale[:, None]).astype(deltas.dtype), cut
 
 
-def gaussian(seed: int, round_idx: int, d: int, std: float, source: str, device: int | None = None) -> np.ndarray:
-    """d draws of N(0, std^2) in float64: from the stream (seed, privacy, round[, device]), or (source "os")
+def gaussian(seed: int, round_idx: int, d: int, std: float, source: str, device: int | None = None,
+             purpose: Purpose = Purpose.PRIVACY) -> np.ndarray:
+    """d draws of N(0, std^2) in float64: from the stream (seed, purpose, round[, device]), or (source "os")
     from the operating system's CSPRNG by the Box-Muller transform of its 53-bit uniforms."""
     if std == 0:
         return np.zeros(d)
     if source == "seeded":
-        return std * generator(seed, Purpose.PRIVACY, round_idx, device).standard_normal(d)
+        return std * generator(seed, purpose, round_idx, device).standard_normal(d)
     pairs = (d + 1) // 2
     words = np.frombuffer(os.urandom(16 * pairs), np.uint64).reshape(2, pairs)
     u1 = ((words[0] >> np.uint64(11)).astype(np.float64) + 1.0) / 2.0 ** 53  # (0, 1]: the log is finite
@@ -50,6 +51,22 @@ def gaussian(seed: int, round_idx: int, d: int, std: float, source: str, device:
     radius = np.sqrt(-2.0 * np.log(u1))
     out = np.concatenate([radius * np.cos(2 * math.pi * u2), radius * np.sin(2 * math.pi * u2)])
     return std * out[:d]
+
+
+def update_noise(z: float, sigma_b: float) -> float:
+    """Andrew et al.'s z_Delta = (z^-2 - (2 sigma_b)^-2)^(-1/2): the updates' noise multiplier that, with the
+    count's noise sigma_b (sensitivity 1/2), composes to one Gaussian mechanism of multiplier z."""
+    if z == 0:
+        return 0.0
+    rest = z ** -2 - (2.0 * sigma_b) ** -2
+    return rest ** -0.5 if rest > 0 else math.inf
+
+
+def next_clip(clip_now: float, unclipped: int, count_noise: float, reports: int, target: float, lr: float) -> float:
+    """C <- C exp(-eta_C (b - gamma)) with b = (unclipped + noise) / S: geometric steps towards the norm below
+    which a share gamma of the updates fall (Andrew et al., NeurIPS 2021)."""
+    b = (unclipped + count_noise) / reports
+    return clip_now * math.exp(-lr * (b - target))
 
 
 def default_delta(n_devices: int) -> float:
