@@ -1,13 +1,14 @@
 """Differential privacy for partial work: accuracy against epsilon, and what the distributed mechanism
 costs a device inside a deadline.
 
-    python benchmarks/privacy.py accuracy [--seeds 0 1] [--rounds 100]
+    python benchmarks/privacy.py accuracy [--seeds 0 1] [--rounds 100] [--adaptive]
     python benchmarks/privacy.py cost     [--models logreg 2nn cnn] [--repeats 20]
 
 - accuracy: SYNTHETIC(1,1), 300 devices, 30 a round (q = 0.1), K = 20, lr 0.05, under the 8 built-in
   participation traces (trace mode: partial and lost work), clip C = 0.5 (about a quarter of the
   contributions are cut without noise), central noise with z = 0.3 .. 3 beside no privacy, each with
-  Schemes B and C and FedNova; epsilon after the rounds at delta = 1 / N^1.1.
+  Schemes B and C and FedNova; epsilon after the rounds at delta = 1 / N^1.1. --adaptive: C follows the
+  median norm (Andrew et al.) from 0.5, the count's noise sigma_b = max(1.5, z) (S / 20 = 1.5).
 - cost: a device's masked input under secure aggregation with and without its share of the noise
   (privacy.mechanism = "distributed": clip a_k Delta_k, add N(0, z^2 C^2 / t)), at each model's size, on
   this machine, in milliseconds and in local steps of that model (what a deadline loses to it).
@@ -50,6 +51,8 @@ def accuracy(args, folder: Path) -> None:
                              f'participation.scheme="{scheme}"', f"seed={seed}", "log.eval_every=10", "log.every=1000"]
                 if z is not None:
                     overrides += ['privacy.mechanism="central"', "privacy.clip=0.5", f"privacy.noise_multiplier={z}"]
+                    if args.adaptive:  # C from the median of the norms, the count's noise S / 20 (or 2z/3 more)
+                        overrides += ["privacy.adaptive_clip=true", f"privacy.quantile_noise={max(1.5, z)}"]
                 runs.run(config_mod.load_config(None, overrides), folder / "r.h5", force=True)
                 log = read_run(folder / "r.h5")
                 finals.append(log["metrics/test_accuracy"][-1])
@@ -97,6 +100,7 @@ def main():
     parser.add_argument("--rounds", type=int, default=100)
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
     parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--adaptive", action="store_true", help="accuracy: adaptive clipping from C_0 = 0.5")
     args = parser.parse_args()
     print(f"# {platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}; command: "
           f"python benchmarks/privacy.py {' '.join(sys.argv[1:])}\n")
