@@ -38,7 +38,7 @@ def quadratic(tmp_path, quad_file):
                   "participation.trace": traces, "privacy.mechanism": "central"}
 
 
-@pytest.mark.parametrize("scheme,z", [("C", 0.0), ("fednova", 0.0), ("B", 0.7)])
+@pytest.mark.parametrize("scheme,z", [("C", 0.0), ("fednova", 0.0), ("A", 0.0), ("drop", 0.0), ("B", 0.7)])
 def test_the_rule_is_clip_of_the_multiplied_update_plus_noise_by_hand(tmp_path, quadratic, scheme, z):
     A, b, base = quadratic
     cfg = config_with({**base, "participation.scheme": scheme, "privacy.clip": 1.5, "privacy.noise_multiplier": z,
