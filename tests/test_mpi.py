@@ -6,6 +6,8 @@ import sys
 import numpy as np
 import pytest
 
+from edgefed.config import load_config
+from edgefed.orchestration import run as runs
 from edgefed.runlog import measured, read_run
 from edgefed.runtime.mpi.comm import local_mpiexec, outside_world_env
 
@@ -38,14 +40,13 @@ def write(tmp_path, name, text):
 
 
 def simulator_then_ranks(tmp_path, text: str, ranks: int = 3) -> list[dict]:
-    """The logs of one config run in the simulator and under `mpiexec -n ranks`."""
+    """The logs of one config run in the simulator (in this process: no second interpreter to start) and
+    under `mpiexec -n ranks`."""
     cfg = write(tmp_path, "c.toml", text)
-    logs = []
-    for n, name in ((None, "sim.h5"), (ranks, "mpi.h5")):
-        done = edgefed(["run", cfg, "--out", str(tmp_path / name), "--quiet"], n)
-        assert done.returncode == 0, done.stderr
-        logs.append(read_run(tmp_path / name))
-    return logs
+    runs.run(load_config(cfg), tmp_path / "sim.h5")
+    done = edgefed(["run", cfg, "--out", str(tmp_path / "mpi.h5"), "--quiet"], ranks)
+    assert done.returncode == 0, done.stderr
+    return [read_run(tmp_path / "sim.h5"), read_run(tmp_path / "mpi.h5")]
 
 
 def same_datasets(a, b, skip=()):

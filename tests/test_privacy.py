@@ -7,7 +7,6 @@ import math
 import numpy as np
 import pytest
 
-from edgefed.config import load_config
 from edgefed.errors import ConfigError
 from edgefed.orchestration import run as runs
 from edgefed.rng import Purpose, generator
@@ -15,7 +14,7 @@ from edgefed.runlog import read_run
 from edgefed.tracefiles import write_trace_file
 from conftest import config_with
 from helpers import assert_same_logs, interrupted_then_resumed
-from test_mpi import MPIEXEC, edgefed, write
+from test_mpi import MPIEXEC, simulator_then_ranks
 from test_protocol import loopback_run
 
 dp = pytest.importorskip("dp_accounting", reason="dp-accounting is not installed: pip install 'edgefed[privacy]'")
@@ -223,11 +222,7 @@ def test_a_trace_run_with_distributed_noise_under_mpiexec_is_the_simulators(tmp_
             '[participation]\nmode = "trace"\ntrace = "builtin"\nscheme = "C"\n'
             '[secagg]\nenabled = true\nkey_source = "seeded"\nthreshold = 2\n'
             '[privacy]\nmechanism = "distributed"\nepsilon = 20.0\nclip = 0.5\n')
-    cfg = write(tmp_path, "c.toml", text)
-    done = edgefed(["run", cfg, "--out", str(tmp_path / "mpi.h5"), "--quiet"], 3)
-    assert done.returncode == 0, done.stderr
-    runs.run(load_config(cfg), tmp_path / "sim.h5")  # the simulator in this process
-    sim, mpi = read_run(tmp_path / "sim.h5"), read_run(tmp_path / "mpi.h5")
+    sim, mpi = simulator_then_ranks(tmp_path, text)
     for name in ("trajectory/x", "metrics/epsilon", "participation/coeff", "participation/steps"):
         assert sim[name].tobytes() == mpi[name].tobytes(), name
     assert 0 < mpi["metrics/epsilon"][1] < mpi["metrics/epsilon"][-1] <= 20.0 + 1e-6

@@ -8,7 +8,6 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from edgefed.config import load_config
 from edgefed.config.schema import SelectionConfig
 from edgefed.errors import ConfigError
 from edgefed.orchestration import run as runs
@@ -17,7 +16,7 @@ from edgefed.runlog import read_run
 from conftest import config_with
 from helpers import assert_same_logs, interrupted_then_resumed
 from test_clock import board, simulated  # noqa: F401 - the board fixture
-from test_mpi import MPIEXEC, edgefed, write
+from test_mpi import MPIEXEC, simulator_then_ranks
 from test_protocol import loopback_run
 
 OORT = SelectionConfig(policy="oort")  # the paper's defaults
@@ -307,18 +306,11 @@ def test_fedbuffs_idle_draw_uses_the_policy_repeats_and_resumes_to_the_byte(tmp_
         assert (down[asked & ~sel] % 2440 == 0).all() and (down[asked & ~sel] > 0).all()
 
 
-needs_mpi = pytest.mark.skipif(MPIEXEC is None, reason="no mpiexec: pip install 'edgefed[mpi]'")
-
-
-@needs_mpi
+@pytest.mark.skipif(MPIEXEC is None, reason="no mpiexec: pip install 'edgefed[mpi]'")
 def test_power_of_choice_under_mpiexec_writes_the_simulators_bytes(tmp_path):
     text = ('rounds = 4\n[data]\nclients = 7\nsamples = 60\n[train]\nclients_per_round = 3\nlocal_steps = 5\n'
             '[selection]\npolicy = "power_of_choice"\ncandidates = 5\n')
-    cfg = write(tmp_path, "c.toml", text)
-    done = edgefed(["run", cfg, "--out", str(tmp_path / "mpi.h5"), "--quiet"], 3)
-    assert done.returncode == 0, done.stderr
-    runs.run(load_config(cfg), tmp_path / "sim.h5")  # the simulator in this process
-    sim, mpi = read_run(tmp_path / "sim.h5"), read_run(tmp_path / "mpi.h5")
+    sim, mpi = simulator_then_ranks(tmp_path, text)
     for name in ("participation/selected", "participation/candidate", "participation/utility", "trajectory/x",
                  "participation/bytes_up"):
         assert sim[name].tobytes() == mpi[name].tobytes(), name

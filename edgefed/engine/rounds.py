@@ -71,6 +71,7 @@ class RoundEngine:
         self.considered = cfg.selection.policy != "uniform"  # the log keeps what the policy considered
         batch = self.n_train if cfg.train.batch_size == "full" else np.minimum(self.n_train, cfg.train.batch_size)
         self._batch = np.maximum(batch, 1)
+        self._sizes = np.minimum(self.n_train, self._budgets * self._batch)  # the samples a full round trains on
         self._choice: Choice | None = None  # the round's selection, as the policy made it
         self._probed = None  # (candidates, seconds, those that answered) of the round's loss pass (power of choice)
         d = cfg.privacy
@@ -134,11 +135,12 @@ class RoundEngine:
     def _view(self, round_idx: int, members: np.ndarray, count: int) -> View:
         """What a selection policy may read: the members and their weights, the devices' predicted times
         (measured speeds and links, else their profiles'), the deadline's window, and their losses on demand."""
-        ids = np.arange(self.n_devices)
-        work, seconds = self.clock.forecast(ids, self._budgets)
+        work = seconds = None  # a policy that reads no speeds (uniform) costs the round nothing here
+        if self.selection.reads_speeds:
+            work, seconds = self.clock.forecast(np.arange(self.n_devices), self._budgets)
         return View(round_idx, members, count,
                     schemes.objective_weights(self.cfg.train.weighting, members, self.n_train), seconds, work,
-                    np.minimum(self.n_train, self._budgets * self._batch), self._budgets,
+                    self._sizes, self._budgets,
                     least=2 if self.cfg.secagg.enabled else 1, window=lambda c: self.clock.windows(c, self._budgets[c]),
                     deadline_s=None if self.timing.quantile is not None else self.timing.deadlines,
                     losses=lambda c: self._probe(round_idx, c))

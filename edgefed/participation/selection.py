@@ -58,8 +58,9 @@ class View:
     members: np.ndarray  # the federation's device ids, ascending
     count: int  # how many to select (S, or over-selection's ceil((1 + o) S))
     weights: np.ndarray  # (members,) the objective's weights of the members
-    seconds: np.ndarray  # (N,) each device's predicted round: K_k x its seconds per step + its links; NaN unknown
-    work_s: np.ndarray  # (N,) of that, the K_k steps alone; NaN unknown
+    seconds: np.ndarray | None  # (N,) each device's predicted round: K_k x its seconds per step + its links; NaN
+    # unknown; None for a policy that reads no speeds
+    work_s: np.ndarray | None  # (N,) of that, the K_k steps alone
     sizes: np.ndarray  # (N,) min(n_k, K_k b): the samples a full round trains on (Oort's |B_k| before it reports)
     budgets: np.ndarray | None = None  # (N,) K_k
     least: int = 1  # the fewest devices a round may have (secure aggregation needs 2 to hide one)
@@ -98,6 +99,7 @@ class Uniform:
     name = "uniform"
     state: tuple = ()
     reads_losses = False  # whether it reads what the devices' steps say of their losses
+    reads_speeds = False  # whether it reads the devices' predicted times (View.seconds, work_s)
 
     def __init__(self, seed: int, settings, n_train: np.ndarray, rounds: int):
         self.seed, self.n_train = seed, np.asarray(n_train, np.int64)
@@ -143,6 +145,7 @@ class FedCS(_FromCandidates):
     speeds count as 0 (tried first, measured once)."""
 
     name = "fedcs"
+    reads_speeds = True
 
     def select(self, view: View) -> Choice:
         drawn = draw_candidates(self.seed, view.key, view.members, self.asked(view))
@@ -188,6 +191,7 @@ class Oort(Uniform):
 
     name = "oort"
     reads_losses = True
+    reads_speeds = True
 
     def __init__(self, seed: int, settings, n_train: np.ndarray, rounds: int):
         super().__init__(seed, settings, n_train, rounds)
