@@ -14,6 +14,8 @@ from edgefed.runlog import read_run
 from edgefed.tracefiles import write_trace_file
 from conftest import config_with
 from helpers import assert_same_logs, interrupted_then_resumed
+from test_clock import board, simulated  # noqa: F401
+from test_async_runs import K as ASYNC_K, LR as ASYNC_LR, M, _config as async_config, problem  # noqa: F401
 from test_mpi import MPIEXEC, simulator_then_ranks
 from test_protocol import loopback_run
 
@@ -37,14 +39,18 @@ def quadratic(tmp_path, quad_file):
                   "participation.trace": traces, "privacy.mechanism": "central"}
 
 
-@pytest.mark.parametrize("scheme,z", [("C", 0.0), ("fednova", 0.0), ("A", 0.0), ("drop", 0.0), ("B", 0.7)])
-def test_the_rule_is_clip_of_the_multiplied_update_plus_noise_by_hand(tmp_path, quadratic, scheme, z):
+REBOOT = {"dynamics.fast_reboot": True, "dynamics.arrive": [{"device": 5, "round": 3}]}
+
+
+@pytest.mark.parametrize("scheme,z,extra", [("C", 0.0, {}), ("fednova", 0.0, {}), ("A", 0.0, {}), ("drop", 0.0, {}),
+                                            ("B", 0.7, {}), ("B", 0.0, REBOOT)])
+def test_the_rule_is_clip_of_the_multiplied_update_plus_noise_by_hand(tmp_path, quadratic, scheme, z, extra):
     A, b, base = quadratic
     cfg = config_with({**base, "participation.scheme": scheme, "privacy.clip": 1.5, "privacy.noise_multiplier": z,
-                       "privacy.delta": 1e-3})
+                       "privacy.delta": 1e-3, **extra})
     runs.run(cfg, tmp_path / "r.h5")
     log = read_run(tmp_path / "r.h5")
-    x = np.zeros(D)
+    x, boosted = np.zeros(D), False
     for r in range(6):
         ids = np.flatnonzero(log["participation/selected"][r])
         s = log["participation/steps"][r, ids]
@@ -60,7 +66,11 @@ def test_the_rule_is_clip_of_the_multiplied_update_plus_noise_by_hand(tmp_path, 
         x = x + 0.9 / S * (contrib.sum(axis=0) + noise)
         np.testing.assert_allclose(log["trajectory/x"][r + 1], x, rtol=1e-9, atol=1e-12)
         assert log["participation/clipped"][r, ids].tolist() == (clipped & (s > 0)).tolist()
+        if extra and 5 in ids:  # Scheme B's a_k is 1 but for the arrival's fast-reboot boost, clipped with it
+            assert a[ids.tolist().index(5)] == pytest.approx(1 + 2 / (r + 1 - 3 + 1) ** 2)
+            boosted = True
     assert log["participation/clipped"].any() and not log["participation/clipped"].all()
+    assert not extra or boosted
 
 
 def test_adaptive_clipping_follows_the_noised_quantile_by_hand_and_resumes(tmp_path, quadratic):
@@ -95,6 +105,56 @@ def test_adaptive_clipping_follows_the_noised_quantile_by_hand_and_resumes(tmp_p
     assert len(set(np.round(log["metrics/privacy_clip"], 12))) > 1  # it moved
     whole, resumed = interrupted_then_resumed(cfg, tmp_path, 3)
     assert_same_logs(whole, resumed)
+
+
+def test_fedbuff_clips_each_staleness_weighted_report_and_noises_every_update(tmp_path, problem):
+    # x_t = x_{t-1} + eta_g / M (sum_k clip_C(w(tau_k) Delta_k) + N(0, z^2 C^2)), a_k = M p_k = w(tau_k)
+    A, b, path, profile = problem
+    private = {"async.staleness": "polynomial", "privacy.mechanism": "central", "privacy.clip": 0.4,
+               "privacy.noise_multiplier": 0.6, "privacy.delta": 1e-3}
+    runs.run(async_config(path, profile, **private), tmp_path / "a.h5")
+    log = read_run(tmp_path / "a.h5")
+    tau, late = log["participation/staleness"], log["participation/late"]
+    versions = [log["trajectory/x"][0]]
+    for t in range(1, 16):
+        step = 0.6 * 0.4 * generator(0, Purpose.PRIVACY, t).standard_normal(versions[0].size)
+        taken = np.flatnonzero((tau[t - 1] >= 0) & ~late[t - 1])
+        for k in taken:
+            start = versions[t - 1 - tau[t - 1, k]]
+            y = start.copy()
+            for _ in range(ASYNC_K):
+                y = y - ASYNC_LR * (A[k] * (y - b[k]))
+            contribution = (1.0 + tau[t - 1, k]) ** -0.5 * (y - start)
+            norm = np.linalg.norm(contribution)
+            assert log["participation/clipped"][t - 1, k] == (norm > 0.4)
+            step += contribution * min(1.0, 0.4 / norm)
+        versions.append(versions[-1] + step / M)
+    np.testing.assert_allclose(log["trajectory/x"], np.array(versions), rtol=0, atol=1e-12)
+    assert log["participation/clipped"].any() and log["attrs"]["privacy_sampling_rate"] == M / 8  # q = M/N
+    adaptive = async_config(path, profile, **{**private, "privacy.adaptive_clip": True, "privacy.quantile_noise": 1.0})
+    whole, resumed = interrupted_then_resumed(adaptive, tmp_path, 7)
+    assert_same_logs(whole, resumed)
+    assert len(set(whole["metrics/privacy_clip"].tolist())) > 1
+
+
+def test_over_selection_counts_in_q_and_a_compressed_private_run_replays_and_runs_on_ranks(tmp_path, board):
+    # S = 2 of 6 with o = 0.5: three selected, the first two to finish taken, so q = 3/6 (the draw, not the
+    # quorum); the replay of its log clips and noises with the same S and stream, to the byte
+    private = {"data.clients": 6, "rounds": 4, "train.clients_per_round": 2, "compress.uplink": "int8",
+               "compress.downlink": "fp16", "privacy.mechanism": "central", "privacy.clip": 0.05,
+               "privacy.noise_multiplier": 0.5}
+    cfg = simulated(board, **{**private, "participation.overselect": 0.5, "participation.clock": "simulated"})
+    runs.run(cfg, tmp_path / "o.h5")
+    log = read_run(tmp_path / "o.h5")
+    assert log["attrs"]["privacy_sampling_rate"] == 0.5 and (log["metrics/n_applied"] == 2).all()
+    assert (log["participation/selected"].sum(axis=1) == 3).all() and log["participation/clipped"].any()
+    replay = config_with({**private, "data.samples": 200, "train.local_steps": 10, "participation.mode": "trace",
+                          "participation.trace": str(tmp_path / "o.h5")})
+    runs.run(replay, tmp_path / "r.h5")
+    again = read_run(tmp_path / "r.h5")
+    for name in ("trajectory/x", "participation/coeff", "participation/clipped", "metrics/epsilon"):
+        assert again[name].tobytes() == log[name].tobytes(), name
+    assert_same_logs(log, loopback_run(cfg, tmp_path / "mpi.h5", 3))
 
 
 def test_the_noise_has_the_variance_it_promises(tmp_path, quad_file):
@@ -226,3 +286,28 @@ def test_a_trace_run_with_distributed_noise_under_mpiexec_is_the_simulators(tmp_
     for name in ("trajectory/x", "metrics/epsilon", "participation/coeff", "participation/steps"):
         assert sim[name].tobytes() == mpi[name].tobytes(), name
     assert 0 < mpi["metrics/epsilon"][1] < mpi["metrics/epsilon"][-1] <= 20.0 + 1e-6
+
+
+def test_a_sweep_over_z_tables_epsilon_and_the_report_draws_accuracy_against_it(tmp_path):
+    import csv
+
+    from edgefed.analysis.logs import Run
+    from edgefed.analysis.report import Sweep, _headline, privacy_tradeoff
+    from edgefed.orchestration.sweep import run_sweep
+
+    (tmp_path / "s.toml").write_text(
+        '[set]\nrounds = 2\n"data.clients" = 20\n"train.clients_per_round" = 10\n"train.local_steps" = 3\n'
+        '"privacy.clip" = 0.5\n[axes]\n"privacy.mechanism,privacy.noise_multiplier" = '
+        '[["none", 0.0], ["central", 0.5], ["central", 2.0]]\n')
+    assert run_sweep(tmp_path / "s.toml", tmp_path / "out", on_line=lambda line: None) == 0
+    with open(tmp_path / "out" / "summary.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert rows[0]["epsilon"] == ""  # no privacy, no epsilon
+    for row in rows[1:]:
+        assert float(row["epsilon"]) == read_run(tmp_path / "out" / row["log"])["metrics/epsilon"][-1]
+    assert float(rows[1]["epsilon"]) > float(rows[2]["epsilon"]) > 0  # more noise, less spent
+    figure = privacy_tradeoff(Sweep.read(tmp_path / "out"))
+    (line,) = figure.axes[0].get_lines()[:1]  # the private cells, by epsilon; the plain one a dashed level
+    assert line.get_xdata().tolist() == sorted(float(row["epsilon"]) for row in rows[1:])
+    page = _headline([Run.read(tmp_path / "out" / rows[1]["log"])])
+    assert f"<td>ε {float(rows[1]['epsilon']):.3g} at δ" in page

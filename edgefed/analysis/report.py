@@ -340,18 +340,31 @@ def _num(value, spec=".4f") -> str:
     return "–" if math.isnan(value) else format(value, spec)
 
 
+def _privacy_cell(run: Run) -> str:
+    p = run.privacy()
+    if p is None:
+        return "<td>–</td>"
+    clipped = "" if math.isnan(p["clipped"]) else f", {p['clipped']:.0%} clipped"
+    return (f"<td>ε {_num(p['epsilon'], '.3g')} at δ {p['delta']:.2g} ({p['mechanism']}, z {p['z']:.3g}, "
+            f"C {p['clip']:.3g}{clipped})</td>")
+
+
 def _headline(runs: list[Run]) -> str:
+    private = any(r.privacy() is not None for r in runs)
     rows = "".join(
         f"<tr><td>{html.escape(r.path.name)}</td><td>{r.status}</td><td>{r.rounds}</td>"
         f"<td>{_num(r.final('test_accuracy'))}</td><td>{_num(r.best('test_accuracy'))}</td>"
         f"<td>{_num(r.final('train_loss'), '.5g')}</td><td>{_num(r.clock[-1], '.3f')}</td>"
-        f"<td>{html.escape(str(r.attrs.get('clock', 'measured')))}</td><td>{r.wall_s():.2f}</td></tr>" for r in runs)
+        f"<td>{html.escape(str(r.attrs.get('clock', 'measured')))}</td><td>{r.wall_s():.2f}</td>"
+        f"{_privacy_cell(r) if private else ''}</tr>" for r in runs)
     return ("<table><tr><th>log</th><th>status</th><th>rounds</th><th>final test accuracy</th><th>best</th>"
-            "<th>final train loss</th><th>clock (s)</th><th>clock kept</th><th>wall (s)</th></tr>" + rows + "</table>")
+            "<th>final train loss</th><th>clock (s)</th><th>clock kept</th><th>wall (s)</th>"
+            f"{'<th>differential privacy</th>' if private else ''}</tr>" + rows + "</table>")
 
 
 CELL_FIGURES = {"final_test_accuracy": ("final test accuracy", ".4f"), "best_test_accuracy": ("best", ".4f"),
                 "final_train_loss": ("final train loss", ".4g"), "clock_s": ("clock (s)", ".3f"),
+                "epsilon": ("ε", ".4g"),
                 "rounds_to_target": ("rounds to target", ".1f"), "clock_to_target_s": ("clock to target (s)", ".3f")}
 
 
@@ -359,7 +372,7 @@ def _cells_table(sweep: Sweep) -> str:
     """cells.csv as a person reads it: the axes, the seeds, and mean ± std of each figure."""
     if not sweep.table:
         return ""
-    shown = [k for k in CELL_FIGURES if f"{k}_mean" in sweep.table[0]]
+    shown = [k for k in CELL_FIGURES if any(row.get(f"{k}_mean") for row in sweep.table)]  # (a column with values)
     head = "".join(f"<th>{html.escape(_short(k))}</th>" for k in sweep.axes) + "<th>seeds</th>" + "".join(
         f"<th>{CELL_FIGURES[k][0]}</th>" for k in shown)
     body = []
@@ -411,6 +424,39 @@ def overview(sweep: Sweep):
     return fig
 
 
+def privacy_tradeoff(sweep: Sweep):
+    """Final test accuracy against the epsilon each cell spent (log scale), a line per combination of the
+    axes that are not [privacy] keys; the cells without privacy as dashed lines of the same colour. None
+    unless the sweep has cells with two or more epsilons."""
+    eps = [_float(row.get("epsilon_mean")) for row in sweep.table]
+    if len({e for e in eps if math.isfinite(e)}) < 2:
+        return None
+    plt = _plt()
+    others = [k for k in sweep.axes if not k.startswith("privacy.")]
+    groups: dict[str, list[tuple[float, float, float]]] = {}
+    for row, e in zip(sweep.table, eps):
+        label = ", ".join(f"{_short(k)}={row[k]}" for k in others) or "all cells"
+        groups.setdefault(label, []).append((e, _float(row["final_test_accuracy_mean"]),
+                                             _float(row["final_test_accuracy_std"])))
+    fig, ax = plt.subplots(figsize=(8.5, 4.6), layout="constrained")
+    for i, (label, points) in enumerate(groups.items()):
+        private = sorted(p for p in points if math.isfinite(p[0]))
+        line = ax.errorbar([p[0] for p in private], [p[1] for p in private], yerr=[p[2] for p in private],
+                           capsize=2, linestyle=STYLES[i % len(STYLES)], marker=MARKERS[i % len(MARKERS)],
+                           markersize=4, linewidth=1.3, label=label)
+        for _, mean, _ in (p for p in points if not math.isfinite(p[0])):
+            ax.axhline(mean, color=line.lines[0].get_color(), linestyle="--", linewidth=0.9, alpha=0.7)
+    ax.set_xscale("log")
+    ax.set_xlabel("ε spent by the last round (log scale; δ as each log says)")
+    ax.set_ylabel("final test accuracy (mean ± std)")
+    if any(not math.isfinite(e) for e in eps):
+        ax.text(0.99, 0.02, "dashed: the same cell without privacy", transform=ax.transAxes, ha="right",
+                va="bottom", fontsize=7, alpha=0.7)
+    fig.legend(loc="outside right upper", fontsize=8, frameon=False)
+    fig.suptitle(f"sweep {sweep.name}: accuracy against privacy")
+    return fig
+
+
 def _float(text) -> float:
     try:
         return float(text)
@@ -435,6 +481,7 @@ def figures(sweeps: list[Sweep], runs: list[Run]) -> list[tuple[str, str, bytes]
     for s in sweeps:
         sec = f"sweep {s.name}"
         add(sec, f"{s.name}-overview", overview(s))
+        add(sec, f"{s.name}-privacy", privacy_tradeoff(s))
         for group, series in list(s.groups().items())[:MAX_PARTICIPATION]:
             add(sec, f"{s.name}-{_stem(group)}-curves", curves(series, f"{s.name}: {group}"))
         first = next(iter(s.cells.values()), [None])[0]

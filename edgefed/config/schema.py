@@ -187,7 +187,7 @@ class PrivacyConfig:
     """User-level differential privacy (DP-FedAvg; docs/design.md 2.19): each applied device's contribution
     clipped, Gaussian noise on their sum, epsilon accounted every round."""
 
-    mechanism: str = "none"  # "none" or "central" (the coordinator adds the noise)
+    mechanism: str = "none"  # "none", "central" (the coordinator adds the noise) or "distributed" (the devices)
     clip: float = 1.0  # C: the L2 bound on a device's contribution a_k Delta_k (its rule's multiplier first)
     noise_multiplier: float | None = None  # z: the noise's std is z C; or give epsilon
     epsilon: float | None = None  # a target over the planned rounds: z is the smallest that keeps within it
@@ -197,6 +197,11 @@ class PrivacyConfig:
     target_quantile: float = 0.5  # gamma: the share of updates C should leave unclipped
     clip_lr: float = 0.2  # eta_C: C <- C exp(-eta_C (b - gamma)), b the noised unclipped share
     quantile_noise: float | None = None  # sigma_b: the count's noise; None: S / 20
+
+    @property
+    def adapts(self) -> bool:
+        """Adaptive clipping is on (with mechanism "none" every other key is inert: a sweep may switch it off)."""
+        return self.adaptive_clip and self.mechanism != "none"
 
 
 @dataclass(frozen=True)

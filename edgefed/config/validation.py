@@ -136,7 +136,6 @@ def _validate_privacy(cfg: Config, p: ParticipationConfig, t: TrainConfig) -> No
     clash = [(key, why) for key, used, why in (
         ('train.algorithm = "scaffold"', t.algorithm == "scaffold",
          "its control variates are a second sum the clip does not bound"),
-        ('participation.mode = "async"', p.mode == "async", "FedBuff's updates are not rounds of S devices yet"),
         ("[secagg] enabled = true", cfg.secagg.enabled and d.mechanism == "central",
          'the coordinator sees only the masked sum and cannot clip a device\'s part: use mechanism = '
          '"distributed"'),

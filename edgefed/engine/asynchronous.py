@@ -84,9 +84,12 @@ class AsyncEngine(RoundEngine):
         self._drawn = {}
         return {"participation/candidate": candidate, "participation/utility": utility}
 
+    def _kept_schedule(self) -> bool:
+        """With a selection policy the schedule's tasks in flight are kept: its draws cannot be simulated again."""
+        return self.considered and isinstance(self.schedule, Schedule)
+
     def _extra_slots(self) -> dict:
-        """With a selection policy the schedule's tasks in flight: its draws cannot be simulated again."""
-        return self.schedule.state() if self.considered and isinstance(self.schedule, Schedule) else {}
+        return {**super()._extra_slots(), **(self.schedule.state() if self._kept_schedule() else {})}
 
     def _learn(self, round_idx: int, ids: np.ndarray, res: LocalResults, reported: np.ndarray) -> None:
         """What update round_idx's reports tell a selection policy: their losses, and their devices' speeds
@@ -110,7 +113,7 @@ class AsyncEngine(RoundEngine):
         from (the log's trajectory: every version is stored with [log] every = 1)."""
         resumed = state
         state = super().resume(state, done, prefix)
-        if self._extra_slots():
+        if self._kept_schedule():
             self.schedule.restore(resumed)
         else:
             self.schedule.fill(np.flatnonzero(self.active))
@@ -167,9 +170,15 @@ class AsyncEngine(RoundEngine):
         coeffs = np.where(nonfinite, 0.0, buffer_coefficients(staleness, a.buffer, a.staleness, a.staleness_exponent))
         reported = (coeffs != 0.0) & (res.steps > 0)
         coeffs[~reported] = 0.0
+        vectors, extra = res.vectors, {}
+        if self.accountant is not None:  # central: w(tau_k) Delta_k clipped to C, a_k = M p_k (docs/design.md 2.19)
+            vectors, extra = self._clipped(ids, res.vectors, coeffs, reported, a.buffer, round_idx)
         self.state = self._declared(self.algorithm.server_update(
-            self.state, RoundReports(ids, res.vectors, coeffs, reported, t.lr_global, int(self.active.sum()))),
+            self.state, RoundReports(ids, vectors, coeffs, reported, t.lr_global, int(self.active.sum()))),
             "server_update")
+        if self.accountant is not None:
+            self.state = self._noised(a.buffer, round_idx)
+            extra["metrics/epsilon"] = self.accountant.epsilon(round_idx)
         self.versions[round_idx] = self.state
         self._learn(round_idx, ids, res, reported)
         for v in [v for v in self.versions if v < round_idx - self.window]:
@@ -182,7 +191,8 @@ class AsyncEngine(RoundEngine):
         metrics = self.metrics(self.transport.evaluate(self.state.x)) if evaluate else (math.nan,) * 3
         elapsed = time.perf_counter() - wall0
         self.log.ensure_room()
-        self.log.append(self._update_row(round_idx, update, ids, res, coeffs, nonfinite, staleness, metrics, elapsed))
+        self.log.append({**self._update_row(round_idx, update, ids, res, coeffs, nonfinite, staleness, metrics,
+                                            elapsed), **extra})
         self._stage_and_commit(round_idx, None, store)
         discarded = sum(1 for task in update.discarded if task.device not in set(ids.tolist()))  # as the row says
         self.on_round(RoundSummary(round_idx, self.cfg.rounds, *metrics, int(reported.sum()), int(self.active.sum()),

@@ -78,7 +78,8 @@ class RoundEngine:
         self.clip_now = self._clip_used = d.clip  # the clip C of the next round, and of the one just clipped
         self.accountant = None  # differential privacy's: epsilon after each round
         if d.mechanism != "none":
-            self.accountant = privacy.Accountant(cfg.clients_per_round_count(self.n_devices) / self.n_devices,
+            recorded = trace.selected if isinstance(trace, ReplayTrace) else None
+            self.accountant = privacy.Accountant(privacy.sampling_rate(cfg, self.n_devices, recorded),
                                                  d.noise_multiplier, d.delta)
         self.state: ServerState | None = None
         _, self.downlink = compression.codecs(cfg.compress)
@@ -179,33 +180,43 @@ class RoundEngine:
         return {"participation/candidate": candidate, "participation/utility": utility}
 
     # -- differential privacy (docs/design.md 2.19) -----------------------------------------------------
-    @staticmethod
-    def _fixed_s(plan: RoundPlan) -> int:
-        """The round's fixed denominator S: the reports it takes (over-selection's quorum), so p_k = a_k / S."""
-        return plan.quorum if plan.quorum is not None else plan.device_ids.size
+    def _fixed_s(self, plan: RoundPlan) -> int:
+        """The round's fixed denominator S: the reports it takes (over-selection's quorum, also in a replay of
+        such a run), so p_k = a_k / S."""
+        if plan.quorum is not None:
+            return plan.quorum
+        if isinstance(self.trace, ReplayTrace) and self.trace.overselected:
+            return self.cfg.clients_per_round_count(int(self.active.sum()))
+        return plan.device_ids.size
 
-    def _clipped(self, plan: RoundPlan, vectors, coeffs: np.ndarray):
-        """(the reports with each Delta_k scaled so that a_k Delta_k, a_k = S p_k, is at most C long, which
-        were cut)."""
-        rows, cut = privacy.clip(vectors[DELTA_X], coeffs * self._fixed_s(plan), self.clip_now)
-        return {**vectors, DELTA_X: rows}, cut
+    def _clipped(self, ids: np.ndarray, vectors, coeffs: np.ndarray, reported: np.ndarray, s: int,
+                 round_idx: int):
+        """(the reports with each Delta_k scaled so that a_k Delta_k, a_k = s p_k, is at most C long; the
+        log's columns of who was cut, and with adaptive clipping the C used), the next C adapted."""
+        rows, cut = privacy.clip(vectors[DELTA_X], coeffs * s, self.clip_now)
+        extra = {"participation/clipped": np.zeros(self.n_devices, bool)}
+        extra["participation/clipped"][ids] = cut & reported
+        if self.cfg.privacy.adapts:
+            extra["metrics/privacy_clip"] = self.clip_now
+            self._adapt_clip(int(np.count_nonzero(reported & ~cut)), s, round_idx)
+        return {**vectors, DELTA_X: rows}, extra
 
-    def _noised(self, plan: RoundPlan, round_idx: int) -> ServerState:
-        """x + eta_g / S N(0, z^2 C^2 I): the noise on the clipped sum, drawn in float64 (with adaptive
+    def _noised(self, s: int, round_idx: int) -> ServerState:
+        """x + eta_g / s N(0, z^2 C^2 I): the noise on the clipped sum, drawn in float64 (with adaptive
         clipping z_Delta instead of z: the count's noise takes its share of the budget)."""
         d, x = self.cfg.privacy, self.state.x
-        z = privacy.update_noise(d.noise_multiplier, d.quantile_noise) if d.adaptive_clip else d.noise_multiplier
+        z = privacy.update_noise(d.noise_multiplier, d.quantile_noise) if d.adapts else d.noise_multiplier
         noise = privacy.gaussian(self.cfg.seed, round_idx, x.size, z * self._clip_used, d.noise_source)
-        step = self.cfg.train.lr_global / self._fixed_s(plan)
-        return ServerState((x.astype(np.float64) + step * noise).astype(x.dtype), self.state.vectors)
+        return ServerState((x.astype(np.float64) + self.cfg.train.lr_global / s * noise).astype(x.dtype),
+                           self.state.vectors)
 
-    def _adapt_clip(self, plan: RoundPlan, unclipped: int, round_idx: int) -> None:
+    def _adapt_clip(self, unclipped: int, s: int, round_idx: int) -> None:
         """The next round's C from this round's noised count of unclipped contributions (Andrew et al.)."""
         d = self.cfg.privacy
         noise = privacy.gaussian(self.cfg.seed, round_idx, 1, d.quantile_noise, d.noise_source,
                                  purpose=Purpose.PRIVACY_QUANTILE)[0]
         self._clip_used = self.clip_now
-        self.clip_now = privacy.next_clip(self.clip_now, unclipped, noise, self._fixed_s(plan), d.target_quantile,
+        self.clip_now = privacy.next_clip(self.clip_now, unclipped, noise, s, d.target_quantile,
                                           d.clip_lr)
 
     # -- the wire ----------------------------------------------------------------------------------------
@@ -342,14 +353,14 @@ class RoundEngine:
         if rows:
             self.transport.load_devices({name: state[name] for name in rows})
         self.selection.load({name: state[name] for name, _, _ in self.selection.state})
-        if self.cfg.privacy.adaptive_clip:
+        if self.cfg.privacy.adapts:
             self.clip_now = float(state["privacy_clip"][0])
         return self.state
 
     def _extra_slots(self) -> dict:
         """Resume state an engine keeps beside the server's and the policy's (adaptive clipping's C;
         FedBuff's schedule)."""
-        return {"privacy_clip": np.array([self.clip_now])} if self.cfg.privacy.adaptive_clip else {}
+        return {"privacy_clip": np.array([self.clip_now])} if self.cfg.privacy.adapts else {}
 
     def _secure_side(self, dim: int) -> None:
         if self.cfg.secagg.enabled:
@@ -419,12 +430,8 @@ class RoundEngine:
         vectors, extra = res.vectors, {}
         central = self.cfg.privacy.mechanism == "central"
         if central:  # each contribution a_k Delta_k clipped to C (the noise comes after)
-            vectors, clipped = self._clipped(plan, res.vectors, coeffs)
-            extra["participation/clipped"] = np.zeros(self.n_devices, bool)
-            extra["participation/clipped"][plan.device_ids] = clipped & reported
-            if self.cfg.privacy.adaptive_clip:
-                extra["metrics/privacy_clip"] = self.clip_now
-                self._adapt_clip(plan, int(np.count_nonzero(reported & ~clipped)), round_idx)
+            vectors, extra = self._clipped(plan.device_ids, res.vectors, coeffs, reported, self._fixed_s(plan),
+                                           round_idx)
         reports = RoundReports(plan.device_ids, vectors, coeffs, reported, t.lr_global, active_ids.size)
         note = ""
         if self.secure is not None:  # the one sum of the survivors' scaled updates, never one of them
@@ -440,7 +447,7 @@ class RoundEngine:
         self.state = self._declared(self.algorithm.server_update(self.state, reports), "server_update")
         if self.accountant is not None:  # (distributed: the devices added the noise to what they masked)
             if central:
-                self.state = self._noised(plan, round_idx)
+                self.state = self._noised(self._fixed_s(plan), round_idx)
             extra["metrics/epsilon"] = self.accountant.epsilon(round_idx)
         self._observe(plan, res, reported)
         done = time.perf_counter()

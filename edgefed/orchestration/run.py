@@ -144,7 +144,7 @@ def log_layout(algorithm: Algorithm, cfg: Config, n: int, d: int, dtype) -> dict
         columns.append(Column("participation/clipped", (n,), np.bool_, "round",
                               "differential privacy: the device's contribution a_k Delta_k was longer than "
                               "privacy.clip and was scaled to it"))
-    if cfg.privacy.adaptive_clip:
+    if cfg.privacy.adapts:
         columns.append(Column("metrics/privacy_clip", (), np.float64, "round",
                               "adaptive clipping: the clip C the round used (Andrew et al.'s quantile estimate)"))
     if cfg.privacy.mechanism != "none":
@@ -163,7 +163,7 @@ def log_layout(algorithm: Algorithm, cfg: Config, n: int, d: int, dtype) -> dict
     if cfg.compress.error_feedback:
         rows += [compression.residual_name(r) for r in algorithm.reports]
     policy = build_policy(cfg.selection, cfg.seed, np.zeros(n, np.int64), cfg.rounds)
-    schedule = (("privacy_clip", (1,), np.float64),) if cfg.privacy.adaptive_clip else ()
+    schedule = (("privacy_clip", (1,), np.float64),) if cfg.privacy.adapts else ()
     if cfg.participation.mode == "async" and cfg.selection.policy != "uniform":  # the tasks in flight, for --resume
         schedule += (("async_flight", (cfg.asynchronous.concurrency, 5), np.float64),
                      ("async_counters", (2,), np.int64))
@@ -325,30 +325,31 @@ def _prepared(cfg: Config, log_path: Path, resume_point, on_info, config_toml: s
     if cfg.secagg.enabled:  # which keys a run used: the test mode's are reproducible from the config
         header.attrs["secagg_key_source"] = cfg.secagg.key_source
     if cfg.privacy.mechanism != "none":
-        cfg = resolved_privacy(cfg, problem.n_devices, header.attrs, on_info)
+        cfg = resolved_privacy(cfg, problem.n_devices, header.attrs, on_info, trace)
     return Setup(cfg, algorithm, problem, model, header, trace)
 
 
-def resolved_privacy(cfg: Config, n: int, attrs: dict, on_info) -> Config:
+def resolved_privacy(cfg: Config, n: int, attrs: dict, on_info, trace=None) -> Config:
     """The config as run with z and delta settled (z solved for an epsilon target over the planned rounds),
     and the log's attributes that say what the run's epsilon means."""
     d = cfg.privacy
     privacy.available()
-    q = cfg.clients_per_round_count(n) / n
+    q = privacy.sampling_rate(cfg, n, trace.selected if isinstance(trace, ReplayTrace) else None)
     delta = privacy.default_delta(n) if d.delta is None else d.delta
     z = d.noise_multiplier if d.epsilon is None else privacy.noise_for(d.epsilon, delta, q, cfg.rounds)
     attrs.update(privacy_mechanism=d.mechanism, privacy_noise_multiplier=float(z), privacy_clip=float(d.clip),
                  privacy_delta=float(delta), privacy_sampling_rate=float(q), privacy_noise_source=d.noise_source)
     sigma_b = d.quantile_noise
-    if d.adaptive_clip:  # the count of unclipped updates is released too: its noise shares the budget
-        sigma_b = cfg.clients_per_round_count(n) / 20.0 if sigma_b is None else sigma_b
+    if d.adapts:  # the count of unclipped updates is released too: its noise shares the budget
+        reports = cfg.asynchronous.buffer if cfg.participation.mode == "async" else cfg.clients_per_round_count(n)
+        sigma_b = reports / 20.0 if sigma_b is None else sigma_b
         if not math.isfinite(privacy.update_noise(z, sigma_b)):
             raise ConfigError(f"config: privacy.adaptive_clip needs the count's noise 2 sigma_b above z = {z:.4g}, but "
                               f"sigma_b = {sigma_b:g}; raise privacy.quantile_noise or select more devices a round")
         attrs.update(privacy_quantile_noise=float(sigma_b), privacy_update_noise=privacy.update_noise(z, sigma_b))
     target = "" if d.epsilon is None else f" (for epsilon {d.epsilon:g} over {cfg.rounds} rounds)"
     on_info(f"privacy: {d.mechanism} noise, z = {z:.4g}{target}, clip C = {d.clip:g}, delta = {delta:.3g}, "
-            f"q = S/N = {q:.3g}")
+            f"q = {'M' if cfg.participation.mode == 'async' else 'S'}/N = {q:.3g}")
     # as run: z in place of the target (the ranks are sent this config; the log keeps the one given)
     return dataclasses.replace(cfg, privacy=dataclasses.replace(d, noise_multiplier=float(z), epsilon=None,
                                                                 delta=float(delta), quantile_noise=sigma_b))

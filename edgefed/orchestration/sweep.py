@@ -36,7 +36,7 @@ from edgefed.runtime.mpi.comm import wait, world
 KEYS = ("base", "seeds", "set", "axes", "target")
 TARGETS = ("test_accuracy",)
 FIGURES = ("final_test_accuracy", "best_test_accuracy", "final_train_loss", "wall_s", "clock_s", "bytes_up_per_round",
-           "bytes_down_per_round")
+           "bytes_down_per_round", "epsilon")
 TARGET_FIGURES = ("rounds_to_target", "clock_to_target_s")
 
 
@@ -291,6 +291,9 @@ def row_of(folder: Path, job: Job, target: float | None, error: str | None) -> d
                             "wall_s": run.wall_s(), "clock_s": float(run.clock[-1]),
                             "bytes_up_per_round": run.bytes_per_round("up"),
                             "bytes_down_per_round": run.bytes_per_round("down")})
+            private = run.privacy()
+            if private is not None:
+                figures["epsilon"] = private["epsilon"]
             if target is not None:
                 rounds, seconds = run.to_target(target)
                 figures.update({"rounds_to_target": "" if math.isnan(rounds) else int(rounds),

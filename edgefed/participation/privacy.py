@@ -17,6 +17,7 @@ import os
 import numpy as np
 
 from edgefed.errors import ConfigError
+from edgefed.participation.timing import overselected
 from edgefed.rng import Purpose, generator
 
 MECHANISMS = ("none", "central", "distributed")
@@ -67,6 +68,18 @@ def next_clip(clip_now: float, unclipped: int, count_noise: float, reports: int,
     which a share gamma of the updates fall (Andrew et al., NeurIPS 2021)."""
     b = (unclipped + count_noise) / reports
     return clip_now * math.exp(-lr * (b - target))
+
+
+def sampling_rate(cfg, n_devices: int, recorded: np.ndarray | None = None) -> float:
+    """q, the chance a device's data is in one release: the devices a round selects (over-selection's
+    whole draw, not its quorum; in a replay the most a recorded round selected, (R, N) `recorded`), or the M
+    reports of a FedBuff update, over the N members."""
+    if recorded is not None:
+        return int(recorded.sum(axis=1).max()) / n_devices
+    if cfg.participation.mode == "async":
+        return cfg.asynchronous.buffer / n_devices
+    count = cfg.clients_per_round_count(n_devices)
+    return overselected(count, cfg.participation.overselect, n_devices) / n_devices
 
 
 def default_delta(n_devices: int) -> float:

@@ -134,6 +134,8 @@ class DeviceServer:
         if not plan.by_arrival and (not done or any(due > now for due, _ in self._due)):
             return  # the rank's one message waits for its last device and its slowest link
         ready = sorted((row, due) for due, row in self._due if due <= now and row not in self._sent)
+        if ready and not self._send_free(both=bool(work.residuals)):
+            return  # rank 0 has not taken the last ones yet: try again at the next poll, taking its stops meanwhile
         if ready:
             rows = np.array([row for row, _ in ready])
             # waiting, neither working nor on the link: for the lane before starting, for the others after
@@ -180,11 +182,12 @@ class DeviceServer:
             future.add_done_callback(lambda _: self._done.set())
             self._task = (plan, future, work)
 
-    def _send_free(self) -> bool:
-        """Whether the next send buffer is free now: a report never waits here for rank 0 to take an older
-        one, since rank 0 may itself be waiting for this rank to take part in a broadcast."""
-        req = self._send_req[self._next]
-        return req is None or req.Test()
+    def _send_free(self, both: bool = False) -> bool:
+        """Whether the next send buffer (both: both buffers, for a report and its residuals) is free now: a
+        report never waits here for rank 0 to take an older one, since rank 0 may itself be waiting for this
+        rank to take part in a broadcast or to take its stop."""
+        reqs = self._send_req if both else [self._send_req[self._next]]
+        return all(req is None or req.Test() for req in reqs)
 
     def _take_stops(self) -> None:
         """A stop from the coordinator (over-selection: the round has enough) ends this rank's work of it,
