@@ -11,7 +11,10 @@ costs a device inside a deadline.
   median norm (Andrew et al.) from 0.5, the count's noise sigma_b = max(1.5, z) (S / 20 = 1.5).
 - cost: a device's masked input under secure aggregation with and without its share of the noise
   (privacy.mechanism = "distributed": clip a_k Delta_k, add N(0, z^2 C^2 / t)), at each model's size, on
-  this machine, in milliseconds and in local steps of that model (what a deadline loses to it).
+  this machine, in milliseconds and in local steps of that model (what a deadline loses to it); then on
+  the Raspberry Pi profiles, estimated: this machine's added time times how much slower the board's
+  profile runs a logistic-regression step, in that board's steps of each model (the profiles are
+  estimates themselves; run this on a board for its own numbers).
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from types import SimpleNamespace
 import numpy as np
 
 from edgefed import config as config_mod
+from edgefed.hwprofile import load_profile
 from edgefed.orchestration import run as runs
 from edgefed.orchestration.profiling import steps_per_second
 from edgefed.runlog import read_run
@@ -36,6 +40,8 @@ from edgefed.runtime.secure import SecureDevices
 SCHEMES = ("B", "C", "fednova")
 NOISE = (None, 0.3, 0.5, 1.0, 2.0, 3.0)
 MODELS = {"logreg": ("logreg", 20), "2nn": ("mlp", 10), "cnn": ("cnn", 10)}
+MODELS_D = {"logreg": 610}
+BOARDS = ("pi-zero-2w", "pi3b-plus", "pi4b", "pi5")
 
 
 def accuracy(args, folder: Path) -> None:
@@ -70,6 +76,7 @@ def accuracy(args, folder: Path) -> None:
 def cost(args, folder: Path) -> None:
     print("| model | d | masked input ms | with its noise share ms | added ms | added, in local steps |\n"
           "| --- | --- | --- | --- | --- | --- |")
+    added, here_logreg = {}, steps_per_second("logreg", MODELS["logreg"][1])[1]
     secagg = SimpleNamespace(neighbours=None, threshold=None, bits=32, clip=10.0, key_source="seeded")
     for name in args.models:
         kind, batch = MODELS[name]
@@ -89,8 +96,21 @@ def cost(args, folder: Path) -> None:
                 best = min(best, time.perf_counter() - t0)
             times[private is None] = best
         plain, noised = times[True], times[False]
+        added[name] = (noised - plain, d, kind, batch)
         print(f"| {name} | {d:,} | {plain * 1e3:.3f} | {noised * 1e3:.3f} | {(noised - plain) * 1e3:.3f} | "
               f"{(noised - plain) * rate:.2f} |", flush=True)
+    # the boards: this machine's added time scaled by how much slower the board's profile runs a logreg
+    # step (a small, cache-resident loop, like the generator's), then counted in the board's steps of each model
+    print("\n| board | " + " | ".join(f"{n}: added ms (in its steps)" for n in added) + " |\n|"
+          + " --- |" * (len(added) + 1))
+    for board in BOARDS:
+        profile = load_profile(board)
+        slower = here_logreg * profile.step_seconds("logreg", MODELS["logreg"][1], MODELS_D["logreg"])
+        cells = []
+        for name, (seconds, d, kind, batch) in added.items():
+            there = seconds * slower
+            cells.append(f"{there * 1e3:.2f} ({there / profile.step_seconds(kind, batch, d):.2f})")
+        print(f"| {profile.name} | " + " | ".join(cells) + " |", flush=True)
 
 
 def main():
