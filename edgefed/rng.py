@@ -33,6 +33,7 @@ class Purpose(IntEnum):
     EXPLORE = 17  # Oort's draw among the unexplored devices (device 0: the uniform top-up)
     PRIVACY = 18  # differential privacy's Gaussian noise: the server's (no device) or a device's share
     PRIVACY_QUANTILE = 19  # adaptive clipping: the noise on the count of unclipped updates of a round
+    EVALUATION_SAMPLE = 20  # [log] eval_devices: the fixed sample of devices the metrics are taken on
 
 
 def seed_sequence(seed: int, purpose: Purpose, round_idx: int = 0, device_id: int | None = None):

@@ -141,26 +141,40 @@ def _remove_stale_copies(path: Path) -> None:
                 pass
 
 
-def write_stub(path: Path, config_toml: str, restarts=()) -> None:
+def exists_error(path: Path) -> RunLogError:
+    return RunLogError(f"run log {path} already exists; use --resume {path} to continue it, --force to replace it, "
+                       "or another --out")
+
+
+def write_stub(path: Path, config_toml: str, restarts=(), claim: bool = False) -> None:
     """A log with its config and no round, written before anything slow (building data, compiling), so a run
-    killed during start-up still continues with --resume. Swapped in whole, like every log."""
+    killed during start-up still continues with --resume. Swapped in whole, like every log; claim: the path
+    must not exist, and is taken atomically (of two runs started on one --out, one gets "already exists")."""
 
     def fill(f):
         for key, value in _root_attrs(config_toml, "starting").items():
             f.attrs[key] = value
         _write_restarts(f, restarts)
 
-    _swap_in(Path(path), fill)
+    _swap_in(Path(path), fill, claim)
 
 
-def _swap_in(path: Path, fill) -> None:
+def _swap_in(path: Path, fill, claim: bool = False) -> None:
     """Write a whole log beside path (fill(file) writes its contents), then put it in path's place: an
-    existing file is only ever replaced by a complete one."""
+    existing file is only ever replaced by a complete one. claim: first create path exclusively (an empty
+    placeholder the log then replaces), failing if it exists."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise RunLogError(f"cannot create the folder of run log {path} ({exc}); choose another --out") from None
     _remove_stale_copies(path)
+    if claim:
+        try:
+            os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        except FileExistsError:
+            raise exists_error(path) from None
+        except OSError as exc:
+            raise RunLogError(f"cannot write run log {path} ({exc}); choose another --out") from None
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
         with h5py.File(tmp, "w", libver=LIBVER) as f:
@@ -168,6 +182,8 @@ def _swap_in(path: Path, fill) -> None:
         os.replace(tmp, path)
     except OSError as exc:
         tmp.unlink(missing_ok=True)
+        if claim:
+            path.unlink(missing_ok=True)  # the placeholder: nothing of ours may stay
         raise RunLogError(f"cannot write run log {path} ({exc}); choose another --out") from None
 
 
@@ -187,6 +203,9 @@ def discard_stub(path: Path) -> None:
         return
     if stub:
         Path(path).unlink(missing_ok=True)
+
+
+EVALUATED = ("metrics/train_loss", "metrics/test_loss", "metrics/test_accuracy")  # what [log] eval_devices samples
 
 
 def columns(n: int, d: int, dtype) -> tuple[Column, ...]:
@@ -440,6 +459,10 @@ def _write_skeleton(f: h5py.File, header: Header) -> None:
         )
         ds.attrs["rows"] = col.rows
         ds.attrs["meaning"] = col.meaning
+        if col.path in EVALUATED and "eval_devices" in header.attrs:
+            ds.attrs["evaluated_on"] = (f"a fixed sample of {header.attrs['eval_devices']} of the {header.n_devices} "
+                                        "devices ([log] eval_devices: drawn uniformly once from the stream "
+                                        "(seed, evaluation-sample)), weighted as the objective weighs them")
     _write_restarts(f, header.restarts)
     f.create_dataset("devices/n_train", data=np.asarray(header.n_train, dtype=np.int64))
     f["devices/n_train"].attrs["meaning"] = "training samples n_k of each device (device_id = index)"

@@ -1,5 +1,6 @@
 """The run log: schema of docs/design.md 3.4, determinism, readers during a run, resume after a kill."""
 
+import os
 import signal
 import subprocess
 import sys
@@ -204,3 +205,49 @@ def test_the_stored_trajectory_keeps_within_its_budget_and_says_what_it_stores(t
     assert setup.cfg.log.every == 10 and lines[0].endswith(text)
     runs.run(small, tmp_path / "s.h5")
     assert read_run(tmp_path / "s.h5")["trajectory/round"].tolist() == list(range(0, 101, 10))
+
+
+def _claim(path, barrier, out):
+    from edgefed.errors import RunLogError
+    from edgefed.runlog import write_stub
+
+    barrier.wait()
+    try:
+        write_stub(path, "seed = 0\n", claim=True)
+        out.put("wrote")
+    except RunLogError as exc:
+        out.put(str(exc))
+
+
+def test_two_runs_starting_on_one_out_at_once_one_claims_it_the_other_is_told(tmp_path):
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("fork")
+    for trial in range(12):
+        path, barrier, out = tmp_path / f"r{trial}.h5", ctx.Barrier(2), ctx.Queue()
+        procs = [ctx.Process(target=_claim, args=(path, barrier, out)) for _ in range(2)]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(30)
+        said = sorted(out.get(timeout=5) for _ in procs)
+        assert said == sorted(["wrote", f"run log {path} already exists; use --resume {path} to continue it, "
+                                        "--force to replace it, or another --out"]), said
+        assert open_run(path).attrs["status"] == "starting"
+        assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []  # no copy left beside it
+
+
+def test_a_cpu_competitor_leaves_no_file_in_the_temporary_folder_even_if_never_stopped():
+    from edgefed.runtime.contention import Competitor
+
+    import struct
+
+    competitor = Competitor(None, 0.1)
+    try:
+        deadline = time.monotonic() + 20
+        while struct.unpack("q", competitor._cell[16:24])[0] == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)  # until it has run a period: it has mapped the file by then
+        assert struct.unpack("q", competitor._cell[16:24])[0] > 0
+        assert not os.path.exists(competitor._path)
+    finally:
+        competitor.stop()

@@ -350,3 +350,19 @@ def test_config_errors_carry_the_axis(tmp_path):
     path.write_text('[axes]\n"train.algorithm" = ["fedavg", "fedprox"]\n"fedprox.mu" = [0.1]\n')
     with pytest.raises(ConfigError, match=r"axis 'fedprox.mu' = 0.1: config: fedprox.mu applies to"):
         read_sweep(path)  # the value fails alone: the message names its axis
+
+
+def test_a_large_sweep_says_it_is_checking_its_configs_with_a_count(tmp_path, monkeypatch):
+    from edgefed.orchestration import sweep as sweep_mod
+
+    monkeypatch.setattr(sweep_mod, "PROGRESS_S", 0.0)  # every config then says how far it got
+    path = tmp_path / "big.toml"
+    path.write_text(f"seeds = {list(range(1000))}\n[set]\nrounds = 1\n")
+    lines = []
+    assert len(read_sweep(path, lines.append).jobs) == 1000
+    assert lines[0] == "sweep: checking the configs of 1,000 runs"
+    assert lines[-1] == "sweep: checked 999 of 1,000 configs" and len(lines) == 1000
+    lines.clear()
+    path.write_text("seeds = [0, 1]\n")
+    read_sweep(path, lines.append)
+    assert lines == []  # a small sweep starts at once, in silence

@@ -35,6 +35,7 @@ class DataConfig:
     normalize: str | None = None  # arrays, LEAF, CIFAR: "none", "standard" (per channel or feature, from the
     # training set) or "unit" (/255); None: "unit" for CIFAR, else "none"
     classes: int | None = None  # arrays, LEAF: the class count C (None: the largest label + 1)
+    cache_mb: float = 1024.0  # the built devices' data a process keeps (least recently used goes first)
 
 
 @dataclass(frozen=True)
@@ -222,6 +223,7 @@ class LogConfig:
     # or every k-th where that would exceed trajectory_mb
     trajectory_mb: float = 100.0  # the stored models' budget when every is not set
     eval_every: int = 1
+    eval_devices: int | None = None  # the metrics on a fixed uniform sample of this many devices; None: all
     client_controls: bool = False  # also log every device's own vectors (SCAFFOLD's c_k) at the stored rounds
 
 

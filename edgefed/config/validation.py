@@ -101,6 +101,9 @@ def validate(cfg: Config) -> Config:
         _positive(cfg.log.every, "log.every", "every = 10")
     _positive(cfg.log.trajectory_mb, "log.trajectory_mb", "trajectory_mb = 100")
     _positive(cfg.log.eval_every, "log.eval_every", "eval_every = 5")
+    _positive(cfg.data.cache_mb, "data.cache_mb", "cache_mb = 1024")
+    if cfg.log.eval_devices is not None:
+        _positive(cfg.log.eval_devices, "log.eval_devices", "eval_devices = 1000")
     return dataclasses.replace(cfg, data=data, model=model, train=train, fedprox=fedprox, participation=participation,
                                compress=compress, selection=selection)
 

@@ -21,6 +21,7 @@ from edgefed.engine.clock import RoundClock
 from edgefed.engine.secure import SecureSum
 from edgefed.participation import privacy, schemes
 from edgefed.participation.budgets import local_budgets
+from edgefed.participation.sampling import evaluation_sample
 from edgefed.participation.dynamics import Dynamics
 from edgefed.participation.selection import Choice, Feedback, View, build_policy
 from edgefed.participation.timing import Timing, overselected
@@ -81,6 +82,7 @@ class RoundEngine:
             recorded = trace.selected if isinstance(trace, ReplayTrace) else None
             self.accountant = privacy.Accountant(privacy.sampling_rate(cfg, self.n_devices, recorded),
                                                  d.noise_multiplier, d.delta)
+        self.evaluated = evaluation_sample(cfg.seed, self.n_devices, cfg.log.eval_devices)
         self.state: ServerState | None = None
         _, self.downlink = compression.codecs(cfg.compress)
         self.residual_names = (tuple(compression.residual_name(r) for r in algorithm.reports)
@@ -282,9 +284,15 @@ class RoundEngine:
 
     # -- evaluation --------------------------------------------------------------------------------------
     def metrics(self, ev: Evaluation) -> tuple[float, float, float]:
-        """(train objective, test loss, test accuracy) over the federation, reduced in ascending device id."""
+        """(train objective, test loss, test accuracy) over the federation, reduced in ascending device id;
+        with [log] eval_devices over the members of its sample, weighted as the objective weighs them."""
         active_ids = np.flatnonzero(self.active)
         weights = schemes.objective_weights(self.cfg.train.weighting, active_ids, self.n_train)
+        if self.evaluated is not None:
+            kept = np.isin(active_ids, self.evaluated)
+            if not kept.any():  # every sampled device has left the federation
+                return math.nan, math.nan, math.nan
+            active_ids, weights = active_ids[kept], weights[kept] / math.fsum(weights[kept])
         # math.fsum, not np.dot: BLAS's ddot sums in a CPU-dependent order (aarch64 and x86-64 differed by 2 ULPs)
         train = math.fsum(weights * ev.train_loss[active_ids])
         n_test = int(ev.n_test[active_ids].sum())

@@ -31,11 +31,12 @@ from edgefed.orchestration.timing import link_speeds, timing_for
 from edgefed.participation.budgets import local_budgets
 from edgefed.participation.timing import Timing
 from edgefed.participation import asynchrony, privacy
+from edgefed.participation.sampling import evaluation_sample
 from edgefed.participation.traces import ReplayTrace
 from edgefed.problems import build_problem
 from edgefed.participation.selection import POLICY_CLASSES, build_policy
-from edgefed.runlog import (Column, Header, RunLogWriter, discard_stub, read_participation, read_resume_point,
-                            read_run, size_text, write_stub)
+from edgefed.runlog import (Column, Header, RunLogWriter, discard_stub, exists_error, read_participation,
+                            read_resume_point, read_run, size_text, write_stub)
 from edgefed.runtime.local import LocalTransport
 from edgefed.tracefiles import sampled_traces
 
@@ -272,8 +273,7 @@ def prepare(cfg: Config, log_path: Path, *, resume_point=None, force: bool = Fal
     log to --resume), then build the problem and the log header."""
     on_info = on_info or (lambda line: None)
     if resume_point is None and log_path.exists() and not force:
-        raise RunLogError(f"run log {log_path} already exists; use --resume {log_path} to continue it, "
-                          "--force to replace it, or another --out")
+        raise exists_error(log_path)
     folder = next((p for p in (log_path.parent, *log_path.parent.parents) if p.exists()), Path.cwd())
     if not folder.is_dir() or not os.access(folder, os.W_OK):
         raise RunLogError(f"cannot write run log {log_path}: {folder} is not a writable folder; choose another --out")
@@ -281,8 +281,8 @@ def prepare(cfg: Config, log_path: Path, *, resume_point=None, force: bool = Fal
     config_toml = resume_point.config_toml if resume_point else config_mod.to_toml(cfg)
     # a stub, unless it would replace a log (--force replaces one only by a whole new log)
     stub = resume_point.fresh if resume_point else not log_path.exists()
-    if stub:
-        write_stub(log_path, config_toml, restarts)
+    if stub:  # a new log's path is claimed atomically: another run may be starting on it at this moment
+        write_stub(log_path, config_toml, restarts, claim=resume_point is None)
     try:
         return _prepared(cfg, log_path, resume_point, on_info, config_toml, restarts)
     except EdgefedError:
@@ -324,6 +324,11 @@ def _prepared(cfg: Config, log_path: Path, resume_point, on_info, config_toml: s
                                 "kernels choose their own summation order)")
     if cfg.secagg.enabled:  # which keys a run used: the test mode's are reproducible from the config
         header.attrs["secagg_key_source"] = cfg.secagg.key_source
+    if cfg.log.eval_devices is not None:
+        if cfg.log.eval_devices > problem.n_devices:
+            raise ConfigError(f"config: log.eval_devices = {cfg.log.eval_devices} exceeds the {problem.n_devices} "
+                              "devices; lower it, or leave it out to evaluate every device")
+        header.attrs["eval_devices"] = cfg.log.eval_devices
     if cfg.privacy.mechanism != "none":
         cfg = resolved_privacy(cfg, problem.n_devices, header.attrs, on_info, trace)
     return Setup(cfg, algorithm, problem, model, header, trace)
@@ -369,7 +374,9 @@ def local_transport(cfg: Config, algorithm: Algorithm, problem, model, device_id
                           compression.codecs(cfg.compress)[0], link_speeds(cfg, problem.n_devices),
                           secagg=cfg.secagg if cfg.secagg.enabled else None, scheme=cfg.participation.scheme,
                           report_losses=POLICY_CLASSES[cfg.selection.policy].reads_losses,
-                          privacy=cfg.privacy if cfg.privacy.mechanism == "distributed" else None)
+                          privacy=cfg.privacy if cfg.privacy.mechanism == "distributed" else None,
+                          evaluated=evaluation_sample(cfg.seed, problem.n_devices, cfg.log.eval_devices),
+                          cache_mb=cfg.data.cache_mb)
 
 
 def usable_cores() -> list[int]:

@@ -107,8 +107,13 @@ def _dotted(table: dict, prefix: str = "") -> dict:
     return out
 
 
-def read_sweep(path: Path) -> Sweep:
-    """The sweep file, expanded and every run's config checked (ConfigError naming the axis and value)."""
+PROGRESS_RUNS = 1000  # a sweep of at least this many runs says that it is checking their configs
+PROGRESS_S = 2.0  # and how far it got, this often
+
+
+def read_sweep(path: Path, on_progress=None) -> Sweep:
+    """The sweep file, expanded and every run's config checked (ConfigError naming the axis and value);
+    on_progress: told what is being checked, with a count, when there are many runs."""
     where = f"sweep {path}"
     try:
         raw = tomllib.loads(path.read_text(encoding="utf-8"))
@@ -166,10 +171,18 @@ def read_sweep(path: Path) -> Sweep:
         if target is not None and not (isinstance(target, (int, float)) and 0 < target <= 1):
             raise ConfigError(f"{where}: target test_accuracy = {target!r} must lie in (0, 1]")
     jobs = []
+    total = math.prod(len(values) for _, values in groups) * (len(seeds) if seeds is not None else 1)
+    say = on_progress if on_progress is not None and total >= PROGRESS_RUNS else None
+    if say:
+        say(f"sweep: checking the configs of {total:,} runs")
+    said = time.perf_counter()
     for combo in itertools.product(*(values for _, values in groups)):
         values = tuple((k, v) for (keys, _), picked in zip(groups, combo) for k, v in zip(keys, picked))
         cell = _cell_name(values)
         for seed in seeds if seeds is not None else [None]:
+            if say and jobs and time.perf_counter() - said >= PROGRESS_S:
+                say(f"sweep: checked {len(jobs):,} of {total:,} configs")
+                said = time.perf_counter()
             try:
                 cfg_raw = _merged(base, settings, values, seed, where)
             except ConfigError:
@@ -348,8 +361,8 @@ def _headline(row: dict) -> str:
 
 def run_sweep(path: Path, folder: Path, jobs: int = 1, on_line=print, live: bool = False) -> int:
     """Run the sweep into folder; 0 if every run completed, 1 if any failed."""
-    sweep = read_sweep(path)
     comm = world()
+    sweep = read_sweep(path, on_line if comm is None or comm.Get_rank() == 0 else None)
     rank, size = (0, 1) if comm is None else (comm.Get_rank(), comm.Get_size())
     try:
         (folder / "runs").mkdir(parents=True, exist_ok=True)

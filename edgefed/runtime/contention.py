@@ -82,7 +82,10 @@ class Competitor:
             self.proc.wait()
         self._cell.close()
         self._cell = None
-        os.unlink(self._path)
+        try:
+            os.unlink(self._path)  # (the competitor removes it once it has mapped it)
+        except FileNotFoundError:
+            pass
 
     def __enter__(self):
         return self
@@ -94,6 +97,12 @@ class Competitor:
 def _serve(path: str, core: int) -> None:
     with open(path, "r+b") as f:
         cell = mmap.mmap(f.fileno(), CELL)
+    # both processes hold the mapping now: the file's name is not needed, and a world killed with its
+    # processes (no stop()) leaves nothing in the temporary folder
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
     pin(None if core < 0 else core)
     parent = os.getppid()
 

@@ -18,6 +18,7 @@ import math
 import os
 import threading
 import time
+from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -120,26 +121,67 @@ class Streams:
         return sum(run.samples for run in self.runs)
 
 
+class DeviceCache:
+    """The devices' data this process has built, the least recently used dropped beyond `budget` bytes: a
+    device's data is a pure function of (seed, device), so dropping it costs only the time to build it again.
+    Lanes share it from their threads."""
+
+    def __init__(self, build, budget: float):
+        self.build, self.budget = build, budget
+        self._data: OrderedDict[int, object] = OrderedDict()
+        self.nbytes = 0
+        self._lock = threading.Lock()
+
+    def __call__(self, device_id: int):
+        with self._lock:
+            data = self._data.get(device_id)
+            if data is not None:
+                self._data.move_to_end(device_id)
+                return data
+        data = self.build(device_id)  # outside the lock: other lanes go on meanwhile
+        size = _nbytes(data)
+        with self._lock:
+            if device_id not in self._data:
+                self._data[device_id] = data
+                self.nbytes += size
+            while self.nbytes > self.budget and len(self._data) > 1:
+                _, dropped = self._data.popitem(last=False)
+                self.nbytes -= _nbytes(dropped)
+        return data
+
+    def clear(self) -> None:
+        with self._lock:
+            self._data.clear()
+            self.nbytes = 0
+
+
+def _nbytes(data) -> int:
+    return sum(v.nbytes for v in vars(data).values() if isinstance(v, np.ndarray))
+
+
 class LocalTransport:
     def __init__(self, problem, model, algorithm, seed: int, batch_size: int | None, device_ids=None,
                  faults=(), contention=(), cores=None, uplink: compression.Codec = compression.Codec(),
                  links: np.ndarray | None = None, secagg=None, scheme: str = "B", report_losses: bool = False,
-                 privacy=None):
+                 privacy=None, evaluated: np.ndarray | None = None, cache_mb: float = 1024.0):
         """cores: the cores this process's lanes are pinned to, one lane each (None: one unpinned lane;
         with contention, a lane on core 0); uplink: how reports are compressed; links: each device's
         shaped link in megabits per second (index: device id; None: not shaped); secagg: the [secagg] table
         when secure aggregation is on, with the participation scheme its devices pre-scale for; report_losses:
         a selection policy reads what the steps say of their losses (a model that pays for them, torch, then
-        computes them); privacy: the [privacy] table when the devices add the noise (mechanism "distributed")."""
+        computes them); privacy: the [privacy] table when the devices add the noise (mechanism "distributed");
+        evaluated: the devices the metrics are taken on ([log] eval_devices; None: every device); cache_mb: the
+        built devices' data this process keeps ([data] cache_mb)."""
         self.problem, self.model, self.algorithm = problem, model, algorithm
         self.eval_model = model.clone()  # evaluation may run while a late worker still computes
         self.seed, self.batch_size = seed, batch_size
         n = problem.n_devices
         self.device_ids = np.arange(n) if device_ids is None else np.asarray(device_ids, dtype=np.int64)
         self._row = {int(k): i for i, k in enumerate(self.device_ids)}
+        self.evaluated = self.device_ids if evaluated is None else np.intersect1d(self.device_ids, evaluated)
         if hasattr(problem, "host"):
             problem.host(self.device_ids)
-        self._devices = {}
+        self.data = DeviceCache(problem.device, cache_mb * 2.0 ** 20)
         self._faults = {(f.device, f.round): f for f in faults}
         self.vectors = None  # {device vector: (hosted devices, d) rows in device_ids order}, e.g. SCAFFOLD's c_k
         self._pending = None  # (round, device ids, {delta name: rows}, {report: residual rows}) until accepted
@@ -167,12 +209,6 @@ class LocalTransport:
     @property
     def threads(self) -> int:
         return len(self.lanes)
-
-    def data(self, device_id: int):
-        data = self._devices.get(device_id)
-        if data is None:
-            data = self._devices[device_id] = self.problem.device(device_id)
-        return data
 
     def warmup(self) -> tuple[int, float]:
         """Compile (or load from cache) every kernel a round uses, so no round pays for it.
@@ -432,13 +468,13 @@ class LocalTransport:
         return out
 
     def evaluate(self, x: np.ndarray) -> Evaluation:
-        """Evaluation of the hosted devices (others NaN / 0), indexed by device id."""
+        """Evaluation of the hosted devices that are evaluated (others NaN / 0), indexed by device id."""
         n = self.problem.n_devices
         train = np.full(n, np.nan)
         test_loss = np.zeros(n)
         correct = np.zeros(n, np.int64)
         n_test = np.zeros(n, np.int64)
-        for k in self.device_ids:
+        for k in self.evaluated:
             data = self.data(int(k))
             train[k] = self.eval_model.train_loss(x, data)
             if self.problem.has_test:
@@ -457,4 +493,4 @@ class LocalTransport:
             if pool is not None:
                 pool.shutdown(wait=False, cancel_futures=True)
         self._pool = self._dispatch = None
-        self._devices.clear()
+        self.data.clear()

@@ -1,0 +1,70 @@
+"""Large federations (issue 30): the metrics on a fixed sample of devices ([log] eval_devices)."""
+
+import math
+
+import numpy as np
+import pytest
+
+from edgefed.errors import ConfigError
+from edgefed.orchestration import run as runs
+from edgefed.participation.sampling import evaluation_sample
+from edgefed.rng import Purpose, generator
+from edgefed.runlog import open_run, read_run
+from conftest import config_with
+from helpers import assert_same_logs
+from test_protocol import loopback_run
+
+N, D = 12, 3
+
+
+def test_the_evaluation_sample_is_one_uniform_draw_of_its_own_stream():
+    sample = evaluation_sample(7, 1000, 50)
+    assert sample.tolist() == sorted(generator(7, Purpose.EVALUATION_SAMPLE).choice(1000, 50, replace=False))
+    assert evaluation_sample(7, 1000, 50).tolist() == sample.tolist() and evaluation_sample(8, 1000, 50).tolist() != sample.tolist()
+    assert evaluation_sample(7, 1000, None) is None and evaluation_sample(7, 1000, 1000) is None  # every device
+
+
+def test_metrics_on_a_sample_are_its_devices_weighted_as_the_objective_by_hand(tmp_path, quad_file):
+    g = np.random.default_rng(2)
+    A, b, n = g.uniform(0.5, 2.0, (N, D)), g.normal(size=(N, D)), g.integers(1, 9, N)
+    x0 = g.normal(size=D)
+    base = {"data.kind": "quadratic", "data.path": str(quad_file(A, b, n=n, x0=x0)), "model.dtype": "float64",
+            "rounds": 3, "train.clients_per_round": 4, "train.local_steps": 2, "train.weighting": "count_global",
+            "log.eval_devices": 5}
+    runs.run(config_with(base), tmp_path / "s.h5")
+    log = read_run(tmp_path / "s.h5")
+    sample = evaluation_sample(0, N, 5)
+    w = n[sample] / n[sample].sum()  # the objective's n_k / n, renormalized over the sample
+    for r in range(4):
+        x = log["trajectory/x"][r]
+        losses = 0.5 * (A[sample] * (x - b[sample]) ** 2).sum(axis=1)
+        assert log["metrics/train_loss"][r] == pytest.approx(math.fsum(w * losses), rel=1e-12)
+    with open_run(tmp_path / "s.h5") as f:
+        assert f.attrs["eval_devices"] == 5
+        assert f["metrics/train_loss"].attrs["evaluated_on"].startswith("a fixed sample of 5 of the 12 devices")
+    assert_same_logs(log, loopback_run(config_with(base), tmp_path / "mpi.h5", 3))
+    with pytest.raises(ConfigError, match=r"log.eval_devices = 13 exceeds the 12 devices"):
+        runs.run(config_with({**base, "log.eval_devices": 13}), tmp_path / "big.h5")
+    assert not (tmp_path / "big.h5").exists()
+    with pytest.raises(ConfigError, match=r"log.eval_devices = 0 must be positive"):
+        config_with({"log.eval_devices": 0})
+
+
+def test_the_data_cache_keeps_its_bound_and_a_small_one_writes_the_same_log(tmp_path):
+    from edgefed.orchestration.run import problem_and_model
+    from edgefed.runtime.local import DeviceCache
+
+    small = {"data.clients": 40, "rounds": 3, "train.clients_per_round": 10, "train.local_steps": 3}
+    cfg = config_with(small)
+    problem, _ = problem_and_model(cfg)
+    one = problem.device(0)
+    size = sum(v.nbytes for v in vars(one).values())
+    cache = DeviceCache(problem.device, budget=3.5 * size)
+    for k in range(40):
+        data = cache(k)
+        assert cache.nbytes <= 3.5 * size or len(cache._data) == 1  # (one device larger than the bound stays)
+    assert len(cache._data) <= 5 and list(cache._data)[-1] == 39  # the most recent kept
+    assert cache(39) is cache(39) and np.array_equal(cache(0).X_train, one.X_train)  # built again, the same
+    runs.run(cfg, tmp_path / "big.h5")
+    runs.run(config_with({**small, "data.cache_mb": 0.001}), tmp_path / "small.h5")  # a device or two kept
+    assert_same_logs(read_run(tmp_path / "big.h5"), read_run(tmp_path / "small.h5"))
