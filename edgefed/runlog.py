@@ -248,6 +248,9 @@ def columns(n: int, d: int, dtype) -> tuple[Column, ...]:
     )
 
 
+COMPRESS_FROM = 10_000  # devices from which the (R, N) datasets are stored deflated
+
+
 def _chunk(row_shape: tuple) -> tuple:
     """Several small rows per chunk; a large row is chunked along its last axis only."""
     per_row = int(np.prod(row_shape, dtype=np.int64)) if row_shape else 1
@@ -322,6 +325,11 @@ class RunLogWriter:
             ds.id.set_extent((n + 1,) + row_shape)
             _write_row(ds, n, value, dtype, row_shape)
             self._rows[name] = n + 1
+
+    def fill_rows(self, name: str, ids: np.ndarray, values: np.ndarray) -> None:
+        """Write these (ascending) rows of a per-device dataset, e.g. /devices/label_counts as devices are
+        built."""
+        self._f[name][ids] = values
 
     def set_rows(self, name: str, values: np.ndarray) -> None:
         """Write a whole per-device state (at the start, before round 0's checkpoint)."""
@@ -453,9 +461,13 @@ def _write_skeleton(f: h5py.File, header: Header) -> None:
     for key, value in attrs.items():
         f.attrs[key] = value
     for col in columns(header.n_devices, header.dim, header.dtype) + header.extra_columns:
+        # a large federation's per-device rows are mostly the same few values: deflated, as HDF5 1.10's tools
+        # (and every reader through HDF5) read them
+        squeeze = ({"compression": "gzip", "compression_opts": 1, "shuffle": True}
+                   if header.n_devices >= COMPRESS_FROM and tuple(col.row_shape) == (header.n_devices,) else {})
         ds = f.create_dataset(
             col.path, shape=(0,) + col.row_shape, maxshape=(None,) + col.row_shape, dtype=col.dtype,
-            chunks=_chunk(col.row_shape), fillvalue=col.fill,
+            chunks=_chunk(col.row_shape), fillvalue=col.fill, **squeeze,
         )
         ds.attrs["rows"] = col.rows
         ds.attrs["meaning"] = col.meaning

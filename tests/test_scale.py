@@ -68,3 +68,20 @@ def test_the_data_cache_keeps_its_bound_and_a_small_one_writes_the_same_log(tmp_
     runs.run(cfg, tmp_path / "big.h5")
     runs.run(config_with({**small, "data.cache_mb": 0.001}), tmp_path / "small.h5")  # a device or two kept
     assert_same_logs(read_run(tmp_path / "big.h5"), read_run(tmp_path / "small.h5"))
+
+
+def test_a_large_generated_federation_counts_labels_as_it_builds_devices_and_resumes_them(tmp_path, monkeypatch):
+    from edgefed.problems import synthetic
+    from helpers import interrupted_then_resumed
+
+    monkeypatch.setattr(synthetic, "EAGER_LABELS_UP_TO", 10)  # 40 devices are "large" here
+    cfg = config_with({"data.clients": 40, "rounds": 4, "train.clients_per_round": 5, "train.local_steps": 2,
+                       "log.eval_devices": 6})
+    whole, resumed = interrupted_then_resumed(cfg, tmp_path, 2)
+    assert_same_logs(whole, resumed)
+    counts, selected = whole["devices/label_counts"], whole["participation/selected"].any(axis=0)
+    assert (counts[~selected] == -1).all() and (counts[selected] >= 0).all()  # the sample alone is not counted
+    problem = synthetic.SyntheticProblem(cfg.data, cfg.seed, np.float32)
+    for k in np.flatnonzero(selected):
+        assert counts[k].tolist() == np.bincount(problem.device(int(k)).y_train, minlength=10).tolist()
+    assert_same_logs(whole, loopback_run(cfg, tmp_path / "mpi.h5", 3))

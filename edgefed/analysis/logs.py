@@ -91,13 +91,16 @@ class Run:
         counts = self.data.get("devices/label_counts")
         if counts is None or not counts.size:
             return None
-        counts = np.asarray(counts, np.float64)
+        known = (counts >= 0).all(axis=1)  # a large generated federation's log counts a device once it is built
+        if not known.any():
+            return None
+        counts = np.asarray(counts[known], np.float64)
         totals = counts.sum(axis=1)
         shares = counts / np.maximum(totals[:, None], 1)
         pooled = counts.sum(axis=0) / max(counts.sum(), 1)
         return {"counts": counts.astype(np.int64), "labels_held": float((counts > 0).sum(axis=1).mean()),
                 "skew": float(0.5 * np.abs(shares - pooled).sum(axis=1).mean()),
-                "samples": (int(totals.min()), int(totals.max()))}
+                "samples": (int(totals.min()), int(totals.max())), "of": int(known.size)}
 
     def secagg(self) -> dict | None:
         """Secure aggregation's cost and outcome ([secagg] runs only): mean protocol seconds and bytes per

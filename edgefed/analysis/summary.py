@@ -7,6 +7,8 @@ import math
 from edgefed.analysis.logs import Run
 from edgefed.runlog import size_text
 
+DEVICE_ROWS = 1000  # the per-device table lists at most this many devices
+
 
 def _num(value: float, spec: str = ".4f") -> str:
     return "-" if value is None or (isinstance(value, float) and math.isnan(value)) else format(value, spec)
@@ -25,7 +27,8 @@ def summary_lines(run: Run, target: float | None = None) -> list[str]:
     part = run.partition()
     if part is not None:
         n, c = part["counts"].shape
-        lines.append(f"partition: {n} devices x {c} labels, {part['samples'][0]}..{part['samples'][1]} training "
+        devices = f"{n} devices" if n == part["of"] else f"{n} of {part['of']} devices (the ones built)"
+        lines.append(f"partition: {devices} x {c} labels, {part['samples'][0]}..{part['samples'][1]} training "
                      f"samples each; a device holds {part['labels_held']:.1f} of the {c} labels on average; label "
                      f"skew {part['skew']:.2f} (mean total variation from the pooled labels: 0 IID, 1 disjoint)")
     who = run.participation()
@@ -52,7 +55,13 @@ def summary_lines(run: Run, target: float | None = None) -> list[str]:
         lines.append(f"to test accuracy {target:g}: " + ("never reached" if math.isnan(rounds) else
                                                            f"round {rounds:.0f}, clock {seconds:.3f} s"))
     lines.append("device  selected  fraction  inactive   late  cpu %")
-    for d in run.devices():
+    devices = run.devices()
+    if len(devices) > DEVICE_ROWS:  # a large federation: the devices that took part most, not a million lines
+        devices = sorted(sorted(devices, key=lambda d: -d["selected"])[:DEVICE_ROWS], key=lambda d: d["device"])
+    for d in devices:
         lines.append(f"{d['device']:>6}  {d['selected']:>8}  {_num(d['fraction'], '8.3f'):>8}  "
                      f"{_num(d['inactive'], '8.1%'):>8}  {_num(d['late'], '5.1%'):>5}  {_num(d['cpu_percent'], '5.1f'):>5}")
+    if len(devices) < run.attrs["n_devices"]:
+        lines.append(f"(the {DEVICE_ROWS} devices selected most of {run.attrs['n_devices']}; edgefed export --csv "
+                     "writes every device's rows)")
     return lines

@@ -27,8 +27,9 @@ from edgefed.transport import PROBE_BYTES, LocalResults, RoundPlan
 
 
 class AsyncEngine(RoundEngine):
-    def __init__(self, cfg, algorithm, n_train, transport, log, on_round=None, trace=None, timing=None):
-        super().__init__(cfg, algorithm, n_train, transport, log, on_round, trace, timing)
+    def __init__(self, cfg, algorithm, n_train, transport, log, on_round=None, trace=None, timing=None,
+                 count_labels=None):
+        super().__init__(cfg, algorithm, n_train, transport, log, on_round, trace, timing, count_labels)
         a = cfg.asynchronous
         # a replay's schedule is the recorded one (participation.trace = RUN.h5); a measured clock's is the
         # real federation's (under MPI); else the simulated clock's
@@ -193,6 +194,7 @@ class AsyncEngine(RoundEngine):
         self.log.ensure_room()
         self.log.append({**self._update_row(round_idx, update, ids, res, coeffs, nonfinite, staleness, metrics,
                                             elapsed), **extra})
+        self._count_labels(ids)
         self._stage_and_commit(round_idx, None, store)
         discarded = sum(1 for task in update.discarded if task.device not in set(ids.tolist()))  # as the row says
         self.on_round(RoundSummary(round_idx, self.cfg.rounds, *metrics, int(reported.sum()), int(self.active.sum()),

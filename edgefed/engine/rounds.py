@@ -53,8 +53,11 @@ class RoundSummary:
 
 class RoundEngine:
     def __init__(self, cfg: Config, algorithm: Algorithm, n_train: np.ndarray, transport, log, on_round=None,
-                 trace=None, timing: Timing | None = None):
+                 trace=None, timing: Timing | None = None, count_labels=None):
+        """count_labels: ids -> their devices' label counts, for a log that fills /devices/label_counts as
+        the devices are first selected (a large generated federation); None: the log has them all."""
         self.cfg = cfg
+        self.count_labels = count_labels
         self.algorithm = algorithm
         self.trace = trace  # trace mode: a ReplayTrace (selections and steps) or SampledTraces (steps)
         self.n_train = np.asarray(n_train, dtype=np.int64)
@@ -83,6 +86,7 @@ class RoundEngine:
             self.accountant = privacy.Accountant(privacy.sampling_rate(cfg, self.n_devices, recorded),
                                                  d.noise_multiplier, d.delta)
         self.evaluated = evaluation_sample(cfg.seed, self.n_devices, cfg.log.eval_devices)
+        self._labelled = np.zeros(self.n_devices, bool)  # whose label counts the log has (count_labels)
         self.state: ServerState | None = None
         _, self.downlink = compression.codecs(cfg.compress)
         self.residual_names = (tuple(compression.residual_name(r) for r in algorithm.reports)
@@ -351,6 +355,7 @@ class RoundEngine:
         self.active = self.dynamics.active(done)
         if prefix is not None:
             self.clock.restore(prefix, done)
+            self._count_labels(np.flatnonzero(prefix["participation/selected"][:done].any(axis=0)))
         algo = self.algorithm
         self.state = ServerState(state["x"], {v.name: state[v.name] for v in algo.server_vectors})
         self._secure_side(self.state.x.size)
@@ -373,6 +378,16 @@ class RoundEngine:
     def _secure_side(self, dim: int) -> None:
         if self.cfg.secagg.enabled:
             self.secure = SecureSum(self.cfg, dim, self.transport, self.n_devices)
+
+    def _count_labels(self, ids: np.ndarray) -> None:
+        """The label counts of the devices the log does not have yet, written to it (count_labels)."""
+        if self.count_labels is None:
+            return
+        new = np.unique(np.asarray(ids, np.int64))
+        new = new[~self._labelled[new]]
+        if new.size:
+            self.log.fill_rows("devices/label_counts", new, self.count_labels(new))
+            self._labelled[new] = True
 
     def run(self, done: int = 0) -> ServerState:
         """Rounds done+1 .. R from the current state (the one after round `done`)."""
@@ -472,6 +487,7 @@ class RoundEngine:
         elapsed = time.perf_counter() - wall0
         self.log.ensure_room()
         self.log.append({**self._round_row(plan, res, settled, coeffs, nonfinite, metrics, elapsed, clock), **extra})
+        self._count_labels(plan.device_ids)
         changes = {v.name: (plan.device_ids[reported], res.vectors[v.delta][reported])
                    for v in self.algorithm.device_vectors}
         sets = {**(sets or {}), **{name: (accepted, rows) for name, rows in residuals.items()}}

@@ -307,7 +307,7 @@ def _prepared(cfg: Config, log_path: Path, resume_point, on_info, config_toml: s
     header = Header(
         config_toml=config_toml, restarts=restarts,
         seed=cfg.seed, rounds=cfg.rounds, n_devices=problem.n_devices, dim=model.dim, dtype=model.dtype,
-        n_train=problem.n_train, label_counts=problem.label_counts() if hasattr(problem, "label_counts") else None,
+        n_train=problem.n_train, label_counts=_label_counts(problem),
         **layout,
         attrs={"problem": problem.describe(), "model": model.kind,
                "train_objective": "(1/N_r) sum_k f_k" if cfg.train.weighting == "uniform" else "sum_k n_k/n F_k"},
@@ -332,6 +332,25 @@ def _prepared(cfg: Config, log_path: Path, resume_point, on_info, config_toml: s
     if cfg.privacy.mechanism != "none":
         cfg = resolved_privacy(cfg, problem.n_devices, header.attrs, on_info, trace)
     return Setup(cfg, algorithm, problem, model, header, trace)
+
+
+def _label_counts(problem) -> np.ndarray | None:
+    """/devices/label_counts as the log starts: every device's, or (a large generated federation) -1 rows
+    the run fills as it builds each device's data."""
+    if not hasattr(problem, "label_counts"):
+        return None
+    if getattr(problem, "labels_later", False):
+        return np.full((problem.n_devices, problem.n_classes), -1, np.int64)
+    return problem.label_counts()
+
+
+def label_counter(problem, transport):
+    """ids -> their label counts, for a log that fills them as devices are built (None: counted at the start);
+    in one process from the transport's built data, under MPI rank 0 builds the selected devices' itself."""
+    if not getattr(problem, "labels_later", False):
+        return None
+    data = transport.data if isinstance(transport, LocalTransport) else problem.device
+    return lambda ids: np.stack([problem.labels_of(data(int(k))) for k in ids]) if len(ids) else None
 
 
 def resolved_privacy(cfg: Config, n: int, attrs: dict, on_info, trace=None) -> Config:
@@ -440,7 +459,7 @@ def drive(setup: Setup, transport, log_path: Path, *, resume_point=None, on_roun
     try:
         engine_class = AsyncEngine if cfg.participation.mode == "async" else RoundEngine
         engine = engine_class(cfg, setup.algorithm, setup.problem.n_train, transport, log, on_round, setup.trace,
-                              setup.timing)
+                              setup.timing, label_counter(setup.problem, transport))
         if resume_point is None:
             engine.start(setup.model.initial_params())
             done = 0
