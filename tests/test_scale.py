@@ -85,3 +85,20 @@ def test_a_large_generated_federation_counts_labels_as_it_builds_devices_and_res
     for k in np.flatnonzero(selected):
         assert counts[k].tolist() == np.bincount(problem.device(int(k)).y_train, minlength=10).tolist()
     assert_same_logs(whole, loopback_run(cfg, tmp_path / "mpi.h5", 3))
+
+
+def test_a_run_too_large_for_its_address_space_is_refused_in_one_line_before_building_anything(tmp_path):
+    import resource
+    import subprocess
+    import sys
+
+    def limited():
+        resource.setrlimit(resource.RLIMIT_AS, (3 * 2 ** 30, resource.getrlimit(resource.RLIMIT_AS)[1]))
+
+    done = subprocess.run([sys.executable, "-m", "edgefed", "run", "--set", "data.clients=10000000", "--out",
+                           str(tmp_path / "r.h5")], capture_output=True, text=True, timeout=120, preexec_fn=limited)
+    assert done.returncode == 2, done.stderr
+    (line,) = done.stderr.strip().splitlines()
+    assert line.startswith("edgefed: error: this run needs about ") and "10,000,000 devices' bookkeeping" in line
+    assert "the address-space limit is" in line and "devices would fit in this process" in line
+    assert list(tmp_path.iterdir()) == []  # the stub removed

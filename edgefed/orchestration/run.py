@@ -18,6 +18,11 @@ from pathlib import Path
 import numpy as np
 import psutil
 
+try:
+    import resource
+except ImportError:  # not on Windows: no address-space limit to read
+    resource = None
+
 from edgefed import compression
 from edgefed import config as config_mod
 from edgefed.algorithms import Algorithm, build_algorithm
@@ -35,7 +40,7 @@ from edgefed.participation.sampling import evaluation_sample
 from edgefed.participation.traces import ReplayTrace
 from edgefed.problems import build_problem
 from edgefed.participation.selection import POLICY_CLASSES, build_policy
-from edgefed.runlog import (Column, Header, RunLogWriter, discard_stub, exists_error, read_participation,
+from edgefed.runlog import (Column, Header, RunLogWriter, discard_stub, exists_error, open_run, read_participation,
                             read_resume_point, read_run, size_text, write_stub)
 from edgefed.runtime.local import LocalTransport
 from edgefed.tracefiles import sampled_traces
@@ -202,11 +207,52 @@ def trajectory_every(cfg: Config, header_layout: dict, d: int, dtype) -> tuple[i
     return every, f"log: the model {what}{why}, {n} of {cfg.rounds + 1} ({size_text(n * row)})"
 
 
-def check_device_memory(algorithm: Algorithm, cfg: Config, n: int, d: int, dtype, log_path: Path, on_info) -> None:
+KERNEL_BYTES = 150 * 2 ** 20  # what compiling (or loading) a run's kernels adds to the process, about
+PER_DEVICE_BYTES = 700  # what the coordinator keeps per device (weights, sizes, label counts, a round's log rows,
+# the selection's and the clock's arrays): 0.6-0.7 KB measured at 10^5 and 10^6 devices
+
+
+def memory_limit() -> tuple[int, str]:
+    """(bytes this process may use, what sets it): the memory the machine has available, or the address-space
+    limit (ulimit -v, a batch system's) when that is lower."""
+    process = psutil.Process()
+    limit, what = psutil.virtual_memory().available + process.memory_info().rss, "the memory available"
+    soft = resource.getrlimit(resource.RLIMIT_AS)[0] if resource is not None else -1
+    if soft not in (-1, getattr(resource, "RLIM_INFINITY", -1)) and soft - process.memory_info().vms < limit:
+        # the address space counts what the process has mapped already (libraries, reserved arenas)
+        limit, what = max(soft - process.memory_info().vms, 0) + process.memory_info().rss, "the address-space limit"
+    return limit, what
+
+
+def check_memory(cfg: Config, n: int, data_bytes: int = 0, state_bytes: int = 0, state_what: str = "") -> None:
+    """Refuse, before anything large is built, a run whose estimate (this process as it stands and its kernels,
+    N devices' bookkeeping, the devices' data it may hold: all of it up to data.cache_mb, the devices'
+    vectors) exceeds what this process may use; one line with the estimate, the limit and what would fit."""
+    runtime = psutil.Process().memory_info().rss + KERNEL_BYTES
+    per_device = n * PER_DEVICE_BYTES
+    cache = min(cfg.data.cache_mb * 2 ** 20, data_bytes)
+    need = runtime + per_device + cache + state_bytes
+    limit, what = memory_limit()
+    if need <= limit:
+        return
+    fit = max(int((limit - runtime - cache) // (PER_DEVICE_BYTES + state_bytes / max(n, 1))), 0)
+    parts = [f"{size_text(runtime)} the runtime", f"{size_text(per_device)} for {n:,} devices' bookkeeping"]
+    parts += [f"{size_text(cache)} of their data (data.cache_mb)"] if cache else []
+    parts += [f"{size_text(state_bytes)} {state_what}"] if state_bytes else []
+    smaller = ", a smaller data.cache_mb, or log.eval_devices (evaluation builds every device)" if cache else ""
+    raise ResourceError(f"this run needs about {size_text(need)} of memory ({', '.join(parts)}) but {what} is "
+                        f"{size_text(limit)}; about {fit:,} devices would fit in this process: use fewer devices "
+                        f"(data.clients) or fewer per rank (more ranks under mpiexec){smaller}")
+
+
+def check_device_memory(algorithm: Algorithm, cfg: Config, n: int, d: int, dtype, log_path: Path, on_info,
+                        problem=None) -> None:
     """Report what the devices' vectors (SCAFFOLD's N x d controls) take, and refuse when memory or disk
     cannot hold them."""
     vectors = algorithm.device_vectors
+    data_bytes = problem.data_bytes() if hasattr(problem, "data_bytes") else 0  # (a pool is in memory already)
     if not vectors:
+        check_memory(cfg, n, data_bytes)
         return
     owner, noun = vectors[0].owner, " and ".join(dict.fromkeys(v.noun for v in vectors))
     item = np.dtype(dtype).itemsize
@@ -220,6 +266,7 @@ def check_device_memory(algorithm: Algorithm, cfg: Config, n: int, d: int, dtype
         hint = "" if np.dtype(dtype) == np.float32 else 'model.dtype = "float32" halves it, or '
         raise ResourceError(f"{owner}'s {noun} need {size_text(in_memory)} but only {size_text(available)} of memory "
                             f"is available; {hint}use fewer devices (data.clients)")
+    check_memory(cfg, n, data_bytes, in_memory, f"{owner}'s {noun}")
     free = shutil.disk_usage(log_path.parent if log_path.parent.exists() else Path.cwd()).free
     if on_disk > free:
         raise ResourceError(f"the run log would need {size_text(on_disk)} for {owner}'s {noun} but the disk has "
@@ -292,6 +339,8 @@ def prepare(cfg: Config, log_path: Path, *, resume_point=None, force: bool = Fal
 
 
 def _prepared(cfg: Config, log_path: Path, resume_point, on_info, config_toml: str, restarts: tuple) -> Setup:
+    if cfg.data.kind == "synthetic" and cfg.data.clients:  # N is known before its sizes are drawn (minutes at 10^7)
+        check_memory(cfg, cfg.data.clients)
     problem, model = problem_and_model(cfg)
     cfg = config_mod.with_clients(cfg, problem.n_devices)
     trace = _trace(cfg, problem)
@@ -303,7 +352,7 @@ def _prepared(cfg: Config, log_path: Path, resume_point, on_info, config_toml: s
     cfg = dataclasses.replace(cfg, log=dataclasses.replace(cfg.log, every=every))  # as run; the stored text keeps it unset
     on_info(f"{problem.describe()}; model {model.kind}, d = {model.dim} {model.dtype.name}; "
             f"{cfg.train.algorithm}, {cfg.rounds} rounds; {stores}")
-    check_device_memory(algorithm, cfg, problem.n_devices, model.dim, model.dtype, log_path, on_info)
+    check_device_memory(algorithm, cfg, problem.n_devices, model.dim, model.dtype, log_path, on_info, problem)
     header = Header(
         config_toml=config_toml, restarts=restarts,
         seed=cfg.seed, rounds=cfg.rounds, n_devices=problem.n_devices, dim=model.dim, dtype=model.dtype,
@@ -476,7 +525,9 @@ def drive(setup: Setup, transport, log_path: Path, *, resume_point=None, on_roun
     log.close({"status": "complete",
                "finished": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")})
     transport.close()
-    return _summary(log_path, read_run(log_path), cfg.rounds - done, wall)
+    with open_run(log_path) as f:  # the two metrics, not the whole log (a large federation's is gigabytes)
+        metrics = {name: f[name][()] for name in ("metrics/test_accuracy", "metrics/train_loss")}
+    return _summary(log_path, metrics, cfg.rounds - done, wall)
 
 
 def run(cfg: Config, log_path: Path, *, resume_point=None, force: bool = False, on_round=None,
