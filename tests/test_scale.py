@@ -102,3 +102,18 @@ def test_a_run_too_large_for_its_address_space_is_refused_in_one_line_before_bui
     assert line.startswith("edgefed: error: this run needs about ") and "10,000,000 devices' bookkeeping" in line
     assert "the address-space limit is" in line and "devices would fit in this process" in line
     assert list(tmp_path.iterdir()) == []  # the stub removed
+
+
+def test_a_large_federations_rows_are_deflated_and_read_the_same(tmp_path, monkeypatch):
+    import h5py
+
+    from edgefed import runlog
+
+    cfg = config_with({"data.clients": 12, "rounds": 2, "train.clients_per_round": 4, "train.local_steps": 2})
+    runs.run(cfg, tmp_path / "plain.h5")
+    monkeypatch.setattr(runlog, "COMPRESS_FROM", 12)
+    runs.run(cfg, tmp_path / "deflated.h5")
+    with h5py.File(tmp_path / "deflated.h5") as f, h5py.File(tmp_path / "plain.h5") as g:
+        assert f["participation/selected"].compression == "gzip" and g["participation/selected"].compression is None
+        assert f["metrics/train_loss"].compression is None  # (R,) and (R, d) rows stay as they were
+    assert_same_logs(read_run(tmp_path / "plain.h5"), read_run(tmp_path / "deflated.h5"))
