@@ -117,3 +117,17 @@ def test_a_large_federations_rows_are_deflated_and_read_the_same(tmp_path, monke
         assert f["participation/selected"].compression == "gzip" and g["participation/selected"].compression is None
         assert f["metrics/train_loss"].compression is None  # (R,) and (R, d) rows stay as they were
     assert_same_logs(read_run(tmp_path / "plain.h5"), read_run(tmp_path / "deflated.h5"))
+
+
+def test_a_file_backed_federation_with_a_tiny_cache_writes_the_same_log_on_ranks_too(tmp_path):
+    from test_datasets import arrays_file
+
+    path, _ = arrays_file(tmp_path, "data.npz")
+    base = {"data.kind": "arrays", "data.path": str(path), "data.clients": 4, "model.kind": "logreg",
+            "train.clients_per_round": 2, "rounds": 3, "train.local_steps": 2}
+    runs.run(config_with(base), tmp_path / "big.h5")
+    tiny = config_with({**base, "data.cache_mb": 1e-6})  # every device built again each time it is needed
+    runs.run(tiny, tmp_path / "tiny.h5")
+    whole = read_run(tmp_path / "big.h5")
+    assert_same_logs(whole, read_run(tmp_path / "tiny.h5"))
+    assert_same_logs(whole, loopback_run(tiny, tmp_path / "mpi.h5", 3))
