@@ -21,8 +21,8 @@ from edgefed.engine.clock import RoundClock
 from edgefed.engine.secure import SecureSum
 from edgefed.participation import privacy, schemes
 from edgefed.participation.budgets import local_budgets
-from edgefed.participation.sampling import evaluation_sample
 from edgefed.participation.dynamics import Dynamics
+from edgefed.participation.sampling import evaluation_sample
 from edgefed.participation.selection import Choice, Feedback, View, build_policy
 from edgefed.participation.timing import Timing, overselected
 from edgefed.participation.traces import ReplayTrace
