@@ -274,3 +274,14 @@ def test_tile_shape_does_not_change_the_bits():
         other = Z.copy()
         product_with(mr, nr_bytes)(A, W, other)
         assert other.tobytes() == ours.tobytes(), (mr, nr_bytes)
+
+
+def test_device_generators_draw_as_each_devices_own_generator():
+    from edgefed.rng import device_generators, generator
+
+    ids = [0, 1, 2, 999_999, 2 ** 33 + 5]
+    for seed in (0, 2 ** 40 + 3):
+        for k, g in device_generators(seed, Purpose.DATA_COUNT, ids):
+            own = generator(seed, Purpose.DATA_COUNT, device_id=k)
+            assert g.bit_generator.state == own.bit_generator.state
+            assert g.lognormal(4.0, 2.0) == own.lognormal(4.0, 2.0) and g.pareto(0.5) == own.pareto(0.5)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 
 from edgefed.problems.data import PARETO_DEFAULT_MAX, PARETO_INDEX, ClassificationData
-from edgefed.rng import Purpose, generator
+from edgefed.rng import Purpose, device_generators, generator
 
 N_FEATURES = 60
 N_CLASSES = 10
@@ -22,18 +22,19 @@ EAGER_LABELS_UP_TO = 10_000  # devices whose labels are counted before round 1; 
 _SIGMA_SQRT = np.arange(1, N_FEATURES + 1, dtype=np.float64) ** (-1.2 / 2)
 
 
-def total_samples(cfg, seed: int, device_id: int) -> int:
-    """Samples (train + test) of one device, from its own stream."""
+def total_samples(cfg, seed: int, n_devices: int) -> list[int]:
+    """Samples (train + test) of each device, one draw from each device's own stream."""
     if not isinstance(cfg.samples, str):
-        return int(cfg.samples)
-    g = generator(seed, Purpose.DATA_COUNT, device_id=device_id)
+        return [int(cfg.samples)] * n_devices
+    streams = device_generators(seed, Purpose.DATA_COUNT, range(n_devices))
     if cfg.samples == "lognormal":
-        n = int(g.lognormal(4.0, 2.0)) + 50
         cap = cfg.samples_max
+        draws = (int(g.lognormal(4.0, 2.0)) + 50 for _, g in streams)
     else:
-        n = int(cfg.samples_min * (1.0 + g.pareto(PARETO_INDEX)))  # numpy's pareto is Lomax: shift for Type I
         cap = cfg.samples_max or PARETO_DEFAULT_MAX
-    return min(n, cap) if cap is not None else n
+        # numpy's pareto is Lomax: shifted for Type I
+        draws = (int(cfg.samples_min * (1.0 + g.pareto(PARETO_INDEX))) for _, g in streams)
+    return [min(n, cap) if cap is not None else n for n in draws]
 
 
 def split_train(n_total: int, test_fraction: float) -> int:
@@ -53,7 +54,7 @@ class SyntheticProblem:
         self.seed = seed
         self.dtype = dtype
         self.n_devices = cfg.clients
-        totals = [total_samples(cfg, seed, k) for k in range(self.n_devices)]
+        totals = total_samples(cfg, seed, self.n_devices)
         self.n_train = np.array([split_train(n, cfg.test_fraction) for n in totals], dtype=np.int64)
         self.n_total = np.array(totals, dtype=np.int64)
 
