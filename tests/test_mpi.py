@@ -73,7 +73,7 @@ def simulated(tmp_path_factory):
     return logs
 
 
-@pytest.mark.parametrize("ranks", [2, 3, 5])
+@pytest.mark.parametrize("ranks", [2, 5])  # one device rank; four of uneven shares (3 ranks: most other tests)
 def test_mpi_writes_the_simulators_bytes(tmp_path, simulated, ranks):
     cfg, sim = simulated["fedavg"]
     out = tmp_path / "mpi.h5"
@@ -364,12 +364,12 @@ max_staleness = 4
 """
 
 
-@pytest.mark.parametrize("selection", ["", '[selection]\npolicy = "oort"\n'], ids=["uniform", "oort"])
-def test_async_under_mpiexec_replays_in_the_simulator_bit_for_bit(tmp_path, selection):
+def test_async_under_mpiexec_replays_in_the_simulator_bit_for_bit(tmp_path):
     """FedBuff on real ranks (measured clock, reports in arrival order), then its log replayed in the
     simulator on a profile: the recorded order, staleness and clock, the same trajectory; with Oort drawing
-    the tasks' devices from the speeds and losses measured, its rows too."""
-    cfg = write(tmp_path, "a.toml", ASYNC + selection)
+    the tasks' devices from the speeds and losses measured (a superset of the uniform draw's path), its rows
+    too."""
+    cfg = write(tmp_path, "a.toml", ASYNC + '[selection]\npolicy = "oort"\n')
     done = edgefed(["run", cfg, "--out", str(tmp_path / "mpi.h5"), "--quiet"], 3)
     assert done.returncode == 0, done.stderr
     replay = ["run", cfg, "--set", f'participation.trace="{tmp_path / "mpi.h5"}"', "--out", str(tmp_path / "r.h5"),
@@ -380,9 +380,8 @@ def test_async_under_mpiexec_replays_in_the_simulator_bit_for_bit(tmp_path, sele
     assert mpi["attrs"]["clock"] == "measured" and again["attrs"]["clock"] == "replayed"
     names = ["trajectory/x", "participation/staleness", "participation/coeff", "participation/steps",
              "participation/selected", "metrics/test_accuracy", "metrics/clock_s"]
-    if selection:
-        names += ["participation/candidate", "participation/utility"]
-        assert mpi["participation/candidate"].any() and np.isfinite(mpi["state/oort_reward"]).any()
+    names += ["participation/candidate", "participation/utility"]
+    assert mpi["participation/candidate"].any() and np.isfinite(mpi["state/oort_reward"]).any()
     for name in names:
         assert mpi[name].tobytes() == again[name].tobytes(), name
     resumed = edgefed(["run", cfg, "--resume", str(tmp_path / "mpi.h5")], 3)
