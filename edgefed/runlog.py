@@ -180,11 +180,13 @@ def _swap_in(path: Path, fill, claim: bool = False) -> None:
         with h5py.File(tmp, "w", libver=LIBVER) as f:
             fill(f)
         os.replace(tmp, path)
-    except OSError as exc:
+    except BaseException as exc:  # (Ctrl-C too: an empty placeholder left behind would block every later run)
         tmp.unlink(missing_ok=True)
         if claim:
-            path.unlink(missing_ok=True)  # the placeholder: nothing of ours may stay
-        raise RunLogError(f"cannot write run log {path} ({exc}); choose another --out") from None
+            path.unlink(missing_ok=True)
+        if isinstance(exc, OSError):
+            raise RunLogError(f"cannot write run log {path} ({exc}); choose another --out") from None
+        raise
 
 
 def _root_attrs(config_toml: str, status: str) -> dict:

@@ -131,3 +131,30 @@ def test_a_file_backed_federation_with_a_tiny_cache_writes_the_same_log_on_ranks
     whole = read_run(tmp_path / "big.h5")
     assert_same_logs(whole, read_run(tmp_path / "tiny.h5"))
     assert_same_logs(whole, loopback_run(tiny, tmp_path / "mpi.h5", 3))
+
+
+def test_the_data_cache_builds_a_device_once_when_lanes_ask_for_it_at_once():
+    import threading
+    import time
+
+    from edgefed.runtime.local import DeviceCache
+
+    built, inside = [], threading.Lock()
+
+    def build(k):
+        assert inside.acquire(blocking=False), "built twice at once"  # a pool's build is not safe twice
+        try:
+            time.sleep(0.05)
+            built.append(k)
+            return type("D", (), {"X": np.zeros(10)})()
+        finally:
+            inside.release()
+
+    cache = DeviceCache(build, budget=1e9)
+    out = []
+    threads = [threading.Thread(target=lambda: out.append(cache(3))) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert built == [3] and len({id(d) for d in out}) == 1

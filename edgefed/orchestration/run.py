@@ -218,9 +218,11 @@ def memory_limit() -> tuple[int, str]:
     process = psutil.Process()
     limit, what = psutil.virtual_memory().available + process.memory_info().rss, "the memory available"
     soft = resource.getrlimit(resource.RLIMIT_AS)[0] if resource is not None else -1
-    if soft not in (-1, getattr(resource, "RLIM_INFINITY", -1)) and soft - process.memory_info().vms < limit:
+    if soft not in (-1, getattr(resource, "RLIM_INFINITY", -1)):
         # the address space counts what the process has mapped already (libraries, reserved arenas)
-        limit, what = max(soft - process.memory_info().vms, 0) + process.memory_info().rss, "the address-space limit"
+        room = max(soft - process.memory_info().vms, 0) + process.memory_info().rss
+        if room < limit:
+            limit, what = room, "the address-space limit"
     return limit, what
 
 

@@ -131,23 +131,33 @@ class DeviceCache:
         self._data: OrderedDict[int, object] = OrderedDict()
         self.nbytes = 0
         self._lock = threading.Lock()
+        self._building: dict[int, threading.Event] = {}  # a device being built: the others wait for it
 
     def __call__(self, device_id: int):
-        with self._lock:
-            data = self._data.get(device_id)
-            if data is not None:
-                self._data.move_to_end(device_id)
-                return data
-        data = self.build(device_id)  # outside the lock: other lanes go on meanwhile
-        size = _nbytes(data)
-        with self._lock:
-            if device_id not in self._data:
+        while True:
+            with self._lock:
+                data = self._data.get(device_id)
+                if data is not None:
+                    self._data.move_to_end(device_id)
+                    return data
+                pending = self._building.get(device_id)
+                if pending is None:  # this thread builds it (a problem's build is not safe twice at once)
+                    pending = self._building[device_id] = threading.Event()
+                    break
+            pending.wait()
+        try:
+            data = self.build(device_id)  # outside the lock: other devices' lanes go on meanwhile
+            with self._lock:
                 self._data[device_id] = data
-                self.nbytes += size
-            while self.nbytes > self.budget and len(self._data) > 1:
-                _, dropped = self._data.popitem(last=False)
-                self.nbytes -= _nbytes(dropped)
-        return data
+                self.nbytes += _nbytes(data)
+                while self.nbytes > self.budget and len(self._data) > 1:
+                    _, dropped = self._data.popitem(last=False)
+                    self.nbytes -= _nbytes(dropped)
+            return data
+        finally:
+            with self._lock:
+                del self._building[device_id]
+            pending.set()
 
     def clear(self) -> None:
         with self._lock:

@@ -114,9 +114,11 @@ class DeviceServer:
     def _heartbeat(self) -> None:
         self.heart.beat()
 
-    def _report_finished_work(self) -> None:
+    def _report_finished_work(self, block: bool = False) -> None:
         """Send what is due: each finished device's record once its link delay has passed (with
-        over-selection, device by device; else all of them once the round's work is done)."""
+        over-selection, device by device; else all of them once the round's work is done). block: wait for
+        the send buffers if rank 0 has not taken the last reports yet (safe once a broadcast has completed:
+        rank 0 is then collecting); otherwise try again at the next poll."""
         self._heartbeat()
         self._take_stops()
         self._serve_tasks()
@@ -134,7 +136,7 @@ class DeviceServer:
         if not plan.by_arrival and (not done or any(due > now for due, _ in self._due)):
             return  # the rank's one message waits for its last device and its slowest link
         ready = sorted((row, due) for due, row in self._due if due <= now and row not in self._sent)
-        if ready and not self._send_free(both=bool(work.residuals)):
+        if ready and not block and not self._send_free(both=bool(work.residuals)):
             return  # rank 0 has not taken the last ones yet: try again at the next poll, taking its stops meanwhile
         if ready:
             rows = np.array([row for row, _ in ready])
@@ -270,7 +272,9 @@ class DeviceServer:
         plan = self.wire.decode_plan(self.command, self.own)
         if plan is None:
             return
-        self._report_finished_work()  # a late round that finished while the command was on its way is free
+        # a late round that finished while the command was on its way is free; its last reports may wait
+        # for rank 0, which is collecting now that the command's broadcast is done
+        self._report_finished_work(block=True)
         if self._future is not None or self._stopped_round >= plan.round_idx:
             # still on an older round, or this one is over already: these devices cannot start in time
             records = self._records(protocol.TAG_WORK, plan.device_ids.size)
