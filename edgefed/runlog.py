@@ -161,32 +161,41 @@ def write_stub(path: Path, config_toml: str, restarts=(), claim: bool = False) -
 
 def _swap_in(path: Path, fill, claim: bool = False) -> None:
     """Write a whole log beside path (fill(file) writes its contents), then put it in path's place: an
-    existing file is only ever replaced by a complete one. claim: first create path exclusively (an empty
-    placeholder the log then replaces), failing if it exists."""
+    existing file is only ever replaced by a complete one. claim: path must not exist; the whole file is
+    linked into place atomically (of two runs starting on one --out, one gets "already exists"), so path
+    never shows a partial file even to a run killed at that moment."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise RunLogError(f"cannot create the folder of run log {path} ({exc}); choose another --out") from None
     _remove_stale_copies(path)
-    if claim:
-        try:
-            os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
-        except FileExistsError:
-            raise exists_error(path) from None
-        except OSError as exc:
-            raise RunLogError(f"cannot write run log {path} ({exc}); choose another --out") from None
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
         with h5py.File(tmp, "w", libver=LIBVER) as f:
             fill(f)
-        os.replace(tmp, path)
-    except BaseException as exc:  # (Ctrl-C too: an empty placeholder left behind would block every later run)
-        tmp.unlink(missing_ok=True)
         if claim:
-            path.unlink(missing_ok=True)
-        if isinstance(exc, OSError):
-            raise RunLogError(f"cannot write run log {path} ({exc}); choose another --out") from None
-        raise
+            _link_new(tmp, path)
+        else:
+            os.replace(tmp, path)
+    except OSError as exc:
+        raise RunLogError(f"cannot write run log {path} ({exc}); choose another --out") from None
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def _link_new(tmp: Path, path: Path) -> None:
+    """tmp's file at path, which must not exist: a hard link is created atomically or not at all. Where the
+    file system has no hard links (FAT on a USB stick), the existence check and the rename are two steps."""
+    try:
+        os.link(tmp, path)
+        return
+    except FileExistsError:
+        raise exists_error(path) from None
+    except OSError:
+        pass  # no hard links here
+    if path.exists():
+        raise exists_error(path)
+    os.replace(tmp, path)
 
 
 def _root_attrs(config_toml: str, status: str) -> dict:
