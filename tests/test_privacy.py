@@ -139,7 +139,8 @@ def test_fedbuff_clips_each_staleness_weighted_report_and_noises_every_update(tm
 
 def test_over_selection_counts_in_q_and_a_compressed_private_run_replays_and_runs_on_ranks(tmp_path, board):
     # S = 2 of 6 with o = 0.5: three selected, the first two to finish taken, so q = 3/6 (the draw, not the
-    # quorum); the replay of its log clips and noises with the same S and stream, to the byte
+    # quorum); the replay of its log clips and noises with the recorded run's S (whatever its own config says)
+    # and the same stream, to the byte
     private = {"data.clients": 6, "rounds": 4, "train.clients_per_round": 2, "compress.uplink": "int8",
                "compress.downlink": "fp16", "privacy.mechanism": "central", "privacy.clip": 0.05,
                "privacy.noise_multiplier": 0.5}
@@ -149,7 +150,7 @@ def test_over_selection_counts_in_q_and_a_compressed_private_run_replays_and_run
     assert log["attrs"]["privacy_sampling_rate"] == 0.5 and (log["metrics/n_applied"] == 2).all()
     assert (log["participation/selected"].sum(axis=1) == 3).all() and log["participation/clipped"].any()
     replay = config_with({**private, "data.samples": 200, "train.local_steps": 10, "participation.mode": "trace",
-                          "participation.trace": str(tmp_path / "o.h5")})
+                          "participation.trace": str(tmp_path / "o.h5"), "train.clients_per_round": 5})
     runs.run(replay, tmp_path / "r.h5")
     again = read_run(tmp_path / "r.h5")
     for name in ("trajectory/x", "participation/coeff", "participation/clipped", "metrics/epsilon"):

@@ -8,6 +8,7 @@ the engine reads from the algorithm's declarations. Rounds are 1-based; round 0 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from dataclasses import dataclass
@@ -192,7 +193,11 @@ class RoundEngine:
         if plan.quorum is not None:
             return plan.quorum
         if isinstance(self.trace, ReplayTrace) and self.trace.overselected:
-            return self.cfg.clients_per_round_count(int(self.active.sum()))
+            cfg = self.cfg
+            if self.trace.per_round is not None:  # the recorded run's S
+                train = dataclasses.replace(cfg.train, clients_per_round=self.trace.per_round)
+                cfg = dataclasses.replace(cfg, train=train)
+            return cfg.clients_per_round_count(int(self.active.sum()))
         return plan.device_ids.size
 
     def _clipped(self, ids: np.ndarray, vectors, coeffs: np.ndarray, reported: np.ndarray, s: int,

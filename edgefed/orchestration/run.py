@@ -297,8 +297,14 @@ def _trace(cfg: Config, problem):
     if cfg.participation.mode != "trace":
         return None
     if isinstance(spec, str) and spec.endswith((".h5", ".hdf5")):
-        return ReplayTrace.checked(read_participation(spec), spec, problem.n_devices, cfg.rounds,
-                                   local_budgets(cfg.train, problem.n_train))
+        recorded = read_participation(spec)
+        trace = ReplayTrace.checked(recorded, spec, problem.n_devices, cfg.rounds,
+                                    local_budgets(cfg.train, problem.n_train))
+        if recorded.overselected:  # its quorum S (a private replay clips and noises with it), whatever this says
+            per_round = config_mod.parse_toml(recorded.config_toml, spec).get("train", {}).get(
+                "clients_per_round", config_mod.TrainConfig().clients_per_round)
+            trace = dataclasses.replace(trace, per_round=per_round)
+        return trace
     return sampled_traces(spec, cfg.seed, problem.n_devices)
 
 

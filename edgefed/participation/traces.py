@@ -30,6 +30,7 @@ class ReplayTrace:
     overselected: bool = False  # the late devices were over-selected surplus, outside the rounds' weights
     candidate: np.ndarray | None = None  # (R, N) bool: the devices a selection policy considered (None: not kept)
     utility: np.ndarray | None = None  # (R, N) float64: their scores
+    per_round: object = None  # an over-selected run's train.clients_per_round (its quorum S), as it was set
 
     @classmethod
     def checked(cls, recorded, source: str, n_devices: int, rounds: int, budgets: np.ndarray) -> "ReplayTrace":
