@@ -87,6 +87,10 @@ class RoundEngine:
             self.accountant = privacy.Accountant(privacy.sampling_rate(cfg, self.n_devices, recorded),
                                                  d.noise_multiplier, d.delta)
         self.evaluated = evaluation_sample(cfg.seed, self.n_devices, cfg.log.eval_devices)
+        self._recorded_quorum = None  # a replay of an over-selected run: the config whose S was its quorum
+        if isinstance(trace, ReplayTrace) and trace.overselected:
+            self._recorded_quorum = cfg if trace.per_round is None else dataclasses.replace(
+                cfg, train=dataclasses.replace(cfg.train, clients_per_round=trace.per_round))
         self._labelled = np.zeros(self.n_devices, bool)  # whose label counts the log has (count_labels)
         self.state: ServerState | None = None
         _, self.downlink = compression.codecs(cfg.compress)
@@ -192,12 +196,8 @@ class RoundEngine:
         such a run), so p_k = a_k / S."""
         if plan.quorum is not None:
             return plan.quorum
-        if isinstance(self.trace, ReplayTrace) and self.trace.overselected:
-            cfg = self.cfg
-            if self.trace.per_round is not None:  # the recorded run's S
-                train = dataclasses.replace(cfg.train, clients_per_round=self.trace.per_round)
-                cfg = dataclasses.replace(cfg, train=train)
-            return cfg.clients_per_round_count(int(self.active.sum()))
+        if self._recorded_quorum is not None:
+            return self._recorded_quorum.clients_per_round_count(int(self.active.sum()))
         return plan.device_ids.size
 
     def _clipped(self, ids: np.ndarray, vectors, coeffs: np.ndarray, reported: np.ndarray, s: int,

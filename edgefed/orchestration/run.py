@@ -209,18 +209,19 @@ def trajectory_every(cfg: Config, header_layout: dict, d: int, dtype) -> tuple[i
 
 KERNEL_BYTES = 150 * 2 ** 20  # what compiling (or loading) a run's kernels adds to the process, about
 PER_DEVICE_BYTES = 700  # what the coordinator keeps per device (weights, sizes, label counts, a round's log rows,
-# the selection's and the clock's arrays): 0.6-0.7 KB measured at 10^5 and 10^6 devices
+# the selection's and the clock's arrays): benchmarks/scale.py's peaks grow 0.44 KB a device from 10^5 to
+# 10^6 (637 -> 1028 MB); 700 leaves room for what that slope hides
 
 
 def memory_limit() -> tuple[int, str]:
     """(bytes this process may use, what sets it): the memory the machine has available, or the address-space
     limit (ulimit -v, a batch system's) when that is lower."""
-    process = psutil.Process()
-    limit, what = psutil.virtual_memory().available + process.memory_info().rss, "the memory available"
+    mine = psutil.Process().memory_info()
+    limit, what = psutil.virtual_memory().available + mine.rss, "the memory available"
     soft = resource.getrlimit(resource.RLIMIT_AS)[0] if resource is not None else -1
     if soft not in (-1, getattr(resource, "RLIM_INFINITY", -1)):
         # the address space counts what the process has mapped already (libraries, reserved arenas)
-        room = max(soft - process.memory_info().vms, 0) + process.memory_info().rss
+        room = max(soft - mine.vms, 0) + mine.rss
         if room < limit:
             limit, what = room, "the address-space limit"
     return limit, what

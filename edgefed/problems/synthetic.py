@@ -37,6 +37,10 @@ def total_samples(cfg, seed: int, n_devices: int) -> list[int]:
     return [min(n, cap) if cap is not None else n for n in draws]
 
 
+def _label_counts(y: np.ndarray) -> np.ndarray:
+    return np.bincount(y, minlength=N_CLASSES)
+
+
 def split_train(n_total: int, test_fraction: float) -> int:
     """Training samples out of n_total; at least one of each part."""
     n_train = int((1.0 - test_fraction) * n_total + 1e-9)
@@ -109,12 +113,11 @@ class SyntheticProblem:
         return int(self.n_total.sum()) * (N_FEATURES * np.dtype(self.dtype).itemsize + 8)
 
     def labels_of(self, data: ClassificationData) -> np.ndarray:
-        return np.bincount(data.y_train, minlength=N_CLASSES)
+        return _label_counts(data.y_train)
 
     def label_counts(self) -> np.ndarray:
         """(N, C) int64: each device's training labels (every device's samples generated once more)."""
-        return np.stack([np.bincount(self.generate(k)[1][:int(self.n_train[k])], minlength=N_CLASSES)
-                         for k in range(self.n_devices)])
+        return np.stack([_label_counts(self.generate(k)[1][:int(self.n_train[k])]) for k in range(self.n_devices)])
 
     def describe(self) -> str:
         kind = "IID " if self.cfg.iid else ""
