@@ -13,6 +13,7 @@ from typing import Mapping, Protocol
 
 import numpy as np
 
+from edgefed.algorithms.base import DeviceRows
 
 PROBE_BYTES = 8  # a device's answer when asked for its loss at the server model (power of choice): one float64
 
@@ -112,8 +113,9 @@ class Transport(Protocol):
     def start_devices(self, x: np.ndarray, device_ids: np.ndarray) -> dict[str, np.ndarray]:
         """Fresh device vectors for these devices (joining at x); returns their rows, in their order."""
 
-    def load_devices(self, rows: Mapping[str, np.ndarray]) -> None:
-        """Restore every device's vectors and residuals (row k: device k), e.g. on --resume."""
+    def load_devices(self, rows: Mapping[str, DeviceRows]) -> None:
+        """Restore the devices' vectors and residuals, e.g. on --resume: the stored rows (DeviceRows over the
+        federation); every other device's are zero."""
 
     def close(self, failed: bool = False) -> None:
         """End the devices' work (and, under MPI, the device ranks)."""

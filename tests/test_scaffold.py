@@ -250,7 +250,7 @@ def test_a_kill_between_stage_and_commit_rolls_the_controls_back(tmp_path, quad_
     assert raw["state/undo/round"][0] == 4  # round 4 had staged its rows ...
     assert not np.array_equal(raw["state/c_clients"][changed], full["scaffold/c_clients"][3][changed])
     assert point.rounds_done == 3  # ... but the resume point is round 3, rows rolled back
-    np.testing.assert_array_equal(point.state["c_clients"], full["scaffold/c_clients"][3])
+    np.testing.assert_array_equal(point.state["c_clients"].dense(), full["scaffold/c_clients"][3])
     np.testing.assert_array_equal(point.state["c"], full["scaffold/c"][3])
     np.testing.assert_array_equal(point.state["x"], full["trajectory/x"][3])
 
@@ -263,7 +263,7 @@ def test_controls_that_cannot_fit_are_refused(tmp_path, monkeypatch):
 
     monkeypatch.setattr(runs.psutil, "virtual_memory", lambda: Tiny)
     monkeypatch.setattr(runs, "KERNEL_BYTES", 0)  # (the whole run's estimate, tests/test_scale.py, then passes)
-    with pytest.raises(ResourceError, match="SCAFFOLD's controls need 71.5 KB but only 48.8 KB"):
+    with pytest.raises(ResourceError, match="SCAFFOLD's controls need 47.7 KB but only 48.8 KB"):
         runs.run(cfg, tmp_path / "r.h5")
     assert not (tmp_path / "r.h5").exists()
     monkeypatch.undo()
@@ -274,7 +274,8 @@ def test_controls_that_cannot_fit_are_refused(tmp_path, monkeypatch):
     lines = []
     monkeypatch.undo()
     runs.run(cfg, tmp_path / "ok.h5", on_info=lines.append)
-    assert "SCAFFOLD controls: 30 x 610 float32 = 71.5 KB in memory" in lines[1]
+    assert "SCAFFOLD controls: 20 x 610 float32 = 47.7 KB in memory" in lines[1]  # rounds x S rows at most
+    assert "(held for the 20 of 30 devices 2 rounds can touch)" in lines[1]
 
 
 def test_devices_hold_exactly_the_controls_the_log_tracks(tmp_path, quad_file):
@@ -304,6 +305,6 @@ def test_devices_hold_exactly_the_controls_the_log_tracks(tmp_path, quad_file):
         engine.round(r)
     tracked = log.rows("c_clients")
     log.close()
-    assert transport.vectors["c_clients"].tobytes() == tracked.tobytes()
+    assert transport.vectors["c_clients"].dense(transport.device_ids).tobytes() == tracked.tobytes()
     assert read_run(tmp_path / "run.h5")["participation/nonfinite"][:, 2].all()
     np.testing.assert_array_equal(tracked[2], A[2].astype(np.float32) * -1)  # kept its initial control

@@ -158,3 +158,47 @@ def test_the_data_cache_builds_a_device_once_when_lanes_ask_for_it_at_once():
     for t in threads:
         t.join()
     assert built == [3] and len({id(d) for d in out}) == 1
+
+
+def test_sparse_device_state_holds_only_touched_rows_and_resumes_exactly_on_ranks_too(tmp_path):
+    """SCAFFOLD's c_k (zero start) and error feedback's residuals over 300 devices, 3 a round: the log's
+    /state keeps a row only for a device a report changed, a resume restores exactly those (on ranks too)."""
+    import h5py
+
+    from helpers import run_until
+
+    cfg = config_with({"data.clients": 300, "train.clients_per_round": 3, "train.algorithm": "scaffold",
+                       "rounds": 5, "train.local_steps": 3, "compress.uplink": "int8", "compress.error_feedback": True})
+    runs.run(cfg, tmp_path / "whole.h5")
+    whole = read_run(tmp_path / "whole.h5")
+    reported = np.flatnonzero((whole["participation/coeff"] != 0).any(axis=0))
+    assert 3 < reported.size <= 15
+    d = whole["trajectory/x"].shape[1]
+    with h5py.File(tmp_path / "whole.h5", "r") as f:
+        for name in ("c_clients", "residual_delta_x", "residual_delta_c"):
+            assert f[f"state/{name}"].shape == (300, d)
+            assert f[f"state/{name}"].id.get_num_chunks() == reported.size, name  # a chunk a touched row
+    point = run_until(cfg, tmp_path / "part.h5", 3)
+    held = point.state["c_clients"]
+    touched = np.flatnonzero((whole["participation/coeff"][:3] != 0).any(axis=0))
+    np.testing.assert_array_equal(held.ids, touched)
+    assert held.rows.shape == (touched.size, d) and held.n == 300
+    assert_same_logs(whole, loopback_run(cfg, tmp_path / "part.h5", 3, resume_point=point))
+
+
+def test_a_device_rank_counts_only_the_vectors_its_devices_can_touch(monkeypatch):
+    """SCAFFOLD (zero start) with error feedback: a rank hosting 500 of 1,000 devices, 10 a round for 5
+    rounds, holds at most 50 controls and 2 x 50 residuals, whatever it hosts."""
+    from edgefed.algorithms import build_algorithm
+    from edgefed.errors import ResourceError
+
+    cfg = config_with({"data.clients": 1000, "train.clients_per_round": 10, "rounds": 5, "train.algorithm": "scaffold",
+                       "compress.uplink": "int8", "compress.error_feedback": True, "data.cache_mb": 1e-6})
+    problem, model = runs.problem_and_model(cfg)
+    rows = 150 * model.dim * 4  # float32
+    runtime = runs.psutil.Process().memory_info().rss + runs.KERNEL_BYTES + 1000 * runs.PER_DEVICE_BYTES
+    monkeypatch.setattr(runs, "memory_limit", lambda: (runtime + rows + 2 ** 20, "the memory available"))
+    runs.check_rank_memory(cfg, build_algorithm(cfg), problem, model, np.arange(0, 1000, 2))  # fits
+    monkeypatch.setattr(runs, "memory_limit", lambda: (runtime + rows - 2 ** 20, "the memory available"))
+    with pytest.raises(ResourceError, match="its devices' vectors"):
+        runs.check_rank_memory(cfg, build_algorithm(cfg), problem, model, np.arange(0, 1000, 2))

@@ -44,6 +44,44 @@ class DeviceVector:
 
 
 @dataclass(frozen=True)
+class DeviceRows:
+    """A device vector over n devices, held sparse: the rows of the devices whose vector may differ from
+    zero (ids ascending, a row each); every other device's row is exactly zero. This is how device state
+    moves at scale (a million devices with a few thousand touched): members' rows to `server_start` and
+    `federation_changed`, /state to --resume, a rank's rows on load."""
+
+    ids: np.ndarray  # (m,) int64, ascending
+    rows: np.ndarray  # (m, d)
+    n: int  # devices the vector is over (the members; the federation)
+
+    def take(self, ids: np.ndarray) -> "DeviceRows":
+        """The rows of these devices only (ascending ids), over len(ids) devices."""
+        keep = np.isin(self.ids, ids)
+        return DeviceRows(self.ids[keep], self.rows[keep], int(np.asarray(ids).size))
+
+    def dense(self, ids: np.ndarray | None = None) -> np.ndarray:
+        """The rows of these devices (ascending ids; by default devices 0 .. n-1), zero where none is held."""
+        ids = np.arange(self.n) if ids is None else np.asarray(ids, np.int64)
+        out = np.zeros((ids.size, self.rows.shape[1]), self.rows.dtype)
+        found = np.isin(ids, self.ids)
+        out[found] = self.rows[np.searchsorted(self.ids, ids[found])]
+        return out
+
+    def updated(self, ids: np.ndarray, rows: np.ndarray) -> "DeviceRows":
+        """These devices' rows replaced (or added) by the given ones (ascending ids)."""
+        kept = ~np.isin(self.ids, ids)
+        merged = np.concatenate([self.ids[kept], np.asarray(ids, np.int64)])
+        order = np.argsort(merged, kind="stable")
+        return DeviceRows(merged[order], np.concatenate([self.rows[kept], rows])[order], self.n)
+
+
+def nonzero_rows(rows: np.ndarray) -> np.ndarray:
+    """Which rows hold anything but +0.0 (bit for bit: a -0.0 is kept, so dropping the others is exact)."""
+    bits = np.ascontiguousarray(rows).view(np.uint8).reshape(rows.shape[0], -1)
+    return bits.any(axis=1)
+
+
+@dataclass(frozen=True)
 class ServerState:
     """The server's model and its other vectors after a round; each round makes a new one."""
 
@@ -87,6 +125,9 @@ class Algorithm:
     # model methods its updates call beyond local_steps and the evaluation, so a run compiles (and waits
     # for) only the kernels it reaches: "oracle_grad" (one stochastic gradient), "loss_grad" (the full one)
     model_calls: tuple[str, ...] = ()
+    # device_start gives zero vectors whatever the device's data: devices start (and arrive) without their
+    # data being built, and none of their rows is held until a report changes it
+    zero_start: bool = False
 
     @classmethod
     def from_config(cls, cfg) -> "Algorithm":
@@ -109,10 +150,11 @@ class Algorithm:
         """A device's vectors when it joins the federation at server model x."""
         return {}
 
-    def server_start(self, x0: np.ndarray, member_rows: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-        """The server vectors at round 0, given the members' device vectors (rows in ascending device id)."""
+    def server_start(self, x0: np.ndarray, member_rows: Mapping[str, DeviceRows]) -> dict[str, np.ndarray]:
+        """The server vectors at round 0, given the members' device vectors (DeviceRows over the members:
+        only the rows that may differ from zero)."""
         return {}
 
-    def federation_changed(self, state: ServerState, member_rows: Mapping[str, np.ndarray]) -> ServerState:
+    def federation_changed(self, state: ServerState, member_rows: Mapping[str, DeviceRows]) -> ServerState:
         """The server state once devices joined or left the objective (member_rows as in server_start)."""
         return state

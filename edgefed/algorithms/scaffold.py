@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from edgefed.algorithms.base import DELTA_X, Algorithm, DeviceVector, ServerState, ServerVector
+from edgefed.algorithms.base import DELTA_X, Algorithm, DeviceRows, DeviceVector, ServerState, ServerVector
 from edgefed.algorithms.fedavg import ascending, server_update
 from edgefed.kernels.sgd import step_terms
 from edgefed.rng import Purpose
@@ -38,6 +38,10 @@ class Scaffold(Algorithm):
                                    "SCAFFOLD", "controls"),)
     report_vectors = ("delta_c",)
     model_calls = ("oracle_grad", "loss_grad")
+
+    @property
+    def zero_start(self) -> bool:
+        return self.init == "zero"
 
     @classmethod
     def from_config(cls, cfg) -> "Scaffold":
@@ -94,12 +98,13 @@ def initial_controls(model, data, x0: np.ndarray, init: str) -> np.ndarray:
     return c_k
 
 
-def mean_control(controls: np.ndarray, dtype) -> np.ndarray:
-    """c = (1/N) sum_k c_k over the rows given (ascending device id), accumulated in float64."""
-    acc = np.zeros(controls.shape[1], dtype=np.float64)
-    for row in controls:
+def mean_control(controls: DeviceRows, dtype) -> np.ndarray:
+    """c = (1/N) sum_k c_k over the N members (ascending device id), accumulated in float64. Members whose
+    c_k is not held are zero: skipping them is exact (the sum starts at +0.0 and adding +0.0 changes nothing)."""
+    acc = np.zeros(controls.rows.shape[1], dtype=np.float64)
+    for row in controls.rows:
         acc += row
-    return (acc / controls.shape[0]).astype(dtype)
+    return (acc / controls.n).astype(dtype)
 
 
 def server_control_update(c: np.ndarray, device_ids, delta_cs: np.ndarray, n_federation: int) -> np.ndarray:

@@ -27,7 +27,7 @@ class Run:
 
     @classmethod
     def read(cls, path) -> "Run":
-        data = read_run(path)
+        data = read_run(path, state=False)
         stub = no_round_yet(path, data["attrs"], data)
         if stub is not None:
             raise stub

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from edgefed import compression
-from edgefed.algorithms.base import DELTA_X, Algorithm, RoundReports, ServerState
+from edgefed.algorithms.base import DELTA_X, Algorithm, DeviceRows, RoundReports, ServerState, nonzero_rows
 from edgefed.config import Config
 from edgefed.engine.clock import RoundClock
 from edgefed.engine.secure import SecureSum
@@ -92,6 +92,7 @@ class RoundEngine:
             self._recorded_quorum = cfg if trace.per_round is None else dataclasses.replace(
                 cfg, train=dataclasses.replace(cfg.train, clients_per_round=trace.per_round))
         self._labelled = np.zeros(self.n_devices, bool)  # whose label counts the log has (count_labels)
+        self._held = np.zeros(self.n_devices, bool)  # whose device vectors the log may hold other than zero
         self.state: ServerState | None = None
         _, self.downlink = compression.codecs(cfg.compress)
         self.residual_names = (tuple(compression.residual_name(r) for r in algorithm.reports)
@@ -326,22 +327,41 @@ class RoundEngine:
                             f"but the algorithm declares {sorted(declared)}")
         return state
 
-    # -- device vectors (SCAFFOLD's controls): kept on the devices, mirrored in the log -------------------------
-    def _members(self, rows: dict) -> dict:
+    # -- device vectors (SCAFFOLD's controls): kept on the devices, mirrored in the log, sparse ------------------
+    def _members(self, rows: dict[str, DeviceRows]) -> dict[str, DeviceRows]:
         active_ids = np.flatnonzero(self.active)
-        return {name: r[active_ids] for name, r in rows.items()}
+        return {name: r.take(active_ids) for name, r in rows.items()}
 
-    def _device_rows(self) -> dict:
-        return {v.name: self.log.rows(v.name) for v in self.algorithm.device_vectors}
+    def _held_rows(self) -> dict[str, DeviceRows]:
+        """The log's rows of the devices that may hold one other than zero (the others are zero)."""
+        ids = np.flatnonzero(self._held)
+        return {v.name: DeviceRows(ids, self.log.read_rows(v.name, ids), self.n_devices)
+                for v in self.algorithm.device_vectors}
+
+    def _fresh_rows(self, x: np.ndarray, ids: np.ndarray) -> dict[str, DeviceRows]:
+        """The vectors these devices start with at x, as the transport's devices took them (nothing to build
+        for a zero start: the devices hold zero until a report changes it)."""
+        algo, ids = self.algorithm, np.asarray(ids, np.int64)
+        if algo.zero_start:
+            zero = np.zeros((ids.size, x.size), x.dtype)
+            if ids.size and self._held[ids].any():  # a device arriving again forgets what it held
+                self.transport.start_devices(x, ids[self._held[ids]])
+            return {v.name: DeviceRows(ids, zero, self.n_devices) for v in algo.device_vectors}
+        rows = self.transport.start_devices(x, ids)
+        for values in rows.values():
+            self._held[ids[nonzero_rows(values)]] = True
+        return {name: DeviceRows(ids, values, self.n_devices) for name, values in rows.items()}
 
     # -- the loop ----------------------------------------------------------------------------------------
     def start(self, x0: np.ndarray) -> ServerState:
         """Log round 0: the initial model (and the devices' vectors) and its metrics."""
         rows = {}
         if self.algorithm.device_vectors:
-            rows = self.transport.start_devices(x0, np.arange(self.n_devices))
+            rows = self._fresh_rows(x0, np.arange(self.n_devices))
             for name, values in rows.items():
-                self.log.set_rows(name, values)
+                keep = nonzero_rows(values.rows)
+                rows[name] = DeviceRows(values.ids[keep], values.rows[keep], self.n_devices)
+                self.log.set_rows(name, rows[name])
         self.state = self._declared(ServerState(x0, self.algorithm.server_start(x0, self._members(rows))), "server_start")
         self._secure_side(x0.size)
         if self.downlink.lossy:  # every device starts from x_0 (and the server's first vectors), sent in full
@@ -370,6 +390,8 @@ class RoundEngine:
         rows = [v.name for v in algo.device_vectors] + list(self.residual_names)
         if rows:
             self.transport.load_devices({name: state[name] for name in rows})
+        for v in algo.device_vectors:
+            self._held[state[v.name].ids] = True
         self.selection.load({name: state[name] for name, _, _ in self.selection.state})
         if self.cfg.privacy.adapts:
             self.clip_now = float(state["privacy_clip"][0])
@@ -413,12 +435,11 @@ class RoundEngine:
         rows, sets = {}, None
         arriving = self.dynamics.arriving(round_idx)
         if self.algorithm.device_vectors:
-            rows = self._device_rows()
+            rows = self._held_rows()
             if arriving.size:
-                fresh = self.transport.start_devices(self.state.x, arriving)
-                for name, values in fresh.items():
-                    rows[name][arriving] = values
-                sets = {name: (arriving, values) for name, values in fresh.items()}
+                fresh = self._fresh_rows(self.state.x, arriving)
+                rows = {name: rows[name].updated(arriving, values.rows) for name, values in fresh.items()}
+                sets = {name: (arriving, values.rows) for name, values in fresh.items()}
         self.state = self._declared(self.algorithm.federation_changed(self.state, self._members(rows)),
                                     "federation_changed")
         return sets
@@ -495,6 +516,8 @@ class RoundEngine:
         self._count_labels(plan.device_ids)
         changes = {v.name: (plan.device_ids[reported], res.vectors[v.delta][reported])
                    for v in self.algorithm.device_vectors}
+        if changes:
+            self._held[plan.device_ids[reported]] = True
         sets = {**(sets or {}), **{name: (accepted, rows) for name, rows in residuals.items()}}
         self._stage_and_commit(round_idx, changes, store, sets)
         self.on_round(RoundSummary(round_idx, self.cfg.rounds, *metrics, int(np.count_nonzero(counted_steps)),

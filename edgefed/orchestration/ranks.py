@@ -172,11 +172,13 @@ def _build_devices(cfg, info, rank: int, machines):
     try:
         problem, model = run_mod.problem_and_model(cfg)
         own = np.flatnonzero(info["owners"] == rank)
+        algorithm = build_algorithm(cfg)
+        run_mod.check_rank_memory(cfg, algorithm, problem, model, own)
         loads = cfg.participation.contention
         if cfg.device.contention:  # this board's own load, beside each of its devices
             load = cfg.device.contention[rank - 1]
             loads = (load,) if load > 0 else ()
-        transport = run_mod.local_transport(cfg, build_algorithm(cfg), problem, model, device_ids=own,
+        transport = run_mod.local_transport(cfg, algorithm, problem, model, device_ids=own,
                                             cores=lanes(cfg, rank, machines, bool(loads)), contention=loads)
         warm = transport.warmup()
     except EdgefedError as exc:

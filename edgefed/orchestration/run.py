@@ -34,7 +34,7 @@ from edgefed.layers import first_spatial
 from edgefed.models import build_model
 from edgefed.orchestration.timing import link_speeds, timing_for
 from edgefed.participation.budgets import local_budgets
-from edgefed.participation.timing import Timing
+from edgefed.participation.timing import Timing, overselected
 from edgefed.participation import asynchrony, privacy
 from edgefed.participation.sampling import evaluation_sample
 from edgefed.participation.traces import ReplayTrace
@@ -248,28 +248,67 @@ def check_memory(cfg: Config, n: int, data_bytes: int = 0, state_bytes: int = 0,
                         f"(data.clients) or fewer per rank (more ranks under mpiexec){smaller}")
 
 
+def touched_rows(cfg: Config, n: int) -> int:
+    """The most devices a report can change in a run: rounds x the devices a round selects (a replay's or
+    an async run's selections are not known here: all of them)."""
+    if cfg.participation.mode in ("trace", "async"):
+        return n
+    per_round = overselected(cfg.clients_per_round_count(n), cfg.participation.overselect, n)
+    return min(n, cfg.rounds * per_round)
+
+
+def held_rows(algorithm: Algorithm, cfg: Config, n: int) -> int:
+    """The most devices whose vectors a run holds (sparse state): those a report can change, or all of them
+    when they start from anything but zero."""
+    return touched_rows(cfg, n) if algorithm.zero_start else n
+
+
+def residual_bytes(algorithm: Algorithm, cfg: Config, n: int, d: int, dtype) -> int:
+    """Error feedback's residuals: a row per report vector of each device a report changed (zero before)."""
+    if not cfg.compress.error_feedback:
+        return 0
+    return len(algorithm.reports) * touched_rows(cfg, n) * d * np.dtype(dtype).itemsize
+
+
+def check_rank_memory(cfg: Config, algorithm: Algorithm, problem, model, own: np.ndarray) -> None:
+    """A device rank's estimate before it builds its devices: its share of the devices' data (up to
+    data.cache_mb) and the vectors of its devices a run can touch."""
+    n = problem.n_devices
+    touched = min(own.size, touched_rows(cfg, n))
+    rows = len(algorithm.device_vectors) * (touched if algorithm.zero_start else own.size)
+    rows += len(algorithm.reports) * touched if cfg.compress.error_feedback else 0
+    state = rows * model.dim * np.dtype(model.dtype).itemsize
+    data = problem.data_bytes() * own.size // max(n, 1) if hasattr(problem, "data_bytes") else 0
+    check_memory(cfg, n, data, state, "its devices' vectors")
+
+
 def check_device_memory(algorithm: Algorithm, cfg: Config, n: int, d: int, dtype, log_path: Path, on_info,
                         problem=None) -> None:
     """Report what the devices' vectors (SCAFFOLD's N x d controls) take, and refuse when memory or disk
     cannot hold them."""
     vectors = algorithm.device_vectors
     data_bytes = problem.data_bytes() if hasattr(problem, "data_bytes") else 0  # (a pool is in memory already)
+    residuals = residual_bytes(algorithm, cfg, n, d, dtype)
     if not vectors:
-        check_memory(cfg, n, data_bytes)
+        check_memory(cfg, n, data_bytes, residuals, "error feedback's residuals")
         return
     owner, noun = vectors[0].owner, " and ".join(dict.fromkeys(v.noun for v in vectors))
     item = np.dtype(dtype).itemsize
-    in_memory = len(vectors) * n * d * item
-    on_disk = 2 * in_memory + (stored_rounds(cfg.rounds, cfg.log.every) * in_memory if cfg.log.client_controls else 0)
-    shape = f"{n} x {d}" if len(vectors) == 1 else f"{len(vectors)} x {n} x {d}"
+    held = held_rows(algorithm, cfg, n)
+    in_memory = len(vectors) * held * d * item
+    whole = len(vectors) * n * d * item  # what [log] client_controls stores every stored round
+    on_disk = 2 * in_memory + (stored_rounds(cfg.rounds, cfg.log.every) * whole if cfg.log.client_controls else 0)
+    shape = f"{held} x {d}" if len(vectors) == 1 else f"{len(vectors)} x {held} x {d}"
+    touched = "" if held == n else f" (held for the {held:,} of {n:,} devices {cfg.rounds} rounds can touch)"
     on_info(f"{owner} {noun}: {shape} {np.dtype(dtype).name} = {size_text(in_memory)} in memory, "
-            f"{size_text(on_disk)} in the run log")
+            f"{size_text(on_disk)} in the run log{touched}")
     available = psutil.virtual_memory().available
     if in_memory > 0.8 * available:
         hint = "" if np.dtype(dtype) == np.float32 else 'model.dtype = "float32" halves it, or '
         raise ResourceError(f"{owner}'s {noun} need {size_text(in_memory)} but only {size_text(available)} of memory "
-                            f"is available; {hint}use fewer devices (data.clients)")
-    check_memory(cfg, n, data_bytes, in_memory, f"{owner}'s {noun}")
+                            f"is available; {hint}use fewer devices (data.clients)"
+                            f"{'' if held == n else ', fewer rounds or fewer devices a round'}")
+    check_memory(cfg, n, data_bytes, in_memory + residuals, f"{owner}'s {noun}" + (" and the residuals" if residuals else ""))
     free = shutil.disk_usage(log_path.parent if log_path.parent.exists() else Path.cwd()).free
     if on_disk > free:
         raise ResourceError(f"the run log would need {size_text(on_disk)} for {owner}'s {noun} but the disk has "

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from edgefed import compression
-from edgefed.algorithms.base import DELTA_X, LocalTask
+from edgefed.algorithms.base import DELTA_X, DeviceRows, LocalTask, nonzero_rows
 from edgefed.errors import EdgefedError
 from edgefed.kernels import jit_compilations
 from edgefed.models import warm_model
@@ -169,6 +169,47 @@ def _nbytes(data) -> int:
     return sum(v.nbytes for v in vars(data).values() if isinstance(v, np.ndarray))
 
 
+class HeldRows:
+    """One vector of the hosted devices (SCAFFOLD's c_k, an error-feedback residual), held only for the
+    devices whose row is not zero: at a million devices a few thousand are touched in a run."""
+
+    def __init__(self, d: int, dtype):
+        self._rows: dict[int, np.ndarray] = {}
+        self._zero = _read_only(np.zeros(d, dtype))
+
+    def get(self, k: int) -> np.ndarray:
+        """Device k's row, read only."""
+        row = self._rows.get(k)
+        return self._zero if row is None else _read_only(row)
+
+    def add(self, k: int, delta: np.ndarray) -> None:
+        row = self._rows.get(k)
+        if row is None:  # from zero, by the same addition a dense row would take (0 + -0.0 is +0.0)
+            row = self._rows[k] = np.zeros_like(self._zero)
+        row += delta
+
+    def set(self, k: int, row: np.ndarray) -> None:
+        if nonzero_rows(row[None])[0]:
+            self._rows[k] = np.array(row, self._zero.dtype)
+        else:
+            self._rows.pop(k, None)
+
+    def load(self, rows: DeviceRows, hosted: np.ndarray) -> None:
+        """The stored rows of the hosted devices (the others: zero)."""
+        self._rows.clear()
+        mine = np.isin(rows.ids, hosted)
+        for k, row in zip(rows.ids[mine], rows.rows[mine]):
+            self.set(int(k), row)
+
+    def dense(self, ids: np.ndarray) -> np.ndarray:
+        """These devices' rows, a (len(ids), d) array."""
+        return np.stack([self.get(int(k)) for k in ids]) if len(ids) else np.zeros((0, self._zero.size),
+                                                                                 self._zero.dtype)
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+
 class LocalTransport:
     def __init__(self, problem, model, algorithm, seed: int, batch_size: int | None, device_ids=None,
                  faults=(), contention=(), cores=None, uplink: compression.Codec = compression.Codec(),
@@ -193,10 +234,10 @@ class LocalTransport:
             problem.host(self.device_ids)
         self.data = DeviceCache(problem.device, cache_mb * 2.0 ** 20)
         self._faults = {(f.device, f.round): f for f in faults}
-        self.vectors = None  # {device vector: (hosted devices, d) rows in device_ids order}, e.g. SCAFFOLD's c_k
+        self.vectors = None  # {device vector: its HeldRows}, e.g. SCAFFOLD's c_k
         self._pending = None  # (round, device ids, {delta name: rows}, {report: residual rows}) until accepted
         self.uplink, self.links = uplink, links
-        self.residual_rows = None  # {report: (hosted devices, d) error-feedback residuals}, with error feedback
+        self.residual_rows = None  # {report: HeldRows of the error-feedback residuals}, with error feedback
         self.contention = tuple(contention)
         if cores is None and self.contention:
             cores = (min(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 0,)
@@ -235,24 +276,30 @@ class LocalTransport:
     def start_devices(self, x: np.ndarray, device_ids: np.ndarray) -> dict[str, np.ndarray]:
         """Fresh vectors for these (hosted) devices, joining at x; each device keeps its own, the caller gets
         a copy of their rows (in device_ids order) for the log."""
-        vectors = self.algorithm.device_vectors
-        if self.vectors is None:
-            self.vectors = {v.name: np.zeros((self.device_ids.size, x.size), x.dtype) for v in vectors}
-        fresh = [self.algorithm.device_start(self.eval_model, self.data(int(k)), x) for k in device_ids]
+        vectors, zero = self.algorithm.device_vectors, self.algorithm.zero_start
+        self._hold_vectors(x.size, x.dtype)
+        fresh = [self.algorithm.device_start(self.eval_model, None if zero else self.data(int(k)), x)
+                 for k in device_ids]
         rows = {v.name: np.stack([f[v.name] for f in fresh]) if fresh else np.zeros((0, x.size), x.dtype)
                 for v in vectors}
         for name, values in rows.items():
             for k, row in zip(device_ids, values):
-                self.vectors[name][self._row[int(k)]] = row
+                self.vectors[name].set(int(k), row)
         return rows
 
-    def load_devices(self, rows: dict[str, np.ndarray]) -> None:
-        """Restore the hosted devices' vectors and residuals (rows in device_ids order; in the simulator,
-        every device)."""
-        dtype = self.model.dtype
-        self.vectors = {v.name: np.array(rows[v.name], dtype) for v in self.algorithm.device_vectors}
-        if self.uplink.error_feedback:
-            self.residual_rows = {r: np.array(rows[compression.residual_name(r)], dtype) for r in self.algorithm.reports}
+    def _hold_vectors(self, d: int, dtype) -> None:
+        if self.vectors is None:
+            self.vectors = {v.name: HeldRows(d, dtype) for v in self.algorithm.device_vectors}
+        if self.uplink.error_feedback and self.residual_rows is None:
+            self.residual_rows = {r: HeldRows(d, dtype) for r in self.algorithm.reports}
+
+    def load_devices(self, rows: dict[str, DeviceRows]) -> None:
+        """Restore the hosted devices' vectors and residuals (sparse: the rows any of them holds)."""
+        self.vectors = self.residual_rows = None
+        self._hold_vectors(self.model.dim, self.model.dtype)
+        for name, held in {**self.vectors, **{compression.residual_name(r): h
+                                              for r, h in (self.residual_rows or {}).items()}}.items():
+            held.load(rows[name], self.device_ids)
 
     def accept(self, round_idx: int, device_ids: np.ndarray) -> None:
         """The coordinator kept these devices' reports of round_idx: they add their Deltas to their vectors
@@ -261,11 +308,11 @@ class LocalTransport:
             return  # nothing pending, or a late round the coordinator dropped
         _, ids, deltas, residuals = self._pending
         for i in np.flatnonzero(np.isin(ids, device_ids)):
-            row = self._row[int(ids[i])]
+            k = int(ids[i])
             for v in self.algorithm.device_vectors:
-                self.vectors[v.name][row] += deltas[v.delta][i]
+                self.vectors[v.name].add(k, deltas[v.delta][i])
             for name, values in residuals.items():
-                self.residual_rows[name][row] = values[i]
+                self.residual_rows[name].set(k, values[i])
         self._pending = None
 
     def residuals(self, round_idx: int, device_ids: np.ndarray) -> dict[str, np.ndarray]:
@@ -317,9 +364,7 @@ class LocalTransport:
         """Run the plan's (hosted) devices in the lanes, each from the server state."""
         if work is None:
             work = self._round_work(plan, state)
-        if self.uplink.error_feedback and self.residual_rows is None:
-            self.residual_rows = {r: np.zeros((self.device_ids.size, state.x.size), state.x.dtype)
-                                  for r in self.algorithm.reports}
+        self._hold_vectors(state.x.size, state.x.dtype)
         if self.algorithm.device_vectors or work.residuals:  # from the start: an over-selected round is
             # accepted as devices finish
             self._pending = (plan.round_idx, plan.device_ids.copy(),
@@ -376,7 +421,7 @@ class LocalTransport:
         data = self.data(k)
         if lane.competitor is not None:
             lane.competitor.set_load(self.contention[k % len(self.contention)])
-        own = {} if self.vectors is None else {name: _read_only(rows[self._row[k]]) for name, rows in self.vectors.items()}
+        own = {name: held.get(k) for name, held in self.vectors.items()}
         compiled_before = jit_compilations()
         wall0, cpu0 = time.perf_counter(), time.thread_time()
         work.started[i] = wall0
@@ -439,7 +484,7 @@ class LocalTransport:
         rng = generator(self.seed, Purpose.COMPRESS, round_idx, k) if codec.kind == "int8" else None
         sent = {}
         for name, rows in work.vectors.items():  # Delta x first, then the algorithm's, each from the one stream
-            residual = self.residual_rows[name][self._row[k]] if codec.error_feedback else None
+            residual = self.residual_rows[name].get(k) if codec.error_feedback else None
             enc, left = codec.send(rows[i], residual, rng)
             rows[i] = compression.decode(enc, rows.dtype)
             if left is not None:

@@ -25,6 +25,7 @@ from collections import deque
 
 import numpy as np
 
+from edgefed.algorithms.base import DeviceRows
 from edgefed.errors import RankLost
 from edgefed.runtime.mpi import protocol
 from edgefed.secagg import protocol as secagg
@@ -335,13 +336,16 @@ class MpiTransport:
         got = self._collect(protocol.TAG_ROWS, np.unique(self.owners[device_ids]))
         return self.wire.unpack_rows(got.values(), device_ids)
 
-    def load_devices(self, rows: dict[str, np.ndarray]) -> None:
-        """Every device's vectors and residuals (row k: device k) to the rank hosting it."""
-        self._command(protocol.LOAD_DEVICES)
+    def load_devices(self, rows: dict[str, DeviceRows]) -> None:
+        """The stored vectors and residuals (sparse) to the ranks hosting their devices: the command names
+        the devices that hold a row, each rank receives a record for each of its own."""
+        held = np.unique(np.concatenate([r.ids for r in rows.values()])).astype(np.int64)
+        self._command(protocol.LOAD_DEVICES, devices=held)
         for rank, ids in self.hosted.items():
+            ids = ids[np.isin(ids, held)]
             if ids.size:
                 records = np.zeros(ids.size, self.wire.load)
-                self.wire.pack_rows(records, ids, {name: values[ids] for name, values in rows.items()})
+                self.wire.pack_rows(records, ids, {name: r.dense(ids) for name, r in rows.items()})
                 wait(self.comm.Isend(records.view(np.uint8), dest=rank, tag=protocol.TAG_LOAD), self.poll)
 
     def close(self, failed: bool = False) -> None:
@@ -409,3 +413,4 @@ def receive_setup(comm, poll_max_s: float = 0.01):
     buf = np.empty(status.Get_count(MPI.BYTE), np.uint8)
     comm.Recv([buf, MPI.BYTE], source=0, tag=protocol.TAG_CONFIG)
     return pickle.loads(buf.tobytes())
+

@@ -20,7 +20,7 @@ from collections import deque
 
 import numpy as np
 
-from edgefed.algorithms.base import ServerState
+from edgefed.algorithms.base import DeviceRows, ServerState
 from edgefed.runtime.mpi import protocol
 from edgefed.runtime.mpi.comm import POLL_MAX_S, Backoff, mpi_of, wait
 from edgefed.runtime.mpi.protocol import Wire
@@ -357,7 +357,9 @@ class DeviceServer:
         self._send_records(protocol.TAG_ROWS, records)
 
     def _load_devices(self) -> None:
-        records = np.zeros(self.own.size, self.wire.load)
-        if self.own.size:
+        ids = self.wire.addressed(self.command, self.own)  # the own devices that hold a stored row
+        records = np.zeros(ids.size, self.wire.load)
+        if ids.size:
             wait(self.comm.Irecv(records.view(np.uint8), source=0, tag=protocol.TAG_LOAD), self.poll)
-        self.transport.load_devices(self.wire.unpack_rows([records], self.own, self.wire.restored))
+        rows = self.wire.unpack_rows([records], ids, self.wire.restored)
+        self.transport.load_devices({name: DeviceRows(ids, values, self.own.size) for name, values in rows.items()})
