@@ -56,43 +56,24 @@ def same_datasets(a, b, skip=()):
 
 @pytest.fixture(scope="module")
 def simulated(tmp_path_factory):
-    """The simulator's logs of the configs the MPI runs must reproduce."""
+    """The simulator's log (a process of its own) of the config the MPI runs must reproduce."""
     folder = tmp_path_factory.mktemp("sim")
-    logs = {}
-    scaffold_extra = ('[scaffold]\noption = "I"\ninit = "gradient"\n'
-                      '[participation]\nmode = "trace"\ntrace = "builtin"\nscheme = "C"\n'
-                      '[dynamics]\nfast_reboot = true\n[[dynamics.arrive]]\ndevice = 1\nround = 3\n'
-                      '[[dynamics.depart]]\ndevice = 3\nround = 5\n')
-    for name, extra in (("fedavg", ""), ("scaffold", scaffold_extra)):
-        text = SMALL.replace("[train]\n", '[train]\nalgorithm = "scaffold"\n') + extra if name == "scaffold" else SMALL
-        cfg = write(folder, f"{name}.toml", text + ("[log]\nclient_controls = true\n" if name == "scaffold" else ""))
-        out = folder / f"{name}.h5"
-        done = edgefed(["run", cfg, "--out", str(out), "--quiet"])
-        assert done.returncode == 0, done.stderr
-        logs[name] = (cfg, read_run(out))
-    return logs
-
-
-@pytest.mark.parametrize("ranks", [2, 5])  # one device rank; four of uneven shares (3 ranks: most other tests)
-def test_mpi_writes_the_simulators_bytes(tmp_path, simulated, ranks):
-    cfg, sim = simulated["fedavg"]
-    out = tmp_path / "mpi.h5"
-    done = edgefed(["run", cfg, "--out", str(out), "--quiet"], ranks)
+    cfg = write(folder, "fedavg.toml", SMALL)
+    out = folder / "fedavg.h5"
+    done = edgefed(["run", cfg, "--out", str(out), "--quiet"])
     assert done.returncode == 0, done.stderr
-    assert f"MPI: {ranks - 1} device ranks" in done.stdout
+    return cfg, read_run(out)
+
+
+def test_mpi_writes_the_simulators_bytes(tmp_path, simulated):
+    """One device rank (3 ranks: most other tests; more, and uneven shares, over the loopback world:
+    tests/test_protocol.py)."""
+    cfg, sim = simulated
+    out = tmp_path / "mpi.h5"
+    done = edgefed(["run", cfg, "--out", str(out), "--quiet"], 2)
+    assert done.returncode == 0, done.stderr
+    assert "MPI: 1 device ranks" in done.stdout
     assert same_datasets(sim, read_run(out)) == []
-
-
-def test_scaffold_with_traces_and_dynamics_under_mpi_matches_the_simulator(tmp_path, simulated):
-    cfg, sim = simulated["scaffold"]
-    out = tmp_path / "mpi.h5"
-    done = edgefed(["run", cfg, "--out", str(out), "--quiet"], 3)
-    assert done.returncode == 0, done.stderr
-    log = read_run(out)
-    assert same_datasets(sim, log) == []
-    assert "scaffold/c_clients" in log and log["scaffold/c_clients"].shape == (7, 7, 610)
-    assert not log["participation/active"][:2, 1].any() and not log["participation/active"][4:, 3].any()
-    assert (log["participation/steps"] < 10).any()  # the built-in traces cut some devices short
 
 
 def test_a_raising_rank_aborts_the_world_with_its_message(tmp_path):
@@ -195,7 +176,7 @@ def test_missing_mpi_names_the_fix(monkeypatch):
 
 
 def test_one_rank_under_mpiexec_is_the_simulator(tmp_path, simulated):
-    cfg, sim = simulated["fedavg"]
+    cfg, sim = simulated
     out = tmp_path / "one.h5"
     done = edgefed(["run", cfg, "--out", str(out), "--quiet"], 1)
     assert done.returncode == 0, done.stderr
@@ -233,15 +214,8 @@ def test_image_models_under_mpi_match_the_simulator(tmp_path, model):
                  y_train=g.integers(0, 3, 80), device_train=np.repeat(np.arange(4), 20))
         data = (f'[data]\nkind = "arrays"\npath = "{tmp_path / "x.npz"}"\npartition = "natural"\n'
                 f'normalize = "standard"\n' + SEQUENTIAL.replace('{type = "conv1d"', '{type = "reshape", shape = [6, -1]},\n  {type = "conv1d"'))
-    cfg = write(tmp_path, "img.toml", 'rounds = 2\n' + data + '[train]\nclients_per_round = 3\nlocal_steps = 2\n'
-                                      'batch_size = 10\n')
-    logs = []
-    for ranks in (None, 3):
-        out = tmp_path / f"{ranks}.h5"
-        done = edgefed(["run", cfg, "--out", str(out), "--quiet"], ranks)
-        assert done.returncode == 0, done.stderr
-        logs.append(read_run(out))
-    sim, mpi = logs
+    sim, mpi = simulator_then_ranks(tmp_path, 'rounds = 2\n' + data + '[train]\nclients_per_round = 3\n'
+                                              'local_steps = 2\nbatch_size = 10\n')
     assert sim["trajectory/x"].shape[1] == (1663370 if model == "cnn" else 379)
     assert same_datasets(sim, mpi) == []
     assert not np.array_equal(sim["trajectory/x"][0], sim["trajectory/x"][-1])
@@ -264,10 +238,10 @@ scheme = "{scheme}"
 """
 
 
-@pytest.mark.parametrize("algorithm,trace,scheme", [("fedprox", '"builtin"', "fednova"),
-                                                    ("scaffold", '["cpu30", "cpu90", "bw-low"]', "drop")])
-def test_new_rules_under_mpiexec_write_the_simulators_bytes(tmp_path, algorithm, trace, scheme):
-    logs = simulator_then_ranks(tmp_path, RULES.format(algorithm=algorithm, trace=trace, scheme=scheme))
+def test_scaffold_with_named_traces_under_mpiexec_writes_the_simulators_bytes(tmp_path):
+    """(Every rule and algorithm over the loopback world: tests/test_rules.py.)"""
+    logs = simulator_then_ranks(tmp_path, RULES.format(algorithm="scaffold", trace='["cpu30", "cpu90", "bw-low"]',
+                                                       scheme="drop"))
     assert same_datasets(*logs) == []
     assert (logs[0]["participation/steps"] < 10).any() and logs[0]["participation/coeff"].any()
 
@@ -282,9 +256,9 @@ topk_fraction = 0.05
 """
 
 
-@pytest.mark.parametrize("uplink,downlink", [("int8", "topk"), ("topk", "fp16")])
-def test_compressed_runs_under_mpiexec_write_the_simulators_bytes(tmp_path, uplink, downlink):
-    logs = simulator_then_ranks(tmp_path, COMPRESSED.format(uplink=uplink, downlink=downlink))
+def test_a_compressed_run_under_mpiexec_writes_the_simulators_bytes(tmp_path):
+    """(int8 up, top-k down, and resumes, over the loopback world: tests/test_compressed_runs.py.)"""
+    logs = simulator_then_ranks(tmp_path, COMPRESSED.format(uplink="topk", downlink="fp16"))
     assert same_datasets(*logs) == []
     worked = logs[0]["participation/steps"] > 0
     assert (logs[1]["participation/bytes_up"][worked] < 610 * 4).all() and logs[1]["state/residual_delta_c"].any()

@@ -304,13 +304,17 @@ def test_a_log_of_another_trace_is_not_taken_for_complete(serial, tmp_path, caps
 
 
 def test_jobs_at_a_time_write_the_serial_logs(serial, tmp_path, capsys):
+    """Two of the serial sweep's runs (a sweep of their own: a process each, at once)."""
     folder, _, _ = serial
-    code, out, err = sweep_cli([str(folder.parent / "sweep.toml"), "--out", str(tmp_path / "j2"), "-j", "2"], capsys)
+    part = write_sweep(tmp_path, SWEEP.replace('"participation.scheme" = ["A", "C"]', '"participation.scheme" = ["C", "A"]')
+                       .replace("[[0.0, 0.0], [1.0, 1.0]]", "[[1.0, 1.0]]").replace("seeds = [0, 1]", "seeds = [1]"))
+    code, out, err = sweep_cli([str(part), "--out", str(tmp_path / "j2"), "-j", "2"], capsys)
     assert code == 0, err
-    for row in read_csv(folder / "summary.csv"):
+    rows = read_csv(tmp_path / "j2" / "summary.csv")
+    assert [r["log"] for r in rows] == ["runs/scheme-C-alpha-1.0-beta-1.0-8b8d0220-seed1.h5",
+                                        "runs/scheme-A-alpha-1.0-beta-1.0-74b8832d-seed1.h5"]  # in the sweep's order
+    for row in rows:
         assert_same_logs(read_run(folder / row["log"]), read_run(tmp_path / "j2" / row["log"]))
-    assert [r["log"] for r in read_csv(tmp_path / "j2" / "summary.csv")] == \
-           [r["log"] for r in read_csv(folder / "summary.csv")]
 
 
 @pytest.mark.slow
@@ -356,12 +360,13 @@ def test_a_large_sweep_says_it_is_checking_its_configs_with_a_count(tmp_path, mo
     from edgefed.orchestration import sweep as sweep_mod
 
     monkeypatch.setattr(sweep_mod, "PROGRESS_S", 0.0)  # every config then says how far it got
+    monkeypatch.setattr(sweep_mod, "PROGRESS_RUNS", 50)  # (1,000 by default: the same lines, 20x the time)
     path = tmp_path / "big.toml"
-    path.write_text(f"seeds = {list(range(1000))}\n[set]\nrounds = 1\n")
+    path.write_text(f"seeds = {list(range(50))}\n[set]\nrounds = 1\n")
     lines = []
-    assert len(read_sweep(path, lines.append).jobs) == 1000
-    assert lines[0] == "sweep: checking the configs of 1,000 runs"
-    assert lines[-1] == "sweep: checked 999 of 1,000 configs" and len(lines) == 1000
+    assert len(read_sweep(path, lines.append).jobs) == 50
+    assert lines[0] == "sweep: checking the configs of 50 runs"
+    assert lines[-1] == "sweep: checked 49 of 50 configs" and len(lines) == 50
     lines.clear()
     path.write_text("seeds = [0, 1]\n")
     read_sweep(path, lines.append)

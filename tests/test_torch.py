@@ -3,7 +3,6 @@ torch's own autograd, a skip connection with dropout repeats and replays, deadli
 the simulator bit for bit, resume, export of the module's own state_dict, and the refusals."""
 
 import dataclasses
-import subprocess
 import sys
 from pathlib import Path
 
@@ -14,6 +13,7 @@ torch = pytest.importorskip("torch", reason="PyTorch is not installed: pip insta
 
 from conftest import config_with  # noqa: E402
 from edgefed import hwprofile  # noqa: E402
+from edgefed.cli import main  # noqa: E402
 from edgefed.config import load_config  # noqa: E402
 from edgefed.errors import ConfigError  # noqa: E402
 from edgefed.kernels.sgd import step_terms  # noqa: E402
@@ -166,8 +166,7 @@ def test_flowers_quickstart_module_under_deadlines_on_ranks_replays_and_exports(
     runs.run(load_config(replay), tmp_path / "sim.h5")
     again = read_run(tmp_path / "sim.h5")
     assert again["trajectory/x"].tobytes() == log["trajectory/x"].tobytes()
-    done = edgefed(["export", str(out), "--weights", str(tmp_path / "w.npz")])
-    assert done.returncode == 0, done.stderr
+    assert main(["export", str(out), "--weights", str(tmp_path / "w.npz")]) == 0
     net = _load(FLOWER).Net()
     weights = dict(np.load(tmp_path / "w.npz"))
     assert weights.keys() == net.state_dict().keys()
@@ -265,12 +264,11 @@ def test_frozen_parameters_stay_the_factorys_and_out_of_x():
     assert np.array_equal(np.concatenate([weights["3.weight"].ravel(), weights["3.bias"]]), x)
 
 
-def test_a_missing_file_a_relative_path_and_a_missing_torch(tmp_path, monkeypatch):
+def test_a_missing_file_a_relative_path_and_a_missing_torch(tmp_path, monkeypatch, capsys):
     (tmp_path / "sub").mkdir()
     (tmp_path / "sub" / "c.toml").write_text('[model]\nkind = "torch"\nmodule = "m.py"\nfactory = "f"\n')
-    done = subprocess.run([sys.executable, "-m", "edgefed", "run", str(tmp_path / "sub" / "c.toml"), "--out",
-                           str(tmp_path / "r.h5")], capture_output=True, text=True, timeout=120)
-    assert done.returncode == 2 and done.stderr.strip() == (
+    code = main(["run", str(tmp_path / "sub" / "c.toml"), "--out", str(tmp_path / "r.h5")])
+    assert code == 2 and capsys.readouterr().err.strip() == (
         f"edgefed: error: config: model.module = '{tmp_path / 'sub' / 'm.py'}' is not a file; give the Python file of "
         "your module (relative to the config file, or absolute)")
     assert not (tmp_path / "r.h5").exists()
