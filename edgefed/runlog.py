@@ -567,7 +567,8 @@ def _write_skeleton(f: h5py.File, header: Header) -> None:
     undo = state.create_group("undo")
     undo.create_dataset("round", data=np.array([-1], dtype=np.int64))
     undo.create_dataset("count", data=np.array([0], dtype=np.int64))
-    undo.create_dataset("ids", shape=(header.n_devices,), dtype=np.int64)
+    # chunked: a round writes only its first rows (a contiguous (N,) list is 8 MB at 10^6 devices, all allocated)
+    undo.create_dataset("ids", shape=(header.n_devices,), dtype=np.int64, chunks=(max(1, min(header.n_devices, 4096)),))
     for name, shape, dtype in header.row_states:
         chunks = (1,) + tuple(shape[1:])
         state.create_dataset(name, shape=shape, dtype=dtype, chunks=chunks)

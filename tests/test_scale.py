@@ -165,6 +165,8 @@ def test_sparse_device_state_holds_only_touched_rows_and_resumes_exactly_on_rank
     /state keeps a row only for a device a report changed, a resume restores exactly those (on ranks too)."""
     import h5py
 
+    from edgefed.algorithms.base import nonzero_rows
+    from edgefed.runlog import _nonzero_blocks, stored_rows
     from helpers import run_until
 
     cfg = config_with({"data.clients": 300, "train.clients_per_round": 3, "train.algorithm": "scaffold",
@@ -178,6 +180,9 @@ def test_sparse_device_state_holds_only_touched_rows_and_resumes_exactly_on_rank
         for name in ("c_clients", "residual_delta_x", "residual_delta_c"):
             assert f[f"state/{name}"].shape == (300, d)
             assert f[f"state/{name}"].id.get_num_chunks() == reported.size, name  # a chunk a touched row
+            found, scanned = stored_rows(f[f"state/{name}"]), _nonzero_blocks(f[f"state/{name}"], 64)
+            assert found.ids.tolist() == scanned.ids.tolist() and found.rows.tobytes() == scanned.rows.tobytes()
+            assert found.ids.size and nonzero_rows(found.rows).all()  # (the scan: where HDF5 cannot list chunks)
     point = run_until(cfg, tmp_path / "part.h5", 3)
     held = point.state["c_clients"]
     touched = np.flatnonzero((whole["participation/coeff"][:3] != 0).any(axis=0))
