@@ -285,11 +285,14 @@ class RunLogWriter:
         # the most one round can add to the file: a new chunk of every column, plus room for HDF5's own index
         self._round_bytes = sum(int(np.prod(ds.chunks)) * dtype.itemsize for ds, dtype, _ in self._cols.values())
         self._round_bytes += 1 << 20
+        # a device's first change of a per-device state allocates its row's chunk, and the undo copy's
+        self._row_bytes = 2 * sum(int(np.prod(shape[1:])) * np.dtype(dtype).itemsize for _, shape, dtype in header.row_states)
 
-    def ensure_room(self) -> None:
+    def ensure_room(self, rows: int = 0) -> None:
         """Before a round is written: refuse, with the log intact at the last round, when the disk (or the
-        process's file-size limit) cannot take what the round may add. HDF5 does not fail cleanly on a full
-        disk (a wall of errors, then often a crash), so the round is never started there."""
+        process's file-size limit) cannot take what the round may add (rows: the devices whose per-device
+        state it may change). HDF5 does not fail cleanly on a full disk (a wall of errors, then often a
+        crash), so the round is never started there."""
         try:
             free = shutil.disk_usage(self.path.parent).free
             size = self.path.stat().st_size
@@ -299,9 +302,10 @@ class RunLogWriter:
         limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0] if resource is not None else None
         if limit is not None and limit != resource.RLIM_INFINITY:
             room = min(free, limit - size)
-        if room < self._round_bytes:
+        need = self._round_bytes + rows * self._row_bytes
+        if room < need:
             raise ResourceError(f"the disk holding run log {self.path} is full ({size_text(max(room, 0))} left, a round "
-                                f"may need {size_text(self._round_bytes)}); free space or move the log, then "
+                                f"may need {size_text(need)}); free space or move the log, then "
                                 f"edgefed run --resume {self.path}")
 
     # -- creation ------------------------------------------------------------------------------------
@@ -341,7 +345,7 @@ class RunLogWriter:
     def fill_rows(self, name: str, ids: np.ndarray, values: np.ndarray) -> None:
         """Write these (ascending) rows of a per-device dataset, e.g. /devices/label_counts as devices are
         built."""
-        self._f[name][ids] = values
+        write_rows(self._f[name], ids, values)
 
     def set_rows(self, name: str, rows: DeviceRows) -> None:
         """Write a per-device state's stored rows (at the start, before round 0's checkpoint); the others
@@ -451,28 +455,30 @@ def _runs(ids: np.ndarray):
     return [(int(ids[a]), int(b - a), int(a)) for a, b in zip(starts, ends)]
 
 
-def read_rows(ds: h5py.Dataset, ids: np.ndarray) -> np.ndarray:
-    """ds[ids] (ascending ids) a run of rows at a time: h5py's fancy indexing builds its selection in time
-    quadratic in the ids (2 s for 1,000 rows of a million-row dataset, against 0.1 s here)."""
-    ids = np.asarray(ids, np.int64)
+def _row_runs(ds: h5py.Dataset, ids: np.ndarray):
+    """(memory space, file space, positions) of each run of consecutive ids (ascending), the file space
+    selecting that run's rows: h5py's fancy indexing builds its selection in time quadratic in the ids (2 s
+    for 1,000 rows of a million-row dataset, against 0.1 s a run at a time)."""
     rest = tuple(ds.shape[1:])
-    out = np.empty((ids.size,) + rest, ds.dtype)
     file_space = ds.id.get_space()
-    for first, count, at in _runs(ids):
+    for first, count, at in _runs(np.asarray(ids, np.int64)):
         file_space.select_hyperslab((first,) + (0,) * len(rest), (count,) + rest)
-        ds.id.read(h5py.h5s.create_simple((count,) + rest), file_space, out[at:at + count])
+        yield h5py.h5s.create_simple((count,) + rest), file_space, slice(at, at + count)
+
+
+def read_rows(ds: h5py.Dataset, ids: np.ndarray) -> np.ndarray:
+    """ds[ids] (ascending ids)."""
+    out = np.empty((len(ids),) + tuple(ds.shape[1:]), ds.dtype)
+    for mem_space, file_space, at in _row_runs(ds, ids):
+        ds.id.read(mem_space, file_space, out[at])
     return out
 
 
 def write_rows(ds: h5py.Dataset, ids: np.ndarray, rows: np.ndarray) -> None:
-    """ds[ids] = rows (ascending ids), as read_rows reads them."""
-    ids = np.asarray(ids, np.int64)
-    rest = tuple(ds.shape[1:])
+    """ds[ids] = rows (ascending ids)."""
     rows = np.ascontiguousarray(rows, ds.dtype)
-    file_space = ds.id.get_space()
-    for first, count, at in _runs(ids):
-        file_space.select_hyperslab((first,) + (0,) * len(rest), (count,) + rest)
-        ds.id.write(h5py.h5s.create_simple((count,) + rest), file_space, rows[at:at + count])
+    for mem_space, file_space, at in _row_runs(ds, ids):
+        ds.id.write(mem_space, file_space, rows[at])
 
 
 def stored_rows(ds: h5py.Dataset) -> DeviceRows:
@@ -484,9 +490,7 @@ def stored_rows(ds: h5py.Dataset) -> DeviceRows:
     if ds.id.get_num_chunks():
         ds.id.chunk_iter(lambda info: written.append(info.chunk_offset[0]))
     ids = np.unique(np.asarray(written, np.int64))
-    rows = read_rows(ds, ids)
-    keep = nonzero_rows(rows)
-    return DeviceRows(ids[keep], rows[keep], ds.shape[0])
+    return DeviceRows(ids, read_rows(ds, ids), ds.shape[0]).nonzero()
 
 
 def _nonzero_blocks(ds: h5py.Dataset, block: int = 4096) -> DeviceRows:
@@ -779,9 +783,7 @@ def read_resume_point(path: str | Path) -> ResumePoint:
             rows = stored_rows(st[name])
             if int(st["undo/round"][0]) == done + 1:  # killed while writing round done + 1: roll its rows back
                 count = int(st["undo/count"][0])
-                rows = rows.updated(st["undo/ids"][:count], st[f"undo/{name}"][:count])
-                keep = nonzero_rows(rows.rows)
-                rows = DeviceRows(rows.ids[keep], rows.rows[keep], rows.n)
+                rows = rows.updated(st["undo/ids"][:count], st[f"undo/{name}"][:count]).nonzero()
             state[name] = rows
         return ResumePoint(config_toml, done, state, prefix, f.attrs.get("status") == "complete",
                            limits, dict(f.attrs), restarts)

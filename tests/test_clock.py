@@ -323,7 +323,7 @@ def test_over_selection_with_device_vectors_keeps_devices_and_log_agreed(tmp_pat
 
     def keeps_controls(self, failed=False):
         if self.vectors is not None:
-            for k, row in zip(self.device_ids, self.vectors["c_clients"].dense(self.device_ids)):
+            for k, row in zip(self.device_ids, self.vectors["c_clients"].stored(6).dense(self.device_ids)):
                 held[int(k)] = row.copy()
         honest_close(self, failed)
 

@@ -117,7 +117,10 @@ SCAFFOLD = {**SMALL, "train.algorithm": "scaffold", "scaffold.option": "I", "sca
             "dynamics.depart": [{"device": 3, "round": 4}], "log.client_controls": True}
 
 
-@pytest.mark.parametrize("overrides,size", [(SMALL, 2), (SMALL, 4), (SMALL, 5), (SCAFFOLD, 3)])
+ZERO_START = {**SCAFFOLD, "scaffold.option": "II", "scaffold.init": "zero"}  # controls held sparse, arrivals too
+
+
+@pytest.mark.parametrize("overrides,size", [(SMALL, 2), (SMALL, 4), (SMALL, 5), (SCAFFOLD, 3), (ZERO_START, 3)])
 def test_ranks_over_the_loopback_world_write_the_simulators_bytes(tmp_path, overrides, size):
     cfg = config_with(overrides)
     runs.run(cfg, tmp_path / "sim.h5")

@@ -305,6 +305,6 @@ def test_devices_hold_exactly_the_controls_the_log_tracks(tmp_path, quad_file):
         engine.round(r)
     tracked = log.rows("c_clients")
     log.close()
-    assert transport.vectors["c_clients"].dense(transport.device_ids).tobytes() == tracked.tobytes()
+    assert transport.vectors["c_clients"].stored(4).dense().tobytes() == tracked.tobytes()
     assert read_run(tmp_path / "run.h5")["participation/nonfinite"][:, 2].all()
     np.testing.assert_array_equal(tracked[2], A[2].astype(np.float32) * -1)  # kept its initial control

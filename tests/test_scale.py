@@ -189,6 +189,10 @@ def test_sparse_device_state_holds_only_touched_rows_and_resumes_exactly_on_rank
     np.testing.assert_array_equal(held.ids, touched)
     assert held.rows.shape == (touched.size, d) and held.n == 300
     assert_same_logs(whole, loopback_run(cfg, tmp_path / "part.h5", 3, resume_point=point))
+    point = run_until(cfg, tmp_path / "early.h5", 0)  # stopped before any report: no row held anywhere
+    assert point.state["c_clients"].ids.size == point.state["residual_delta_x"].ids.size == 0
+    runs.run(cfg, tmp_path / "early.h5", resume_point=point)
+    assert_same_logs(whole, read_run(tmp_path / "early.h5"))
 
 
 def test_a_device_rank_counts_only_the_vectors_its_devices_can_touch(monkeypatch):

@@ -67,6 +67,11 @@ class DeviceRows:
         out[found] = self.rows[np.searchsorted(self.ids, ids[found])]
         return out
 
+    def nonzero(self) -> "DeviceRows":
+        """Only the rows that are not +0.0 (nonzero_rows)."""
+        keep = nonzero_rows(self.rows)
+        return DeviceRows(self.ids[keep], self.rows[keep], self.n)
+
     def updated(self, ids: np.ndarray, rows: np.ndarray) -> "DeviceRows":
         """These devices' rows replaced (or added) by the given ones (ascending ids)."""
         kept = ~np.isin(self.ids, ids)
@@ -77,8 +82,8 @@ class DeviceRows:
 
 def nonzero_rows(rows: np.ndarray) -> np.ndarray:
     """Which rows hold anything but +0.0 (bit for bit: a -0.0 is kept, so dropping the others is exact)."""
-    bits = np.ascontiguousarray(rows).view(np.uint8).reshape(rows.shape[0], -1)
-    return bits.any(axis=1)
+    rows = np.ascontiguousarray(rows)
+    return rows.view(np.uint8).reshape(rows.shape[0], rows.itemsize * int(np.prod(rows.shape[1:]))).any(axis=1)
 
 
 @dataclass(frozen=True)

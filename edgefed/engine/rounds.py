@@ -338,15 +338,13 @@ class RoundEngine:
         return {v.name: DeviceRows(ids, self.log.read_rows(v.name, ids), self.n_devices)
                 for v in self.algorithm.device_vectors}
 
-    def _fresh_rows(self, x: np.ndarray, ids: np.ndarray) -> dict[str, DeviceRows]:
-        """The vectors these devices start with at x, as the transport's devices took them (nothing to build
-        for a zero start: the devices hold zero until a report changes it)."""
-        algo, ids = self.algorithm, np.asarray(ids, np.int64)
-        if algo.zero_start:
-            zero = np.zeros((ids.size, x.size), x.dtype)
-            if ids.size and self._held[ids].any():  # a device arriving again forgets what it held
-                self.transport.start_devices(x, ids[self._held[ids]])
-            return {v.name: DeviceRows(ids, zero, self.n_devices) for v in algo.device_vectors}
+    def _fresh_rows(self, x: np.ndarray, ids: np.ndarray) -> dict[str, DeviceRows] | None:
+        """The vectors these devices start with at x, as the transport's devices took them; None for a zero
+        start (nothing to build, send or write: a device holds zero until a report changes it, and a device
+        arrives once, before it ever reported)."""
+        if self.algorithm.zero_start:
+            return None
+        ids = np.asarray(ids, np.int64)
         rows = self.transport.start_devices(x, ids)
         for values in rows.values():
             self._held[ids[nonzero_rows(values)]] = True
@@ -357,11 +355,11 @@ class RoundEngine:
         """Log round 0: the initial model (and the devices' vectors) and its metrics."""
         rows = {}
         if self.algorithm.device_vectors:
-            rows = self._fresh_rows(x0, np.arange(self.n_devices))
+            fresh = self._fresh_rows(x0, np.arange(self.n_devices))
+            none = DeviceRows(np.zeros(0, np.int64), np.zeros((0, x0.size), x0.dtype), self.n_devices)
+            rows = {v.name: none if fresh is None else fresh[v.name].nonzero() for v in self.algorithm.device_vectors}
             for name, values in rows.items():
-                keep = nonzero_rows(values.rows)
-                rows[name] = DeviceRows(values.ids[keep], values.rows[keep], self.n_devices)
-                self.log.set_rows(name, rows[name])
+                self.log.set_rows(name, values)
         self.state = self._declared(ServerState(x0, self.algorithm.server_start(x0, self._members(rows))), "server_start")
         self._secure_side(x0.size)
         if self.downlink.lossy:  # every device starts from x_0 (and the server's first vectors), sent in full
@@ -436,8 +434,8 @@ class RoundEngine:
         arriving = self.dynamics.arriving(round_idx)
         if self.algorithm.device_vectors:
             rows = self._held_rows()
-            if arriving.size:
-                fresh = self._fresh_rows(self.state.x, arriving)
+            fresh = self._fresh_rows(self.state.x, arriving) if arriving.size else None
+            if fresh is not None:
                 rows = {name: rows[name].updated(arriving, values.rows) for name, values in fresh.items()}
                 sets = {name: (arriving, values.rows) for name, values in fresh.items()}
         self.state = self._declared(self.algorithm.federation_changed(self.state, self._members(rows)),
@@ -511,7 +509,7 @@ class RoundEngine:
         evaluate, store = self._due(round_idx)
         metrics = self.metrics(self.transport.evaluate(self.state.x)) if evaluate else (math.nan,) * 3
         elapsed = time.perf_counter() - wall0
-        self.log.ensure_room()
+        self.log.ensure_room(plan.device_ids.size + (0 if sets is None else len(self.dynamics.arriving(round_idx))))
         self.log.append({**self._round_row(plan, res, settled, coeffs, nonfinite, metrics, elapsed, clock), **extra})
         self._count_labels(plan.device_ids)
         changes = {v.name: (plan.device_ids[reported], res.vectors[v.delta][reported])

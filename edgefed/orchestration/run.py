@@ -211,6 +211,8 @@ KERNEL_BYTES = 150 * 2 ** 20  # what compiling (or loading) a run's kernels adds
 PER_DEVICE_BYTES = 700  # what the coordinator keeps per device (weights, sizes, label counts, a round's log rows,
 # the selection's and the clock's arrays): benchmarks/scale.py's peaks grow 0.44 KB a device from 10^5 to
 # 10^6 (637 -> 1028 MB); 700 leaves room for what that slope hides
+RANK_DEVICE_BYTES = 100  # what a device rank keeps per device of the federation (sizes, owners, the command
+# record's per-device fields: about 70 B by their dtypes; not measured apart)
 
 
 def memory_limit() -> tuple[int, str]:
@@ -227,18 +229,20 @@ def memory_limit() -> tuple[int, str]:
     return limit, what
 
 
-def check_memory(cfg: Config, n: int, data_bytes: int = 0, state_bytes: int = 0, state_what: str = "") -> None:
+def check_memory(cfg: Config, n: int, data_bytes: int = 0, state_bytes: int = 0, state_what: str = "",
+                 device_bytes: int = PER_DEVICE_BYTES) -> None:
     """Refuse, before anything large is built, a run whose estimate (this process as it stands and its kernels,
-    N devices' bookkeeping, the devices' data it may hold: all of it up to data.cache_mb, the devices'
-    vectors) exceeds what this process may use; one line with the estimate, the limit and what would fit."""
+    N devices' bookkeeping at device_bytes each, the devices' data it may hold: all of it up to data.cache_mb,
+    the devices' vectors) exceeds what this process may use; one line with the estimate, the limit and what
+    would fit."""
     runtime = psutil.Process().memory_info().rss + KERNEL_BYTES
-    per_device = n * PER_DEVICE_BYTES
+    per_device = n * device_bytes
     cache = min(cfg.data.cache_mb * 2 ** 20, data_bytes)
     need = runtime + per_device + cache + state_bytes
     limit, what = memory_limit()
     if need <= limit:
         return
-    fit = max(int((limit - runtime - cache) // (PER_DEVICE_BYTES + state_bytes / max(n, 1))), 0)
+    fit = max(int((limit - runtime - cache) // (device_bytes + state_bytes / max(n, 1))), 0)
     parts = [f"{size_text(runtime)} the runtime", f"{size_text(per_device)} for {n:,} devices' bookkeeping"]
     parts += [f"{size_text(cache)} of their data (data.cache_mb)"] if cache else []
     parts += [f"{size_text(state_bytes)} {state_what}"] if state_bytes else []
@@ -249,9 +253,11 @@ def check_memory(cfg: Config, n: int, data_bytes: int = 0, state_bytes: int = 0,
 
 
 def touched_rows(cfg: Config, n: int) -> int:
-    """The most devices a report can change in a run: rounds x the devices a round selects (a replay's or
-    an async run's selections are not known here: all of them)."""
-    if cfg.participation.mode in ("trace", "async"):
+    """The most devices a report can change in a run: rounds x the devices a round selects (a replayed
+    log's or an async run's selections are not counted here: all of them)."""
+    p = cfg.participation
+    replay = p.mode == "trace" and isinstance(p.trace, str) and p.trace.endswith((".h5", ".hdf5"))
+    if replay or p.mode == "async":
         return n
     per_round = overselected(cfg.clients_per_round_count(n), cfg.participation.overselect, n)
     return min(n, cfg.rounds * per_round)
@@ -279,13 +285,13 @@ def check_rank_memory(cfg: Config, algorithm: Algorithm, problem, model, own: np
     rows += len(algorithm.reports) * touched if cfg.compress.error_feedback else 0
     state = rows * model.dim * np.dtype(model.dtype).itemsize
     data = problem.data_bytes() * own.size // max(n, 1) if hasattr(problem, "data_bytes") else 0
-    check_memory(cfg, n, data, state, "its devices' vectors")
+    check_memory(cfg, n, data, state, "its devices' vectors", RANK_DEVICE_BYTES)
 
 
 def check_device_memory(algorithm: Algorithm, cfg: Config, n: int, d: int, dtype, log_path: Path, on_info,
                         problem=None) -> None:
-    """Report what the devices' vectors (SCAFFOLD's N x d controls) take, and refuse when memory or disk
-    cannot hold them."""
+    """Report what the devices' vectors (SCAFFOLD's controls: a row for each device a run can touch, or all
+    N) and error feedback's residuals can take, and refuse when memory or disk cannot hold them."""
     vectors = algorithm.device_vectors
     data_bytes = problem.data_bytes() if hasattr(problem, "data_bytes") else 0  # (a pool is in memory already)
     residuals = residual_bytes(algorithm, cfg, n, d, dtype)

@@ -47,7 +47,7 @@ def record_traces(out: str, names: list[str], loads: list[float], drops: list[fl
                      on_error)
     if isinstance(result, int):
         return result
-    log = read_run(log_path)
+    log = read_run(log_path, state=False)
     fractions = log["participation/steps"] / np.maximum(log["participation/budget"], 1)
     for k, p in enumerate(drops):  # an upload lost on a weak link: the round counts as inactive
         lost = np.array([generator(seed, Purpose.TRACE_DROP, r + 1, k).random() < p for r in range(rounds)])

@@ -170,8 +170,9 @@ def _nbytes(data) -> int:
 
 
 class HeldRows:
-    """One vector of the hosted devices (SCAFFOLD's c_k, an error-feedback residual), held only for the
-    devices whose row is not zero: at a million devices a few thousand are touched in a run."""
+    """One vector of the hosted devices (SCAFFOLD's c_k, an error-feedback residual), a row held for a
+    device only once its start or a report made it other than zero (absent: zero): at a million devices a
+    run touches a few thousand."""
 
     def __init__(self, d: int, dtype):
         self._rows: dict[int, np.ndarray] = {}
@@ -201,10 +202,12 @@ class HeldRows:
         for k, row in zip(rows.ids[mine], rows.rows[mine]):
             self.set(int(k), row)
 
-    def dense(self, ids: np.ndarray) -> np.ndarray:
-        """These devices' rows, a (len(ids), d) array."""
-        return np.stack([self.get(int(k)) for k in ids]) if len(ids) else np.zeros((0, self._zero.size),
-                                                                                 self._zero.dtype)
+    def stored(self, n: int) -> DeviceRows:
+        """The rows held, over a federation of n devices."""
+        ids = np.array(sorted(self._rows), np.int64)
+        rows = np.stack([self._rows[int(k)] for k in ids]) if ids.size else np.zeros((0, self._zero.size),
+                                                                                   self._zero.dtype)
+        return DeviceRows(ids, rows, n)
 
     def __len__(self) -> int:
         return len(self._rows)

@@ -362,4 +362,5 @@ class DeviceServer:
         if ids.size:
             wait(self.comm.Irecv(records.view(np.uint8), source=0, tag=protocol.TAG_LOAD), self.poll)
         rows = self.wire.unpack_rows([records], ids, self.wire.restored)
-        self.transport.load_devices({name: DeviceRows(ids, values, self.own.size) for name, values in rows.items()})
+        n = self.wire.n_devices
+        self.transport.load_devices({name: DeviceRows(ids, values, n) for name, values in rows.items()})
