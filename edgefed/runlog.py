@@ -26,6 +26,7 @@ import functools
 import os
 import shutil
 import tomllib
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -722,21 +723,61 @@ def read_run(path: str | Path, state: bool = True) -> dict:
     needs: at a million devices its per-device rows read whole are gigabytes of zeros)."""
     with reading(path) as f:
         out = {"attrs": dict(f.attrs)}
-        limits = None
-        if "state/round" in f and "trajectory/round" in f and f.attrs.get("status") != "complete":
-            done = int(f["state/round"][0])
-            if done >= 0:
-                stored = f["trajectory/round"][()]
-                limits = {"round": done, "round+1": done + 1,
-                          "stored": int(np.searchsorted(stored, done, side="right"))}
-
-        def take(name, obj):
-            if isinstance(obj, h5py.Dataset) and (state or not name.startswith("state/")):
-                rows = obj.attrs.get("rows") if limits is not None else None
-                out[name] = obj[: limits[rows]] if rows in (limits or {}) else obj[()]
-
-        f.visititems(take)
+        limits = _completed(f)
+        for name in _dataset_names(f, state):
+            out[name] = _take(f[name], limits)
     return out
+
+
+class LazyRun(Mapping):
+    """read_run's mapping without /state, each dataset read when first asked for (and kept): a summary of a
+    million-device log reads the few (R, N) datasets it shows, not the twenty the log holds."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        with reading(path) as f:
+            self._data = {"attrs": dict(f.attrs)}
+            self._limits = _completed(f)
+            self._names = _dataset_names(f, state=False)
+
+    def __getitem__(self, name: str):
+        if name not in self._data:
+            if name not in self._names:
+                raise KeyError(name)
+            with reading(self.path) as f:
+                self._data[name] = _take(f[name], self._limits)
+        return self._data[name]
+
+    def __contains__(self, name) -> bool:
+        return name == "attrs" or name in self._names
+
+    def __iter__(self):
+        return iter(["attrs", *self._names])
+
+    def __len__(self) -> int:
+        return 1 + len(self._names)
+
+
+def _completed(f: h5py.File) -> dict | None:
+    """Rows to keep per row mapping in a log whose run goes on (None: a finished log, all of them)."""
+    if "state/round" in f and "trajectory/round" in f and f.attrs.get("status") != "complete":
+        done = int(f["state/round"][0])
+        if done >= 0:
+            stored = f["trajectory/round"][()]
+            return {"round": done, "round+1": done + 1, "stored": int(np.searchsorted(stored, done, side="right"))}
+    return None
+
+
+def _dataset_names(f: h5py.File, state: bool) -> list[str]:
+    names = []
+    f.visititems(lambda name, obj: names.append(name) if isinstance(obj, h5py.Dataset) and (
+        state or not name.startswith("state/")) else None)
+    return names
+
+
+def _take(ds: h5py.Dataset, limits: dict | None) -> np.ndarray:
+    rows = ds.attrs.get("rows") if limits is not None else None
+    return ds[: limits[rows]] if rows in (limits or {}) else ds[()]
 
 
 @dataclass(frozen=True)

@@ -104,6 +104,24 @@ def test_summary_says_what_differs_what_it_reached_and_each_device(logs, capsys)
     assert table[0].split()[:3] == ["0", str(d0["selected"]), f"{d0['fraction']:.3f}" if d0["selected"] else "-"]
 
 
+def test_a_large_federations_summary_lists_the_devices_selected_most_and_reads_no_state(logs, capsys, monkeypatch):
+    """(DEVICE_ROWS = 3 of the log's 6: as 1,000 of a million.) The most selected, ties to the lower ids, in
+    id order, each row the one the whole table has; the summary never reads /state."""
+    from edgefed.analysis import summary as summary_mod
+
+    run = Run.read(logs["trace"])
+    counts = run["participation/selected"].sum(axis=0)
+    shown = sorted(sorted(range(6), key=lambda k: (-counts[k], k))[:3])
+    whole = {d["device"]: d for d in run.devices()}
+    monkeypatch.setattr(summary_mod, "DEVICE_ROWS", 3)
+    lines = summary_mod.summary_lines(run)
+    table = lines[lines.index("device  selected  fraction  inactive   late  cpu %") + 1:]
+    assert [int(row.split()[0]) for row in table[:3]] == shown
+    assert [int(row.split()[1]) for row in table[:3]] == [whole[k]["selected"] for k in shown]
+    assert table[3].startswith("(the 3 devices selected most of 6;")
+    assert "state/x" not in run.data and not any(name.startswith("state/") for name in run.data)
+
+
 def test_summary_of_a_measured_run_shows_cpu_shares(logs, capsys):
     code, out, _ = cli(["summary", str(logs["measured"])], capsys)
     assert code == 0

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import tomllib
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -14,7 +15,7 @@ import numpy as np
 
 from edgefed import config as config_mod
 from edgefed.errors import EdgefedError, RunLogError
-from edgefed.runlog import no_round_yet, read_run
+from edgefed.runlog import LazyRun, no_round_yet
 
 
 @dataclass(frozen=True)
@@ -22,12 +23,12 @@ class Run:
     """One run log, with the numbers a summary, a report and a sweep table show."""
 
     path: Path
-    data: dict  # every dataset and, under "attrs", the root attributes
+    data: Mapping  # every dataset (read on first use) and, under "attrs", the root attributes
     config_toml: str
 
     @classmethod
     def read(cls, path) -> "Run":
-        data = read_run(path, state=False)
+        data = LazyRun(path)
         stub = no_round_yet(path, data["attrs"], data)
         if stub is not None:
             raise stub
@@ -167,23 +168,27 @@ class Run:
         policy = self.config_dict().get("selection", {}).get("policy", "uniform")
         return {"policy": policy, "jain": jain_index(counts), "never": int((counts == 0).sum()), "n": counts.size}
 
-    def devices(self) -> list[dict]:
-        """Per device: rounds selected, mean completed fraction, inactive and late shares (of its selected
-        rounds), mean CPU share."""
+    def devices(self, ids=None) -> list[dict]:
+        """Per device (these ids, ascending; by default all): rounds selected, mean completed fraction,
+        inactive and late shares (of its selected rounds), mean CPU share."""
         sel, steps = self["participation/selected"], self["participation/steps"]
-        late = self.data.get("participation/late", np.zeros_like(sel))
-        cpu = self.data.get("participation/cpu_percent", np.full(sel.shape, np.nan))
-        frac = self.fractions()
+        ids = np.arange(sel.shape[1]) if ids is None else np.asarray(ids, np.int64)
+        sel, steps, budget = sel[:, ids], steps[:, ids], self["participation/budget"][:, ids].astype(float)
+        late = self.data["participation/late"][:, ids] if "participation/late" in self.data else np.zeros_like(sel)
+        cpu = (self.data["participation/cpu_percent"][:, ids] if "participation/cpu_percent" in self.data
+               else np.full(sel.shape, np.nan))
+        with np.errstate(invalid="ignore", divide="ignore"):
+            frac = np.where(sel & (budget > 0), steps / budget, np.nan)
         rows = []
-        for k in range(sel.shape[1]):
-            mine = sel[:, k]
+        for j, k in enumerate(ids):
+            mine = sel[:, j]
             n = int(mine.sum())
             with np.errstate(invalid="ignore"):
-                rows.append({"device": k, "selected": n,
-                             "fraction": float(np.nanmean(frac[mine, k])) if n else math.nan,
-                             "inactive": float(np.mean(steps[mine, k] == 0)) if n else math.nan,
-                             "late": float(np.mean(late[mine, k])) if n else math.nan,
-                             "cpu_percent": float(np.nanmean(cpu[mine, k])) if n and np.isfinite(cpu[mine, k]).any()
+                rows.append({"device": int(k), "selected": n,
+                             "fraction": float(np.nanmean(frac[mine, j])) if n else math.nan,
+                             "inactive": float(np.mean(steps[mine, j] == 0)) if n else math.nan,
+                             "late": float(np.mean(late[mine, j])) if n else math.nan,
+                             "cpu_percent": float(np.nanmean(cpu[mine, j])) if n and np.isfinite(cpu[mine, j]).any()
                              else math.nan})
         return rows
 

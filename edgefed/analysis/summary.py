@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
+
 from edgefed.analysis.logs import Run
 from edgefed.runlog import size_text
 
@@ -55,9 +57,11 @@ def summary_lines(run: Run, target: float | None = None) -> list[str]:
         lines.append(f"to test accuracy {target:g}: " + ("never reached" if math.isnan(rounds) else
                                                            f"round {rounds:.0f}, clock {seconds:.3f} s"))
     lines.append("device  selected  fraction  inactive   late  cpu %")
-    devices = run.devices()
-    if len(devices) > DEVICE_ROWS:  # a large federation: the devices that took part most, not a million lines
-        devices = sorted(sorted(devices, key=lambda d: -d["selected"])[:DEVICE_ROWS], key=lambda d: d["device"])
+    counts = run["participation/selected"].sum(axis=0)
+    shown = None  # a large federation: the devices that took part most (ties: the lower ids), not a million lines
+    if counts.size > DEVICE_ROWS:
+        shown = np.sort(np.argsort(-counts, kind="stable")[:DEVICE_ROWS])
+    devices = run.devices(shown)
     for d in devices:
         lines.append(f"{d['device']:>6}  {d['selected']:>8}  {_num(d['fraction'], '8.3f'):>8}  "
                      f"{_num(d['inactive'], '8.1%'):>8}  {_num(d['late'], '5.1%'):>5}  {_num(d['cpu_percent'], '5.1f'):>5}")
