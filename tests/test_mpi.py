@@ -89,7 +89,7 @@ def test_a_raising_rank_aborts_the_world_with_its_message(tmp_path):
 
 def test_bad_config_under_mpi_is_one_line_and_exit_2(tmp_path):
     cfg = write(tmp_path, "c.toml", SMALL + "local_step = 3\n")
-    done = edgefed(["run", cfg, "--out", str(tmp_path / "r.h5")], 3, timeout=120)
+    done = edgefed(["run", cfg, "--out", str(tmp_path / "r.h5")], 2, timeout=120)
     assert done.returncode == 2
     lines = [line for line in done.stderr.splitlines() if line.strip()]
     assert lines == ["edgefed: error: config: unknown key [train] 'local_step'; did you mean 'local_steps'?"]
@@ -99,7 +99,7 @@ def test_bad_config_under_mpi_is_one_line_and_exit_2(tmp_path):
     good = write(tmp_path, "g.toml", SMALL)
     blocker = tmp_path / "a-file"
     blocker.write_text("not a folder")
-    unwritable = edgefed(["run", good, "--out", str(blocker / "r.h5")], 3, timeout=120)
+    unwritable = edgefed(["run", good, "--out", str(blocker / "r.h5")], 2, timeout=120)
     lines = [line for line in unwritable.stderr.splitlines() if line.strip()]
     assert unwritable.returncode == 2 and len(lines) == 1 and "is not a writable folder" in lines[0]
 

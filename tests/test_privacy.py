@@ -16,7 +16,6 @@ from conftest import config_with
 from helpers import assert_same_logs, interrupted_then_resumed
 from test_clock import board, simulated  # noqa: F401
 from test_async_runs import K as ASYNC_K, LR as ASYNC_LR, M, _config as async_config, problem  # noqa: F401
-from test_mpi import MPIEXEC, simulator_then_ranks
 from test_protocol import loopback_run
 
 dp = pytest.importorskip("dp_accounting", reason="dp-accounting is not installed: pip install 'edgefed[privacy]'")
@@ -277,13 +276,15 @@ def test_without_dp_accounting_the_error_names_the_extra(tmp_path, quadratic, mo
     assert not (tmp_path / "r.h5").exists()
 
 
-@pytest.mark.skipif(MPIEXEC is None, reason="no mpiexec: pip install 'edgefed[mpi]'")
-def test_a_trace_run_with_distributed_noise_under_mpiexec_is_the_simulators(tmp_path):
-    text = ('rounds = 4\n[data]\nclients = 6\nsamples = 60\n[train]\nclients_per_round = 4\nlocal_steps = 5\n'
-            '[participation]\nmode = "trace"\ntrace = "builtin"\nscheme = "C"\n'
-            '[secagg]\nenabled = true\nkey_source = "seeded"\nthreshold = 2\n'
-            '[privacy]\nmechanism = "distributed"\nepsilon = 20.0\nclip = 0.5\n')
-    sim, mpi = simulator_then_ranks(tmp_path, text)
+def test_a_trace_run_with_distributed_noise_on_ranks_is_the_simulators(tmp_path):
+    """(Over the loopback world: secure aggregation under a real mpiexec is tests/test_mpi.py's.)"""
+    cfg = config_with({"rounds": 4, "data.clients": 6, "data.samples": 60, "train.clients_per_round": 4,
+                       "train.local_steps": 5, "participation.mode": "trace", "participation.trace": "builtin",
+                       "participation.scheme": "C", "secagg.enabled": True, "secagg.key_source": "seeded",
+                       "secagg.threshold": 2, "privacy.mechanism": "distributed", "privacy.epsilon": 20.0,
+                       "privacy.clip": 0.5})
+    runs.run(cfg, tmp_path / "sim.h5")
+    sim, mpi = read_run(tmp_path / "sim.h5"), loopback_run(cfg, tmp_path / "mpi.h5", 3)
     for name in ("trajectory/x", "metrics/epsilon", "participation/coeff", "participation/steps"):
         assert sim[name].tobytes() == mpi[name].tobytes(), name
     assert 0 < mpi["metrics/epsilon"][1] < mpi["metrics/epsilon"][-1] <= 20.0 + 1e-6
