@@ -198,11 +198,28 @@ def _heatmap_axes(ax) -> None:
     ax.yaxis.set_major_locator(MaxNLocator(integer=True))
 
 
+FIGURE_DEVICES = 200  # a per-device figure's rows at most (a row a device)
+
+
+def _shown_devices(run: Run) -> tuple[np.ndarray, int]:
+    """(the devices a per-device figure draws, of how many): all of them, or in a large federation the
+    FIGURE_DEVICES selected most (ties: the lower ids), in id order."""
+    counts = run["participation/selected"].sum(axis=0)
+    if counts.size <= FIGURE_DEVICES:
+        return np.arange(counts.size), counts.size
+    return np.sort(np.argsort(-counts, kind="stable")[:FIGURE_DEVICES]), counts.size
+
+
+def _device_axis(ids: np.ndarray, of: int) -> str:
+    return "device" if ids.size == of else f"the {ids.size} devices selected most, of {of:,}"
+
+
 def participation(run: Run, title: str):
     """Completed fraction per device and round (late and inactive marked), its spread per device, and the
     coefficients applied."""
     plt = _plt()
-    frac = run.fractions().T  # devices x rounds
+    ids, of = _shown_devices(run)
+    frac = run.fractions()[:, ids].T  # devices x rounds
     n, rounds = frac.shape
     fig = plt.figure(figsize=(11, 3.2 + 0.06 * n), layout="constrained")
     grid = fig.add_gridspec(2, 2, width_ratios=(3, 1), height_ratios=(1, 1))
@@ -211,11 +228,12 @@ def participation(run: Run, title: str):
     extent = (0.5, rounds + 0.5, n - 0.5, -0.5)
     im = ax.imshow(np.ma.masked_invalid(frac), aspect="auto", cmap=cmap, vmin=0, vmax=1, extent=extent,
                    interpolation="nearest")
-    inactive = ~run["participation/active"].T
+    inactive = ~run["participation/active"][:, ids].T
     if inactive.any():
         ax.imshow(np.ma.masked_where(~inactive, np.ones_like(frac)), aspect="auto", cmap="Greys", vmin=0, vmax=1.5,
                   extent=extent, interpolation="nearest")
     late = run.data.get("participation/late")
+    late = None if late is None else late[:, ids]
     if late is not None and late.any():
         k, r = np.nonzero(late.T)
         ax.scatter(r + 1, k, marker="x", s=14, color="white", linewidths=1.0, label="late (dropped)")
@@ -223,25 +241,25 @@ def participation(run: Run, title: str):
         ax.legend(loc="upper right", fontsize=7, framealpha=0.8)
     _heatmap_axes(ax)
     ax.set_xlabel("round")
-    ax.set_ylabel("device")
+    ax.set_ylabel(_device_axis(ids, of))
     ax.set_title("completed fraction $s_k/K_k$ (grey: not selected; dark: outside the federation)")
     fig.colorbar(im, ax=ax, fraction=0.03, pad=0.01)
     box = fig.add_subplot(grid[:, 1])
     spread = [row[np.isfinite(row)] for row in frac]
     sideways = {"orientation": "horizontal"} if _matplotlib_at_least(3, 10) else {"vert": False}
     box.boxplot([s if s.size else [np.nan] for s in spread], widths=0.6, showfliers=False, **sideways)
-    box.set_yticks(range(1, n + 1), [str(k) for k in range(n)] if n <= 40 else [""] * n)
+    box.set_yticks(range(1, n + 1), [str(k) for k in ids] if n <= 40 else [""] * n)
     box.invert_yaxis()
     box.set_xlim(-0.02, 1.02)
     box.set_xlabel("completed fraction")
     box.set_title("per device, over its rounds")
     coef = fig.add_subplot(grid[1, 0])
-    coeff = run["participation/coeff"].T
+    coeff = run["participation/coeff"][:, ids].T
     cim = coef.imshow(np.ma.masked_where(coeff == 0, coeff), aspect="auto", cmap="cividis", extent=extent,
                       interpolation="nearest")
     _heatmap_axes(coef)
     coef.set_xlabel("round")
-    coef.set_ylabel("device")
+    coef.set_ylabel(_device_axis(ids, of))
     coef.set_title("coefficient applied to $\\Delta_k$ (blank: nothing applied)")
     fig.colorbar(cim, ax=coef, fraction=0.03, pad=0.01)
     fig.suptitle(title)
@@ -291,19 +309,20 @@ def measured(run: Run, title: str):
     if not panels and not timed:
         return None
     plt = _plt()
-    n = run["participation/steps"].shape[1]
+    ids, of = _shown_devices(run)
+    n = ids.size
     rows = len(panels) + timed
     fig, axes = plt.subplots(rows, 1, figsize=(11, sum(1.4 + 0.05 * n for _ in panels) + 2.2 * timed),
                              squeeze=False, layout="constrained",
                              height_ratios=[1.4 + 0.05 * n] * len(panels) + [2.2] * timed)
     for ax, (name, label) in zip(axes[:, 0], panels):
-        values = run[name].T.astype(float)
+        values = run[name][:, ids].T.astype(float)
         cmap = plt.get_cmap("magma").with_extremes(bad="#f2f2f2")
         scale = {"vmin": 0, "vmax": max(100.0, float(np.nanmax(values)))} if name.endswith("cpu_percent") else {}
         im = ax.imshow(np.ma.masked_invalid(values), aspect="auto", cmap=cmap, interpolation="nearest",
                        extent=(0.5, values.shape[1] + 0.5, n - 0.5, -0.5), **scale)
         _heatmap_axes(ax)
-        ax.set_ylabel("device")
+        ax.set_ylabel(_device_axis(ids, of))
         ax.set_title(label)
         fig.colorbar(im, ax=ax, fraction=0.03, pad=0.01)
     if timed:
