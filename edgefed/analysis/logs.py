@@ -168,6 +168,14 @@ class Run:
         policy = self.config_dict().get("selection", {}).get("policy", "uniform")
         return {"policy": policy, "jain": jain_index(counts), "never": int((counts == 0).sum()), "n": counts.size}
 
+    def most_selected(self, limit: int) -> np.ndarray:
+        """Every device id, or in a larger federation the `limit` selected most (ties: the lower ids), in
+        id order: what a per-device table or figure shows."""
+        counts = self["participation/selected"].sum(axis=0)
+        if counts.size <= limit:
+            return np.arange(counts.size)
+        return np.sort(np.argsort(-counts, kind="stable")[:limit])
+
     def devices(self, ids=None) -> list[dict]:
         """Per device (these ids, ascending; by default all): rounds selected, mean completed fraction,
         inactive and late shares (of its selected rounds), mean CPU share."""

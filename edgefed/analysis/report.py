@@ -202,12 +202,8 @@ FIGURE_DEVICES = 200  # a per-device figure's rows at most (a row a device)
 
 
 def _shown_devices(run: Run) -> tuple[np.ndarray, int]:
-    """(the devices a per-device figure draws, of how many): all of them, or in a large federation the
-    FIGURE_DEVICES selected most (ties: the lower ids), in id order."""
-    counts = run["participation/selected"].sum(axis=0)
-    if counts.size <= FIGURE_DEVICES:
-        return np.arange(counts.size), counts.size
-    return np.sort(np.argsort(-counts, kind="stable")[:FIGURE_DEVICES]), counts.size
+    """(the devices a per-device figure draws, of how many)."""
+    return run.most_selected(FIGURE_DEVICES), int(run.attrs["n_devices"])
 
 
 def _device_axis(ids: np.ndarray, of: int) -> str:

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import math
 
-import numpy as np
-
 from edgefed.analysis.logs import Run
 from edgefed.runlog import size_text
 
@@ -57,11 +55,7 @@ def summary_lines(run: Run, target: float | None = None) -> list[str]:
         lines.append(f"to test accuracy {target:g}: " + ("never reached" if math.isnan(rounds) else
                                                            f"round {rounds:.0f}, clock {seconds:.3f} s"))
     lines.append("device  selected  fraction  inactive   late  cpu %")
-    counts = run["participation/selected"].sum(axis=0)
-    shown = None  # a large federation: the devices that took part most (ties: the lower ids), not a million lines
-    if counts.size > DEVICE_ROWS:
-        shown = np.sort(np.argsort(-counts, kind="stable")[:DEVICE_ROWS])
-    devices = run.devices(shown)
+    devices = run.devices(run.most_selected(DEVICE_ROWS))  # a large federation: not a million lines
     for d in devices:
         lines.append(f"{d['device']:>6}  {d['selected']:>8}  {_num(d['fraction'], '8.3f'):>8}  "
                      f"{_num(d['inactive'], '8.1%'):>8}  {_num(d['late'], '5.1%'):>5}  {_num(d['cpu_percent'], '5.1f'):>5}")
