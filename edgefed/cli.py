@@ -5,17 +5,28 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import shlex
 import sys
 from pathlib import Path
 
 from edgefed import __version__
-from edgefed.errors import EXIT_BAD_INPUT, EXIT_INTERRUPTED, EdgefedError, Interrupted
+from edgefed.errors import (DEBUG_ENV, EXIT_BAD_INPUT, EXIT_INTERNAL, EXIT_INTERRUPTED, EdgefedError, Interrupted,
+                            debugging, internal_error)
+from edgefed.outputs import check_folder, check_output
 
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message):  # one line, exit 2, like every other bad input
         print(f"edgefed: error: {message} (see {self.prog} --help)", file=sys.stderr)
         raise SystemExit(EXIT_BAD_INPUT)
+
+
+class _Verb(_Parser):
+    """A verb's parser: --debug is taken after the verb too (`edgefed run CONFIG --debug`)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
 
 
 def _run_options(verb) -> None:
@@ -32,7 +43,8 @@ def _run_options(verb) -> None:
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="edgefed", description="Federated learning on the edge.")
     parser.add_argument("--version", action="version", version=f"edgefed {__version__}")
-    verbs = parser.add_subparsers(dest="verb", required=True, parser_class=_Parser)
+    parser.add_argument("--debug", action="store_true", help=f"show the traceback of an internal error (as {DEBUG_ENV}=1)")
+    verbs = parser.add_subparsers(dest="verb", required=True, parser_class=_Verb)
 
     run = verbs.add_parser("run", help="run an experiment (the built-in default without CONFIG)")
     _run_options(run)
@@ -82,7 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
     prof.set_defaults(func=cmd_profile)
 
     trace = verbs.add_parser("trace", help="record or inspect participation traces")
-    trace_verbs = trace.add_subparsers(dest="trace_verb", required=True, parser_class=_Parser)
+    trace_verbs = trace.add_subparsers(dest="trace_verb", required=True, parser_class=_Verb)
     record = trace_verbs.add_parser(
         "record", help="measure traces: a deadline run, one device per trace, every device every round")
     record.add_argument("--out", required=True, help="trace file to write (CSV)")
@@ -97,6 +109,7 @@ def build_parser() -> argparse.ArgumentParser:
     record.add_argument("--set", dest="overrides", action="append", default=[], metavar="TABLE.KEY=VALUE",
                         help="more config overrides for the recording run (model, data, ...)")
     record.add_argument("--quiet", action="store_true")
+    record.add_argument("--force", action="store_true", help="replace an existing --out")
     record.set_defaults(func=cmd_trace_record)
     show = trace_verbs.add_parser("show", help="per-trace statistics of a trace file (or \"builtin\")")
     show.add_argument("file", help="a trace file, or builtin")
@@ -112,6 +125,7 @@ def build_parser() -> argparse.ArgumentParser:
     report.add_argument("targets", nargs="+", metavar="TARGET", help="run logs (.h5) and sweep folders")
     report.add_argument("--out", required=True, help="the page (PAGE.html), or a folder with --format png")
     report.add_argument("--format", choices=("html", "png"), default="html")
+    report.add_argument("--force", action="store_true", help="replace an existing page or figures")
     report.set_defaults(func=cmd_report)
 
     summary = verbs.add_parser("summary", help="what a run was and what it reached, in the terminal")
@@ -126,6 +140,7 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--weights", metavar="OUT.npz",
                         help="the server model as the equivalent torch.nn.Sequential's state_dict (.npz)")
     export.add_argument("--round", type=int, metavar="R", help="with --weights: a stored round (default: the last)")
+    export.add_argument("--force", action="store_true", help="replace existing output files")
     export.set_defaults(func=cmd_export)
     return parser
 
@@ -157,6 +172,7 @@ def _resolve(args):
         path = Path(args.resume)
     else:
         path = Path(args.out or cfg.log.path or run.default_log_path(args.config))
+        check_output(path, force=True, inputs=[("the config file", args.config)], example="run.h5")  # (the rest: prepare)
     return cfg, point, path
 
 
@@ -248,7 +264,7 @@ def cmd_trace_record(args) -> int:
     loads, drops = per_trace(args.contention, "contention"), per_trace(args.drop, "drop")
     if not names or args.rounds < 1 or args.local_steps < 1 or (args.deadline_s is not None and not args.deadline_s > 0):
         raise EdgefedError("trace record needs --names, and positive --rounds, --local-steps and --deadline-s")
-    code = record_traces(args.out, names, loads, drops, rounds=args.rounds, local_steps=args.local_steps,
+    code = record_traces(args.out, args.force, names, loads, drops, rounds=args.rounds, local_steps=args.local_steps,
                          deadline_s=args.deadline_s, seed=args.seed, overrides=args.overrides,
                          command="edgefed " + shlex.join(sys.argv[1:]), on_round=_progress(args.quiet),
                          on_info=_info, on_error=_error)
@@ -303,7 +319,7 @@ def cmd_profile(args) -> int:
 
             load_config(args.config)  # bad input ends here, before anything is measured
             specs.append(profiling.CONFIG + str(Path(args.config).resolve()))
-        return specs, profiling.profile_targets(args.out, hosts, args.force)
+        return specs, profiling.profile_targets(args.out, hosts, args.force, [("the config file", args.config)])
 
     measured = profiling.profile_hosts(world(), prepare, not args.no_cold, lambda line: print(line, flush=True))
     if isinstance(measured, int):
@@ -327,13 +343,18 @@ def cmd_summary(args) -> int:
 
 
 def cmd_export(args) -> int:
-    from edgefed.analysis.export import export_csv, export_weights
+    from edgefed.analysis.export import CSV_FILES, export_csv, export_weights
     from edgefed.analysis.logs import Run
 
     if not (args.csv or args.weights):
         raise EdgefedError("export needs --csv FOLDER or --weights OUT.npz (or both)")
     if args.round is not None and not args.weights:
         raise EdgefedError("--round picks the model --weights writes; add --weights OUT.npz")
+    reads = [("the run log", args.log)]
+    if args.weights:
+        check_output(args.weights, force=args.force, inputs=reads, flag="--weights", example="model.npz")
+    if args.csv:
+        check_folder(args.csv, CSV_FILES, force=args.force, inputs=reads, flag="--csv")
     run = Run.read(args.log)
     if args.weights:
         round_idx, module = export_weights(run, Path(args.weights), args.round)
@@ -349,7 +370,7 @@ def cmd_export(args) -> int:
 def cmd_report(args) -> int:
     from edgefed.analysis.report import write_report
 
-    written = write_report(args.targets, Path(args.out), args.format)
+    written = write_report(args.targets, Path(args.out), args.format, args.force)
     print(f"wrote {written[0]}" if args.format == "html" else f"wrote {len(written)} figures into {args.out}")
     return 0
 
@@ -393,7 +414,11 @@ def cmd_contend(args) -> int:
 
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)
+    before = os.environ.get(DEBUG_ENV)
+    if args.debug:  # also for what this process starts (mpiexec's ranks, a sweep's runs)
+        os.environ[DEBUG_ENV] = "1"
     try:
         return args.func(args)
     except EdgefedError as exc:
@@ -402,6 +427,25 @@ def main(argv=None) -> int:
     except Interrupted as exc:
         print(f"edgefed: {exc}", file=sys.stderr, flush=True)
         return EXIT_INTERRUPTED
+    except KeyboardInterrupt:
+        print("edgefed: interrupted", file=sys.stderr, flush=True)
+        return EXIT_INTERRUPTED
     except BrokenPipeError:  # `edgefed summary RUN.h5 | head`: the reader left, nothing is wrong
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
+    except MemoryError as exc:  # what no estimate foresaw: the machine's limit, not a bug
+        if debugging():
+            raise
+        _error(f"out of memory ({exc or 'an allocation failed'}); this machine cannot hold what "
+               f"`edgefed {shlex.join(argv)}` asks for: a smaller model, less data or fewer devices")
+        return EXIT_BAD_INPUT
+    except Exception as exc:  # noqa: BLE001 - a bug: one line saying how to report it, not a traceback
+        if debugging():
+            raise
+        print(f"edgefed: {internal_error(exc, 'edgefed ' + shlex.join(argv))}", file=sys.stderr, flush=True)
+        return EXIT_INTERNAL
+    finally:
+        if before is None:
+            os.environ.pop(DEBUG_ENV, None)
+        else:
+            os.environ[DEBUG_ENV] = before

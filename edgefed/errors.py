@@ -1,6 +1,11 @@
-"""One error hierarchy; the CLI turns any of these into a one-line message and exit code 2."""
+"""One error hierarchy; the CLI turns any of these into a one-line message and exit code 2. Anything else is a
+bug: one line too (internal_error), with its traceback only when debugging (--debug or EDGEFED_DEBUG=1)."""
+
+import os
+import traceback
 
 EXIT_BAD_INPUT = 2
+EXIT_INTERNAL = 1  # an exception edgefed did not expect: a bug to report
 EXIT_INTERRUPTED = 130  # as a shell reports a process ended by Ctrl-C
 EXIT_RANK_LOST = 3  # the coordinator ended the world because a rank stopped answering (edgefed launch goes on)
 
@@ -51,3 +56,23 @@ class SecAggError(EdgefedError):
 class Unrecoverable(SecAggError):
     """Too few devices survived a round for secure aggregation to remove the masks ([secagg] threshold): the
     round is aborted, nothing is applied."""
+
+
+DEBUG_ENV = "EDGEFED_DEBUG"  # set (to anything but "" or "0") by --debug, inherited by mpiexec's ranks and sweeps'
+
+
+def debugging() -> bool:
+    """Whether an unexpected exception shows its traceback (--debug, or EDGEFED_DEBUG=1 in the environment)."""
+    return os.environ.get(DEBUG_ENV, "") not in ("", "0")
+
+
+def internal_error(exc: BaseException, command: str = "") -> str:
+    """What a user sees of an exception edgefed did not expect: one line naming it and the command, and how to
+    get the traceback to report; under debugging, the traceback follows."""
+    text = str(exc).strip().splitlines()
+    what = f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
+    where = f" in `{command}`" if command else ""
+    if debugging():
+        return f"internal error{where}: {what}\n" + "".join(traceback.format_exception(exc)).rstrip()
+    return (f"internal error{where}: {what}; this is a bug in edgefed, not in your input: run the command again with "
+            f"--debug (or {DEBUG_ENV}=1) and report it with the traceback")

@@ -19,12 +19,13 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from edgefed.errors import ConfigError
+from edgefed.errors import ConfigError, ResourceError
 from edgefed.kernels import program as ops
 from edgefed.kernels.conv import AVG, MAX, MAX_RELU
 from edgefed.kernels.dense import BLOCK_BYTES, FUSED_WEIGHTS
 from edgefed.kernels.fma import TILE_BYTES
 from edgefed.kernels.pointwise import LEAKY_RELU, RELU, SIGMOID, TANH
+from edgefed.memory import size_text
 
 LOSSES = ("cross_entropy", "mse")
 INITS = ("pytorch", "glorot", "zeros")
@@ -179,6 +180,22 @@ class Network:
     tr_per_sample: int
     fused_out: int  # the widest dense layer that steps its weights in its backward pass
     output_shapes: tuple = field(default_factory=tuple)  # each layer's output shape (PyTorch's)
+    itemsize: int = 4  # of the model dtype
+
+    def workspace_bytes(self, rows: int) -> int:
+        """What one model of this network holds (models.Sequential's buffers): the gradient, activations and
+        their deltas for minibatches of `rows` samples (and evaluation chunks), the scratch, and the
+        program's permutations."""
+        item = self.itemsize
+        acts = max(rows, EVAL_CHUNK + 1) * (self.per_sample * item + self.aux_per_sample * 4)
+        deltas = rows * (self.per_sample + self.tr_per_sample) * item
+        scratch = self.cols + self.wt + self.narrow + self.gblock + self.pads
+        return self.dim * item + acts + deltas + scratch * item + 8 * self.perms.size
+
+    @property
+    def gblock(self) -> int:
+        """Values of the gradient block a fused dense layer steps at a time (at least one row of its weights)."""
+        return max(BLOCK_BYTES // self.itemsize, self.fused_out)
 
     def signature(self) -> str:
         """The layer list and input as one line: what a board profile's speed entry is keyed by."""
@@ -193,11 +210,15 @@ def _text(value) -> str:
     return "x".join(map(str, value)) if isinstance(value, (list, tuple)) else str(value)
 
 
+EVAL_CHUNK = 64  # the samples a model evaluates at a time (its activations hold one more row, of scratch)
+
+
 class _Walk:
     """The state of one walk over a layer list: the current tensor and the program so far."""
 
-    def __init__(self, input_shape: tuple, itemsize: int):
+    def __init__(self, input_shape: tuple, itemsize: int, memory=None):
         self.shape, self.order, self.itemsize = input_shape, None, itemsize
+        self.memory, self.where = memory, "config: model.layers"  # (bytes, what sets them) or None; the layer
         self.region = 0  # where the current tensor starts in a sample's activations
         self.next_region = 0
         self.ops, self.slopes, self.perms = [], [], []
@@ -208,7 +229,22 @@ class _Walk:
         self.cols = self.wt = self.narrow = self.pads = self.tr = self.fused_out = 0
         self.op(ops.INPUT, int(np.prod(input_shape)))  # the samples gathered into the first activations
 
+    def check_memory(self, out_size: int = 0) -> None:
+        """Refuse the layer being planned when what the model holds so far, at the least (its parameters and
+        their gradient, one sample's activations, the scratch, and the layout of a new output of out_size
+        values), exceeds the memory: before anything of that size is allocated, the planning included."""
+        if self.memory is None:
+            return
+        values = 2 * self.dim + self.next_region + out_size + self.aux + self.cols + self.pads + self.wt
+        need = values * self.itemsize + 8 * (self.n_perm + out_size)
+        if need > self.memory[0]:
+            raise ResourceError(
+                f"{self.where} makes the model need at least {size_text(need)} of memory ({self.dim:,} parameters, "
+                f"{self.next_region + out_size:,} values per sample), more than {self.memory[1]}, "
+                f"{size_text(self.memory[0])}; make the layer smaller (out, kernel, padding)")
+
     def op(self, kind: int, out_size: int, **fields) -> np.ndarray:
+        self.check_memory(out_size)
         row = np.zeros(ops.WIDTH, np.int64)
         row[ops.F_TYPE] = kind
         row[ops.F_IN], row[ops.F_NIN] = self.region, int(np.prod(self.shape))
@@ -227,6 +263,7 @@ class _Walk:
             self.tensors.append(Tensor(layer, name, self.dim, shape, torch_shape, fans, kind, order))
             self.dim += int(np.prod(shape))
         row[ops.F_NPARAM] = self.dim - row[ops.F_PARAM]
+        self.check_memory()
 
     def permute(self, order_out: np.ndarray | None) -> None:
         """A permutation op from the current internal order to order_out (same values, same shape)."""
@@ -478,16 +515,20 @@ TYPES = {
                            _plan_groupnorm),
 }
 def build(layers, sample_shape: tuple, out_width: int, dtype, outputs_what: str = "classes",
-          name: str = "model.layers") -> Network:
+          name: str = "model.layers", memory: tuple[int, str] | None = None, rows: int = 1) -> Network:
     """Plan a checked layer list (check_layers) for samples of sample_shape; the last width must be out_width
-    (the classes, or the targets' width). Errors name the layer (name[index]) and the fix."""
+    (the classes, or the targets' width). Errors name the layer (name[index]) and the fix. memory: (bytes,
+    what sets them) a model of it may take, for minibatches of `rows` samples: a list that needs more is
+    refused (ResourceError) at the layer that makes it, before anything of its size is allocated."""
     itemsize = np.dtype(dtype).itemsize
     shape = input_shape_for(tuple(int(s) for s in sample_shape), layers)
-    walk = _Walk(shape, itemsize)
+    walk = _Walk(shape, itemsize, memory)
     shapes = []
     for i, layer in enumerate(layers):
         kind = layer["type"]
-        TYPES[kind].plan(walk, layer, i, f"config: {name}[{i}] ({kind})")
+        walk.where = f"config: {name}[{i}] ({kind})"
+        TYPES[kind].plan(walk, layer, i, walk.where)
+        walk.check_memory()
         shapes.append(walk.shape)
     if len(walk.shape) != 1:
         raise ConfigError(f"config: {name} ends with {_show(walk.shape)} maps; end with "
@@ -508,10 +549,17 @@ def build(layers, sample_shape: tuple, out_width: int, dtype, outputs_what: str 
             row[ops.F_WT] = conv_wt
             conv_wt += row[ops.F_KH] * row[ops.F_KW] * row[ops.F_C] * row[ops.F_CO]
     walk.wt = max(walk.wt, conv_wt)
-    return Network(tuple(layers), shape, out_width, prog, np.asarray(walk.slopes, np.float64),
-                   np.concatenate(walk.perms) if walk.perms else np.zeros(0, np.int64), walk.dim, tuple(walk.tensors),
-                   walk.next_region, walk.aux, walk.cols, walk.wt, walk.narrow, walk.pads, walk.tr, walk.fused_out,
-                   tuple(shapes))
+    network = Network(tuple(layers), shape, out_width, prog, np.asarray(walk.slopes, np.float64),
+                      np.concatenate(walk.perms) if walk.perms else np.zeros(0, np.int64), walk.dim,
+                      tuple(walk.tensors), walk.next_region, walk.aux, walk.cols, walk.wt, walk.narrow, walk.pads,
+                      walk.tr, walk.fused_out, tuple(shapes), itemsize)
+    need = network.workspace_bytes(rows) + network.dim * (8 + itemsize)  # and x_0, drawn in float64
+    if memory is not None and need > memory[0]:
+        raise ResourceError(f"config: {name}: a model of these layers needs about {size_text(need)} of memory "
+                            f"({network.dim:,} parameters, {network.per_sample:,} values per sample, minibatches of "
+                            f"{rows}), more than {memory[1]}, {size_text(memory[0])}; make the layers smaller, or "
+                            "the minibatches (train.batch_size)")
+    return network
 
 
 def _fusable(walk: _Walk) -> bool:
@@ -532,11 +580,6 @@ def _mark_input_gradients(prog: np.ndarray) -> None:
     for row in prog[1:]:
         row[ops.F_GRAD_IN] = int(seen)
         seen = seen or row[ops.F_NPARAM] > 0
-
-
-def gblock_size(dtype, network: "Network") -> int:
-    """Values of the gradient block a fused dense layer steps at a time (at least one row of its weights)."""
-    return max(BLOCK_BYTES // np.dtype(dtype).itemsize, network.fused_out)
 
 
 # ---------------------------------------------------------------------------------------- initialisation

@@ -62,7 +62,7 @@ class Sequential:
     or targets float (n, width) in the model dtype (mse).
     """
 
-    EVAL_CHUNK = 64
+    EVAL_CHUNK = layer_lib.EVAL_CHUNK
 
     def __init__(self, network: layer_lib.Network, dtype, seed: int, init: str = "pytorch",
                  loss: str = "cross_entropy", kind: str = "sequential"):
@@ -76,7 +76,7 @@ class Sequential:
         self._acts = GrowingRows(((network.per_sample,), dt), ((network.aux_per_sample,), np.int32))
         self._deltas = GrowingRows(((network.per_sample,), dt), ((network.tr_per_sample,), dt))
         self._scratch = tuple(np.zeros(n, dt) for n in (network.cols, network.wt, network.narrow,
-                                                        layer_lib.gblock_size(dt, network), network.pads))
+                                                        network.gblock, network.pads))
         self._no_labels = np.zeros(0, np.int64)
         self._no_targets = np.zeros((0, 0), dt)
         self._no_terms = step_terms(dt)
@@ -84,10 +84,13 @@ class Sequential:
         self._no_deltas = (np.zeros((0, network.per_sample), dt), np.zeros((0, network.tr_per_sample), dt))
 
     @classmethod
-    def builtin(cls, kind: str, sample_shape: tuple, n_classes: int, dtype, seed: int = 0, hidden=(200, 200)):
-        """A built-in model ("logreg", "mlp" with these hidden widths, "cnn") for samples of this shape."""
+    def builtin(cls, kind: str, sample_shape: tuple, n_classes: int, dtype, seed: int = 0, hidden=(200, 200),
+                memory=None, rows: int = 1):
+        """A built-in model ("logreg", "mlp" with these hidden widths, "cnn") for samples of this shape (memory,
+        rows: as layers.build takes them)."""
         layers = layer_lib.builtin_layers(kind, tuple(sample_shape), n_classes, hidden)
-        network = layer_lib.build(layers, tuple(sample_shape), n_classes, dtype, name=f'model.kind = "{kind}", layers')
+        network = layer_lib.build(layers, tuple(sample_shape), n_classes, dtype, name=f'model.kind = "{kind}", layers',
+                                  memory=memory, rows=rows)
         return cls(network, dtype, seed, "zeros" if kind == "logreg" else "glorot", "cross_entropy", kind)
 
     @property
@@ -97,6 +100,10 @@ class Sequential:
     @property
     def has_accuracy(self) -> bool:
         return self._loss_kind == net.CROSS_ENTROPY
+
+    def memory_bytes(self, rows: int) -> int:
+        """What a model of this network holds for minibatches of `rows` samples (a clone: one more lane)."""
+        return self.network.workspace_bytes(rows)
 
     def profile_key(self) -> str:
         """What a board profile's speed entry names this model by: a built-in's name, else its layer list."""
@@ -232,6 +239,9 @@ class Quadratic:
     def initial_params(self) -> np.ndarray:
         return self._x0.astype(self.dtype)
 
+    def memory_bytes(self, rows: int) -> int:
+        return 0  # its oracle works in place, on the problem's arrays
+
     def clone(self) -> "Quadratic":
         return Quadratic(self.dim, self._x0, self.dtype)
 
@@ -258,9 +268,10 @@ class Quadratic:
         return self.loss_grad(params, data, np.empty_like(params))
 
 
-def build_model(model, problem, seed: int = 0):
+def build_model(model, problem, seed: int = 0, memory: tuple[int, str] | None = None, rows: int = 1):
     """The model a validated [model] table names (kind, layers, loss, init, dtype), sized by the problem.
-    A bad layer list is a ConfigError naming the layer."""
+    A bad layer list is a ConfigError naming the layer; one that would not fit in memory (bytes, what sets
+    them) for minibatches of `rows` samples a ResourceError, before its buffers are allocated."""
     dtype = np.dtype(model.dtype)
     if model.kind == "quadratic":
         return Quadratic(problem.dim, problem.x0, dtype)
@@ -270,9 +281,11 @@ def build_model(model, problem, seed: int = 0):
         return TorchModel(model.module, model.factory, problem.sample_shape, problem.n_outputs, dtype, seed, model.loss)
     if model.kind == "sequential":
         network = layer_lib.build(model.layers, problem.sample_shape, problem.n_outputs, dtype,
-                                  "classes" if model.loss == "cross_entropy" else "target values")
+                                  "classes" if model.loss == "cross_entropy" else "target values", memory=memory,
+                                  rows=rows)
         return Sequential(network, dtype, seed, model.init or "pytorch", model.loss, "sequential")
-    built = Sequential.builtin(model.kind, problem.sample_shape, problem.n_outputs, dtype, seed, model.hidden)
+    built = Sequential.builtin(model.kind, problem.sample_shape, problem.n_outputs, dtype, seed, model.hidden, memory,
+                               rows)
     if model.init is not None:
         built.init = model.init
     return built

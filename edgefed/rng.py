@@ -34,6 +34,8 @@ class Purpose(IntEnum):
     PRIVACY = 18  # differential privacy's Gaussian noise: the server's (no device) or a device's share
     PRIVACY_QUANTILE = 19  # adaptive clipping: the noise on the count of unclipped updates of a round
     EVALUATION_SAMPLE = 20  # [log] eval_devices: the fixed sample of devices the metrics are taken on
+    DIRICHLET_REDRAW = 21  # data.partition = "dirichlet"'s redraw a (round = a >= 1) of label c's shares
+    # (device = c), when a device got fewer than data.min_partition_size (the first draw is DATA_DEVICE's)
 
 
 def seed_sequence(seed: int, purpose: Purpose, round_idx: int = 0, device_id: int | None = None):

@@ -41,6 +41,7 @@ except ImportError:  # pragma: no cover - Windows
 from edgefed import __version__
 from edgefed.algorithms.base import DeviceRows, nonzero_rows
 from edgefed.errors import ResourceError, RunLogError
+from edgefed.memory import size_text  # noqa: F401 - re-exported for readers of logs
 
 FORMAT = "edgefed-run"
 FORMAT_VERSION = 1
@@ -207,12 +208,15 @@ def _root_attrs(config_toml: str, status: str) -> dict:
 
 
 def discard_stub(path: Path) -> None:
-    """Remove the log at path if it is still a stub (no round, nothing to lose): bad input found after the stub
-    was written leaves nothing behind."""
+    """Remove the log at path if no round of it was written (the stub, or the log created over it before round
+    0 was): nothing to lose, so a failure in a run's start-up leaves nothing behind."""
     try:
         with h5py.File(path, "r") as f:
-            stub = "state" not in f and f.attrs.get("status") == "starting"
-    except (OSError, KeyError):
+            if "state" in f:
+                stub = f.attrs.get("status") == "running" and int(f["state/round"][0]) < 0
+            else:
+                stub = f.attrs.get("status") == "starting"
+    except (OSError, KeyError, ValueError, TypeError):
         return
     if stub:
         Path(path).unlink(missing_ok=True)
@@ -640,15 +644,6 @@ def _swmr_access():
     return fapl
 
 
-def size_text(n: float) -> str:
-    """12 B, 3.4 KB, 5.6 MB, 7.8 GB."""
-    for unit in ("B", "KB", "MB"):
-        if n < 1024:
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} GB"
-
-
 def _is_hdf5(path: Path) -> bool:
     with open(path, "rb") as f:
         return f.read(8) == b"\x89HDF\r\n\x1a\n"
@@ -665,6 +660,16 @@ def _lacks(path, exc: KeyError, what: str) -> RunLogError:
     if "checksum" in str(exc):
         return _damaged(path, exc)
     return RunLogError(f"{path} lacks {exc.args[0]}; it is not {what}")
+
+
+def _require_datasets(f: h5py.File, path, names) -> None:
+    """A log whose expected dataset is missing, or a group in its place, is refused in one line (what a resume
+    reads must all be there: failing half-way would leave the run neither resumed nor as it was)."""
+    for name in names:
+        found = f.get(name)
+        if not isinstance(found, h5py.Dataset):
+            what = "lacks" if found is None else "has a group, not a dataset, at"
+            raise RunLogError(f"{path} {what} {name}; it is not a resumable edgefed log (or it is damaged)")
 
 
 @contextlib.contextmanager
@@ -799,11 +804,11 @@ def read_resume_point(path: str | Path) -> ResumePoint:
         config_toml, restarts = str(f.attrs.get("config", "")), _read_restarts(f)
         if "state" not in f and f.attrs.get("status") == "starting":  # a stub: killed before its first round
             return ResumePoint(config_toml, 0, {}, {}, False, attrs=dict(f.attrs), restarts=restarts, fresh=True)
-        try:
-            done = int(f["state/round"][0])
-            stored = f["trajectory/round"][()]
-        except KeyError as exc:
-            raise _lacks(path, exc, "a resumable edgefed log") from None
+        _require_datasets(f, path, [c.path for c in columns(1, 1, np.float32)] + [
+            "state/round", "state/undo/round", "state/undo/count", "state/undo/ids",
+            *(f"state/{name}" for name in str(f["state"].attrs.get("slots", "x")).split(","))])
+        done = int(f["state/round"][0])
+        stored = f["trajectory/round"][()]
         if done < 0:  # created, killed before round 0 was written: start from the beginning
             return ResumePoint(config_toml, 0, {}, {}, False, attrs=dict(f.attrs), restarts=restarts, fresh=True)
         n_stored = int(np.searchsorted(stored, done, side="right"))

@@ -211,6 +211,11 @@ class TorchModel:
     def initial_params(self) -> np.ndarray:
         return self._init.copy()
 
+    def memory_bytes(self, rows: int) -> int:
+        """A clone's module and flat vectors (its parameters, their gradient, two flat copies); what its
+        forward passes hold is torch's, and not counted."""
+        return 4 * self.dim * self.dtype.itemsize
+
     def clone(self) -> "TorchModel":
         """Its own module (and workspaces), for a second thread: evaluation while a late worker computes."""
         return TorchModel(self.path, self.factory, self.sample_shape, self.n_outputs, self.dtype, self.seed, self.loss)

@@ -15,7 +15,8 @@ import pytest
 from conftest import config_with
 from edgefed.config import load_config
 from edgefed.errors import ConfigError, EdgefedError
-from edgefed.problems.partition import partition
+from edgefed.problems.partition import DIRICHLET_DRAWS, partition
+from edgefed.rng import Purpose, generator
 from helpers import problem_of
 
 
@@ -48,7 +49,7 @@ def test_arrays_devices_hold_their_partition_and_every_test_sample_once(tmp_path
     path, arrays = arrays_file(tmp_path, name)
     problem = problem_of(cfg_for(path, clients=4))
     assert problem.sample_shape == (2, 4, 4) and problem.n_classes == 3 and problem.n_devices == 4
-    parts = partition("iid", arrays["y_train"], 4, 0, 3)
+    parts = partition("iid", arrays["y_train"], 4, 0, 3).parts
     tests = []
     for k in range(4):
         d = problem.device(k)
@@ -93,14 +94,85 @@ def test_dirichlet_partition_skews_labels_as_alpha_says():
     labels = np.repeat(np.arange(10), 300)
     skew = []
     for alpha in (100.0, 0.2):
-        parts = partition("dirichlet", labels, 10, 3, 10, alpha)
+        parts = partition("dirichlet", labels, 10, 3, 10, alpha).parts
         assert sorted(np.concatenate(parts)) == list(range(3000))  # every sample once
         counts = np.stack([np.bincount(labels[p], minlength=10) for p in parts])
         shares = counts / counts.sum(axis=1, keepdims=True)
         skew.append(0.5 * np.abs(shares - 0.1).sum(axis=1).mean())
     assert skew[0] < 0.15 < 0.5 < skew[1]
-    again = partition("dirichlet", labels, 10, 3, 10, 0.2)
-    assert all(np.array_equal(a, b) for a, b in zip(again, partition("dirichlet", labels, 10, 3, 10, 0.2)))
+    again = partition("dirichlet", labels, 10, 3, 10, 0.2).parts
+    assert all(np.array_equal(a, b) for a, b in zip(again, partition("dirichlet", labels, 10, 3, 10, 0.2).parts))
+
+
+def dirichlet_first_draw(labels, n_devices, seed, n_classes, alpha):
+    """The dirichlet partition as it was before data.min_partition_size (one draw, no redraw), frozen here."""
+    g = generator(seed, Purpose.DATA_DEVICE, round_idx=1)
+    parts = [[] for _ in range(n_devices)]
+    for c in range(n_classes):
+        pool = g.permutation(np.flatnonzero(labels == c))
+        share = generator(seed, Purpose.DATA_DEVICE, 3, c).dirichlet(np.full(n_devices, alpha))
+        cuts = np.round(np.cumsum(share)[:-1] * pool.size).astype(np.int64)
+        for k, part in enumerate(np.split(pool, cuts)):
+            parts[k].append(part)
+    return [np.sort(np.concatenate(p)).astype(np.int64) for p in parts]
+
+
+@pytest.mark.parametrize("alpha,seed,min_size", [(0.5, 0, 10), (0.2, 3, 10), (100.0, 1, 10), (0.05, 7, 2)])
+def test_a_dirichlet_first_draw_that_fits_is_the_partition_it_always_was(alpha, seed, min_size):
+    """(0.05, 7): a device of 6 samples, kept with min_partition_size = 2 as it always was."""
+    labels = np.random.default_rng(5).integers(0, 10, 3000)
+    got = partition("dirichlet", labels, 12, seed, 10, alpha, min_size=min_size)
+    assert got.draws == 1
+    before = dirichlet_first_draw(labels, 12, seed, 10, alpha)
+    assert len(got.parts) == 12 and all(np.array_equal(a, b) for a, b in zip(got.parts, before))
+
+
+def test_dirichlet_draws_again_until_every_device_holds_min_partition_size():
+    labels = np.repeat(np.arange(10), 200)
+    first = dirichlet_first_draw(labels, 20, 0, 10, 0.1)
+    assert min(p.size for p in first) < 10  # the draw earlier versions took (or refused) is too small
+    got = partition("dirichlet", labels, 20, 0, 10, 0.1, min_size=10)
+    assert got.draws > 1 and min(p.size for p in got.parts) >= 10
+    assert sorted(np.concatenate(got.parts)) == list(range(2000))  # every sample once
+    again = partition("dirichlet", labels, 20, 0, 10, 0.1, min_size=10)  # a function of the seed
+    assert again.draws == got.draws and all(np.array_equal(a, b) for a, b in zip(got.parts, again.parts))
+    other = partition("dirichlet", labels, 20, 1, 10, 0.1, min_size=10)
+    assert min(p.size for p in other.parts) >= 10
+    assert not all(np.array_equal(a, b) for a, b in zip(got.parts, other.parts))
+
+
+def test_a_dirichlet_partition_no_draw_fits_is_refused_in_one_line():
+    labels = np.repeat(np.arange(4), 10)  # 40 samples cannot give 8 devices 10 each
+    with pytest.raises(ConfigError) as err:
+        partition("dirichlet", labels, 8, 0, 4, 0.5, min_size=10)
+    best = int(re.search(r"left a device with (\d+) samples at best", str(err.value))[1])
+    assert str(err.value) == (
+        f'config: data.partition = "dirichlet" with dirichlet_alpha = 0.5 over 8 devices left a device with {best} '
+        f"samples at best in {DIRICHLET_DRAWS} draws, below data.min_partition_size = 10; raise dirichlet_alpha, use "
+        "fewer devices (data.clients), or lower min_partition_size")
+    assert 2 < best < 10  # the best draw's smallest device, better than the first draw's (2)
+    assert min(p.size for p in dirichlet_first_draw(labels, 8, 0, 4, 0.5)) == 2
+    assert min(p.size for p in partition("dirichlet", labels, 8, 0, 4, 0.5, min_size=best).parts) == best
+
+
+def test_the_log_records_the_dirichlet_partitions_draws(tmp_path, run_experiment):
+    path, _ = arrays_file(tmp_path)  # 60 samples of 3 labels: seed 0's first draws leave a device under 10
+    overrides = {"data.kind": "arrays", "data.path": str(path), "data.clients": 4, "data.partition": "dirichlet",
+                 "model.kind": "logreg", "train.clients_per_round": 2, "rounds": 2, "train.local_steps": 2}
+    problem = problem_of(config_with(overrides))
+    assert problem.partition_draws > 1 and problem.n_train.min() >= 10
+    log = run_experiment(overrides, name="r.h5")
+    assert log["attrs"]["partition_draws"] == problem.partition_draws
+    assert f"(dirichlet(0.5), {problem.partition_draws} draws for min_partition_size 10)" in log["attrs"]["problem"]
+    assert log["devices/n_train"].tolist() == problem.n_train.tolist()
+    assert problem_of(cfg_for(path, clients=4)).partition_draws is None  # the other partitions draw once
+
+
+@pytest.mark.parametrize("value", [0, -1, 1.5, "x"])
+def test_a_bad_min_partition_size_is_one_line(value):
+    with pytest.raises(ConfigError) as err:
+        config_with({"data.min_partition_size": value})
+    assert "data.min_partition_size" in str(err.value) and "\n" not in str(err.value)
 
 
 def test_normalize_standard_per_channel_and_unit(tmp_path):

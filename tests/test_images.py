@@ -71,13 +71,13 @@ def test_idx_errors_name_the_file(tmp_path):
 @pytest.mark.parametrize("kind", ["iid", "label", "shards", "dirichlet"])
 def test_partitions_cover_disjointly_and_are_seeded(kind):
     labels = np.random.default_rng(1).integers(0, 10, 5000)
-    parts = partition(kind, labels, 20, seed=3, n_classes=10, alpha=0.3)
+    parts = partition(kind, labels, 20, seed=3, n_classes=10, alpha=0.3).parts
     flat = np.concatenate(parts)
     assert np.unique(flat).size == flat.size  # disjoint
     assert all(np.all(np.diff(p) > 0) for p in parts)
-    again = partition(kind, labels, 20, seed=3, n_classes=10, alpha=0.3)
+    again = partition(kind, labels, 20, seed=3, n_classes=10, alpha=0.3).parts
     assert all(np.array_equal(a, b) for a, b in zip(parts, again))
-    assert not all(np.array_equal(a, b) for a, b in zip(parts, partition(kind, labels, 20, 4, 10, 0.3)))
+    assert not all(np.array_equal(a, b) for a, b in zip(parts, partition(kind, labels, 20, 4, 10, 0.3).parts))
     distinct = [np.unique(labels[p]).size for p in parts]
     if kind == "iid":
         assert flat.size == 5000 and {p.size for p in parts} == {250} and min(distinct) == 10

@@ -205,9 +205,10 @@ def test_a_device_rank_counts_only_the_vectors_its_devices_can_touch(monkeypatch
                        "compress.uplink": "int8", "compress.error_feedback": True, "data.cache_mb": 1e-6})
     problem, model = runs.problem_and_model(cfg)
     rows = 150 * model.dim * 4  # float32
-    runtime = runs.psutil.Process().memory_info().rss + runs.KERNEL_BYTES + 1000 * runs.PER_DEVICE_BYTES
+    lanes = runs.model_bytes(cfg, build_algorithm(cfg), problem, model, 1)
+    runtime = runs.psutil.Process().memory_info().rss + runs.KERNEL_BYTES + 1000 * runs.PER_DEVICE_BYTES + lanes
     monkeypatch.setattr(runs, "memory_limit", lambda: (runtime + rows + 2 ** 20, "the memory available"))
-    runs.check_rank_memory(cfg, build_algorithm(cfg), problem, model, np.arange(0, 1000, 2))  # fits
+    runs.check_rank_memory(cfg, build_algorithm(cfg), problem, model, np.arange(0, 1000, 2), 1)  # fits
     monkeypatch.setattr(runs, "memory_limit", lambda: (runtime + rows - 2 ** 20, "the memory available"))
     with pytest.raises(ResourceError, match="its devices' vectors"):
-        runs.check_rank_memory(cfg, build_algorithm(cfg), problem, model, np.arange(0, 1000, 2))
+        runs.check_rank_memory(cfg, build_algorithm(cfg), problem, model, np.arange(0, 1000, 2), 1)

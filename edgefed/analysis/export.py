@@ -15,6 +15,7 @@ from edgefed import layers as layer_lib
 from edgefed.analysis.logs import Run
 from edgefed.errors import EdgefedError, RunLogError
 
+CSV_FILES = ("metrics.csv", "participation.csv")  # what --csv writes into its folder
 PER_ROUND = ("lr", "n_applied", "round_elapsed_s")  # round rows only (no round 0)
 PER_EVAL = ("train_loss", "test_loss", "test_accuracy", "clock_s")  # round 0 too
 PER_DEVICE = ("selected", "active", "budget", "steps", "coeff", "late", "nonfinite", "elapsed_s", "cpu_percent",
@@ -39,7 +40,7 @@ def export_csv(run: Run, folder: Path) -> list[Path]:
     metrics = [name for name in PER_EVAL if f"metrics/{name}" in run.data]
     per_round = [name for name in PER_ROUND if f"metrics/{name}" in run.data]
     device_cols = [name for name in PER_DEVICE if f"participation/{name}" in run.data]
-    paths = [folder / "metrics.csv", folder / "participation.csv"]
+    paths = [folder / name for name in CSV_FILES]
     with open(paths[0], "w", newline="", encoding="utf-8") as f:
         w = csv.writer(f)
         w.writerow(["round", *metrics, *per_round])

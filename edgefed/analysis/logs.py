@@ -38,7 +38,10 @@ class Run:
         return cls(Path(path), data, str(data["attrs"].get("config", "")))
 
     def __getitem__(self, name: str) -> np.ndarray:
-        return self.data[name]
+        try:
+            return self.data[name]
+        except KeyError:  # (a group where the dataset belongs is not listed either)
+            raise RunLogError(f"{self.path} lacks {name}; it is not an edgefed run log, or it is damaged") from None
 
     @property
     def attrs(self) -> dict:

@@ -25,6 +25,7 @@ import numpy as np
 from edgefed import __version__
 from edgefed.analysis.logs import Run
 from edgefed.errors import EdgefedError
+from edgefed.outputs import check_folder, check_output
 
 STYLES = ["-", "--", ":", "-."]
 MARKERS = ["o", "s", "^", "D", "v", "P", "X", "*"]
@@ -62,6 +63,11 @@ class Sweep:
     @property
     def name(self) -> str:
         return self.folder.resolve().name
+
+    def files(self) -> list[Path]:
+        """What the report reads of the folder: its tables and its runs' logs."""
+        tables = [self.folder / name for name in ("summary.csv", "cells.csv")]
+        return tables + [run.path for runs in self.cells.values() for run in runs]
 
     def dimensions(self) -> list[tuple[str, ...]]:
         """The axes, with keys that moved together (a linked axis, "data.alpha,data.beta") as one."""
@@ -569,17 +575,26 @@ def html_page(sweeps: list[Sweep], runs: list[Run]) -> str:
     return "\n".join(parts)
 
 
-def write_report(targets, out: Path, fmt: str = "html") -> list[Path]:
+def write_report(targets, out: Path, fmt: str = "html", force: bool = False) -> list[Path]:
     """The report of these run logs and sweep folders: one HTML page, or (fmt "png") a PNG per figure in
-    the folder `out`. Returns what was written."""
+    the folder `out`; existing files replaced only with force, never a file the report reads. Returns what
+    was written."""
     sweeps, runs = load_targets(targets)
-    _plt()
+    reads = [("a run log", r.path) for r in runs] + [
+        ("a file of the sweep", path) for s in sweeps for path in s.files()]
     out = Path(out)
+    if fmt == "html":
+        check_output(out, force=force, inputs=reads, example="report.html")
+    else:
+        check_folder(out, (), force=force, inputs=reads, flag="--out")
+    _plt()
     try:
         if fmt == "png":
+            drawn = figures(sweeps, runs)
+            check_folder(out, [f"{stem}.png" for _, stem, _ in drawn], force=force, inputs=reads, flag="--out")
             out.mkdir(parents=True, exist_ok=True)
             written = []
-            for _, stem, png in figures(sweeps, runs):
+            for _, stem, png in drawn:
                 path = out / f"{stem}.png"
                 path.write_bytes(png)
                 written.append(path)

@@ -6,7 +6,7 @@ effective config as TOML (stored in every run log) and the comparison `--resume`
 """
 
 from edgefed.config.reading import (FILE_KEYS, absolute_path, absolute_paths, apply_override, config_from_dict,
-                                    load_config, parse_toml, read_toml, set_key)
+                                    files_read, load_config, parse_toml, read_toml, set_key)
 from edgefed.config.schema import (ArrivalConfig, Config, DataConfig, DepartureConfig, DeviceConfig, DynamicsConfig,
                                    FaultConfig, FedProxConfig, LogConfig, ModelConfig, MpiConfig, ParticipationConfig,
                                    ScaffoldConfig, TrainConfig)
@@ -16,6 +16,6 @@ from edgefed.config.writing import dict_differences, same_experiment, to_dict, t
 
 __all__ = ["FILE_KEYS", "absolute_path", "absolute_paths", "ArrivalConfig", "Config", "DataConfig", "DepartureConfig", "DeviceConfig", "DynamicsConfig", "FaultConfig", "FedProxConfig",
            "LogConfig", "ModelConfig", "MpiConfig", "ParticipationConfig", "ScaffoldConfig", "TrainConfig",
-           "apply_override", "check_clients_per_round", "config_from_dict", "load_config", "parse_toml", "read_toml",
+           "apply_override", "check_clients_per_round", "config_from_dict", "files_read", "load_config", "parse_toml", "read_toml",
            "dict_differences", "rank_timeout", "same_experiment", "set_key", "to_dict", "to_toml", "validate", "with_clients",
            "with_placement"]

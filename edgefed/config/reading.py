@@ -29,6 +29,16 @@ def load_config(path: str | Path | None = None, overrides: typing.Sequence[str] 
 FILE_KEYS = ("model.module",)  # files a config names relative to itself
 
 
+def files_read(cfg) -> list[tuple[str, str]]:
+    """(what, path) of every file a run of this config reads, so that no output of the run is written over
+    one of them (outputs.check_output)."""
+    named = [("data.path", cfg.data.path), ("model.module", cfg.model.module), ("device.profile", cfg.device.profile),
+             *(("device.boards", board) for board in cfg.device.boards)]
+    trace = cfg.participation.trace
+    named += [("participation.trace", trace)] if isinstance(trace, str) else []
+    return [(f"the {key} file", value) for key, value in named if isinstance(value, str) and Path(value).is_file()]
+
+
 def absolute_path(value, base: Path):
     """A relative file path made absolute against base (anything else as it is)."""
     return str((base / value).resolve()) if isinstance(value, str) and not Path(value).is_absolute() else value

@@ -31,6 +31,7 @@ class DataConfig:
     partition: str | None = None  # "iid", "label", "shards", "dirichlet", "natural" (a file's own devices);
     # None: "natural" for LEAF, else "iid"
     dirichlet_alpha: float = 0.5
+    min_partition_size: int = 10  # dirichlet: drawn again while a device holds fewer samples (Flower's default)
     holdout: int = 2000  # images held out for testing when data.path holds only the test files
     normalize: str | None = None  # arrays, LEAF, CIFAR: "none", "standard" (per channel or feature, from the
     # training set) or "unit" (/255); None: "unit" for CIFAR, else "none"

@@ -401,6 +401,7 @@ def _validate_data(d: DataConfig) -> DataConfig:
     _choice(d.kind, DATA_KINDS, "data.kind")
     if d.clients is not None:
         _positive(d.clients, "data.clients", "clients = 30")
+    _positive(d.min_partition_size, "data.min_partition_size", "min_partition_size = 10")
     if d.kind in FILE_KINDS:
         return _validate_file_data(d)
     if d.partition is None:

@@ -33,6 +33,7 @@ from edgefed import __version__, hwprofile
 from edgefed.errors import EXIT_BAD_INPUT, EdgefedError
 from edgefed.kernels import jit_compilations
 from edgefed.models import Quadratic, Sequential, warm_model
+from edgefed.outputs import check_output
 from edgefed.problems.data import ClassificationData, QuadraticData
 from edgefed.rng import Purpose, kernel_state
 from edgefed.runtime.mpi.comm import wait
@@ -321,8 +322,9 @@ def profile_hosts(comm, prepare, cold: bool, say):
     return list(zip(targets, [m for _, m in results if m is not None]))
 
 
-def profile_targets(out: str | None, hosts: list[str], force: bool) -> list[tuple[str, Path | None]]:
-    """(host, file) of every profile to write (None: print it), checked before anything is measured."""
+def profile_targets(out: str | None, hosts: list[str], force: bool, inputs=()) -> list[tuple[str, Path | None]]:
+    """(host, file) of every profile to write (None: print it), checked before anything is measured; inputs:
+    (what, path) of the files the command reads, never written over."""
     if not out:
         if len(hosts) > 1:
             raise EdgefedError(f"profiling {len(hosts)} hosts; give --out with {{host}} in it, "
@@ -332,8 +334,7 @@ def profile_targets(out: str | None, hosts: list[str], force: bool) -> list[tupl
         raise EdgefedError(f"profiling {len(hosts)} hosts; put {{host}} in --out, e.g. --out hw_profiles/{{host}}.toml")
     targets = [(h, Path(out.replace("{host}", h))) for h in hosts]
     for _, path in targets:
-        if path.exists() and not force:
-            raise EdgefedError(f"{path} already exists; pass --force to replace it or choose another --out")
+        check_output(path, force=force, inputs=inputs, example="board.toml")
         folder = next((p for p in (path.parent, *path.parent.parents) if p.exists()), Path.cwd())
         if not folder.is_dir() or not os.access(folder, os.W_OK):
             raise EdgefedError(f"cannot write profile {path}: {folder} is not a writable folder; choose another --out")

@@ -11,15 +11,14 @@ import json
 import os
 import pickle
 import socket
-import traceback
 from pathlib import Path
 
 import numpy as np
 
 from edgefed import config as config_mod
 from edgefed.algorithms import Algorithm, build_algorithm
-from edgefed.errors import (EXIT_BAD_INPUT, EXIT_INTERRUPTED, EXIT_RANK_LOST, ConfigError, EdgefedError, Interrupted,
-                            RankLost)
+from edgefed.errors import (EXIT_BAD_INPUT, EXIT_INTERNAL, EXIT_INTERRUPTED, EXIT_RANK_LOST, ConfigError, EdgefedError,
+                            Interrupted, RankLost, internal_error)
 from edgefed.orchestration import run as run_mod
 from edgefed.orchestration.timing import timing_for
 from edgefed.runlog import discard_stub
@@ -106,6 +105,8 @@ def run_coordinator(comm, resolve, force: bool, on_round, on_info, on_error, lau
         return EXIT_BAD_INPUT
     except BaseException as exc:  # a bug: the device ranks must not wait for a config that never comes
         _complete(send_setup(comm, {"error": f"{type(exc).__name__}: {exc}"}))
+        if setup is not None and point is None and isinstance(exc, Exception):  # (Ctrl-C leaves it to --resume)
+            discard_stub(path)
         raise
     sent = send_setup(comm, {"config": config_mod.to_toml(setup.cfg), "owners": owners})
     try:
@@ -146,7 +147,7 @@ def run_coordinator(comm, resolve, force: bool, on_round, on_info, on_error, lau
         hint = f" (the log {path} holds every completed round; --resume continues it)" if path.exists() else ""
         return abort_with(comm, f"{exc}{hint}", EXIT_BAD_INPUT)
     except BaseException as exc:  # noqa: BLE001 - any failure must take the world down, not hang it
-        return abort_with(comm, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}", 1)
+        return abort_with(comm, internal_error(exc), EXIT_INTERNAL)
     return result
 
 
@@ -173,18 +174,19 @@ def _build_devices(cfg, info, rank: int, machines):
         problem, model = run_mod.problem_and_model(cfg)
         own = np.flatnonzero(info["owners"] == rank)
         algorithm = build_algorithm(cfg)
-        run_mod.check_rank_memory(cfg, algorithm, problem, model, own)
         loads = cfg.participation.contention
         if cfg.device.contention:  # this board's own load, beside each of its devices
             load = cfg.device.contention[rank - 1]
             loads = (load,) if load > 0 else ()
-        transport = run_mod.local_transport(cfg, algorithm, problem, model, device_ids=own,
-                                            cores=lanes(cfg, rank, machines, bool(loads)), contention=loads)
+        cores = lanes(cfg, rank, machines, bool(loads))
+        run_mod.check_rank_memory(cfg, algorithm, problem, model, own, len(cores or (None,)))
+        transport = run_mod.local_transport(cfg, algorithm, problem, model, device_ids=own, cores=cores,
+                                            contention=loads)
         warm = transport.warmup()
     except EdgefedError as exc:
         failure = f"rank {rank}: {exc}"
     except BaseException as exc:  # noqa: BLE001 - reported through rank 0 rather than hanging the world
-        failure = f"rank {rank}: {type(exc).__name__}: {exc}"
+        failure = f"rank {rank}: {internal_error(exc)}"
     return failure, transport, problem, model, warm
 
 
@@ -212,7 +214,7 @@ def run_device_rank(comm) -> int:
         return EXIT_INTERRUPTED
     except BaseException as exc:  # noqa: BLE001
         transport.close()
-        message = str(exc) if isinstance(exc, EdgefedError) else f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"
-        return abort_with(comm, message, 1)
+        message = str(exc) if isinstance(exc, EdgefedError) else internal_error(exc)
+        return abort_with(comm, message, EXIT_BAD_INPUT if isinstance(exc, EdgefedError) else EXIT_INTERNAL)
     transport.close()
     return 0

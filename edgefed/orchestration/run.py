@@ -12,16 +12,12 @@ import math
 import os
 import shutil
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import psutil
-
-try:
-    import resource
-except ImportError:  # not on Windows: no address-space limit to read
-    resource = None
 
 from edgefed import compression
 from edgefed import config as config_mod
@@ -29,9 +25,11 @@ from edgefed.algorithms import Algorithm, build_algorithm
 from edgefed.config import Config
 from edgefed.engine.asynchronous import AsyncEngine
 from edgefed.engine.rounds import RoundEngine
-from edgefed.errors import ConfigError, EdgefedError, ResourceError, RunLogError
+from edgefed.errors import ConfigError, EdgefedError, RankLost, ResourceError, RunLogError
 from edgefed.layers import first_spatial
+from edgefed.memory import memory_limit
 from edgefed.models import build_model
+from edgefed.outputs import check_output
 from edgefed.orchestration.timing import link_speeds, timing_for
 from edgefed.participation.budgets import local_budgets
 from edgefed.participation.timing import Timing, overselected
@@ -109,10 +107,16 @@ def resolve_config(config_path: str | None, overrides, resume: str | None):
     return config_mod.with_placement(logged, cfg), point
 
 
-def problem_and_model(cfg: Config):
-    """The problem a config describes and the model that trains on it (every process builds them alike)."""
-    problem = build_problem(cfg.data, cfg.seed, cfg.model.dtype, cfg.model.loss, first_spatial(cfg.model))
-    model = build_model(cfg.model, problem, cfg.seed)
+def problem_and_model(cfg: Config, problems: dict | None = None):
+    """The problem a config describes and the model that trains on it (every process builds them alike);
+    problems: built problems by what they are built from, taken from and added to (a sweep's plan)."""
+    key = (cfg.data, cfg.seed, cfg.model.dtype, cfg.model.loss, first_spatial(cfg.model))
+    problem = None if problems is None else problems.get(key)
+    if problem is None:
+        problem = build_problem(*key)
+    if problems is not None:
+        problems[key] = problem
+    model = build_model(cfg.model, problem, cfg.seed, memory_limit(), minibatch_rows(cfg, problem))
     threads = cfg.mpi.threads_per_rank or 1
     if threads > 1 and getattr(model, "one_lane", False):
         raise ConfigError(f"config: mpi.threads_per_rank = {threads}, but model.module draws random numbers in "
@@ -215,41 +219,52 @@ RANK_DEVICE_BYTES = 100  # what a device rank keeps per device of the federation
 # record's per-device fields: about 70 B by their dtypes; not measured apart)
 
 
-def memory_limit() -> tuple[int, str]:
-    """(bytes this process may use, what sets it): the memory the machine has available, or the address-space
-    limit (ulimit -v, a batch system's) when that is lower."""
-    mine = psutil.Process().memory_info()
-    limit, what = psutil.virtual_memory().available + mine.rss, "the memory available"
-    soft = resource.getrlimit(resource.RLIMIT_AS)[0] if resource is not None else -1
-    if soft not in (-1, getattr(resource, "RLIM_INFINITY", -1)):
-        # the address space counts what the process has mapped already (libraries, reserved arenas)
-        room = max(soft - mine.vms, 0) + mine.rss
-        if room < limit:
-            limit, what = room, "the address-space limit"
-    return limit, what
-
-
 def check_memory(cfg: Config, n: int, data_bytes: int = 0, state_bytes: int = 0, state_what: str = "",
-                 device_bytes: int = PER_DEVICE_BYTES) -> None:
+                 device_bytes: int = PER_DEVICE_BYTES, model_bytes: int = 0) -> None:
     """Refuse, before anything large is built, a run whose estimate (this process as it stands and its kernels,
-    N devices' bookkeeping at device_bytes each, the devices' data it may hold: all of it up to data.cache_mb,
-    the devices' vectors) exceeds what this process may use; one line with the estimate, the limit and what
-    would fit."""
+    the model's further buffers, N devices' bookkeeping at device_bytes each, the devices' data it may hold:
+    all of it up to data.cache_mb, the devices' vectors) exceeds what this process may use; one line with the
+    estimate, the limit and what would fit."""
     runtime = psutil.Process().memory_info().rss + KERNEL_BYTES
     per_device = n * device_bytes
     cache = min(cfg.data.cache_mb * 2 ** 20, data_bytes)
-    need = runtime + per_device + cache + state_bytes
+    need = runtime + model_bytes + per_device + cache + state_bytes
     limit, what = memory_limit()
     if need <= limit:
         return
-    fit = max(int((limit - runtime - cache) // (device_bytes + state_bytes / max(n, 1))), 0)
-    parts = [f"{size_text(runtime)} the runtime", f"{size_text(per_device)} for {n:,} devices' bookkeeping"]
+    parts = [f"{size_text(runtime)} the runtime"]
+    parts += [f"{size_text(model_bytes)} the model's buffers (its lanes' workspaces, a round's updates)"] if model_bytes else []
+    parts += [f"{size_text(per_device)} for {n:,} devices' bookkeeping"]
     parts += [f"{size_text(cache)} of their data (data.cache_mb)"] if cache else []
     parts += [f"{size_text(state_bytes)} {state_what}"] if state_bytes else []
+    if runtime + model_bytes + cache >= limit:  # no number of devices fits: the model is what is too large
+        raise ResourceError(f"this run needs about {size_text(need)} of memory ({', '.join(parts)}) but {what} is "
+                            f"{size_text(limit)}; use a smaller model, smaller minibatches (train.batch_size), fewer "
+                            "devices a round or fewer mpi.threads_per_rank")
+    fit = max(int((limit - runtime - model_bytes - cache) // (device_bytes + state_bytes / max(n, 1))), 0)
     smaller = ", a smaller data.cache_mb, or log.eval_devices (evaluation builds every device)" if cache else ""
     raise ResourceError(f"this run needs about {size_text(need)} of memory ({', '.join(parts)}) but {what} is "
                         f"{size_text(limit)}; about {fit:,} devices would fit in this process: use fewer devices "
                         f"(data.clients) or fewer per rank (more ranks under mpiexec){smaller}")
+
+
+def minibatch_rows(cfg: Config, problem) -> int:
+    """The most samples one local step holds at once: the minibatch, or the largest device's (a full batch)."""
+    if cfg.train.batch_size == "full":
+        return int(np.max(problem.n_train, initial=1))
+    return int(cfg.train.batch_size)
+
+
+def model_bytes(cfg: Config, algorithm: Algorithm, problem, model, lanes: int) -> int:
+    """What a run's model costs beyond the one built (which the process holds already): a model for each further
+    lane and one for evaluation, a round's report vectors (a row per selected device, and its residual with
+    error feedback), and the server's vectors (x, its update and sum, the algorithm's)."""
+    n = problem.n_devices
+    per_round = (cfg.asynchronous.concurrency if cfg.participation.mode == "async"
+                 else overselected(cfg.clients_per_round_count(n), cfg.participation.overselect, n))
+    rows = min(per_round, n) * len(algorithm.reports) * (2 if cfg.compress.error_feedback else 1)
+    vectors = (rows + 4 + 2 * len(algorithm.server_vectors)) * model.dim * np.dtype(model.dtype).itemsize
+    return lanes * model.memory_bytes(minibatch_rows(cfg, problem)) + vectors
 
 
 def touched_rows(cfg: Config, n: int) -> int:
@@ -276,27 +291,30 @@ def residual_bytes(algorithm: Algorithm, cfg: Config, n: int, d: int, dtype) -> 
     return len(algorithm.reports) * touched_rows(cfg, n) * d * np.dtype(dtype).itemsize
 
 
-def check_rank_memory(cfg: Config, algorithm: Algorithm, problem, model, own: np.ndarray) -> None:
+def check_rank_memory(cfg: Config, algorithm: Algorithm, problem, model, own: np.ndarray, lanes: int) -> None:
     """A device rank's estimate before it builds its devices: its share of the devices' data (up to
-    data.cache_mb) and the vectors of its devices a run can touch."""
+    data.cache_mb), the vectors of its devices a run can touch, and its lanes' models."""
     n = problem.n_devices
     touched = min(own.size, touched_rows(cfg, n))
     rows = len(algorithm.device_vectors) * (touched if algorithm.zero_start else own.size)
     rows += len(algorithm.reports) * touched if cfg.compress.error_feedback else 0
     state = rows * model.dim * np.dtype(model.dtype).itemsize
     data = problem.data_bytes() * own.size // max(n, 1) if hasattr(problem, "data_bytes") else 0
-    check_memory(cfg, n, data, state, "its devices' vectors", RANK_DEVICE_BYTES)
+    check_memory(cfg, n, data, state, "its devices' vectors", RANK_DEVICE_BYTES,
+                 model_bytes(cfg, algorithm, problem, model, lanes))
 
 
-def check_device_memory(algorithm: Algorithm, cfg: Config, n: int, d: int, dtype, log_path: Path, on_info,
-                        problem=None) -> None:
+def check_device_memory(algorithm: Algorithm, cfg: Config, problem, model, log_path: Path, on_info) -> None:
     """Report what the devices' vectors (SCAFFOLD's controls: a row for each device a run can touch, or all
-    N) and error feedback's residuals can take, and refuse when memory or disk cannot hold them."""
+    N) and error feedback's residuals can take, and refuse when memory (with the model's lanes and a round's
+    vectors, in one process) or disk cannot hold them."""
     vectors = algorithm.device_vectors
+    n, d, dtype = problem.n_devices, model.dim, model.dtype
     data_bytes = problem.data_bytes() if hasattr(problem, "data_bytes") else 0  # (a pool is in memory already)
     residuals = residual_bytes(algorithm, cfg, n, d, dtype)
+    held_model = model_bytes(cfg, algorithm, problem, model, cfg.mpi.threads_per_rank or 1)
     if not vectors:
-        check_memory(cfg, n, data_bytes, residuals, "error feedback's residuals")
+        check_memory(cfg, n, data_bytes, residuals, "error feedback's residuals", model_bytes=held_model)
         return
     owner, noun = vectors[0].owner, " and ".join(dict.fromkeys(v.noun for v in vectors))
     item = np.dtype(dtype).itemsize
@@ -314,7 +332,8 @@ def check_device_memory(algorithm: Algorithm, cfg: Config, n: int, d: int, dtype
         raise ResourceError(f"{owner}'s {noun} need {size_text(in_memory)} but only {size_text(available)} of memory "
                             f"is available; {hint}use fewer devices (data.clients)"
                             f"{'' if held == n else ', fewer rounds or fewer devices a round'}")
-    check_memory(cfg, n, data_bytes, in_memory + residuals, f"{owner}'s {noun}" + (" and the residuals" if residuals else ""))
+    check_memory(cfg, n, data_bytes, in_memory + residuals, f"{owner}'s {noun}" + (" and the residuals" if residuals else ""),
+                 model_bytes=held_model)
     free = shutil.disk_usage(log_path.parent if log_path.parent.exists() else Path.cwd()).free
     if on_disk > free:
         raise ResourceError(f"the run log would need {size_text(on_disk)} for {owner}'s {noun} but the disk has "
@@ -373,8 +392,8 @@ def prepare(cfg: Config, log_path: Path, *, resume_point=None, force: bool = Fal
     """Check what can be checked before a log is touched, write the log's stub (a kill from here on leaves a
     log to --resume), then build the problem and the log header."""
     on_info = on_info or (lambda line: None)
-    if resume_point is None and log_path.exists() and not force:
-        raise exists_error(log_path)
+    if resume_point is None:
+        check_output(log_path, force=force, inputs=config_mod.files_read(cfg), example="run.h5", exists=exists_error)
     folder = next((p for p in (log_path.parent, *log_path.parent.parents) if p.exists()), Path.cwd())
     if not folder.is_dir() or not os.access(folder, os.W_OK):
         raise RunLogError(f"cannot write run log {log_path}: {folder} is not a writable folder; choose another --out")
@@ -384,18 +403,36 @@ def prepare(cfg: Config, log_path: Path, *, resume_point=None, force: bool = Fal
     stub = resume_point.fresh if resume_point else not log_path.exists()
     if stub:  # a new log's path is claimed atomically: another run may be starting on it at this moment
         write_stub(log_path, config_toml, restarts, claim=resume_point is None)
-    try:
+    with released_on_failure(log_path, resume_point):
         return _prepared(cfg, log_path, resume_point, on_info, config_toml, restarts)
-    except EdgefedError:
-        if resume_point is None:
-            discard_stub(log_path)  # bad input leaves nothing behind
+
+
+@contextmanager
+def released_on_failure(log_path: Path, resume_point):
+    """A new run's log is removed by any failure before its first round (bad input, or a bug: nothing worth
+    keeping was written, and the same --out must work again); Ctrl-C and a lost rank leave it to --resume (and
+    edgefed launch), as does a resumed log that holds rounds."""
+    try:
+        yield
+    except Exception as exc:
+        if (resume_point is None or resume_point.fresh) and not isinstance(exc, RankLost):
+            discard_stub(log_path)
         raise
 
 
-def _prepared(cfg: Config, log_path: Path, resume_point, on_info, config_toml: str, restarts: tuple) -> Setup:
+def plan(cfg: Config, log_path: Path, problems: dict | None = None) -> Setup:
+    """Everything a new run checks before its first round (its files read as far as the run reads them, the
+    model against the data, memory, disk, deadlines), with nothing written: what a sweep does for each of its
+    runs before the first one runs. problems: as problem_and_model takes them."""
+    setup = _prepared(cfg, log_path, None, lambda line: None, config_mod.to_toml(cfg), (), problems)
+    return timing_for(setup)
+
+
+def _prepared(cfg: Config, log_path: Path, resume_point, on_info, config_toml: str, restarts: tuple,
+              problems: dict | None = None) -> Setup:
     if cfg.data.kind == "synthetic" and cfg.data.clients:  # N is known before its sizes are drawn (minutes at 10^7)
         check_memory(cfg, cfg.data.clients)
-    problem, model = problem_and_model(cfg)
+    problem, model = problem_and_model(cfg, problems)
     cfg = config_mod.with_clients(cfg, problem.n_devices)
     trace = _trace(cfg, problem)
     algorithm = build_algorithm(cfg)
@@ -406,7 +443,7 @@ def _prepared(cfg: Config, log_path: Path, resume_point, on_info, config_toml: s
     cfg = dataclasses.replace(cfg, log=dataclasses.replace(cfg.log, every=every))  # as run; the stored text keeps it unset
     on_info(f"{problem.describe()}; model {model.kind}, d = {model.dim} {model.dtype.name}; "
             f"{cfg.train.algorithm}, {cfg.rounds} rounds; {stores}")
-    check_device_memory(algorithm, cfg, problem.n_devices, model.dim, model.dtype, log_path, on_info, problem)
+    check_device_memory(algorithm, cfg, problem, model, log_path, on_info)
     header = Header(
         config_toml=config_toml, restarts=restarts,
         seed=cfg.seed, rounds=cfg.rounds, n_devices=problem.n_devices, dim=model.dim, dtype=model.dtype,
@@ -418,6 +455,8 @@ def _prepared(cfg: Config, log_path: Path, resume_point, on_info, config_toml: s
     if hasattr(problem, "sample_shape"):  # what rebuilds the model's layers from the config (edgefed export)
         header.attrs["sample_shape"] = np.asarray(problem.sample_shape, np.int64)
         header.attrs["model_outputs"] = int(problem.n_outputs)
+    if getattr(problem, "partition_draws", None) is not None:  # the dirichlet partition: its draws (1: the first)
+        header.attrs["partition_draws"] = int(problem.partition_draws)
     normalization = problem.input_normalization() if hasattr(problem, "input_normalization") else None
     if normalization is not None:  # what the model's inputs were: the exported model wants the same
         header.attrs["input_shift"], header.attrs["input_scale"] = (np.asarray(v, np.float64) for v in normalization)
@@ -554,12 +593,13 @@ def drive(setup: Setup, transport, log_path: Path, *, resume_point=None, on_roun
     if resume_point is not None and resume_point.fresh:
         resume_point = None  # nothing was completed: start from the beginning, over the stub
     wall0 = time.perf_counter()
-    try:
-        log = RunLogWriter.create(log_path, setup.header, resume_point)
-    except BaseException:
-        transport.close(failed=True)
-        raise
-    try:
+    with released_on_failure(log_path, resume_point):
+        try:
+            log = RunLogWriter.create(log_path, setup.header, resume_point)
+        except BaseException:
+            transport.close(failed=True)
+            raise
+    with released_on_failure(log_path, resume_point), _closed_on_failure(log, transport):
         engine_class = AsyncEngine if cfg.participation.mode == "async" else RoundEngine
         engine = engine_class(cfg, setup.algorithm, setup.problem.n_train, transport, log, on_round, setup.trace,
                               setup.timing, label_counter(setup.problem, transport))
@@ -570,10 +610,6 @@ def drive(setup: Setup, transport, log_path: Path, *, resume_point=None, on_roun
             done = resume_point.rounds_done
             engine.resume(resume_point.state, done, resume_point.prefix)
         engine.run(done)
-    except BaseException:
-        log.close()  # the log stays valid up to the last completed round, ready for --resume
-        transport.close(failed=True)
-        raise
     wall = time.perf_counter() - wall0
     # complete before the devices are let go: a rank lost in the final drain then costs nothing logged
     log.close({"status": "complete",
@@ -584,18 +620,28 @@ def drive(setup: Setup, transport, log_path: Path, *, resume_point=None, on_roun
     return _summary(log_path, metrics, cfg.rounds - done, wall)
 
 
+@contextmanager
+def _closed_on_failure(log: RunLogWriter, transport):
+    try:
+        yield
+    except BaseException:
+        log.close()  # the log stays valid up to the last completed round, ready for --resume
+        transport.close(failed=True)
+        raise
+
+
 def run(cfg: Config, log_path: Path, *, resume_point=None, force: bool = False, on_round=None,
         on_info=None, launch: Launch | None = None) -> RunResult:
     """One run in this process (the simulator)."""
     setup = prepare(cfg, log_path, resume_point=resume_point, force=force, on_info=on_info, launch=launch)
-    try:
+    with released_on_failure(log_path, resume_point):
         setup = timing_for(setup, None, on_info, resume_point)
         transport = local_transport(setup.cfg, setup.algorithm, setup.problem, setup.model)
-    except EdgefedError:
-        if resume_point is None:
-            discard_stub(log_path)
-        raise
-    compiled, seconds = transport.warmup()
+        try:
+            compiled, seconds = transport.warmup()
+        except BaseException:
+            transport.close(failed=True)
+            raise
     note_warmup(setup, [compiled], [seconds], on_info or (lambda line: None))
     return drive(setup, transport, log_path, resume_point=resume_point, on_round=on_round, on_warning=on_info)
 

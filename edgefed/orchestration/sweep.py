@@ -29,7 +29,7 @@ import tomli_w
 
 from edgefed import config as config_mod
 from edgefed.analysis.logs import Run
-from edgefed.errors import ConfigError, EdgefedError
+from edgefed.errors import EXIT_BAD_INPUT, ConfigError, EdgefedError
 from edgefed.orchestration import run as runs
 from edgefed.runtime.mpi.comm import wait, world
 
@@ -359,16 +359,48 @@ def _headline(row: dict) -> str:
     return text
 
 
+def plan_runs(sweep: Sweep, folder: Path, indices, on_progress=None) -> str | None:
+    """Plan every run of `indices` still to run (run.plan: its model against its data, its files read as far
+    as the run reads them before its first round), writing nothing; the first that cannot run, as one line
+    naming its cell and seed and why (None: all can). Runs that share their data share its reading."""
+    problems, said = {}, time.perf_counter()
+    for done, i in enumerate(indices):
+        job = sweep.jobs[i]
+        if on_progress is not None and time.perf_counter() - said >= PROGRESS_S:
+            on_progress(f"sweep: planned {done:,} of {len(indices):,} runs")
+            said = time.perf_counter()
+        if (folder / job.log).exists():  # complete (skipped), another config's (failed), or resumed: as it is
+            continue
+        try:
+            runs.plan(config_mod.config_from_dict(job.raw), folder / job.log, problems)
+        except EdgefedError as exc:
+            return (f"sweep {sweep.path}: cell {job.cell!r}, seed {job.seed} cannot run: {exc}; nothing was run or "
+                    "written (fix the cell, or remove its value from the axis)")
+    return None
+
+
 def run_sweep(path: Path, folder: Path, jobs: int = 1, on_line=print, live: bool = False) -> int:
-    """Run the sweep into folder; 0 if every run completed, 1 if any failed."""
+    """Run the sweep into folder; 0 if every run completed, 1 if any failed. Every run still to run is planned
+    first: a run that cannot run ends the sweep before any runs (exit 2), with nothing written."""
     comm = world()
     sweep = read_sweep(path, on_line if comm is None or comm.Get_rank() == 0 else None)
     rank, size = (0, 1) if comm is None else (comm.Get_rank(), comm.Get_size())
+    if jobs > 1 and comm is not None:
+        raise EdgefedError("-j runs experiments side by side on one machine; under mpiexec the ranks do that, "
+                           "so drop -j (or run without mpiexec)")
+    mine = list(range(rank, len(sweep.jobs), size))
+    failure = plan_runs(sweep, folder, mine, on_line if rank == 0 else None)
+    if comm is not None:  # each rank plans its own runs; any rank's failure stops them all
+        failures = [f for f in comm.allgather(failure) if f]
+        failure = failures[0] if failures else None
+        if failure is not None and rank != 0:
+            return EXIT_BAD_INPUT
+    if failure is not None:
+        raise ConfigError(failure)
     try:
         (folder / "runs").mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise EdgefedError(f"cannot write the sweep into {folder} ({exc}); choose another --out") from None
-    mine = list(range(rank, len(sweep.jobs), size))
     started, finished, ran = time.perf_counter(), 0, 0
     errors: dict[int, str | None] = {}
 
@@ -390,9 +422,6 @@ def run_sweep(path: Path, folder: Path, jobs: int = 1, on_line=print, live: bool
         else:
             on_line(line)
 
-    if jobs > 1 and comm is not None:
-        raise EdgefedError("-j runs experiments side by side on one machine; under mpiexec the ranks do that, "
-                           "so drop -j (or run without mpiexec)")
     if jobs > 1:
         pool = ThreadPoolExecutor(jobs)
         try:

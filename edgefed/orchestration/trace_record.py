@@ -19,6 +19,7 @@ import numpy as np
 
 from edgefed import config as config_mod
 from edgefed.hwprofile import AUTO_FACTOR
+from edgefed.outputs import check_output
 from edgefed.orchestration.ranks import execute
 from edgefed.orchestration.run import problem_and_model
 from edgefed.rng import Purpose, generator, kernel_state
@@ -27,13 +28,20 @@ from edgefed.runtime.mpi.comm import world
 from edgefed.tracefiles import write_trace_file
 
 
-def record_traces(out: str, names: list[str], loads: list[float], drops: list[float], *, rounds: int,
+def record_traces(out: str, force: bool, names: list[str], loads: list[float], drops: list[float], *, rounds: int,
                   local_steps: int, deadline_s: float | None, seed: int, overrides=(), command: str = "",
                   on_round=None, on_info=print, on_error=print) -> int | None:
-    """Record and write the trace file; returns an exit code where this process wrote nothing (a device
-    rank, or a run that failed), None once the file is written."""
+    """Record and write the trace file (an existing one replaced only with force); returns an exit code where
+    this process wrote nothing (a device rank, or a run that failed), None once the file is written."""
     comm = world()
     coordinator = comm is None or comm.Get_rank() == 0  # device ranks get the config from rank 0
+
+    def checked_out(cfg):  # (under mpiexec inside the setup, whose errors reach every rank)
+        check_output(out, force=force, inputs=config_mod.files_read(cfg), example="traces.csv")
+        return cfg
+
+    if comm is None:  # before anything is measured
+        checked_out(config_mod.load_config(None, list(overrides)))
     if deadline_s is None and coordinator:  # so a free device just completes K, a loaded one shows its loss
         deadline_s = round(AUTO_FACTOR * unloaded_seconds(local_steps, overrides), 5)
         on_info(f"deadline: {deadline_s * 1e3:.2f} ms ({AUTO_FACTOR} x the time of {local_steps} steps measured here)")
@@ -43,8 +51,8 @@ def record_traces(out: str, names: list[str], loads: list[float], drops: list[fl
                 'train.clients_per_round="all"', f"train.local_steps={local_steps}",
                 'participation.mode="deadline"', f"participation.deadline_s={deadline_s}",
                 f"participation.contention={loads}", f"log.eval_every={rounds}", *overrides]
-    result = execute(lambda: (config_mod.load_config(None, settings), None, log_path), False, on_round, on_info,
-                     on_error)
+    result = execute(lambda: (checked_out(config_mod.load_config(None, settings)), None, log_path), False, on_round,
+                     on_info, on_error)
     if isinstance(result, int):
         return result
     log = read_run(log_path, state=False)

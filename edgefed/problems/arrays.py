@@ -80,7 +80,12 @@ class ArraysSource(Source):
         except OSError as exc:
             raise ProblemFileError(f"{path} cannot be read as HDF5 ({exc}); give an .h5 file with x_train and "
                                    "y_train") from None
-        return {k: self._h5[k] for k in KEYS if k in self._h5}
+        arrays = {k: self._h5[k] for k in KEYS if k in self._h5}
+        for key, value in arrays.items():
+            if not isinstance(value, h5py.Dataset):
+                raise ProblemFileError(f"{path}: {key} is a {type(value).__name__.lower()}, not a dataset; store "
+                                       f"{key} as one array (f[{key!r}] = array)")
+        return arrays
 
     @staticmethod
     def _open_npz(path: Path) -> dict:

@@ -14,7 +14,7 @@ import numpy as np
 from edgefed.errors import ConfigError
 from edgefed.problems.data import PARETO_DEFAULT_MAX, PARETO_INDEX, ClassificationData
 import edgefed.problems.idx as idx
-from edgefed.problems.partition import partition
+from edgefed.problems.partition import describe_partition, partition
 from edgefed.rng import Purpose, generator
 
 
@@ -52,7 +52,8 @@ class ImageProblem:
             raise ConfigError(f"config: data.split = {cfg.split!r} has {self.n_classes} classes but the labels in "
                               f"{cfg.path} run {train_labels.min()}..{train_labels.max()}; pick the split of the files")
         sizes = self._pareto_sizes(train_rows.size) if cfg.samples == "pareto" else None
-        parts = partition(cfg.partition, train_labels, self.n_devices, seed, self.n_classes, cfg.dirichlet_alpha, sizes)
+        parts, self.partition_draws = partition(cfg.partition, train_labels, self.n_devices, seed, self.n_classes,
+                                                cfg.dirichlet_alpha, sizes, cfg.min_partition_size)
         self.train_rows = [train_rows[p] for p in parts]
         self.train_labels = [train_labels[p] for p in parts]
         order = generator(seed, Purpose.DATA_DEVICE, 4).permutation(test_rows.size)
@@ -120,6 +121,8 @@ class ImageProblem:
 
     def describe(self) -> str:
         name = "MNIST" if self.cfg.kind == "mnist" else f"EMNIST-{self.cfg.split}"
-        return (f"{name} ({self.cfg.partition}): {self.n_devices} devices, {int(self.n_train.sum())} training images "
+        how = describe_partition(self.cfg.partition, self.cfg.dirichlet_alpha, self.partition_draws,
+                                 self.cfg.min_partition_size)
+        return (f"{name} ({how}): {self.n_devices} devices, {int(self.n_train.sum())} training images "
                 f"(per device {int(self.n_train.min())}..{int(self.n_train.max())}), "
                 f"{sum(r.size for r in self.test_rows)} held out")

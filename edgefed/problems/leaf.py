@@ -45,6 +45,34 @@ def _samples(path: Path, user: str, record) -> tuple[list, list]:
     return x, y
 
 
+def _values(path: Path, user: str, x: list, shape: tuple | None) -> np.ndarray:
+    """A user's samples as one float64 array; a sample of another shape (than the user's first, or than
+    `shape`, the other users') or of values that are not numbers is refused naming the user and sample."""
+    try:
+        return _shaped(np.asarray(x, np.float64), path, user, shape)
+    except (ValueError, TypeError):
+        pass
+    first = None
+    for i, sample in enumerate(x):
+        try:
+            found = np.asarray(sample, np.float64).shape
+        except (ValueError, TypeError):
+            raise ProblemFileError(f"{path}: user {user!r}: sample {i} is not a list of numbers of one shape; give "
+                                   "every sample as numbers") from None
+        first = found if first is None else first
+        if found != first:
+            raise ProblemFileError(f"{path}: user {user!r}: sample {i} has shape {found} but sample 0 has "
+                                   f"{first}; give every sample one shape")
+    raise ProblemFileError(f"{path}: user {user!r}: the samples cannot be read as numbers")
+
+
+def _shaped(values: np.ndarray, path: Path, user: str, shape: tuple | None) -> np.ndarray:
+    if values.ndim < 1 or (shape is not None and values.shape[1:] != shape):
+        raise ProblemFileError(f"{path}: user {user!r} has samples of shape {values.shape[1:]}, others {shape}; "
+                               "give every sample one shape")
+    return values
+
+
 class LeafSource(Source):
     def __init__(self, folder: Path):
         self.folder = folder
@@ -52,7 +80,7 @@ class LeafSource(Source):
         if not self.files["train"]:
             raise ConfigError(f"config: data.path = {str(folder)!r} has no train/*.json; give a LEAF data folder "
                               "(with train/ and test/)")
-        users, labels, devices, where, seen_test = [], [], [], {}, set()
+        users, labels, devices, where, seen_test, empty = [], [], [], {}, set(), set()
         shape = None
         for part in ("train", "test"):
             part_labels, part_devices = [], []
@@ -61,8 +89,11 @@ class LeafSource(Source):
                 for user in data["users"]:
                     x, y = _samples(path, user, data["user_data"].get(user))
                     if part == "train":
-                        if user in where:
+                        if user in where or user in empty:
                             raise ProblemFileError(f"{path}: user {user!r} appears twice in train/")
+                        if not x:  # nothing to train on: not a device (the run's first line counts them)
+                            empty.add(user)
+                            continue
                         where[user] = len(users)
                         users.append(user)
                     elif user not in where:
@@ -71,13 +102,9 @@ class LeafSource(Source):
                         raise ProblemFileError(f"{path}: user {user!r} appears twice in test/")
                     else:
                         seen_test.add(user)
-                    if x:
-                        found = np.shape(x[0])
-                        shape = shape or found
-                        values = np.asarray(x, np.float64)  # parsed anyway: checked here, before a log is written
-                        if values.shape[1:] != shape:
-                            raise ProblemFileError(f"{path}: user {user!r} has samples of shape {values.shape[1:]}, "
-                                                   f"others {shape}; give every sample one shape")
+                    if x:  # parsed anyway: checked here, before a log is written
+                        values = _values(path, user, x, shape)
+                        shape = values.shape[1:]
                         if not np.all(np.isfinite(values)):
                             raise ConfigError(f"{path}: user {user!r} has samples with NaN or infinity; clean the "
                                               "data")
@@ -87,10 +114,10 @@ class LeafSource(Source):
             labels.append(np.asarray(part_labels))
             devices.append(np.asarray(part_devices, np.int64))
         if not users:
-            raise ConfigError(f"config: data.path = {str(folder)!r}: train/ has no users; give a LEAF data folder "
-                              "with users' samples")
-        if labels[0].size == 0:
-            raise ConfigError(f"config: data.path = {str(folder)!r}: the users of train/ have no samples")
+            raise ConfigError(f"config: data.path = {str(folder)!r}: train/ has no users with samples; give a LEAF "
+                              "data folder with users' samples")
+        self.note = (f"{len(users) + len(empty)} users, {len(empty)} without samples skipped" if empty
+                     else f"{len(users)} users")
         self._first = {}  # (part, device): its first row (a user's rows are contiguous: one entry per file)
         for part, d in zip(("train", "test"), devices):
             ids, first = np.unique(d, return_index=True)
@@ -128,5 +155,5 @@ def leaf_problem(cfg, seed: int, dtype, loss: str, spatial: int = 0) -> PoolProb
         raise ConfigError(f"config: data.path = {cfg.path!r} is not a folder; give a LEAF data folder (with train/ "
                           "and test/ of *.json files)")
     source = LeafSource(folder)
-    return PoolProblem(cfg, seed, dtype, source, loss, f"LEAF {folder.name}", spatial)
+    return PoolProblem(cfg, seed, dtype, source, loss, f"LEAF {folder.name}, {source.note}", spatial)
 

@@ -18,12 +18,12 @@ import numpy as np
 
 from edgefed.errors import ConfigError
 from edgefed.problems.data import ClassificationData
-from edgefed.problems.partition import PARTITIONS, partition
+from edgefed.problems.partition import PARTITIONS, describe_partition, partition
 from edgefed.rng import Purpose, generator
 
 NORMALIZE = ("none", "standard", "unit")
 # round keys of the (seed, DATA_DEVICE) streams this module draws from (partition.py uses 1, 2, 3, and 4 for
-# an IID split of held-out images, as here)
+# an IID split of held-out images, as here; the dirichlet partition's redraws have a purpose of their own)
 TEST_SPLIT, HOLDOUT = 4, 5
 BLOCK_BYTES = 1 << 26  # rows read at a time when the whole training set is scanned (64 MB)
 
@@ -116,6 +116,7 @@ class PoolProblem:
     def _partition(self) -> tuple[list[np.ndarray], list[np.ndarray]]:
         cfg, src = self.cfg, self.source
         kind = cfg.partition
+        self.partition_draws = None  # the dirichlet partition's draws (1: the first fitted)
         if kind == "natural":
             if src.device_train is None:
                 raise ConfigError(f'config: data.partition = "natural" needs each training sample\'s device: '
@@ -140,7 +141,8 @@ class PoolProblem:
                                   '"iid" or "natural"')
             n = cfg.clients
             labels = self.y_train if not self.regression else np.zeros(self.y_train.shape[0], np.int64)
-            parts = partition(kind, labels, n, self.seed, self.n_classes or 1, cfg.dirichlet_alpha)
+            parts, self.partition_draws = partition(kind, labels, n, self.seed, self.n_classes or 1,
+                                                    cfg.dirichlet_alpha, min_size=cfg.min_partition_size)
         if self.y_test is None:  # no test samples in the file: each device holds out a share of its own
             return self._holdout(parts)
         if src.device_test is not None and kind == "natural":
@@ -263,7 +265,9 @@ class PoolProblem:
         n_test = sum(r.size for r in self.test_rows)
         shape = "x".join(map(str, self.sample_shape))
         what = f"{self.n_outputs}-value targets" if self.regression else f"{self.n_classes} classes"
-        return (f"{self.title} ({self.cfg.partition}): {self.n_devices} devices, {int(self.n_train.sum())} training "
+        how = describe_partition(self.cfg.partition, self.cfg.dirichlet_alpha, self.partition_draws,
+                                 self.cfg.min_partition_size)
+        return (f"{self.title} ({how}): {self.n_devices} devices, {int(self.n_train.sum())} training "
                 f"samples of {shape} (per device {int(self.n_train.min())}..{int(self.n_train.max())}), {what}, "
                 f"{n_test} for testing")
 
