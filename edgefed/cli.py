@@ -151,7 +151,7 @@ def _fmt(value: float, spec: str) -> str:
 
 def progress_line(s) -> str:
     width = len(str(s.rounds))
-    dropped = f"  dropped {s.n_dropped}" if s.n_dropped else ""
+    dropped = f"  non-finite {s.n_dropped} dropped" if s.n_dropped else ""
     dropped += f"  late {s.n_late}" if s.n_late else ""
     dropped += "  no update" if s.round_idx and not s.n_applied else ""
     if s.steps_asked and s.steps_done < s.steps_asked:
@@ -215,8 +215,15 @@ def cmd_run(args) -> int:
     test = "" if math.isnan(result.best_test_accuracy) else (
         f", test accuracy {result.final_test_accuracy:.4f} (best {result.best_test_accuracy:.4f} "
         f"at round {result.best_round})")
+    dropped = ""
+    if result.nonfinite:
+        dropped = (f"; {result.nonfinite} reports dropped as non-finite (NaN or infinity) in "
+                   f"{result.nonfinite_rounds} rounds")
+    if not result.applied_rounds:
+        cure = " (a smaller train.lr_local usually cures it)" if result.nonfinite else ""
+        dropped += f"; no update was ever applied: the model is still x_0{cure}"
     print(f"done: {result.rounds_run} rounds in {result.wall_s:.1f} s; final train loss "
-          f"{result.final_train_loss:.6g}{test}; log {path}")
+          f"{result.final_train_loss:.6g}{test}{dropped}; log {path}")
     return 0
 
 
@@ -338,6 +345,10 @@ def cmd_summary(args) -> int:
     from edgefed.analysis.logs import Run
     from edgefed.analysis.summary import summary_lines
 
+    target = args.target_accuracy
+    if target is not None and not 0 < target <= 1:  # (NaN fails this too)
+        raise EdgefedError(f"--target-accuracy {target:g} is not an accuracy in (0, 1] (one above 1, or NaN, is never "
+                           "reached); give one, e.g. 0.8")
     print("\n".join(summary_lines(Run.read(args.log), args.target_accuracy)))
     return 0
 

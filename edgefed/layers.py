@@ -90,6 +90,9 @@ def check_layers(layers, key: str = "model.layers") -> tuple[dict, ...]:
         if not isinstance(layer, dict):
             raise ConfigError(f'{where} must be a table like {{type = "dense", out = 10}}')
         kind = layer.get("type")
+        if kind is None:
+            raise ConfigError(f'{where} has no type; give one, e.g. {{type = "dense", out = 10}} (types: '
+                              f"{', '.join(TYPES)})")
         if not isinstance(kind, str) or kind not in TYPES:
             import difflib
 

@@ -208,12 +208,12 @@ def _root_attrs(config_toml: str, status: str) -> dict:
 
 
 def discard_stub(path: Path) -> None:
-    """Remove the log at path if no round of it was written (the stub, or the log created over it before round
-    0 was): nothing to lose, so a failure in a run's start-up leaves nothing behind."""
+    """Remove the log at path if no round of it was run (the stub, or the log created over it, with at most round
+    0, the start, in it): nothing to lose, so a failure in a run's start-up leaves nothing behind."""
     try:
         with h5py.File(path, "r") as f:
             if "state" in f:
-                stub = f.attrs.get("status") == "running" and int(f["state/round"][0]) < 0
+                stub = f.attrs.get("status") == "running" and int(f["state/round"][0]) <= 0
             else:
                 stub = f.attrs.get("status") == "starting"
     except (OSError, KeyError, ValueError, TypeError):
@@ -662,12 +662,13 @@ def _lacks(path, exc: KeyError, what: str) -> RunLogError:
     return RunLogError(f"{path} lacks {exc.args[0]}; it is not {what}")
 
 
-def _require_datasets(f: h5py.File, path, names) -> None:
-    """A log whose expected dataset is missing, or a group in its place, is refused in one line (what a resume
-    reads must all be there: failing half-way would leave the run neither resumed nor as it was)."""
+def _require_datasets(f: h5py.File, path, names, missing_ok: bool = False) -> None:
+    """A log whose expected dataset is missing (unless missing_ok), or a group in its place, is refused in one
+    line (what a resume reads must be there: failing half-way would leave the run neither resumed nor as it
+    was)."""
     for name in names:
         found = f.get(name)
-        if not isinstance(found, h5py.Dataset):
+        if not isinstance(found, h5py.Dataset) and not (missing_ok and found is None):
             what = "lacks" if found is None else "has a group, not a dataset, at"
             raise RunLogError(f"{path} {what} {name}; it is not a resumable edgefed log (or it is damaged)")
 
@@ -804,9 +805,11 @@ def read_resume_point(path: str | Path) -> ResumePoint:
         config_toml, restarts = str(f.attrs.get("config", "")), _read_restarts(f)
         if "state" not in f and f.attrs.get("status") == "starting":  # a stub: killed before its first round
             return ResumePoint(config_toml, 0, {}, {}, False, attrs=dict(f.attrs), restarts=restarts, fresh=True)
-        _require_datasets(f, path, [c.path for c in columns(1, 1, np.float32)] + [
-            "state/round", "state/undo/round", "state/undo/count", "state/undo/ids",
-            *(f"state/{name}" for name in str(f["state"].attrs.get("slots", "x")).split(","))])
+        _require_datasets(f, path, ["state/round", "trajectory/round", "state/undo/round", "state/undo/count",
+                                    "state/undo/ids", *(f"state/{name}" for name in
+                                                        str(f["state"].attrs.get("slots", "x")).split(","))])
+        _require_datasets(f, path, [c.path for c in columns(1, 1, np.float32)], missing_ok=True)  # (an older log
+        # lacks the newer columns: a resume pads them)
         done = int(f["state/round"][0])
         stored = f["trajectory/round"][()]
         if done < 0:  # created, killed before round 0 was written: start from the beginning

@@ -20,7 +20,9 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import itertools
+import random
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -79,6 +81,24 @@ class TorchRun:
         self.perm = np.arange(n_samples, dtype=np.int64)
         self.torch_state = torch_state
         self.loss_sq, self.samples = 0.0, 0  # what the steps report of their losses, as models.LocalRun
+
+
+def _global_generators() -> tuple:
+    """The states of NumPy's global generator (np.random.*) and Python's (random.*), which nothing seeds per
+    device: a module that draws from either makes two identical runs differ, so it is refused."""
+    numpy_state = np.random.get_state(legacy=False)
+    return (numpy_state["state"]["key"].tobytes(), numpy_state["state"]["pos"], numpy_state["has_gauss"],
+            numpy_state["gauss"], random.getstate())
+
+
+def _drew_from(before: tuple) -> str | None:
+    """Which global generator a module drew from since `before` (None: neither)."""
+    after = _global_generators()
+    if after[:4] != before[:4]:
+        return "NumPy's global random generator (np.random)"
+    if after[4] != before[4]:
+        return "Python's random module"
+    return None
 
 
 def _first_line(exc: BaseException) -> str:
@@ -146,7 +166,7 @@ class TorchModel:
         x = torch.ones((2, *self.sample_shape), dtype=self.tdtype)
         before = {k: v.clone() for k, v in self.module.named_buffers()}
         with torch.random.fork_rng(devices=[]):
-            state = torch.get_rng_state()
+            state, outside = torch.get_rng_state(), _global_generators()
             self.module.train()
             out = self._forward(x, "config: model.module's forward on a batch of 2")
             self.draws = not torch.equal(state, torch.get_rng_state())
@@ -154,11 +174,13 @@ class TorchModel:
                 target = (torch.zeros(2, dtype=torch.int64) if self.has_accuracy
                           else torch.zeros((2, self.n_outputs), dtype=self.tdtype))
                 self._backward(self._loss(out, target), "config: model.module's backward on a batch of 2")
+            self._refuse_global_draws(outside, "training", "config: ")
             self.module.eval()
-            state = torch.get_rng_state()
+            state, outside = torch.get_rng_state(), _global_generators()
             with torch.no_grad():
                 self._forward(x, "config: model.module's forward in evaluation mode")
             eval_draws = not torch.equal(state, torch.get_rng_state())
+            self._refuse_global_draws(outside, "evaluation", "config: ")
         self.module.zero_grad(set_to_none=True)
         changed = [k for k, v in self.module.named_buffers() if not torch.equal(v, before[k])]
         with torch.no_grad():
@@ -180,6 +202,21 @@ class TorchModel:
         if eval_draws:
             raise ConfigError("config: model.module draws random numbers in evaluation mode; edgefed evaluates "
                               "the deterministic model: make its randomness depend on self.training")
+
+    @staticmethod
+    def _refuse_global_draws(before: tuple, when: str, prefix: str = "") -> None:
+        drew = _drew_from(before)
+        if drew is not None:
+            raise ConfigError(f"{prefix}model.module draws from {drew} in {when}: nothing seeds it per device, so "
+                              "two identical runs would differ; draw with torch (torch.rand, nn.Dropout), whose "
+                              "generator edgefed seeds from the device's stream, and only in training")
+
+    @contextmanager
+    def _deterministic(self, when: str):
+        """Around a call of the module's own code: refused if it drew from a global generator meanwhile."""
+        before = _global_generators()
+        yield
+        self._refuse_global_draws(before, when)
 
     def _forward(self, x, what: str = "model.module's forward"):
         try:
@@ -303,7 +340,8 @@ class TorchModel:
             torch.set_rng_state(run.torch_state)
         else:
             before = self._rng_bytes()
-        work()
+        with self._deterministic("training"):
+            work()
         if self.draws:
             run.torch_state = torch.get_rng_state()
         elif self._rng_bytes() != before:
@@ -390,11 +428,12 @@ class TorchModel:
         self._mode(False)
         self._flat_grad.zero_()
         total = 0.0
-        for start in range(0, n, EVAL_CHUNK):
-            xb, yb = X[start:start + EVAL_CHUNK], y[start:start + EVAL_CHUNK]
-            losses = self._sample_losses(self._forward(xb), yb)
-            self._backward(losses.sum() / n)
-            total += float(losses.detach().double().sum())
+        with self._deterministic("evaluation"):
+            for start in range(0, n, EVAL_CHUNK):
+                xb, yb = X[start:start + EVAL_CHUNK], y[start:start + EVAL_CHUNK]
+                losses = self._sample_losses(self._forward(xb), yb)
+                self._backward(losses.sum() / n)
+                total += float(losses.detach().double().sum())
         self._still_bound()
         grad_out[:] = self._flat_grad.numpy()
         return total / n
@@ -408,7 +447,7 @@ class TorchModel:
         Xt, yt = self._inputs(np.ascontiguousarray(X)), self._targets(np.ascontiguousarray(y))
         self._mode(False)
         total, correct = 0.0, 0
-        with torch.no_grad():
+        with torch.no_grad(), self._deterministic("evaluation"):
             for start in range(0, Xt.shape[0], EVAL_CHUNK):
                 out = self._forward(Xt[start:start + EVAL_CHUNK]).double()
                 target = yt[start:start + EVAL_CHUNK]
@@ -429,5 +468,5 @@ class TorchModel:
         torch = self.torch
         self._bind(params)
         self._mode(False)
-        with torch.no_grad():
+        with torch.no_grad(), self._deterministic("evaluation"):
             return self._forward(self._inputs(np.ascontiguousarray(X))).numpy().astype(self.dtype)

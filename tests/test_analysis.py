@@ -98,7 +98,7 @@ def test_summary_says_what_differs_what_it_reached_and_each_device(logs, capsys)
     assert f"to test accuracy {target:g}: round {first}, clock {run['metrics/clock_s'][first]:.3f} s" in out
     up = run["participation/bytes_up"].sum(axis=1).mean()
     assert f"wire per round: {size_text(up)} up, " in out and "(uplink none, downlink none)" in out
-    table = lines[lines.index("device  selected  fraction  inactive   late  cpu %") + 1:]
+    table = lines[lines.index("device  selected  fraction  inactive   late  non-finite  cpu %") + 1:]
     assert len(table) == 6
     d0 = run.devices()[0]
     assert table[0].split()[:3] == ["0", str(d0["selected"]), f"{d0['fraction']:.3f}" if d0["selected"] else "-"]
@@ -115,7 +115,7 @@ def test_a_large_federations_summary_lists_the_devices_selected_most_and_reads_n
     whole = {d["device"]: d for d in run.devices()}
     monkeypatch.setattr(summary_mod, "DEVICE_ROWS", 3)
     lines = summary_mod.summary_lines(run)
-    table = lines[lines.index("device  selected  fraction  inactive   late  cpu %") + 1:]
+    table = lines[lines.index("device  selected  fraction  inactive   late  non-finite  cpu %") + 1:]
     assert [int(row.split()[0]) for row in table[:3]] == shown
     assert [int(row.split()[1]) for row in table[:3]] == [whole[k]["selected"] for k in shown]
     assert table[3].startswith("(the 3 devices selected most of 6;")
@@ -254,7 +254,7 @@ def test_damaged_and_foreign_files_get_one_line(tmp_path, logs, capsys):
              (["report", str(foreign), "--out", str(tmp_path / "p.html")], "is not an edgefed run log"),
              (["report", str(tmp_path), "--out", str(tmp_path / "p.html")], "summary.csv cannot be read"),
              (["report", str(tmp_path / "nowhere"), "--out", str(tmp_path / "p.html")], "not found; give run logs"),
-             (["export", str(logs["trace"]), "--csv", str(text)], "cannot write CSV into")]
+             (["export", str(logs["trace"]), "--csv", str(text)], "is a file; give a folder to write metrics.csv")]
     for args, message in cases:
         code, out, err = cli(args, capsys)
         assert code == 2 and out == "" and err.count("\n") == 1 and message in err, (args, err)

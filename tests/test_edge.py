@@ -115,7 +115,7 @@ def test_cli_profile_of_a_config_times_its_layer_list_and_drives_an_auto_deadlin
     assert speed.key == "sequential: 60: dense(out=16) tanh dense(out=10)"
     assert prof.extra["startup"]["warm_s"]["auto.toml"] > 0 and prof.extra["memory"]["rank_rss_mb"]["auto.toml"] > 30
     again = edgefed(["profile", "--config", cfg, "--no-cold", "--out", str(out)])
-    assert again.returncode == 2 and "already exists; pass --force" in again.stderr
+    assert again.returncode == 2 and "already exists; use --force to replace it" in again.stderr
     run = edgefed(["run", cfg, "--out", str(tmp_path / "r.h5"), "--quiet"])
     assert run.returncode == 0, run.stderr
     assert "deadlines 1.1x the profiled time" in run.stdout

@@ -15,7 +15,8 @@ import pytest
 from edgefed import config as config_mod
 from edgefed.analysis.logs import Run
 from edgefed.cli import main
-from edgefed.errors import ConfigError
+from edgefed.errors import ConfigError, EdgefedError
+from edgefed.orchestration import sweep as sweep_mod
 from edgefed.orchestration.sweep import read_sweep
 from edgefed.runlog import read_run
 from edgefed.runtime.mpi.comm import local_mpiexec, outside_world_env
@@ -262,16 +263,30 @@ def test_second_invocation_skips_complete_runs_and_resumes_an_interrupted_one(se
     assert read_csv(copy / "summary.csv")[5]["status"] == "complete"
 
 
-def test_a_failing_cell_is_recorded_and_the_others_run(tmp_path, capsys):
+def test_a_cell_that_cannot_run_is_found_before_any_runs_and_one_that_fails_later_is_recorded(tmp_path, capsys,
+                                                                                               monkeypatch):
     path = write_sweep(tmp_path, '[set]\nrounds = 2\n"participation.mode" = "trace"\n[axes]\n'
                                  f'"participation.trace" = ["builtin:2", "{tmp_path / "missing.csv"}"]\n')
+    code, out, err = sweep_cli([str(path), "--out", str(tmp_path / "out")], capsys)
+    assert code == 2 and out == "" and err.count("\n") == 1 and "missing.csv', seed 0 cannot run" in err
+    assert "missing.csv not found" in err and not (tmp_path / "out").exists()
+    path.write_text('[set]\nrounds = 2\n"participation.mode" = "trace"\n[axes]\n'
+                    '"participation.trace" = ["builtin:2", "builtin:3"]\n')
+    real = sweep_mod.runs.run
+
+    def failing(cfg, log, **kwargs):  # what no plan foresees (a full disk, a lost board): at run time
+        if "builtin-3" in log.name:
+            raise EdgefedError("the disk is full")
+        return real(cfg, log, **kwargs)
+
+    monkeypatch.setattr(sweep_mod.runs, "run", failing)
     code, out, err = sweep_cli([str(path), "--out", str(tmp_path / "out")], capsys)
     assert code == 1 and err == ""
     rows = read_csv(tmp_path / "out" / "summary.csv")
     assert [r["status"] for r in rows] == ["complete", "failed"]
-    assert "missing.csv not found" in rows[1]["error"] and rows[0]["error"] == ""
+    assert rows[1]["error"] == "the disk is full" and rows[0]["error"] == ""
     assert rows[1]["final_test_accuracy"] == ""
-    assert "FAILED: trace file" in out and "1 failed" in out
+    assert "FAILED: the disk is full" in out and "1 failed" in out
     cells = read_csv(tmp_path / "out" / "cells.csv")
     assert [c["seeds"] for c in cells] == ["1", "0"]
 

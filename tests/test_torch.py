@@ -233,6 +233,9 @@ def test_a_board_profile_times_a_module_by_file_factory_and_shape(tmp_path):
     ("detached", "model.module's backward on a batch of 2 raised RuntimeError: element 0 of tensors does not "
                  "require grad"),
     ("noisy_always", "model.module draws random numbers in evaluation mode"),
+    ("numpy_noise_in_evaluation", "model.module draws from NumPy's global random generator (np.random) in "
+                                  "evaluation: nothing seeds it per device"),
+    ("python_noise_in_training", "model.module draws from Python's random module in training"),
 ])
 def test_refusals_are_one_line(factory, message):
     with pytest.raises(ConfigError) as err:
@@ -243,6 +246,7 @@ def test_refusals_are_one_line(factory, message):
 @pytest.mark.parametrize("factory,message", [
     ("clamping", "model.module replaced parameter lin.weight (or its gradient) while it ran"),
     ("noisy_on_large_batches", "model.module drew random numbers in training although its first forward drew none"),
+    ("numpy_noise_on_large_batches", "model.module draws from NumPy's global random generator (np.random) in training"),
 ])
 def test_what_a_forward_does_wrong_while_training_is_one_line(factory, message):
     model, data = model_of(factory), samples()
@@ -250,6 +254,14 @@ def test_what_a_forward_does_wrong_while_training_is_one_line(factory, message):
     with pytest.raises(ConfigError) as err:
         model.local_steps(x, data, model.begin(data, kernel_state(0, Purpose.LOCAL, 1, 0)), 2, 5, 0.1)
     assert message in str(err.value) and "\n" not in str(err.value)
+
+
+def test_global_randomness_first_seen_in_evaluation_is_one_line():
+    """A module whose draws from NumPy's global generator show only on larger batches: evaluation (chunks of up
+    to 64 samples) finds them as training does."""
+    model, data = model_of("numpy_noise_on_large_batches"), samples()
+    with pytest.raises(ConfigError, match=r"np.random\) in evaluation"):
+        model.loss_correct(model.initial_params(), data.X_test, data.y_test)
 
 
 def test_frozen_parameters_stay_the_factorys_and_out_of_x():

@@ -1,5 +1,8 @@
 """Modules written as a PyTorch user writes them, for tests/test_torch.py (imported by edgefed from this file)."""
 
+import random
+
+import numpy as np
 import torch
 from torch import nn
 
@@ -88,6 +91,36 @@ class NoisyOnLargeBatches(_Linear):
     def forward(self, x):
         out = self.lin(torch.flatten(x, 1))
         return out + torch.randn_like(out) if self.training and x.shape[0] > 2 else out
+
+
+class NumpyNoiseInEvaluation(_Linear):
+    def forward(self, x):
+        out = self.lin(torch.flatten(x, 1))
+        return out if self.training else out + float(np.random.normal(scale=1e-3))
+
+
+class PythonNoiseInTraining(_Linear):
+    def forward(self, x):
+        out = self.lin(torch.flatten(x, 1))
+        return out * random.uniform(0.9, 1.1) if self.training else out
+
+
+class NumpyNoiseOnLargeBatches(_Linear):
+    def forward(self, x):
+        out = self.lin(torch.flatten(x, 1))
+        return out + float(np.random.rand()) if x.shape[0] > 2 else out
+
+
+def numpy_noise_in_evaluation(input_shape, n_classes):
+    return NumpyNoiseInEvaluation(input_shape[0], n_classes)
+
+
+def python_noise_in_training(input_shape, n_classes):
+    return PythonNoiseInTraining(input_shape[0], n_classes)
+
+
+def numpy_noise_on_large_batches(input_shape, n_classes):
+    return NumpyNoiseOnLargeBatches(input_shape[0], n_classes)
 
 
 def tuple_output(input_shape, n_classes):

@@ -179,12 +179,21 @@ class Run:
             return np.arange(counts.size)
         return np.sort(np.argsort(-counts, kind="stable")[:limit])
 
+    def nonfinite(self) -> dict:
+        """Reports dropped as non-finite (NaN or infinity in an update) in all, the rounds in which any were,
+        and the rounds that applied no update."""
+        dropped = self["participation/nonfinite"].sum(axis=1)
+        applied = self.data.get("metrics/n_applied")
+        return {"reports": int(dropped.sum()), "rounds": int(np.count_nonzero(dropped)),
+                "no_update": 0 if applied is None else int(np.count_nonzero(np.asarray(applied) == 0))}
+
     def devices(self, ids=None) -> list[dict]:
         """Per device (these ids, ascending; by default all): rounds selected, mean completed fraction,
-        inactive and late shares (of its selected rounds), mean CPU share."""
+        inactive and late shares (of its selected rounds), reports dropped as non-finite, mean CPU share."""
         sel, steps = self["participation/selected"], self["participation/steps"]
         ids = np.arange(sel.shape[1]) if ids is None else np.asarray(ids, np.int64)
         sel, steps, budget = sel[:, ids], steps[:, ids], self["participation/budget"][:, ids].astype(float)
+        nonfinite = self["participation/nonfinite"][:, ids].sum(axis=0)
         late = self.data["participation/late"][:, ids] if "participation/late" in self.data else np.zeros_like(sel)
         cpu = (self.data["participation/cpu_percent"][:, ids] if "participation/cpu_percent" in self.data
                else np.full(sel.shape, np.nan))
@@ -199,6 +208,7 @@ class Run:
                              "fraction": float(np.nanmean(frac[mine, j])) if n else math.nan,
                              "inactive": float(np.mean(steps[mine, j] == 0)) if n else math.nan,
                              "late": float(np.mean(late[mine, j])) if n else math.nan,
+                             "nonfinite": int(nonfinite[j]),
                              "cpu_percent": float(np.nanmean(cpu[mine, j])) if n and np.isfinite(cpu[mine, j]).any()
                              else math.nan})
         return rows

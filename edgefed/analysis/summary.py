@@ -24,6 +24,11 @@ def summary_lines(run: Run, target: float | None = None) -> list[str]:
     lines.append(f"test accuracy: final {_num(run.final('test_accuracy'))}, best {_num(run.best('test_accuracy'))}; "
                  f"train loss: final {_num(run.final('train_loss'), '.6g')}; "
                  f"clock {_num(clock, '.3f')} s ({run.attrs.get('clock', 'measured')}), wall {run.wall_s():.2f} s")
+    dropped = run.nonfinite()
+    if dropped["reports"] or dropped["no_update"]:
+        lines.append(f"non-finite: {dropped['reports']} reports dropped as non-finite (NaN or infinity in the update) "
+                     f"in {dropped['rounds']} rounds; {dropped['no_update']} of {run.rounds} rounds applied no update"
+                     + (" (the model never moved from x_0)" if dropped["no_update"] == run.rounds else ""))
     part = run.partition()
     if part is not None:
         n, c = part["counts"].shape
@@ -54,11 +59,12 @@ def summary_lines(run: Run, target: float | None = None) -> list[str]:
         rounds, seconds = run.to_target(target)
         lines.append(f"to test accuracy {target:g}: " + ("never reached" if math.isnan(rounds) else
                                                            f"round {rounds:.0f}, clock {seconds:.3f} s"))
-    lines.append("device  selected  fraction  inactive   late  cpu %")
+    lines.append("device  selected  fraction  inactive   late  non-finite  cpu %")
     devices = run.devices(run.most_selected(DEVICE_ROWS))  # a large federation: not a million lines
     for d in devices:
         lines.append(f"{d['device']:>6}  {d['selected']:>8}  {_num(d['fraction'], '8.3f'):>8}  "
-                     f"{_num(d['inactive'], '8.1%'):>8}  {_num(d['late'], '5.1%'):>5}  {_num(d['cpu_percent'], '5.1f'):>5}")
+                     f"{_num(d['inactive'], '8.1%'):>8}  {_num(d['late'], '5.1%'):>5}  {d['nonfinite']:>10}  "
+                     f"{_num(d['cpu_percent'], '5.1f'):>5}")
     if len(devices) < run.attrs["n_devices"]:
         lines.append(f"(the {DEVICE_ROWS} devices selected most of {run.attrs['n_devices']}; edgefed export --csv "
                      "writes every device's rows)")

@@ -78,8 +78,11 @@ def apply_override(raw: dict, item: str) -> None:
         raise ConfigError(f"--set {item!r} is not KEY=VALUE; write it like --set train.local_steps=10")
     try:
         value = tomllib.loads(f"v = {text.strip()}")["v"]
-    except tomllib.TOMLDecodeError:
+    except tomllib.TOMLDecodeError as exc:
         value = text.strip()
+        if value[:1] in ("[", "{", '"', "'"):  # meant as TOML (a list, a table, a quoted string): say what is off
+            raise ConfigError(f"--set {item!r}: the value is not valid TOML ({exc}); e.g. --set "
+                              "'model.layers=[{type = \"dense\", out = 10}]'") from None
     set_key(raw, key, value)
 
 

@@ -56,7 +56,9 @@ DEFAULT_MU = 0.01  # FedProx's proximal weight: the middle of the paper's {0.001
 def _choice(value, choices, key: str) -> None:
     if value not in choices:
         hint = difflib.get_close_matches(str(value), [str(c) for c in choices], n=1)
-        fix = f"did you mean {hint[0]!r}?" if hint else f"choose one of {', '.join(map(repr, choices))}"
+        fix = f"choose one of {', '.join(map(repr, choices))}"
+        if hint and len(choices) > 4:  # (a short list is its own hint: float16 is not "almost float64")
+            fix = f"did you mean {hint[0]!r}? ({fix})"
         raise ConfigError(f"config: {key} = {value!r} is not known; {fix}")
 
 

@@ -71,6 +71,29 @@ class RunResult:
     best_test_accuracy: float
     best_round: int
     already_complete: bool = False
+    nonfinite: int = 0  # reports dropped as non-finite, over the whole run (resumed rounds too)
+    nonfinite_rounds: int = 0  # rounds in which any was
+    applied_rounds: int = 0  # rounds (server updates) that applied an update
+
+
+class Tally:
+    """What the run's last line says of the whole run: its reports dropped as non-finite and the rounds that
+    applied an update, counted round by round (and, on --resume, from the rounds the log holds)."""
+
+    def __init__(self, on_round, prefix: dict | None = None):
+        self.on_round = on_round
+        self.nonfinite = self.nonfinite_rounds = self.applied_rounds = 0
+        if prefix:
+            dropped = prefix["participation/nonfinite"].sum(axis=1)
+            self.nonfinite, self.nonfinite_rounds = int(dropped.sum()), int(np.count_nonzero(dropped))
+            self.applied_rounds = int(np.count_nonzero(prefix["metrics/n_applied"]))
+
+    def __call__(self, s) -> None:
+        self.nonfinite += s.n_dropped
+        self.nonfinite_rounds += bool(s.n_dropped)
+        self.applied_rounds += bool(s.n_applied)
+        if self.on_round is not None:
+            self.on_round(s)
 
 
 def default_log_path(config_path: str | None) -> Path:
@@ -585,13 +608,14 @@ def drive(setup: Setup, transport, log_path: Path, *, resume_point=None, on_roun
           on_warning=None) -> RunResult:
     """Open (or continue) the log and run the rounds through `transport`; the transport is closed after."""
     cfg = setup.cfg
+    if resume_point is not None and resume_point.fresh:
+        resume_point = None  # nothing was completed: start from the beginning, over the stub
+    tally = on_round = Tally(on_round, None if resume_point is None else resume_point.prefix)
     if on_warning is not None:
         on_round = DivergenceWatch(on_round, on_warning)
     if resume_point is not None and resume_point.complete:
         transport.close()
-        return _summary(log_path, resume_point.prefix, 0, 0.0, already_complete=True)
-    if resume_point is not None and resume_point.fresh:
-        resume_point = None  # nothing was completed: start from the beginning, over the stub
+        return _summary(log_path, resume_point.prefix, 0, 0.0, tally, already_complete=True)
     wall0 = time.perf_counter()
     with released_on_failure(log_path, resume_point):
         try:
@@ -617,7 +641,7 @@ def drive(setup: Setup, transport, log_path: Path, *, resume_point=None, on_roun
     transport.close()
     with open_run(log_path) as f:  # the two metrics, not the whole log (a large federation's is gigabytes)
         metrics = {name: f[name][()] for name in ("metrics/test_accuracy", "metrics/train_loss")}
-    return _summary(log_path, metrics, cfg.rounds - done, wall)
+    return _summary(log_path, metrics, cfg.rounds - done, wall, tally)
 
 
 @contextmanager
@@ -646,10 +670,11 @@ def run(cfg: Config, log_path: Path, *, resume_point=None, force: bool = False, 
     return drive(setup, transport, log_path, resume_point=resume_point, on_round=on_round, on_warning=on_info)
 
 
-def _summary(path, data: dict, rounds_run: int, wall: float, already_complete=False) -> RunResult:
+def _summary(path, data: dict, rounds_run: int, wall: float, tally: Tally, already_complete=False) -> RunResult:
     acc = data["metrics/test_accuracy"]
     loss = data["metrics/train_loss"]
     finite = np.where(np.isfinite(acc))[0]
     best = int(finite[np.argmax(acc[finite])]) if finite.size else 0
     return RunResult(Path(path), rounds_run, wall, float(loss[-1]), float(acc[-1]),
-                     float(acc[best]) if finite.size else math.nan, best, already_complete)
+                     float(acc[best]) if finite.size else math.nan, best, already_complete, tally.nonfinite,
+                     tally.nonfinite_rounds, tally.applied_rounds)

@@ -89,6 +89,14 @@ class ArraysSource(Source):
 
     @staticmethod
     def _open_npz(path: Path) -> dict:
+        if not zipfile.is_zipfile(path):  # (np.load would try it as a pickle, and advise allow_pickle)
+            try:
+                with open(path, "rb") as f:
+                    head = f.read(16)
+            except OSError as exc:
+                raise ProblemFileError(f"{path} cannot be read ({exc})") from None
+            raise ProblemFileError(f"{path} is not an .npz file (a zip of arrays, as numpy.savez writes it): it starts "
+                                   f"with {head!r}; write x_train and y_train with numpy.savez")
         try:
             archive = np.load(path, allow_pickle=False)
         except (OSError, ValueError, zipfile.BadZipFile) as exc:

@@ -18,7 +18,7 @@ import numpy as np
 
 from edgefed.errors import ConfigError
 from edgefed.problems.data import ClassificationData
-from edgefed.problems.partition import PARTITIONS, describe_partition, partition
+from edgefed.problems.partition import MIN_SAMPLES, PARTITIONS, describe_partition, partition
 from edgefed.rng import Purpose, generator
 
 NORMALIZE = ("none", "standard", "unit")
@@ -101,7 +101,11 @@ class PoolProblem:
             classes = cfg.classes or source.n_classes
             y_train = check_labels(y_train, classes, f"{source.name}: y_train")
             y_test = None if y_test is None else check_labels(y_test, classes, f"{source.name}: y_test")
-            found = max(int(y_train.max(initial=-1)), -1 if y_test is None else int(y_test.max(initial=-1))) + 1
+            found = int(y_train.max(initial=-1)) + 1  # the classes: what the devices train on
+            if classes is None and y_test is not None and y_test.size and int(y_test.max()) >= found:
+                raise ConfigError(f"{source.name}: y_test has the label {int(y_test.max())}, but y_train's labels "
+                                  f"run from 0 to {found - 1}: no device trains on that class; fix y_test, or set "
+                                  "data.classes if the class exists")
             self.n_classes = self.n_outputs = classes or found
         self.y_train, self.y_test = y_train, y_test
         train_parts, test_parts = self._partition()
@@ -132,8 +136,10 @@ class PoolProblem:
             parts = [np.sort(p) for p in np.split(order, cuts)[:n]]
             small = [k for k, p in enumerate(parts) if p.size < (1 if self.y_test is not None else 2)]
             if small:
-                raise ConfigError(f"{src.name}: device {small[0]} has {parts[small[0]].size} training samples "
-                                  "(natural partition); every device needs at least one to train"
+                k = small[0]
+                named = f"user {src.device_names[ids[k]]!r}" if src.device_names else f"device_train id {ids[k]}"
+                raise ConfigError(f"{src.name}: device {k} ({named}) has {parts[k].size} training "
+                                  "samples (natural partition); every device needs at least one to train"
                                   + ("" if self.y_test is not None else " and one to test"))
         else:
             if self.regression and kind != "iid":
@@ -141,6 +147,12 @@ class PoolProblem:
                                   '"iid" or "natural"')
             n = cfg.clients
             labels = self.y_train if not self.regression else np.zeros(self.y_train.shape[0], np.int64)
+            if labels.size < MIN_SAMPLES * n:  # not the partition's fault: too few samples for any partition
+                fix = (f"use at most {labels.size // MIN_SAMPLES} devices (data.clients) or give more samples"
+                       if labels.size >= MIN_SAMPLES else "give more samples")
+                need = "a device needs" if n == 1 else f"{n} devices need"
+                raise ConfigError(f"{src.name}: x_train holds {labels.size} samples, but {need} at least {MIN_SAMPLES} "
+                                  f"each; {fix}")
             parts, self.partition_draws = partition(kind, labels, n, self.seed, self.n_classes or 1,
                                                     cfg.dirichlet_alpha, min_size=cfg.min_partition_size)
         if self.y_test is None:  # no test samples in the file: each device holds out a share of its own
