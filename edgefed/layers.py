@@ -221,7 +221,8 @@ class _Walk:
 
     def __init__(self, input_shape: tuple, itemsize: int, memory=None):
         self.shape, self.order, self.itemsize = input_shape, None, itemsize
-        self.memory, self.where = memory, "config: model.layers"  # (bytes, what sets them) or None; the layer
+        self.memory = memory  # (bytes, what sets them) or None
+        self.where, self.fix = "config: model.layers", ""  # the layer being planned, and how to make it smaller
         self.region = 0  # where the current tensor starts in a sample's activations
         self.next_region = 0
         self.ops, self.slopes, self.perms = [], [], []
@@ -244,7 +245,7 @@ class _Walk:
             raise ResourceError(
                 f"{self.where} makes the model need at least {size_text(need)} of memory ({self.dim:,} parameters, "
                 f"{self.next_region + out_size:,} values per sample), more than {self.memory[1]}, "
-                f"{size_text(self.memory[0])}; make the layer smaller (out, kernel, padding)")
+                f"{size_text(self.memory[0])}; {self.fix}")
 
     def op(self, kind: int, out_size: int, **fields) -> np.ndarray:
         self.check_memory(out_size)
@@ -530,6 +531,8 @@ def build(layers, sample_shape: tuple, out_width: int, dtype, outputs_what: str 
     for i, layer in enumerate(layers):
         kind = layer["type"]
         walk.where = f"config: {name}[{i}] ({kind})"
+        sizes = [k for k in ("out", "kernel", "padding", "size") if k in TYPES[kind].settings]
+        walk.fix = f"make the layer smaller ({', '.join(sizes)})" if sizes else "make the layers before it smaller"
         TYPES[kind].plan(walk, layer, i, walk.where)
         walk.check_memory()
         shapes.append(walk.shape)

@@ -797,6 +797,7 @@ class ResumePoint:
     attrs: dict = field(default_factory=dict)  # the log's root attributes (e.g. the deadlines it ran with)
     restarts: tuple = ()  # the log's /launch/restarts
     fresh: bool = False  # no round completed (killed during start-up): the run starts from the beginning
+    n_train: np.ndarray | None = None  # /devices/n_train: what the run's data gave each device
 
 
 def read_resume_point(path: str | Path) -> ResumePoint:
@@ -834,8 +835,9 @@ def read_resume_point(path: str | Path) -> ResumePoint:
                 count = int(st["undo/count"][0])
                 rows = rows.updated(st["undo/ids"][:count], st[f"undo/{name}"][:count]).nonzero()
             state[name] = rows
+        n_train = f["devices/n_train"][()] if isinstance(f.get("devices/n_train"), h5py.Dataset) else None
         return ResumePoint(config_toml, done, state, prefix, f.attrs.get("status") == "complete",
-                           limits, dict(f.attrs), restarts)
+                           limits, dict(f.attrs), restarts, n_train=n_train)
 
 
 @dataclass(frozen=True)

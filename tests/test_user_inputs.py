@@ -201,6 +201,24 @@ def test_a_log_with_a_group_where_a_dataset_belongs_is_one_line_for_every_reader
     assert path.read_bytes() == before and not (tmp_path / "w.npz").exists()
 
 
+def test_a_resume_on_changed_data_is_refused_before_it_trains_on_other_samples(tmp_path):
+    """The log's per-device sample counts are the data's fingerprint: a file grown by four samples (or a
+    partition drawn otherwise, as a Dirichlet one redrawn under a new min_partition_size) is one line."""
+    from edgefed.errors import RunLogError
+
+    g = np.random.default_rng(0)
+    np.savez(tmp_path / "d.npz", x_train=g.normal(size=(60, 5)), y_train=g.integers(0, 3, 60))
+    cfg = config_mod.load_config(None, TINY + ['data.kind="arrays"', f'data.path="{tmp_path / "d.npz"}"',
+                                             'model.kind="logreg"'])
+    point = run_until(cfg, tmp_path / "r.h5", 1)
+    np.savez(tmp_path / "d.npz", x_train=g.normal(size=(64, 5)), y_train=g.integers(0, 3, 64))
+    before = (tmp_path / "r.h5").read_bytes()
+    with pytest.raises(RunLogError, match="device 0 trained on 13 samples in the log's run but its data now gives it "
+                                          "14: the data file or its partition changed"):
+        runs.run(cfg, tmp_path / "r.h5", resume_point=point)
+    assert (tmp_path / "r.h5").read_bytes() == before
+
+
 def test_leaf_users_without_samples_are_skipped_and_counted_in_the_first_line(tmp_path, capsys):
     folder = tmp_path / "leaf"
     _leaf(folder, {"x": [], "y": []})

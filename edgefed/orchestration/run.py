@@ -443,6 +443,21 @@ def released_on_failure(log_path: Path, resume_point):
         raise
 
 
+def _same_data(resume_point, n_train: np.ndarray) -> None:
+    """A resumed run must train on the data it started with: the devices' sample counts the log keeps are a
+    fingerprint of the data and its partition (a changed file, or a partition drawn otherwise)."""
+    logged = None if resume_point is None or resume_point.fresh else resume_point.n_train
+    if logged is None or np.array_equal(logged, n_train):
+        return
+    if logged.shape != n_train.shape:
+        raise RunLogError(f"--resume: the log's run had {logged.size} devices but its data now gives {n_train.size}; "
+                          "resume with the data the run started with")
+    k = int(np.flatnonzero(logged != n_train)[0])
+    raise RunLogError(f"--resume: device {k} trained on {int(logged[k])} samples in the log's run but its data now "
+                      f"gives it {int(n_train[k])}: the data file or its partition changed since the run started; "
+                      "resume with the data it started with, or start a new run")
+
+
 def plan(cfg: Config, log_path: Path, problems: dict | None = None) -> Setup:
     """Everything a new run checks before its first round (its files read as far as the run reads them, the
     model against the data, memory, disk, deadlines), with nothing written: what a sweep does for each of its
@@ -456,6 +471,7 @@ def _prepared(cfg: Config, log_path: Path, resume_point, on_info, config_toml: s
     if cfg.data.kind == "synthetic" and cfg.data.clients:  # N is known before its sizes are drawn (minutes at 10^7)
         check_memory(cfg, cfg.data.clients)
     problem, model = problem_and_model(cfg, problems)
+    _same_data(resume_point, problem.n_train)
     cfg = config_mod.with_clients(cfg, problem.n_devices)
     trace = _trace(cfg, problem)
     algorithm = build_algorithm(cfg)
