@@ -336,7 +336,8 @@ def test_misleading_messages_say_what_is_wrong(tmp_path, capsys):
         (_arrays(tmp_path, "natural.npz", x_train=g.normal(size=(11, 3)), y_train=np.arange(11) % 2,
                  device_train=device) + ['data.partition="natural"', "data.clients=6"],
          "device 5 (device_train id 7) has 1 training samples (natural partition)"),
-        (['model.dtype="float16"'], "model.dtype = 'float16' is not known; choose one of 'float32', 'float64'"),
+        (['model.dtype="float16"'], "model.dtype = 'float16' is not known; did you mean 'float64'? (choose one of "
+                                    "'float32', 'float64')"),
         (['model.kind="sequential"', 'model.layers=[{type="dense", out=10}'],
          "the value is not valid TOML (Unclosed array"),
         (['model.kind="sequential"', "model.layers=[{out=10}]"], "model.layers[0] has no type; give one"),

@@ -57,7 +57,7 @@ def _choice(value, choices, key: str) -> None:
     if value not in choices:
         hint = difflib.get_close_matches(str(value), [str(c) for c in choices], n=1)
         fix = f"choose one of {', '.join(map(repr, choices))}"
-        if hint and len(choices) > 4:  # (a short list is its own hint: float16 is not "almost float64")
+        if hint:  # (and the list: float16 is not a typo of float64, and there is no float16)
             fix = f"did you mean {hint[0]!r}? ({fix})"
         raise ConfigError(f"config: {key} = {value!r} is not known; {fix}")
 
