@@ -102,6 +102,12 @@ def test_bad_config_under_mpi_is_one_line_and_exit_2(tmp_path):
     unwritable = edgefed(["run", good, "--out", str(blocker / "r.h5")], 2, timeout=120)
     lines = [line for line in unwritable.stderr.splitlines() if line.strip()]
     assert unwritable.returncode == 2 and len(lines) == 1 and "is not a writable folder" in lines[0]
+    huge = write(tmp_path, "h.toml", SMALL + '[model]\nkind = "sequential"\nlayers = [{type = "dense", out = '
+                                              '1000000000}, {type = "dense", out = 10}]\n')
+    done = edgefed(["run", huge, "--out", str(tmp_path / "h.h5")], 2, timeout=120)  # (was a traceback, exit 3)
+    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    assert done.returncode == 2 and len(lines) == 1 and "model.layers[0] (dense) makes the model need" in lines[0]
+    assert not (tmp_path / "h.h5").exists()
 
 
 DEADLINE = """rounds = 5
