@@ -662,6 +662,11 @@ def _lacks(path, exc: KeyError, what: str) -> RunLogError:
     return RunLogError(f"{path} lacks {exc.args[0]}; it is not {what}")
 
 
+SCHEMA_DATASETS = tuple(c.path for c in columns(1, 1, np.float32)) + (
+    "devices/n_train", "devices/label_counts", "state/round", "state/x", "state/undo/round", "state/undo/count",
+    "state/undo/ids")  # every log's (an older one may lack some)
+
+
 def _require_datasets(f: h5py.File, path, names, missing_ok: bool = False) -> None:
     """A log whose expected dataset is missing (unless missing_ok), or a group in its place, is refused in one
     line (what a resume reads must be there: failing half-way would leave the run neither resumed nor as it
@@ -670,14 +675,16 @@ def _require_datasets(f: h5py.File, path, names, missing_ok: bool = False) -> No
         found = f.get(name)
         if not isinstance(found, h5py.Dataset) and not (missing_ok and found is None):
             what = "lacks" if found is None else "has a group, not a dataset, at"
-            raise RunLogError(f"{path} {what} {name}; it is not a resumable edgefed log (or it is damaged)")
+            raise RunLogError(f"{path} {what} {name}; it is not an edgefed run log (or it is damaged)")
 
 
 @contextlib.contextmanager
 def reading(path: str | Path):
-    """open_run for a read that ends with the file: h5py's errors of a damaged file become one RunLogError."""
+    """open_run for a read that ends with the file: h5py's errors of a damaged file become one RunLogError, and
+    a group where the schema has a dataset is refused before anything reads it."""
     f = open_run(path)
     try:
+        _require_datasets(f, path, SCHEMA_DATASETS, missing_ok=True)
         yield f
     except (OSError, RuntimeError) as exc:  # what h5py raises for bytes that are not what the metadata says
         raise _damaged(path, exc) from None
@@ -809,8 +816,6 @@ def read_resume_point(path: str | Path) -> ResumePoint:
         _require_datasets(f, path, ["state/round", "trajectory/round", "state/undo/round", "state/undo/count",
                                     "state/undo/ids", *(f"state/{name}" for name in
                                                         str(f["state"].attrs.get("slots", "x")).split(","))])
-        _require_datasets(f, path, [c.path for c in columns(1, 1, np.float32)], missing_ok=True)  # (an older log
-        # lacks the newer columns: a resume pads them)
         done = int(f["state/round"][0])
         stored = f["trajectory/round"][()]
         if done < 0:  # created, killed before round 0 was written: start from the beginning
