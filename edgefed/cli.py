@@ -177,7 +177,12 @@ def _resolve(args):
 
 
 def _info(line: str) -> None:
-    print(line, flush=True)
+    """One line to standard output; when its reader has left (`edgefed run | head -1`) the work goes on and the
+    rest of its lines go nowhere."""
+    try:
+        print(line, flush=True)
+    except BrokenPipeError:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
 
 
 def _error(message: str) -> None:
@@ -185,7 +190,7 @@ def _error(message: str) -> None:
 
 
 def _progress(quiet: bool):
-    return None if quiet else (lambda s: print(progress_line(s), flush=True))
+    return None if quiet else (lambda s: _info(progress_line(s)))
 
 
 def _launch_context(args):
@@ -220,7 +225,8 @@ def cmd_run(args) -> int:
         dropped = (f"; {result.nonfinite} reports dropped as non-finite (NaN or infinity) in "
                    f"{result.nonfinite_rounds} rounds")
     if not result.applied_rounds:
-        cure = " (a smaller train.lr_local usually cures it)" if result.nonfinite else ""
+        cure = (" (a diverging run wants a smaller train.lr_local; a model whose output is NaN, a fix)"
+                if result.nonfinite else "")
         dropped += f"; no update was ever applied: the model is still x_0{cure}"
     print(f"done: {result.rounds_run} rounds in {result.wall_s:.1f} s; final train loss "
           f"{result.final_train_loss:.6g}{test}{dropped}; log {path}")
@@ -321,14 +327,17 @@ def cmd_profile(args) -> int:
     def prepare(hosts):
         specs = [] if args.models is None and args.config else _names(args.models or "logreg,mlp,cnn",
                                                                          hwprofile.MODELS, "models")
+        reads = []
         if args.config:
-            from edgefed.config import load_config
+            from edgefed.config import files_read, load_config
 
-            load_config(args.config)  # bad input ends here, before anything is measured
+            reads = [("the config file", args.config)] + [  # (bad input ends here) its data and module; the
+                (what, path) for what, path in files_read(load_config(args.config))  # profile it names is what
+                if "device." not in what]  # a profile of this machine may well be meant to become
             specs.append(profiling.CONFIG + str(Path(args.config).resolve()))
-        return specs, profiling.profile_targets(args.out, hosts, args.force, [("the config file", args.config)])
+        return specs, profiling.profile_targets(args.out, hosts, args.force, reads)
 
-    measured = profiling.profile_hosts(world(), prepare, not args.no_cold, lambda line: print(line, flush=True))
+    measured = profiling.profile_hosts(world(), prepare, not args.no_cold, _info)
     if isinstance(measured, int):
         return measured
     for (host, path), profile in measured:
@@ -362,11 +371,18 @@ def cmd_export(args) -> int:
     if args.round is not None and not args.weights:
         raise EdgefedError("--round picks the model --weights writes; add --weights OUT.npz")
     reads = [("the run log", args.log)]
+    if args.weights and args.csv and Path(args.weights).resolve() == Path(args.csv).resolve():
+        raise EdgefedError(f"--weights and --csv both name {args.csv}; give the weights a file and the tables a folder")
     if args.weights:
         check_output(args.weights, force=args.force, inputs=reads, flag="--weights", example="model.npz")
     if args.csv:
         check_folder(args.csv, CSV_FILES, force=args.force, inputs=reads, flag="--csv")
     run = Run.read(args.log)
+    if args.csv:  # made before anything is written: a folder that cannot be made leaves no weights behind
+        try:
+            Path(args.csv).mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise EdgefedError(f"cannot write CSV into {args.csv} ({exc}); choose another --csv folder") from None
     if args.weights:
         round_idx, module = export_weights(run, Path(args.weights), args.round)
         print(f"wrote {args.weights}: the server model after round {round_idx}, as the state_dict of\n{module}\n"
@@ -392,7 +408,7 @@ def cmd_sweep(args) -> int:
     if args.jobs < 1:
         raise EdgefedError(f"-j {args.jobs}: give at least 1 experiment at a time")
     try:
-        return run_sweep(Path(args.file), Path(args.out), args.jobs, on_line=lambda line: print(line, flush=True),
+        return run_sweep(Path(args.file), Path(args.out), args.jobs, on_line=_info,
                          live=sys.stdout.isatty())
     except KeyboardInterrupt:
         print("edgefed: sweep interrupted; the same command continues it (complete runs are kept, the "

@@ -1,6 +1,7 @@
 """One error hierarchy; the CLI turns any of these into a one-line message and exit code 2. Anything else is a
 bug: one line too (internal_error), with its traceback only when debugging (--debug or EDGEFED_DEBUG=1)."""
 
+import contextlib
 import os
 import traceback
 
@@ -66,12 +67,26 @@ def debugging() -> bool:
     return os.environ.get(DEBUG_ENV, "") not in ("", "0")
 
 
+@contextlib.contextmanager
+def reading(path):
+    """Around the reading of a file: an exception edgefed did not expect (a bug, or a file damaged in a way no
+    check foresaw) leaves it named the file, which internal_error says."""
+    try:
+        yield
+    except Exception as exc:
+        if not isinstance(exc, EdgefedError) and not hasattr(exc, "edgefed_file"):
+            exc.edgefed_file = str(path)
+        raise
+
+
 def internal_error(exc: BaseException, command: str = "") -> str:
-    """What a user sees of an exception edgefed did not expect: one line naming it and the command, and how to
-    get the traceback to report; under debugging, the traceback follows."""
+    """What a user sees of an exception edgefed did not expect: one line naming it, the file it was reading
+    (when known) and the command, and how to get the traceback to report; under debugging, the traceback
+    follows."""
     text = str(exc).strip().splitlines()
     what = f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
-    where = f" in `{command}`" if command else ""
+    file = getattr(exc, "edgefed_file", None)
+    where = (f" reading {file}" if file else "") + (f" in `{command}`" if command else "")
     if debugging():
         return f"internal error{where}: {what}\n" + "".join(traceback.format_exception(exc)).rstrip()
     return (f"internal error{where}: {what}; this is a bug in edgefed, not in your input: run the command again with "

@@ -280,9 +280,10 @@ def build_model(model, problem, seed: int = 0, memory: tuple[int, str] | None = 
 
         return TorchModel(model.module, model.factory, problem.sample_shape, problem.n_outputs, dtype, seed, model.loss)
     if model.kind == "sequential":
+        what = "classes" if model.loss == "cross_entropy" else "target values"
+        note = getattr(problem, "classes_note", "")
         network = layer_lib.build(model.layers, problem.sample_shape, problem.n_outputs, dtype,
-                                  "classes" if model.loss == "cross_entropy" else "target values", memory=memory,
-                                  rows=rows)
+                                  f"{what} ({note})" if note else what, memory=memory, rows=rows)
         return Sequential(network, dtype, seed, model.init or "pytorch", model.loss, "sequential")
     built = Sequential.builtin(model.kind, problem.sample_shape, problem.n_outputs, dtype, seed, model.hidden, memory,
                                rows)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import numbers
 import datetime
 import functools
 import os
@@ -41,6 +42,7 @@ except ImportError:  # pragma: no cover - Windows
 from edgefed import __version__
 from edgefed.algorithms.base import DeviceRows, nonzero_rows
 from edgefed.errors import ResourceError, RunLogError
+from edgefed.errors import reading as errors_reading
 from edgefed.memory import size_text  # noqa: F401 - re-exported for readers of logs
 
 FORMAT = "edgefed-run"
@@ -662,6 +664,30 @@ def _lacks(path, exc: KeyError, what: str) -> RunLogError:
     return RunLogError(f"{path} lacks {exc.args[0]}; it is not {what}")
 
 
+def nonfinite_counts(data) -> dict:
+    """Of a log's rounds (its datasets by name; an older log may lack them): the reports dropped as non-finite
+    in all, the rounds in which any were, and the rounds that applied no update."""
+    nonfinite, applied = data.get("participation/nonfinite"), data.get("metrics/n_applied")
+    dropped = np.zeros(0, np.int64) if nonfinite is None else np.asarray(nonfinite).sum(axis=1)
+    return {"reports": int(dropped.sum()), "rounds": int(np.count_nonzero(dropped)),
+            "no_update": 0 if applied is None else int(np.count_nonzero(np.asarray(applied) == 0))}
+
+
+ATTR_TYPES = {"rounds": numbers.Integral, "n_devices": numbers.Integral, "dim": numbers.Integral,
+              "seed": numbers.Integral, "config": str, "status": str}  # root attributes every reader relies on
+
+
+def root_attrs(f: h5py.File, path) -> dict:
+    """The log's root attributes, those every reader relies on checked for their types (a damaged or foreign
+    file is one line, not a failure wherever it is first used)."""
+    attrs = dict(f.attrs)
+    for key, kind in ATTR_TYPES.items():
+        if key in attrs and not isinstance(attrs[key], kind):
+            raise RunLogError(f"{path}: its attribute {key} is {attrs[key]!r}, not {'an integer' if kind is not str else 'text'}"
+                              "; it is not an edgefed run log (or it is damaged)")
+    return attrs
+
+
 SCHEMA_DATASETS = tuple(c.path for c in columns(1, 1, np.float32)) + (
     "devices/n_train", "devices/label_counts", "state/round", "state/x", "state/undo/round", "state/undo/count",
     "state/undo/ids")  # every log's (an older one may lack some)
@@ -684,8 +710,9 @@ def reading(path: str | Path):
     a group where the schema has a dataset is refused before anything reads it."""
     f = open_run(path)
     try:
-        _require_datasets(f, path, SCHEMA_DATASETS, missing_ok=True)
-        yield f
+        with errors_reading(path):
+            _require_datasets(f, path, SCHEMA_DATASETS, missing_ok=True)
+            yield f
     except (OSError, RuntimeError) as exc:  # what h5py raises for bytes that are not what the metadata says
         raise _damaged(path, exc) from None
     except KeyError as exc:
@@ -735,7 +762,7 @@ def read_run(path: str | Path, state: bool = True) -> dict:
     are left out), so every dataset agrees on the rounds. state=False leaves /state out (what only --resume
     needs: at a million devices its per-device rows read whole are gigabytes of zeros)."""
     with reading(path) as f:
-        out = {"attrs": dict(f.attrs)}
+        out = {"attrs": root_attrs(f, path)}
         limits = _completed(f)
         for name in _dataset_names(f, state):
             out[name] = _take(f[name], limits)
@@ -749,7 +776,7 @@ class LazyRun(Mapping):
     def __init__(self, path: str | Path):
         self.path = Path(path)
         with reading(path) as f:
-            self._data = {"attrs": dict(f.attrs)}
+            self._data = {"attrs": root_attrs(f, path)}
             self._limits = _completed(f)
             self._names = _dataset_names(f, state=False)
 
@@ -812,14 +839,16 @@ def read_resume_point(path: str | Path) -> ResumePoint:
     with reading(path) as f:
         config_toml, restarts = str(f.attrs.get("config", "")), _read_restarts(f)
         if "state" not in f and f.attrs.get("status") == "starting":  # a stub: killed before its first round
-            return ResumePoint(config_toml, 0, {}, {}, False, attrs=dict(f.attrs), restarts=restarts, fresh=True)
+            return ResumePoint(config_toml, 0, {}, {}, False, attrs=root_attrs(f, path), restarts=restarts,
+                               fresh=True)
         _require_datasets(f, path, ["state/round", "trajectory/round", "state/undo/round", "state/undo/count",
                                     "state/undo/ids", *(f"state/{name}" for name in
                                                         str(f["state"].attrs.get("slots", "x")).split(","))])
         done = int(f["state/round"][0])
         stored = f["trajectory/round"][()]
         if done < 0:  # created, killed before round 0 was written: start from the beginning
-            return ResumePoint(config_toml, 0, {}, {}, False, attrs=dict(f.attrs), restarts=restarts, fresh=True)
+            return ResumePoint(config_toml, 0, {}, {}, False, attrs=root_attrs(f, path), restarts=restarts,
+                               fresh=True)
         n_stored = int(np.searchsorted(stored, done, side="right"))
         limits = {"round": done, "round+1": done + 1, "stored": n_stored}
         prefix = {}
@@ -842,7 +871,7 @@ def read_resume_point(path: str | Path) -> ResumePoint:
             state[name] = rows
         n_train = f["devices/n_train"][()] if isinstance(f.get("devices/n_train"), h5py.Dataset) else None
         return ResumePoint(config_toml, done, state, prefix, f.attrs.get("status") == "complete",
-                           limits, dict(f.attrs), restarts, n_train=n_train)
+                           limits, root_attrs(f, path), restarts, n_train=n_train)
 
 
 @dataclass(frozen=True)

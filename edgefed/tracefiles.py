@@ -82,7 +82,15 @@ def write_trace_file(path: str | Path, names, fractions: np.ndarray, meta: dict)
     """fractions: (rounds, traces) completed fractions."""
     lines = [FORMAT_LINE] + [f"# {k}: {v}" for k, v in meta.items()] + [",".join(names)]
     lines += [",".join(f"{v:.4f}" for v in row) for row in np.asarray(fractions)]
-    Path(path).write_text("\n".join(lines) + "\n", encoding="utf-8")
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:  # whole or not at all: a trace recorded for minutes is not lost to a half-written file
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_text("\n".join(lines) + "\n", encoding="utf-8")
+        tmp.replace(path)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        raise ConfigError(f"cannot write trace file {path} ({exc}); choose another --out") from None
 
 
 def sampled_traces(spec, seed: int, n_devices: int) -> SampledTraces:

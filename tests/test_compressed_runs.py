@@ -169,7 +169,7 @@ def test_a_smaller_update_leaves_more_of_a_round_deadline_for_steps(tmp_path):
 
 
 @pytest.mark.parametrize("key,value,message", [
-    ("uplink", "int4", r"compress.uplink = 'int4' is not known; did you mean 'int8'\?"),
+    ("uplink", "int4", r"compress.uplink = 'int4' is not known; choose one of 'none', "),
     ("downlink", "gzip", r"compress.downlink = 'gzip' is not known; choose one of 'none', 'fp16', 'int8', 'topk'"),
     ("topk_fraction", 0.0, r"compress.topk_fraction = 0.0 must lie in \(0, 1\]"),
     ("error_feedback", True, r"compress.error_feedback = true needs a lossy compress.uplink"),

@@ -142,7 +142,7 @@ def test_dirichlet_draws_again_until_every_device_holds_min_partition_size():
 
 
 def test_a_dirichlet_partition_no_draw_fits_is_refused_in_one_line():
-    labels = np.repeat(np.arange(4), 10)  # 40 samples cannot give 8 devices 10 each
+    labels = np.repeat(np.arange(4), 20)  # 80 samples: 8 devices of 10 each would take an exactly even draw
     with pytest.raises(ConfigError) as err:
         partition("dirichlet", labels, 8, 0, 4, 0.5, min_size=10)
     best = int(re.search(r"left a device with (\d+) samples at best", str(err.value))[1])
@@ -150,9 +150,12 @@ def test_a_dirichlet_partition_no_draw_fits_is_refused_in_one_line():
         f'config: data.partition = "dirichlet" with dirichlet_alpha = 0.5 over 8 devices left a device with {best} '
         f"samples at best in {DIRICHLET_DRAWS} draws, below data.min_partition_size = 10; raise dirichlet_alpha, use "
         "fewer devices (data.clients), or lower min_partition_size")
-    assert 2 < best < 10  # the best draw's smallest device, better than the first draw's (2)
-    assert min(p.size for p in dirichlet_first_draw(labels, 8, 0, 4, 0.5)) == 2
+    first = min(p.size for p in dirichlet_first_draw(labels, 8, 0, 4, 0.5))
+    assert first < best < 10  # the best draw's smallest device, better than the first draw's
     assert min(p.size for p in partition("dirichlet", labels, 8, 0, 4, 0.5, min_size=best).parts) == best
+    with pytest.raises(ConfigError, match=r'"dirichlet" cannot give 8 devices 10 samples each \(data.min_partition_size'
+                                          r"\) from 40; use at most 4 devices"):  # (at once: no draw is tried)
+        partition("dirichlet", labels[:40], 8, 0, 4, 0.5, min_size=10)
 
 
 def test_the_log_records_the_dirichlet_partitions_draws(tmp_path, run_experiment):

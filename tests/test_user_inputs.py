@@ -46,6 +46,7 @@ def logs(tmp_path_factory):
     g = np.random.default_rng(0)
     np.savez(folder / "data.npz", x_train=g.normal(size=(40, 5)).astype(np.float32), y_train=g.integers(0, 3, 40))
     (folder / "run.toml").write_text("rounds = 2\n")
+    (folder / "data.toml").write_text(f'[data]\nkind = "arrays"\npath = "{folder / "data.npz"}"\n[model]\nkind = "logreg"\n')
     return folder
 
 
@@ -60,13 +61,15 @@ WRITERS = {  # verb -> (args with OUT for its output, the file it reads that OUT
     "trace record": (["trace", "record", "--names", "a", "--rounds", "1", "--local-steps", "2", "--deadline-s",
                       "1", "--out", "{out}", "--quiet"], None),
     "profile": (["profile", "--config", "{toml}", "--no-cold", "--out", "{out}"], "{toml}"),
+    "profile data": (["profile", "--config", "{datatoml}", "--models", "logreg", "--no-cold", "--out", "{out}"],
+                     "{data}"),
 }
 
 
 @pytest.mark.parametrize("verb", sorted(WRITERS))
 def test_no_verb_replaces_a_file_without_force_nor_its_own_input_with_it(logs, tmp_path, capsys, verb):
     args, own = WRITERS[verb]
-    names = {"a": logs / "a.h5", "toml": logs / "run.toml", "data": logs / "data.npz"}
+    names = {"a": logs / "a.h5", "toml": logs / "run.toml", "data": logs / "data.npz", "datatoml": logs / "data.toml"}
     before = digest(logs)
 
     def call(out, *more):
@@ -89,6 +92,31 @@ def test_no_verb_replaces_a_file_without_force_nor_its_own_input_with_it(logs, t
         code, given = call(own.format(**names), "--force")
         assert "which this command reads; it is never written over, even with --force" in one_line(capsys, code, given)
     assert digest(logs) == before
+
+
+def test_outputs_inside_a_data_folder_a_foreign_table_and_one_path_for_two_outputs_write_nothing(logs, tmp_path,
+                                                                                                 capsys):
+    leaf = tmp_path / "leaf"
+    _leaf(leaf, {"x": [[0.0, 1.0, 2.0]] * 2, "y": [0, 1]})
+    before = digest(tmp_path)
+    cases = [(["run", *sets(TINY + ['data.kind="leaf"', f'data.path="{leaf}"', "data.clients=2"]), "--out",
+               str(leaf / "train" / "a.json"), "--force", "--quiet"], f"is in {leaf}, the data.path folder, which this "
+                                                                       "command reads"),
+             (["export", str(logs / "a.h5"), "--weights", str(tmp_path / "x"), "--csv", str(tmp_path / "x")],
+              "--weights and --csv both name"),
+             (["export", str(logs / "a.h5"), "--weights", str(tmp_path / "w.npz"), "--csv", "/proc/csv"],
+              "/proc is not a writable folder; choose another --csv"),
+             (["trace", "record", "--names", "a", "--rounds", "1", "--local-steps", "1", "--out", "/proc/t.csv"],
+              "/proc is not a writable folder")]
+    (tmp_path / "sweep").mkdir()
+    (tmp_path / "sweep" / "summary.csv").write_text("mine\n")
+    (tmp_path / "sweep.toml").write_text('[set]\nrounds = 1\n')
+    cases.append((["sweep", str(tmp_path / "sweep.toml"), "--out", str(tmp_path / "sweep")],
+                  "summary.csv is there and is not a sweep's table; it is never replaced"))
+    before = digest(tmp_path)
+    for args, message in cases:
+        assert message in one_line(capsys, main(args), args)
+    assert digest(tmp_path) == before and not (tmp_path / "w.npz").exists()
 
 
 def test_export_of_a_folder_or_its_own_log_writes_nothing_and_force_replaces_another_file(logs, tmp_path, capsys):
@@ -299,7 +327,7 @@ def test_a_run_whose_updates_are_all_non_finite_says_so_to_the_end(tmp_path, cap
     assert all("non-finite 2 dropped  no update" in line for line in out if line.startswith("round ") and
                not line.startswith("round 0"))
     assert ("4 reports dropped as non-finite (NaN or infinity) in 2 rounds; no update was ever applied: the model "
-            "is still x_0 (a smaller train.lr_local usually cures it)") in out[-1]
+            "is still x_0 (a diverging run wants a smaller train.lr_local") in out[-1]
     assert main(["summary", str(tmp_path / "r.h5")]) == 0
     summary = capsys.readouterr().out.splitlines()
     assert ("non-finite: 4 reports dropped as non-finite (NaN or infinity in the update) in 2 rounds; 2 of 2 rounds "
@@ -331,13 +359,14 @@ def test_misleading_messages_say_what_is_wrong(tmp_path, capsys):
         (_arrays(tmp_path, "one.npz", x_train=np.zeros((1, 4), np.float32), y_train=np.zeros(1, int)) + one,
          "one.npz: x_train holds 1 samples, but a device needs at least 2 each; give more samples"),
         (_arrays(tmp_path, "test109.npz", x_train=digits["x_train"], y_train=digits["y_train"],
-                 x_test=digits["x_test"], y_test=y_test),
-         "y_test has the label 109, but y_train's labels run from 0 to 9: no device trains on that class"),
+                 x_test=digits["x_test"], y_test=y_test) + ['model.kind="sequential"',
+                                                            'model.layers=[{type="flatten"}, {type="dense", out=10}]'],
+         "ends with 10 outputs but the data has 110 classes (the largest label, 109, is y_test's; y_train's run "
+         "0..9: fix y_test if it is wrong); give the last layer out = 110"),
         (_arrays(tmp_path, "natural.npz", x_train=g.normal(size=(11, 3)), y_train=np.arange(11) % 2,
                  device_train=device) + ['data.partition="natural"', "data.clients=6"],
          "device 5 (device_train id 7) has 1 training samples (natural partition)"),
-        (['model.dtype="float16"'], "model.dtype = 'float16' is not known; did you mean 'float64'? (choose one of "
-                                    "'float32', 'float64')"),
+        (['model.dtype="float16"'], "model.dtype = 'float16' is not known; choose one of 'float32', 'float64'"),
         (['model.kind="sequential"', 'model.layers=[{type="dense", out=10}'],
          "the value is not valid TOML (Unclosed array"),
         (['model.kind="sequential"', "model.layers=[{out=10}]"], "model.layers[0] has no type; give one"),

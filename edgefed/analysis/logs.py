@@ -15,7 +15,7 @@ import numpy as np
 
 from edgefed import config as config_mod
 from edgefed.errors import EdgefedError, RunLogError
-from edgefed.runlog import LazyRun, no_round_yet
+from edgefed.runlog import LazyRun, no_round_yet, nonfinite_counts
 
 
 @dataclass(frozen=True)
@@ -182,10 +182,7 @@ class Run:
     def nonfinite(self) -> dict:
         """Reports dropped as non-finite (NaN or infinity in an update) in all, the rounds in which any were,
         and the rounds that applied no update."""
-        dropped = self["participation/nonfinite"].sum(axis=1)
-        applied = self.data.get("metrics/n_applied")
-        return {"reports": int(dropped.sum()), "rounds": int(np.count_nonzero(dropped)),
-                "no_update": 0 if applied is None else int(np.count_nonzero(np.asarray(applied) == 0))}
+        return nonfinite_counts(self.data)
 
     def devices(self, ids=None) -> list[dict]:
         """Per device (these ids, ascending; by default all): rounds selected, mean completed fraction,

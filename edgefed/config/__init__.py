@@ -6,16 +6,17 @@ effective config as TOML (stored in every run log) and the comparison `--resume`
 """
 
 from edgefed.config.reading import (FILE_KEYS, absolute_path, absolute_paths, apply_override, config_from_dict,
-                                    files_read, load_config, parse_toml, read_toml, set_key)
+                                    files_read, load_config, parse_toml, read_toml, set_key, stored_config)
 from edgefed.config.schema import (ArrivalConfig, Config, DataConfig, DepartureConfig, DeviceConfig, DynamicsConfig,
                                    FaultConfig, FedProxConfig, LogConfig, ModelConfig, MpiConfig, ParticipationConfig,
                                    ScaffoldConfig, TrainConfig)
 from edgefed.config.validation import check_clients_per_round, validate, with_clients
 from edgefed.config.schema import rank_timeout
-from edgefed.config.writing import dict_differences, same_experiment, to_dict, to_toml, with_placement
+from edgefed.config.writing import (dict_differences, log_differences, same_experiment, to_dict, to_toml,
+                                   with_placement)
 
 __all__ = ["FILE_KEYS", "absolute_path", "absolute_paths", "ArrivalConfig", "Config", "DataConfig", "DepartureConfig", "DeviceConfig", "DynamicsConfig", "FaultConfig", "FedProxConfig",
            "LogConfig", "ModelConfig", "MpiConfig", "ParticipationConfig", "ScaffoldConfig", "TrainConfig",
            "apply_override", "check_clients_per_round", "config_from_dict", "files_read", "load_config", "parse_toml", "read_toml",
-           "dict_differences", "rank_timeout", "same_experiment", "set_key", "to_dict", "to_toml", "validate", "with_clients",
+           "dict_differences", "log_differences", "rank_timeout", "same_experiment", "set_key", "stored_config", "to_dict", "to_toml", "validate", "with_clients",
            "with_placement"]

@@ -30,13 +30,14 @@ FILE_KEYS = ("model.module",)  # files a config names relative to itself
 
 
 def files_read(cfg) -> list[tuple[str, str]]:
-    """(what, path) of every file a run of this config reads, so that no output of the run is written over
-    one of them (outputs.check_output)."""
+    """(what, path) of every file and folder a run of this config reads, so that no output of the run is
+    written over one of them (outputs.check_output)."""
     named = [("data.path", cfg.data.path), ("model.module", cfg.model.module), ("device.profile", cfg.device.profile),
              *(("device.boards", board) for board in cfg.device.boards)]
     trace = cfg.participation.trace
     named += [("participation.trace", trace)] if isinstance(trace, str) else []
-    return [(f"the {key} file", value) for key, value in named if isinstance(value, str) and Path(value).is_file()]
+    return [(f"the {key} {'folder' if Path(value).is_dir() else 'file'}", value) for key, value in named
+            if isinstance(value, str) and Path(value).exists()]
 
 
 def absolute_path(value, base: Path):
@@ -70,6 +71,22 @@ def parse_toml(text: str, source: str = "config") -> dict:
         raise ConfigError(f"{source} is not valid TOML: {exc}") from None
 
 
+# keys a run log's stored config may predate, and the behaviour runs had before each existed
+PREDATED = {("data", "min_partition_size"): 2}
+
+
+def stored_config(text: str, source: str) -> tuple[dict, list[str]]:
+    """A config stored in a run log, as TOML data, with the keys it predates set as its run behaved (every log
+    stores every key, so a missing one is one the log is older than); and those keys (table.key)."""
+    raw = parse_toml(text, source)
+    predated = []
+    for (table, key), value in PREDATED.items():
+        if isinstance(raw.get(table), dict) and key not in raw[table]:
+            raw[table][key] = value
+            predated.append(f"{table}.{key}")
+    return raw, predated
+
+
 def apply_override(raw: dict, item: str) -> None:
     """`train.local_steps=10`: the value is read as TOML, or taken as a bare string if it is not TOML."""
     key, sep, text = item.partition("=")
@@ -81,8 +98,8 @@ def apply_override(raw: dict, item: str) -> None:
     except tomllib.TOMLDecodeError as exc:
         value = text.strip()
         if value[:1] in ("[", "{", '"', "'"):  # meant as TOML (a list, a table, a quoted string): say what is off
-            raise ConfigError(f"--set {item!r}: the value is not valid TOML ({exc}); e.g. --set "
-                              "'model.layers=[{type = \"dense\", out = 10}]'") from None
+            raise ConfigError(f"--set {item!r}: the value is not valid TOML ({exc}); write strings in quotes, "
+                              "lists in [ ] and tables in { }, e.g. --set 'data.kind=\"arrays\"'") from None
     set_key(raw, key, value)
 
 

@@ -57,9 +57,15 @@ def _choice(value, choices, key: str) -> None:
     if value not in choices:
         hint = difflib.get_close_matches(str(value), [str(c) for c in choices], n=1)
         fix = f"choose one of {', '.join(map(repr, choices))}"
-        if hint:  # (and the list: float16 is not a typo of float64, and there is no float16)
+        if hint and not _other_number(str(value), hint[0]):  # (float16 is no typo of float64: there is no float16)
             fix = f"did you mean {hint[0]!r}? ({fix})"
         raise ConfigError(f"config: {key} = {value!r} is not known; {fix}")
+
+
+def _other_number(a: str, b: str) -> bool:
+    """Whether two names differ in their numbers alone (float16 and float64, int4 and int8)."""
+    letters = lambda text: "".join(ch for ch in text if not ch.isdigit())  # noqa: E731
+    return a != b and letters(a) == letters(b)
 
 
 def _positive(value, key: str, example: str) -> None:

@@ -49,6 +49,21 @@ def same_experiment(a: Config, b: Config) -> list[str]:
     return [key for key, _ in dict_differences(da, db)]
 
 
+def log_differences(given: Config, config_toml: str, source: str) -> tuple[Config, list[str]]:
+    """(the config stored in a log, the keys where `given` runs another experiment). A key the log predates
+    that `given` leaves at its default is not a difference: the log's run keeps the behaviour it had."""
+    from edgefed.config.reading import config_from_dict, stored_config
+
+    raw, predated = stored_config(config_toml, source)
+    logged = config_from_dict(raw)
+    defaults = to_dict(Config())
+    mine = to_dict(given)
+    diffs = [key for key in same_experiment(given, logged)
+             if not (key in predated and mine.get(key.split(".")[0], {}).get(key.split(".")[1])
+                     == defaults.get(key.split(".")[0], {}).get(key.split(".")[1]))]
+    return logged, diffs
+
+
 def dict_differences(a: dict, b: dict) -> list[tuple[str, object]]:
     """(table.key, a's value) of every key whose value differs between two configs as TOML data."""
     out = []

@@ -335,9 +335,6 @@ def profile_targets(out: str | None, hosts: list[str], force: bool, inputs=()) -
     targets = [(h, Path(out.replace("{host}", h))) for h in hosts]
     for _, path in targets:
         check_output(path, force=force, inputs=inputs, example="board.toml")
-        folder = next((p for p in (path.parent, *path.parent.parents) if p.exists()), Path.cwd())
-        if not folder.is_dir() or not os.access(folder, os.W_OK):
-            raise EdgefedError(f"cannot write profile {path}: {folder} is not a writable folder; choose another --out")
     for _, path in targets:
         try:
             path.parent.mkdir(parents=True, exist_ok=True)

@@ -93,20 +93,18 @@ def run_coordinator(comm, resolve, force: bool, on_round, on_info, on_error, lau
     point = path = setup = None
     try:
         cfg, point, path = resolve()
-        setup = run_mod.prepare(cfg, path, resume_point=point, force=force, on_info=on_info, launch=launch)
-        owners = device_owners(setup.problem.n_devices, comm.Get_size(), setup.cfg.mpi.device_ranks)
-        check_device_ranks(setup.cfg, comm.Get_size() - 1)
-        setup = timing_for(setup, owners, on_info, point, distributed=True)
+        setup = run_mod.prepare(cfg, path, resume_point=point, force=force, on_info=on_info, launch=launch,
+                                distributed=True)  # (it removes its stub itself if it fails)
+        with run_mod.released_on_failure(path, setup.stub):
+            owners = device_owners(setup.problem.n_devices, comm.Get_size(), setup.cfg.mpi.device_ranks)
+            check_device_ranks(setup.cfg, comm.Get_size() - 1)
+            setup = timing_for(setup, owners, on_info, point, distributed=True)
     except EdgefedError as exc:
         _complete(send_setup(comm, {"error": str(exc)}))
-        if setup is not None and point is None:  # prepare wrote the stub (and removes it itself if it fails)
-            discard_stub(path)
         on_error(str(exc))
         return EXIT_BAD_INPUT
     except BaseException as exc:  # a bug: the device ranks must not wait for a config that never comes
         _complete(send_setup(comm, {"error": f"{type(exc).__name__}: {exc}"}))
-        if setup is not None and point is None and isinstance(exc, Exception):  # (Ctrl-C leaves it to --resume)
-            discard_stub(path)
         raise
     sent = send_setup(comm, {"config": config_mod.to_toml(setup.cfg), "owners": owners})
     try:
@@ -121,10 +119,10 @@ def run_coordinator(comm, resolve, force: bool, on_round, on_info, on_error, lau
     failures = [f for f, _, _ in reports if f]
     if failures:
         comm.bcast(False, root=0)
-        if point is None:
+        if setup.stub:
             discard_stub(path)
-        on_error("; ".join(failures))
-        return EXIT_BAD_INPUT
+        on_error("; ".join(text for text, _ in failures))
+        return EXIT_INTERNAL if any(internal for _, internal in failures) else EXIT_BAD_INPUT
     comm.bcast(True, root=0)
     run_mod.note_warmup(setup, [w[0] for _, w, _ in reports], [w[1] for _, w, _ in reports], on_info)
     threads = {rank + 1: t for rank, (_, _, t) in enumerate(reports)}
@@ -168,7 +166,8 @@ def _say_lost(status: Path, lost: RankLost) -> None:
 
 def _build_devices(cfg, info, rank: int, machines):
     """A device rank's setup (its devices' data, its lanes, the kernels compiled): (failure or None, transport,
-    problem, model, warm-up), so that its failure reaches rank 0 as a report rather than hanging the world."""
+    problem, model, warm-up), so that its failure reaches rank 0 as a report rather than hanging the world; a
+    failure is (its line, whether it is an internal error)."""
     failure, transport, problem, model, warm = None, None, None, None, (0, 0.0)
     try:
         problem, model = run_mod.problem_and_model(cfg)
@@ -184,9 +183,9 @@ def _build_devices(cfg, info, rank: int, machines):
                                             contention=loads)
         warm = transport.warmup()
     except EdgefedError as exc:
-        failure = f"rank {rank}: {exc}"
+        failure = (f"rank {rank}: {exc}", False)
     except BaseException as exc:  # noqa: BLE001 - reported through rank 0 rather than hanging the world
-        failure = f"rank {rank}: {internal_error(exc)}"
+        failure = (f"rank {rank}: {internal_error(exc)}", True)
     return failure, transport, problem, model, warm
 
 

@@ -29,7 +29,7 @@ from edgefed.errors import ConfigError, EdgefedError, RankLost, ResourceError, R
 from edgefed.layers import first_spatial
 from edgefed.memory import memory_limit
 from edgefed.models import build_model
-from edgefed.outputs import check_output
+from edgefed.outputs import check_output, writable
 from edgefed.orchestration.timing import link_speeds, timing_for
 from edgefed.participation.budgets import local_budgets
 from edgefed.participation.timing import Timing, overselected
@@ -38,8 +38,8 @@ from edgefed.participation.sampling import evaluation_sample
 from edgefed.participation.traces import ReplayTrace
 from edgefed.problems import build_problem
 from edgefed.participation.selection import POLICY_CLASSES, build_policy
-from edgefed.runlog import (Column, Header, RunLogWriter, discard_stub, exists_error, open_run, read_participation,
-                            read_resume_point, read_run, size_text, write_stub)
+from edgefed.runlog import (Column, Header, RunLogWriter, discard_stub, exists_error, nonfinite_counts, open_run,
+                            read_participation, read_resume_point, read_run, size_text, write_stub)
 from edgefed.runtime.local import LocalTransport
 from edgefed.tracefiles import sampled_traces
 
@@ -82,11 +82,9 @@ class Tally:
 
     def __init__(self, on_round, prefix: dict | None = None):
         self.on_round = on_round
-        self.nonfinite = self.nonfinite_rounds = self.applied_rounds = 0
-        if prefix:
-            dropped = prefix["participation/nonfinite"].sum(axis=1)
-            self.nonfinite, self.nonfinite_rounds = int(dropped.sum()), int(np.count_nonzero(dropped))
-            self.applied_rounds = int(np.count_nonzero(prefix["metrics/n_applied"]))
+        counts = nonfinite_counts(prefix or {})
+        self.nonfinite, self.nonfinite_rounds = counts["reports"], counts["rounds"]
+        self.applied_rounds = len((prefix or {}).get("metrics/n_applied", ())) - counts["no_update"]
 
     def __call__(self, s) -> None:
         self.nonfinite += s.n_dropped
@@ -112,16 +110,16 @@ def resolve_config(config_path: str | None, overrides, resume: str | None):
     if resume is None:
         return config_mod.load_config(config_path, overrides), None
     point = read_resume_point(resume)
-    stored = config_mod.parse_toml(point.config_toml, f"the config stored in {resume}")
+    where = f"the config stored in {resume}"
     if config_path is None:
+        stored, _ = config_mod.stored_config(point.config_toml, where)
         for item in overrides:
             config_mod.apply_override(stored, item)
             config_mod.absolute_paths(stored, Path.cwd())
         cfg = config_mod.config_from_dict(stored)
     else:
         cfg = config_mod.load_config(config_path, overrides)
-    logged = config_mod.config_from_dict(config_mod.parse_toml(point.config_toml))
-    diffs = config_mod.same_experiment(cfg, logged)
+    logged, diffs = config_mod.log_differences(cfg, point.config_toml, where)
     if diffs:
         raise RunLogError(
             f"--resume {resume}: the log belongs to a different config (differs in {', '.join(diffs)}); "
@@ -130,10 +128,15 @@ def resolve_config(config_path: str | None, overrides, resume: str | None):
     return config_mod.with_placement(logged, cfg), point
 
 
+def problem_key(cfg: Config) -> tuple:
+    """What a config's problem is built from: configs with one key have one problem."""
+    return cfg.data, cfg.seed, cfg.model.dtype, cfg.model.loss, first_spatial(cfg.model)
+
+
 def problem_and_model(cfg: Config, problems: dict | None = None):
     """The problem a config describes and the model that trains on it (every process builds them alike);
-    problems: built problems by what they are built from, taken from and added to (a sweep's plan)."""
-    key = (cfg.data, cfg.seed, cfg.model.dtype, cfg.model.loss, first_spatial(cfg.model))
+    problems: built problems by problem_key, taken from and added to (a sweep's plan)."""
+    key = problem_key(cfg)
     problem = None if problems is None else problems.get(key)
     if problem is None:
         problem = build_problem(*key)
@@ -273,20 +276,28 @@ def check_memory(cfg: Config, n: int, data_bytes: int = 0, state_bytes: int = 0,
 
 def minibatch_rows(cfg: Config, problem) -> int:
     """The most samples one local step holds at once: the minibatch, or the largest device's (a full batch)."""
-    if cfg.train.batch_size == "full":
-        return int(np.max(problem.n_train, initial=1))
-    return int(cfg.train.batch_size)
+    largest = int(np.max(problem.n_train, initial=1))
+    return largest if cfg.train.batch_size == "full" else min(int(cfg.train.batch_size), largest)
 
 
-def model_bytes(cfg: Config, algorithm: Algorithm, problem, model, lanes: int) -> int:
+MPI_COPIES = 3  # a round's report vectors under mpiexec, in the process that holds them: as computed (or
+# decoded), as the wire's records, and MPI's own copy of a large message (measured: the MNIST CNN, 50 devices
+# a round over 2 device ranks, 1.18 GB at rank 0 and 0.78 GB at each device rank, against 0.71 GB in one process)
+
+
+def model_bytes(cfg: Config, algorithm: Algorithm, problem, model, lanes: int, hosted: int | None = None,
+                distributed: bool = False) -> int:
     """What a run's model costs beyond the one built (which the process holds already): a model for each further
-    lane and one for evaluation, a round's report vectors (a row per selected device, and its residual with
-    error feedback), and the server's vectors (x, its update and sum, the algorithm's)."""
+    lane and one for evaluation, a round's report vectors (a row per selected device this process holds, and
+    its residual with error feedback; MPI_COPIES under mpiexec) and the server's vectors (x, its update and sum,
+    the algorithm's). hosted: the devices of a device rank (None: every device, the coordinator's view)."""
     n = problem.n_devices
     per_round = (cfg.asynchronous.concurrency if cfg.participation.mode == "async"
                  else overselected(cfg.clients_per_round_count(n), cfg.participation.overselect, n))
-    rows = min(per_round, n) * len(algorithm.reports) * (2 if cfg.compress.error_feedback else 1)
-    vectors = (rows + 4 + 2 * len(algorithm.server_vectors)) * model.dim * np.dtype(model.dtype).itemsize
+    rows = min(per_round, n if hosted is None else hosted) * len(algorithm.reports)
+    rows *= (2 if cfg.compress.error_feedback else 1) * (MPI_COPIES if distributed else 1)
+    server = (4 if hosted is None else 1) + 2 * len(algorithm.server_vectors)  # a device rank: the broadcast
+    vectors = (rows + server) * model.dim * np.dtype(model.dtype).itemsize
     return lanes * model.memory_bytes(minibatch_rows(cfg, problem)) + vectors
 
 
@@ -324,10 +335,11 @@ def check_rank_memory(cfg: Config, algorithm: Algorithm, problem, model, own: np
     state = rows * model.dim * np.dtype(model.dtype).itemsize
     data = problem.data_bytes() * own.size // max(n, 1) if hasattr(problem, "data_bytes") else 0
     check_memory(cfg, n, data, state, "its devices' vectors", RANK_DEVICE_BYTES,
-                 model_bytes(cfg, algorithm, problem, model, lanes))
+                 model_bytes(cfg, algorithm, problem, model, lanes, own.size, distributed=True))
 
 
-def check_device_memory(algorithm: Algorithm, cfg: Config, problem, model, log_path: Path, on_info) -> None:
+def check_device_memory(algorithm: Algorithm, cfg: Config, problem, model, log_path: Path, on_info,
+                        distributed: bool = False) -> None:
     """Report what the devices' vectors (SCAFFOLD's controls: a row for each device a run can touch, or all
     N) and error feedback's residuals can take, and refuse when memory (with the model's lanes and a round's
     vectors, in one process) or disk cannot hold them."""
@@ -335,7 +347,8 @@ def check_device_memory(algorithm: Algorithm, cfg: Config, problem, model, log_p
     n, d, dtype = problem.n_devices, model.dim, model.dtype
     data_bytes = problem.data_bytes() if hasattr(problem, "data_bytes") else 0  # (a pool is in memory already)
     residuals = residual_bytes(algorithm, cfg, n, d, dtype)
-    held_model = model_bytes(cfg, algorithm, problem, model, cfg.mpi.threads_per_rank or 1)
+    held_model = model_bytes(cfg, algorithm, problem, model, 0 if distributed else cfg.mpi.threads_per_rank or 1,
+                             distributed=distributed)  # (under mpiexec the coordinator hosts no device)
     if not vectors:
         check_memory(cfg, n, data_bytes, residuals, "error feedback's residuals", model_bytes=held_model)
         return
@@ -375,6 +388,7 @@ class Setup:
     header: Header
     trace: object | None  # trace mode: a ReplayTrace or SampledTraces
     timing: Timing = field(default_factory=Timing)  # the clock, the boards' times, the deadline policy
+    stub: bool = False  # prepare wrote the log's stub (a new path, or a resumed stub): the run's own to remove
 
 
 def _trace(cfg: Config, problem):
@@ -411,34 +425,35 @@ def _recorded_updates(recorded, spec: str, n_devices: int, rounds: int) -> async
 
 
 def prepare(cfg: Config, log_path: Path, *, resume_point=None, force: bool = False, on_info=None,
-            launch: Launch | None = None) -> Setup:
+            launch: Launch | None = None, distributed: bool = False) -> Setup:
     """Check what can be checked before a log is touched, write the log's stub (a kill from here on leaves a
     log to --resume), then build the problem and the log header."""
     on_info = on_info or (lambda line: None)
     if resume_point is None:
         check_output(log_path, force=force, inputs=config_mod.files_read(cfg), example="run.h5", exists=exists_error)
-    folder = next((p for p in (log_path.parent, *log_path.parent.parents) if p.exists()), Path.cwd())
-    if not folder.is_dir() or not os.access(folder, os.W_OK):
-        raise RunLogError(f"cannot write run log {log_path}: {folder} is not a writable folder; choose another --out")
+    else:  # continued in place: a new whole file is swapped in, beside it
+        writable(log_path)
     restarts = merged_restarts(resume_point.restarts if resume_point else (), launch)
     config_toml = resume_point.config_toml if resume_point else config_mod.to_toml(cfg)
     # a stub, unless it would replace a log (--force replaces one only by a whole new log)
     stub = resume_point.fresh if resume_point else not log_path.exists()
     if stub:  # a new log's path is claimed atomically: another run may be starting on it at this moment
         write_stub(log_path, config_toml, restarts, claim=resume_point is None)
-    with released_on_failure(log_path, resume_point):
-        return _prepared(cfg, log_path, resume_point, on_info, config_toml, restarts)
+    with released_on_failure(log_path, stub):
+        setup = _prepared(cfg, log_path, resume_point, on_info, config_toml, restarts, distributed=distributed)
+    return dataclasses.replace(setup, stub=stub)
 
 
 @contextmanager
-def released_on_failure(log_path: Path, resume_point):
-    """A new run's log is removed by any failure before its first round (bad input, or a bug: nothing worth
-    keeping was written, and the same --out must work again); Ctrl-C and a lost rank leave it to --resume (and
-    edgefed launch), as does a resumed log that holds rounds."""
+def released_on_failure(log_path: Path, owned: bool):
+    """A log this run wrote and that holds no round yet (owned: its stub, or the new log created over it) is
+    removed by any failure (bad input, or a bug: nothing worth keeping was written, and the same --out must work
+    again); Ctrl-C and a lost rank leave it to --resume (and edgefed launch). A file the run did not write (an
+    old log --force would replace) is left as it was."""
     try:
         yield
     except Exception as exc:
-        if (resume_point is None or resume_point.fresh) and not isinstance(exc, RankLost):
+        if owned and not isinstance(exc, RankLost):
             discard_stub(log_path)
         raise
 
@@ -467,7 +482,7 @@ def plan(cfg: Config, log_path: Path, problems: dict | None = None) -> Setup:
 
 
 def _prepared(cfg: Config, log_path: Path, resume_point, on_info, config_toml: str, restarts: tuple,
-              problems: dict | None = None) -> Setup:
+              problems: dict | None = None, distributed: bool = False) -> Setup:
     if cfg.data.kind == "synthetic" and cfg.data.clients:  # N is known before its sizes are drawn (minutes at 10^7)
         check_memory(cfg, cfg.data.clients)
     problem, model = problem_and_model(cfg, problems)
@@ -482,7 +497,7 @@ def _prepared(cfg: Config, log_path: Path, resume_point, on_info, config_toml: s
     cfg = dataclasses.replace(cfg, log=dataclasses.replace(cfg.log, every=every))  # as run; the stored text keeps it unset
     on_info(f"{problem.describe()}; model {model.kind}, d = {model.dim} {model.dtype.name}; "
             f"{cfg.train.algorithm}, {cfg.rounds} rounds; {stores}")
-    check_device_memory(algorithm, cfg, problem, model, log_path, on_info)
+    check_device_memory(algorithm, cfg, problem, model, log_path, on_info, distributed)
     header = Header(
         config_toml=config_toml, restarts=restarts,
         seed=cfg.seed, rounds=cfg.rounds, n_devices=problem.n_devices, dim=model.dim, dtype=model.dtype,
@@ -633,13 +648,14 @@ def drive(setup: Setup, transport, log_path: Path, *, resume_point=None, on_roun
         transport.close()
         return _summary(log_path, resume_point.prefix, 0, 0.0, tally, already_complete=True)
     wall0 = time.perf_counter()
-    with released_on_failure(log_path, resume_point):
+    new = resume_point is None  # (from here the file at log_path is this run's own: a whole new log)
+    with released_on_failure(log_path, new and setup.stub):
         try:
             log = RunLogWriter.create(log_path, setup.header, resume_point)
         except BaseException:
             transport.close(failed=True)
             raise
-    with released_on_failure(log_path, resume_point), _closed_on_failure(log, transport):
+    with released_on_failure(log_path, new), _closed_on_failure(log, transport):
         engine_class = AsyncEngine if cfg.participation.mode == "async" else RoundEngine
         engine = engine_class(cfg, setup.algorithm, setup.problem.n_train, transport, log, on_round, setup.trace,
                               setup.timing, label_counter(setup.problem, transport))
@@ -674,7 +690,7 @@ def run(cfg: Config, log_path: Path, *, resume_point=None, force: bool = False, 
         on_info=None, launch: Launch | None = None) -> RunResult:
     """One run in this process (the simulator)."""
     setup = prepare(cfg, log_path, resume_point=resume_point, force=force, on_info=on_info, launch=launch)
-    with released_on_failure(log_path, resume_point):
+    with released_on_failure(log_path, setup.stub):
         setup = timing_for(setup, None, on_info, resume_point)
         transport = local_transport(setup.cfg, setup.algorithm, setup.problem, setup.model)
         try:

@@ -21,7 +21,7 @@ import sys
 import time
 import tomllib
 from concurrent.futures import ThreadPoolExecutor, as_completed
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -31,6 +31,7 @@ from edgefed import config as config_mod
 from edgefed.analysis.logs import Run
 from edgefed.errors import EXIT_BAD_INPUT, ConfigError, EdgefedError
 from edgefed.orchestration import run as runs
+from edgefed.outputs import check_output
 from edgefed.runtime.mpi.comm import wait, world
 
 KEYS = ("base", "seeds", "set", "axes", "target")
@@ -57,6 +58,8 @@ class Sweep:
     axes: tuple[str, ...]  # the dotted key of every axis (a linked axis gives each of its keys)
     target: float | None
     jobs: tuple[Job, ...]
+    base: dict = field(default_factory=dict)  # the base config and [set] as read, what every cell adds its values to
+    settings: dict = field(default_factory=dict)
 
 
 def _inline_toml(value) -> str:
@@ -191,7 +194,7 @@ def read_sweep(path: Path, on_progress=None) -> Sweep:
             seed = cfg_raw.get("seed", 0)
             log = f"runs/{_log_name(cell, values)}-seed{seed}.h5"
             jobs.append(Job(cell, values, seed, log, cfg_raw))
-    return Sweep(path, tuple(columns), None if target is None else float(target), tuple(jobs))
+    return Sweep(path, tuple(columns), None if target is None else float(target), tuple(jobs), base, settings)
 
 
 def _blame_one_axis(base: dict, settings: dict, values, seed, where: str) -> None:
@@ -241,9 +244,7 @@ def _state(folder: Path, job: Job) -> tuple[str, object]:
         _, point = runs.resolve_config(None, [], str(path))
     except EdgefedError as exc:
         return "failed", f"{exc} (delete {path} to run it afresh)"
-    wanted = config_mod.config_from_dict(job.raw)
-    logged = config_mod.config_from_dict(config_mod.parse_toml(point.config_toml))
-    diffs = config_mod.same_experiment(wanted, logged)
+    _, diffs = config_mod.log_differences(config_mod.config_from_dict(job.raw), point.config_toml, str(path))
     if diffs:
         return "failed", (f"{path} belongs to another config (differs in {', '.join(diffs)}); delete it or use "
                           "another --out")
@@ -359,24 +360,65 @@ def _headline(row: dict) -> str:
     return text
 
 
+TABLES = {"summary.csv": {"cell", "seed", "log", "status"}, "cells.csv": {"cell", "seeds"}}  # name: its columns
+
+
+def check_tables(folder: Path) -> None:
+    """The sweep's tables in folder are rewritten at the end (running a sweep again resumes it), but a file of
+    that name that is not a sweep's table is never replaced."""
+    for name, columns in TABLES.items():
+        path = folder / name
+        if not path.exists():
+            continue
+        try:
+            with open(path, newline="", encoding="utf-8") as f:
+                header = set(next(csv.reader(f), []))
+        except (OSError, UnicodeDecodeError, csv.Error):
+            header = set()
+        if not columns <= header:
+            raise EdgefedError(f"{path} is there and is not a sweep's table; it is never replaced: choose another --out "
+                               "(a new folder, or one a sweep wrote)")
+
+
 def plan_runs(sweep: Sweep, folder: Path, indices, on_progress=None) -> str | None:
     """Plan every run of `indices` still to run (run.plan: its model against its data, its files read as far
     as the run reads them before its first round), writing nothing; the first that cannot run, as one line
-    naming its cell and seed and why (None: all can). Runs that share their data share its reading."""
-    problems, said = {}, time.perf_counter()
-    for done, i in enumerate(indices):
-        job = sweep.jobs[i]
-        if on_progress is not None and time.perf_counter() - said >= PROGRESS_S:
-            on_progress(f"sweep: planned {done:,} of {len(indices):,} runs")
-            said = time.perf_counter()
-        if (folder / job.log).exists():  # complete (skipped), another config's (failed), or resumed: as it is
-            continue
-        try:
-            runs.plan(config_mod.config_from_dict(job.raw), folder / job.log, problems)
-        except EdgefedError as exc:
-            return (f"sweep {sweep.path}: cell {job.cell!r}, seed {job.seed} cannot run: {exc}; nothing was run or "
-                    "written (fix the cell, or remove its value from the axis)")
+    naming its cell and seed and why (None: all can). Runs that share their data (and seed) are planned one
+    after another and read it once; one problem is held at a time."""
+    todo = [i for i in indices if not (folder / sweep.jobs[i].log).exists()]  # (logs there: skipped or resumed)
+    configs = {i: config_mod.config_from_dict(sweep.jobs[i].raw) for i in todo}
+    groups: dict = {}
+    for i in todo:
+        groups.setdefault(runs.problem_key(configs[i]), []).append(i)
+    done, said = 0, time.perf_counter()
+    for group in groups.values():
+        problems = {}  # this group's problem, dropped before the next group's is built
+        for i in group:
+            job = sweep.jobs[i]
+            if on_progress is not None and time.perf_counter() - said >= PROGRESS_S:
+                on_progress(f"sweep: planned {done:,} of {len(todo):,} runs")
+                said = time.perf_counter()
+            done += 1
+            try:
+                for name in TABLES:  # the tables the sweep rewrites at its end are no run's input
+                    check_output(folder / name, force=True, inputs=config_mod.files_read(configs[i]), flag="--out")
+                runs.plan(configs[i], folder / job.log, problems)
+            except EdgefedError as exc:
+                return f"sweep {sweep.path}: {_blame(sweep, job, exc)}; nothing was run or written"
     return None
+
+
+def _blame(sweep: Sweep, job: Job, exc: EdgefedError) -> str:
+    """Who a run that cannot run is to be blamed on: its cell, or (when the base config and [set] fail the same
+    way without any axis value) the sweep's base."""
+    if job.values:
+        try:
+            raw = _merged(sweep.base, sweep.settings, (), job.seed, str(sweep.path))
+            runs.plan(config_mod.config_from_dict(raw), Path(job.log), None)
+        except EdgefedError as alone:
+            if str(alone) == str(exc):
+                return f"its base config and [set] cannot run, in any cell: {exc}; fix base or [set]"
+    return f"cell {job.cell!r}, seed {job.seed} cannot run: {exc}; fix the cell, or remove its value from the axis"
 
 
 def run_sweep(path: Path, folder: Path, jobs: int = 1, on_line=print, live: bool = False) -> int:
@@ -389,6 +431,7 @@ def run_sweep(path: Path, folder: Path, jobs: int = 1, on_line=print, live: bool
         raise EdgefedError("-j runs experiments side by side on one machine; under mpiexec the ranks do that, "
                            "so drop -j (or run without mpiexec)")
     mine = list(range(rank, len(sweep.jobs), size))
+    check_tables(folder)
     failure = plan_runs(sweep, folder, mine, on_line if rank == 0 else None)
     if comm is not None:  # each rank plans its own runs; any rank's failure stops them all
         failures = [f for f in comm.allgather(failure) if f]

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from edgefed.errors import reading
 from edgefed.problems.data import ClassificationData, QuadraticData
 
 __all__ = ["ClassificationData", "QuadraticData", "build_problem"]
@@ -17,7 +18,11 @@ def build_problem(data, seed: int, dtype: str, loss: str = "cross_entropy", spat
     """The problem a validated [data] table describes (a quadratic file, or a dataset file, is opened and
     checked here); loss: the model's, which says whether a file's y are labels or float targets; spatial: the
     dimensions of the model's first spatial layer (how a dataset file's 2-D samples are normalized)."""
-    dtype = np.dtype(dtype)
+    with reading(data.path or f"[data] kind = {data.kind!r}"):
+        return _built(data, seed, np.dtype(dtype), loss, spatial)
+
+
+def _built(data, seed: int, dtype, loss: str, spatial: int):
     if data.kind == "arrays":
         from edgefed.problems.arrays import arrays_problem
 

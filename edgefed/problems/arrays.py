@@ -80,7 +80,13 @@ class ArraysSource(Source):
         except OSError as exc:
             raise ProblemFileError(f"{path} cannot be read as HDF5 ({exc}); give an .h5 file with x_train and "
                                    "y_train") from None
-        arrays = {k: self._h5[k] for k in KEYS if k in self._h5}
+        arrays = {}
+        for key in KEYS:
+            try:
+                if key in self._h5:
+                    arrays[key] = self._h5[key]
+            except (KeyError, OSError) as exc:  # e.g. an external link to a file that is not there
+                raise ProblemFileError(f"{path}: {key} cannot be opened ({exc}); store it in the file itself") from None
         for key, value in arrays.items():
             if not isinstance(value, h5py.Dataset):
                 raise ProblemFileError(f"{path}: {key} is a {type(value).__name__.lower()}, not a dataset; store "

@@ -36,7 +36,11 @@ def _samples(path: Path, user: str, record) -> tuple[list, list]:
     if not isinstance(record, dict) or "x" not in record or "y" not in record:
         raise ProblemFileError(f"{path}: user {user!r} has no \"x\" and \"y\" in user_data")
     x, y = record["x"], record["y"]
-    if not isinstance(x, list) or not isinstance(y, list) or len(x) != len(y):
+    for key, value in (("x", x), ("y", y)):
+        if not isinstance(value, list):
+            raise ProblemFileError(f"{path}: user {user!r}'s {key} is {type(value).__name__}, not a list (one entry per "
+                                   "sample)")
+    if len(x) != len(y):
         raise ProblemFileError(f"{path}: user {user!r} has {len(x)} samples in x but {len(y)} labels in y")
     if x and isinstance(x[0], str):
         raise ProblemFileError(f"{path}: user {user!r}'s samples are text or file names ({x[0][:40]!r}); edgefed "
@@ -49,13 +53,18 @@ def _values(path: Path, user: str, x: list, shape: tuple | None) -> np.ndarray:
     """A user's samples as one float64 array; a sample of another shape (than the user's first, or than
     `shape`, the other users') or of values that are not numbers is refused naming the user and sample."""
     try:
-        return _shaped(np.asarray(x, np.float64), path, user, shape)
+        raw = np.asarray(x)
+        if raw.dtype.kind in "iuf":  # (True, None, "1": no sample of numbers, though float64 would take them)
+            return _shaped(raw.astype(np.float64), path, user, shape)
     except (ValueError, TypeError):
         pass
     first = None
     for i, sample in enumerate(x):
         try:
-            found = np.asarray(sample, np.float64).shape
+            values = np.asarray(sample)
+            found = values.shape
+            if values.dtype.kind not in "iuf":
+                raise TypeError
         except (ValueError, TypeError):
             raise ProblemFileError(f"{path}: user {user!r}: sample {i} is not a list of numbers of one shape; give "
                                    "every sample as numbers") from None

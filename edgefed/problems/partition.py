@@ -79,6 +79,10 @@ def _dirichlet(g, labels, n_devices, seed, n_classes, alpha, min_size) -> tuple[
     (seed, labels, N, alpha, min_size) alone."""
     pools = [g.permutation(np.flatnonzero(labels == c)) for c in range(n_classes)]
     need = max(int(min_size), MIN_SAMPLES)
+    if labels.size < n_devices * need:  # no draw can fit: said at once, not after every draw was tried
+        raise ConfigError(f'config: data.partition = "dirichlet" cannot give {n_devices} devices {need} samples each '
+                          f"(data.min_partition_size) from {labels.size}; use at most {labels.size // need} devices "
+                          "(data.clients) or a smaller min_partition_size")
     best = -1  # the largest smallest device over the draws
     for draw in range(DIRICHLET_DRAWS):
         purpose, round_idx = (Purpose.DATA_DEVICE, 3) if draw == 0 else (Purpose.DIRICHLET_REDRAW, draw)
