@@ -376,7 +376,7 @@ def _plan_dense(walk, layer, i, where):
     if len(walk.shape) != 1:
         raise ConfigError(f'{where} takes a flat input, got {_show(walk.shape)}; put {{type = "flatten"}} before it')
     din, dout = walk.shape[0], layer["out"]
-    row = walk.op(ops.DENSE, dout, C=din, CO=dout)
+    row = walk.op(ops.DENSE_STEPPED if din * dout >= FUSED_WEIGHTS else ops.DENSE, dout, C=din, CO=dout)
     walk.params(row, i, [("weight", (din, dout), (dout, din), (din, dout), "dense", walk.order),
                          ("bias", (dout,), (dout,), (din, dout), "dense", None)])
     walk.shape, walk.order = (dout,), None
@@ -549,7 +549,7 @@ def build(layers, sample_shape: tuple, out_width: int, dtype, outputs_what: str 
     _mark_input_gradients(prog)
     conv_wt = 0  # each convolution packs its W^T once per step and keeps it through its samples: its own room
     for row in prog:  # (a view of it is made even where unused); a dense layer's, packed and used at once, shares it
-        if row[ops.F_GRAD_IN] and row[ops.F_TYPE] == ops.DENSE:
+        if row[ops.F_GRAD_IN] and row[ops.F_TYPE] in (ops.DENSE, ops.DENSE_STEPPED):
             walk.wt = max(walk.wt, row[ops.F_NIN] * row[ops.F_NOUT])
         elif row[ops.F_TYPE] == ops.CONV:
             row[ops.F_WT] = conv_wt
@@ -571,7 +571,8 @@ def build(layers, sample_shape: tuple, out_width: int, dtype, outputs_what: str 
 def _fusable(walk: _Walk) -> bool:
     """A ReLU right after a dense layer or convolution (whose output is the current tensor) fuses into it."""
     last = walk.ops[-1]
-    return last[ops.F_TYPE] in (ops.DENSE, ops.CONV) and last[ops.F_MODE] == 0 and last[ops.F_OUT] == walk.region
+    return (last[ops.F_TYPE] in (ops.DENSE, ops.DENSE_STEPPED, ops.CONV) and last[ops.F_MODE] == 0
+            and last[ops.F_OUT] == walk.region)
 
 
 def _fused_relu(walk: _Walk) -> bool:

@@ -9,9 +9,13 @@ chunks (deadline mode) without changing a single draw.
 from __future__ import annotations
 
 import numpy as np
+from numba import typeof
 
 from edgefed import layers as layer_lib
 from edgefed.kernels import network as net
+from edgefed.kernels.ops import ROWS, SLOTS, Apart, cached, kernels_of, uncached
+from edgefed.kernels.ops import tables as op_tables
+from edgefed.kernels.program import F_TYPE
 from edgefed.kernels import quadratic as _quad
 from edgefed.kernels.sgd import step_terms
 from edgefed.problems.data import ClassificationData, QuadraticData
@@ -82,6 +86,7 @@ class Sequential:
         self._no_terms = step_terms(dt)
         self._no_rng = np.zeros(4, np.uint64)
         self._no_deltas = (np.zeros((0, network.per_sample), dt), np.zeros((0, network.tr_per_sample), dt))
+        self._ops = None  # (ROWS, SLOTS) addresses of the kernels the program calls (kernels/ops.py)
 
     @classmethod
     def builtin(cls, kind: str, sample_shape: tuple, n_classes: int, dtype, seed: int = 0, hidden=(200, 200),
@@ -135,16 +140,39 @@ class Sequential:
         """(labels, targets) as the kernel takes them: the one the loss reads, and an empty other."""
         return (y, self._no_targets) if self._loss_kind == net.CROSS_ENTROPY else (self._no_labels, y)
 
-    def _call(self, params, X, y, idx, n, b, n_steps, lr, scale, terms, rng, mode, grad, rows, outputs=None):
+    def compile_kernels(self, data: ClassificationData) -> None:
+        """Compile (or load from the cache) the network kernel and the program's operations: when both must
+        compile, the operations in a process of their own while this one compiles the network."""
+        if self._ops is not None:
+            return
+        codes = self.network.prog[:, F_TYPE]
+        args = self._network_args(np.zeros((ROWS, SLOTS), np.int64), self.initial_params(), data.X_train[:0],
+                                  data.y_train[:0], self._no_labels, 0, 0, 0, self.dtype.type(0), self.dtype.type(1),
+                                  self._no_terms, self._no_rng, net.EVAL, self._grad, 1)
+        apart = None
+        if not cached(net.network, [typeof(a) for a in args]):
+            todo = uncached(kernels_of(codes), self.dtype)
+            apart = Apart(todo, self.dtype) if todo else None  # the other kernels, in a process of their own
+            net.network(*args)  # (no rows: no kernel is called) compiled here meanwhile
+        self._ops = op_tables(codes, self.dtype, apart)  # (then those the helper has not reached)
+
+    def _network_args(self, ops, params, X, y, idx, n, b, n_steps, lr, scale, terms, rng, mode, grad, rows,
+                      outputs=None) -> tuple:
         acts, aux = self._acts.take(rows)
         deltas, tr = self._deltas.take(b) if mode != net.EVAL else self._no_deltas
         labels, targets = self._targets(y)
         nw = self.network
-        loss, count = net.network(nw.prog, nw.slopes, nw.perms, self._loss_kind, params, X, labels, targets, idx, n,
-                                  b, n_steps, lr, scale, terms, rng, mode, grad, acts, deltas, aux, tr, *self._scratch,
-                                  self._no_targets if outputs is None else outputs)
+        return (ops, nw.prog, nw.slopes, nw.perms, self._loss_kind, params, X, labels, targets, idx, n, b, n_steps, lr,
+                scale, terms, rng, mode, grad, acts, deltas, aux, tr, *self._scratch,
+                self._no_targets if outputs is None else outputs)
+
+    def _call(self, params, X, y, idx, n, b, n_steps, lr, scale, terms, rng, mode, grad, rows, outputs=None):
+        if self._ops is None:  # the model's operations, compiled (or loaded) when first run: at the warm-up
+            self._ops = op_tables(self.network.prog[:, F_TYPE], self.dtype)
+        loss, count = net.network(*self._network_args(self._ops, params, X, y, idx, n, b, n_steps, lr, scale, terms,
+                                                      rng, mode, grad, rows, outputs))
         if count < 0:  # the kernel found a label outside the classes (its row: -1 - count) and stopped there
-            raise ValueError(f"labels must lie in [0, {self.n_outputs}); row {-1 - count} has {int(labels[-1 - count])}")
+            raise ValueError(f"labels must lie in [0, {self.n_outputs}); row {-1 - count} has {int(y[-1 - count])}")
         return loss, count
 
     # -- training ----------------------------------------------------------------------------------------
@@ -298,6 +326,8 @@ MODEL_CALLS = ("oracle_grad", "loss_grad")  # what an algorithm may call beyond 
 def warm_model(model, data, batch_size, calls=MODEL_CALLS) -> None:
     """Call every kernel a round can reach, compiling (or loading from the cache) each for this model's
     dtype: local steps, evaluation, and of MODEL_CALLS those named in calls (an algorithm's model_calls)."""
+    if hasattr(model, "compile_kernels"):
+        model.compile_kernels(data)
     x = model.initial_params()
     y, grad = x.copy(), np.zeros_like(x)
     run = model.begin(data, kernel_state(0, Purpose.LOCAL, 0, 0))

@@ -160,7 +160,7 @@ for name, mod in sorted(sys.modules.items()):
     if name.startswith("edgefed.kernels."):
         for attr, f in vars(mod).items():
             if isinstance(f, CPUDispatcher) and f.signatures:
-                params = sorted({sig[4].dtype.name for sig in f.signatures} if attr == "network" else ())
+                params = sorted({sig[5].dtype.name for sig in f.signatures} if attr == "network" else ())
                 print("kernel", name.rsplit(".", 1)[1] + "." + attr, len(f.signatures), *params)
 """
 

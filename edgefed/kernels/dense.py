@@ -116,19 +116,36 @@ def dense_forward_op(op, slope, perms, params, acts, aux, cols, pads, r0, b, tra
 @njit(**JIT)
 def dense_backward_op(op, slope, perms, params, grad, acts, deltas, aux, tr, cols, wt, gt, gblock, pads, r0, b, step,
                       lr, terms):
-    """Over the whole batch (r0 is 0): the layer's gradient into grad, or with step and FUSED_WEIGHTS or more,
-    its weights' SGD step taken here (dense_backward_step; its bias's gradient still goes to grad); the
-    input's deltas when a layer before has parameters; a fused ReLU's derivative first."""
+    """Over the whole batch (r0 is 0): the layer's gradient into grad, and the input's deltas when a layer
+    before has parameters; a fused ReLU's derivative first."""
     nin, nout, p = op[F_NIN], op[F_NOUT], op[F_PARAM]
-    w = nin * nout
-    need = op[F_GRAD_IN] == 1
-    A, D, P = block(acts, op[F_IN], nin), block(deltas, op[F_OUT], nout), block(deltas, op[F_IN], nin)
-    W = matrix(params, p, nin, nout)
-    if op[F_MODE] == 1:
-        relu_mask(acts, deltas, op[F_OUT], 0, b, nout)
-    bias_gradient(D, vector(grad, p + w, nout), b, nout)
-    if step and w >= FUSED_WEIGHTS:
+    need = _dense_backward_start(op, params, grad, acts, deltas, b)
+    dense_backward(block(acts, op[F_IN], nin), matrix(params, p, nin, nout), block(deltas, op[F_OUT], nout),
+                   matrix(grad, p, nin, nout), block(deltas, op[F_IN], nin), b, nin, nout, need, wt, gt)
+
+
+@njit(**JIT)
+def dense_stepped_backward_op(op, slope, perms, params, grad, acts, deltas, aux, tr, cols, wt, gt, gblock, pads, r0, b,
+                              step, lr, terms):
+    """A layer of FUSED_WEIGHTS or more (program.DENSE_STEPPED): as dense_backward_op, but with step its
+    weights' SGD step is taken here (dense_backward_step; its bias's gradient still goes to grad). An operation
+    of its own, so that the models without such a layer never compile it."""
+    nin, nout, p = op[F_NIN], op[F_NOUT], op[F_PARAM]
+    need = _dense_backward_start(op, params, grad, acts, deltas, b)
+    A, W, D, P = (block(acts, op[F_IN], nin), matrix(params, p, nin, nout), block(deltas, op[F_OUT], nout),
+                  block(deltas, op[F_IN], nin))
+    if step:
         dense_backward_step(A, W, D, P, b, nin, nout, need, matrix(tr, 0, nout, b), matrix(tr, nout * b, nin, b),
                             gblock, params, p, lr, terms)
     else:
         dense_backward(A, W, D, matrix(grad, p, nin, nout), P, b, nin, nout, need, wt, gt)
+
+
+@njit(inline="always", **JIT)
+def _dense_backward_start(op, params, grad, acts, deltas, b):
+    """A fused ReLU's derivative, and the bias's gradient; whether the input's deltas are needed."""
+    nin, nout, p = op[F_NIN], op[F_NOUT], op[F_PARAM]
+    if op[F_MODE] == 1:
+        relu_mask(acts, deltas, op[F_OUT], 0, b, nout)
+    bias_gradient(block(deltas, op[F_OUT], nout), vector(grad, p + nin * nout, nout), b, nout)
+    return op[F_GRAD_IN] == 1

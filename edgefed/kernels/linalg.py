@@ -59,8 +59,8 @@ def _outer(A, D, G, b, din, dout, fresh):
 
 
 # The two entries below are inlined into their callers and pass the compiled products a run-time flag: a
-# literal True or an omitted False would each compile the product once more (its layouts still do: the
-# callers pass C-contiguous matrices, and a strided view only where they must).
+# literal True or an omitted False would each compile the product once more (so would another layout: each
+# entry passes its operands in one).
 @njit(inline="always", **JIT)
 def accumulate_product(A, W, Z, b, din, dout, fresh=False):
     """Z[:b, :dout] += A[:b, :din] W[:din, :dout] (fresh: Z[:b, :dout] = A W)."""
@@ -69,8 +69,10 @@ def accumulate_product(A, W, Z, b, din, dout, fresh=False):
 
 @njit(inline="always", **JIT)
 def accumulate_outer(A, D, G, b, din, dout, fresh=False):
-    """G[:din, :dout] += A[:b, :din]^T D[:b, :dout] (a weight gradient: terms in sample order; fresh: =)."""
-    _outer(A, D, G, b, din, dout, fresh != (b < 0))
+    """G[:din, :dout] += A[:b, :din]^T D[:b, :dout] (a weight gradient: terms in sample order; fresh: =).
+    A is passed as a strided view whatever it is (a column block where a large layer is stepped fused): one
+    compiled product for both, which reads A by its strides anyway."""
+    _outer(A[:, :din], D, G, b, din, dout, fresh != (b < 0))
 
 
 @njit(inline="always", **JIT)

@@ -4,8 +4,8 @@ Every layer kernel reads its own row, so the operations share two signatures (fo
 the network's dispatch is one call per operation.
 """
 
-# operations
-INPUT, DENSE, CONV, POOL, GLOBAL_POOL, ACTIVATION, DROPOUT, GROUPNORM, PERMUTE = range(9)
+# operations (DENSE_STEPPED: a dense layer of dense.FUSED_WEIGHTS or more, whose backward pass steps its weights)
+INPUT, DENSE, CONV, POOL, GLOBAL_POOL, ACTIVATION, DROPOUT, GROUPNORM, PERMUTE, DENSE_STEPPED = range(10)
 # columns: the operation; where its input and output start in a sample's activations and their sizes; its
 # parameters (first, count) and aux values (pooling winners, dropout masks); its input map (C, H, W) and
 # output map (CO, HO, WO) (a dense layer: C = d_in, CO = d_out; a 1-D map has H = 1); kernel, stride, top and
@@ -13,7 +13,7 @@ INPUT, DENSE, CONV, POOL, GLOBAL_POOL, ACTIVATION, DROPOUT, GROUPNORM, PERMUTE =
 # groupnorm: groups; input: permuted); whether the input's gradient is needed; where its padded map starts
 # in the pads scratch, its index map in perms, and (a convolution) its packed W^T in the wt scratch.
 #
-# Dense layers run over the whole batch; a run of other operations between them runs sample by sample
+# Dense layers (DENSE, DENSE_STEPPED) run over the whole batch; a run of other operations between them runs sample by sample
 # (each sample's maps stay in cache from one operation to the next), forward and backward.
 (F_TYPE, F_IN, F_OUT, F_NIN, F_NOUT, F_PARAM, F_NPARAM, F_AUX, F_C, F_H, F_W, F_CO, F_HO, F_WO, F_KH, F_KW, F_SH,
  F_SW, F_PT, F_PL, F_HP, F_WP, F_MODE, F_GRAD_IN, F_PAD, F_PERM, F_WT) = range(27)
