@@ -73,8 +73,14 @@ def build_parser() -> argparse.ArgumentParser:
     contend.add_argument("--seconds", type=float, help="stop after this long (default: until Ctrl-C)")
     contend.set_defaults(func=cmd_contend)
 
-    warm = verbs.add_parser("warmup", help="compile every kernel into Numba's cache, so no first round pays for it")
-    warm.add_argument("--models", default="logreg,mlp,cnn,quadratic", help="comma-separated (default: all)")
+    warm = verbs.add_parser("warmup", help="compile kernels into Numba's cache ahead, so no run's first start pays "
+                                           "for it: everything, or what one experiment needs (--config)")
+    warm.add_argument("--config", metavar="CONFIG", help="only what this experiment's runs compile (its model's "
+                                                         "kernels, its dtype)")
+    warm.add_argument("--set", dest="overrides", action="append", default=[], metavar="TABLE.KEY=VALUE",
+                      help="with --config: override a config key, as edgefed run takes it")
+    warm.add_argument("--models", help="comma-separated built-in models only (logreg, mlp, cnn, quadratic); default: "
+                                       "every kernel of the library")
     warm.add_argument("--dtypes", default="float32,float64", help="comma-separated (default: both)")
     warm.set_defaults(func=cmd_warmup)
 
@@ -310,12 +316,19 @@ def _names(text: str, known, what: str) -> list[str]:
 
 
 def cmd_warmup(args) -> int:
-    from edgefed.orchestration.profiling import warmup
+    from edgefed.orchestration.profiling import warmup, warmup_config
 
-    models = _names(args.models, ("logreg", "mlp", "cnn", "quadratic"), "models")
+    if args.config:
+        if args.models:
+            raise EdgefedError("--config compiles what that experiment needs; drop --models (or --config)")
+        warmup_config(args.config, args.overrides, _info)
+        return 0
+    if args.overrides:
+        raise EdgefedError("--set overrides a config's keys; give the --config it applies to")
+    models = _names(args.models or "logreg,mlp,cnn,quadratic", ("logreg", "mlp", "cnn", "quadratic"), "models")
     dtypes = _names(args.dtypes, ("float32", "float64"), "dtypes")
-    compiled = warmup(models, dtypes)
-    print(f"warmup: {compiled} kernels compiled into the cache" if compiled else "warmup: every kernel was cached")
+    compiled = warmup(models, dtypes, _info, everything=args.models is None)
+    _info(f"warmup: {compiled} kernels compiled into the cache" if compiled else "warmup: every kernel was cached")
     return 0
 
 

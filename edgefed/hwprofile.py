@@ -63,6 +63,15 @@ class Profile:
     speeds: tuple[Speed, ...]
     extra: dict = field(default_factory=dict)  # startup, memory, mpi: reported, not used by the runtime
 
+    def compile_seconds(self, kind: str) -> float | None:
+        """Seconds this board spends compiling a model's kernels into an empty cache (the profile's startup
+        compile_s: cold start minus warm start): the built-in kind's entry, else the longest it has (a layer
+        list of its own compiles what they do, or less); None when it has none."""
+        table = self.extra.get("startup", {}).get("compile_s", {})
+        if kind in table:
+            return float(table[kind])
+        return max(map(float, table.values())) if table else None
+
     def times(self, model: str) -> bool:
         """Whether the profile has a speed for this model (its key)."""
         return any(s.key == model for s in self.speeds)

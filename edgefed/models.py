@@ -13,7 +13,7 @@ from numba import typeof
 
 from edgefed import layers as layer_lib
 from edgefed.kernels import network as net
-from edgefed.kernels.ops import ROWS, SLOTS, Apart, cached, kernels_of, uncached
+from edgefed.kernels.ops import ROWS, SLOTS, Apart, cached, kernel_names, kernels_of, uncached
 from edgefed.kernels.ops import tables as op_tables
 from edgefed.kernels.program import F_TYPE
 from edgefed.kernels import quadratic as _quad
@@ -140,18 +140,22 @@ class Sequential:
         """(labels, targets) as the kernel takes them: the one the loss reads, and an empty other."""
         return (y, self._no_targets) if self._loss_kind == net.CROSS_ENTROPY else (self._no_labels, y)
 
-    def compile_kernels(self, data: ClassificationData) -> None:
-        """Compile (or load from the cache) the network kernel and the program's operations: when both must
-        compile, the operations in a process of their own while this one compiles the network."""
+    def compile_kernels(self, data: ClassificationData, on_compile=None) -> None:
+        """Compile (or load from the cache) the network kernel and the kernels the program calls: when the
+        network must compile, the others in a process of their own meanwhile. on_compile(what) is told first
+        what will compile, if anything will."""
         if self._ops is not None:
             return
         codes = self.network.prog[:, F_TYPE]
         args = self._network_args(np.zeros((ROWS, SLOTS), np.int64), self.initial_params(), data.X_train[:0],
                                   data.y_train[:0], self._no_labels, 0, 0, 0, self.dtype.type(0), self.dtype.type(1),
                                   self._no_terms, self._no_rng, net.EVAL, self._grad, 1)
+        network_cold = not cached(net.network, [typeof(a) for a in args])
+        todo = uncached(kernels_of(codes), self.dtype)
+        if on_compile is not None and (network_cold or todo):
+            on_compile((["network"] if network_cold else []) + kernel_names(todo), self.dtype)
         apart = None
-        if not cached(net.network, [typeof(a) for a in args]):
-            todo = uncached(kernels_of(codes), self.dtype)
+        if network_cold:
             apart = Apart(todo, self.dtype) if todo else None  # the other kernels, in a process of their own
             net.network(*args)  # (no rows: no kernel is called) compiled here meanwhile
         self._ops = op_tables(codes, self.dtype, apart)  # (then those the helper has not reached)
@@ -323,11 +327,12 @@ def build_model(model, problem, seed: int = 0, memory: tuple[int, str] | None = 
 MODEL_CALLS = ("oracle_grad", "loss_grad")  # what an algorithm may call beyond local_steps and evaluation
 
 
-def warm_model(model, data, batch_size, calls=MODEL_CALLS) -> None:
+def warm_model(model, data, batch_size, calls=MODEL_CALLS, on_compile=None) -> None:
     """Call every kernel a round can reach, compiling (or loading from the cache) each for this model's
-    dtype: local steps, evaluation, and of MODEL_CALLS those named in calls (an algorithm's model_calls)."""
+    dtype: local steps, evaluation, and of MODEL_CALLS those named in calls (an algorithm's model_calls).
+    on_compile(names, dtype): told what is about to compile, before it does (a layer list's kernels)."""
     if hasattr(model, "compile_kernels"):
-        model.compile_kernels(data)
+        model.compile_kernels(data, on_compile)
     x = model.initial_params()
     y, grad = x.copy(), np.zeros_like(x)
     run = model.begin(data, kernel_state(0, Purpose.LOCAL, 0, 0))

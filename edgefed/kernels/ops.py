@@ -14,11 +14,13 @@ import subprocess
 import sys
 import tempfile
 import threading
+from pathlib import Path
 
 import numpy as np
 from numba import from_dtype, types
 from numba.extending import intrinsic
 
+from edgefed.kernels import count_compilations, jit_compilations
 from edgefed.kernels.conv import (conv_backward_op, conv_forward_op, global_pool_backward_op, global_pool_forward_op,
                                   pool_backward_op, pool_forward_op)
 from edgefed.kernels.dense import dense_backward_op, dense_forward_op, dense_stepped_backward_op
@@ -93,6 +95,18 @@ def kernels_of(codes) -> list[tuple[int, int]]:
     return [(row, c) for c in codes for row in (FORWARD, BACKWARD)] + [(OBJECTIVE, LOSS), (OBJECTIVE, STEP)]
 
 
+NAMES = {DENSE: "dense", DENSE_STEPPED: "dense (stepped)", CONV: "convolution", POOL: "pooling",
+         GLOBAL_POOL: "global pooling", ACTIVATION: "activation", DROPOUT: "dropout", GROUPNORM: "group norm",
+         PERMUTE: "permutation"}
+
+
+def kernel_names(items) -> list[str]:
+    """The kernels (row, slot), in words: an operation once for its forward and backward."""
+    ops = [NAMES[slot] for row, slot in items if row != OBJECTIVE]
+    objective = [("loss", "SGD step")[slot] for row, slot in items if row == OBJECTIVE]
+    return list(dict.fromkeys(ops)) + objective
+
+
 def uncached(items, dtype) -> list[tuple[int, int]]:
     """Those of the kernels (row, slot) that would compile, not load."""
     return [(row, slot) for row, slot in items if not cached(kernel(row, slot), signature(row, slot, dtype)[0])]
@@ -133,9 +147,14 @@ class Apart:
                 address(row, slot, self.dtype)
 
     def wait(self) -> None:
-        """Until the helper is done (each item is then in the cache, or compiled by the caller on use)."""
+        """Until the helper is done (each item is then in the cache, or compiled by the caller on use); what
+        it compiled counts as this process's (jit_compilations)."""
         if self.process is not None:
             self.process.wait()
+        try:
+            count_compilations(int((Path(self.folder) / "compiled").read_text()))
+        except (OSError, ValueError):
+            pass
         shutil.rmtree(self.folder, ignore_errors=True)
 
 
@@ -219,3 +238,4 @@ if __name__ == "__main__":  # an Apart's helper: python -m edgefed.kernels.ops D
         row, slot = map(int, item.split(":"))
         if claim(sys.argv[3], row, slot):
             address(row, slot, sys.argv[1])
+    (Path(sys.argv[3]) / "compiled").write_text(str(jit_compilations()))

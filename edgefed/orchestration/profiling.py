@@ -31,7 +31,7 @@ import numpy as np
 
 from edgefed import __version__, hwprofile
 from edgefed.errors import EXIT_BAD_INPUT, EdgefedError
-from edgefed.kernels import jit_compilations
+from edgefed.kernels import jit_compilations, ops
 from edgefed.models import Quadratic, Sequential, warm_model
 from edgefed.outputs import check_output
 from edgefed.problems.data import ClassificationData, QuadraticData
@@ -102,19 +102,48 @@ def speed_entry(model, batch: int, steps_per_s: float) -> dict:
     return entry
 
 
-def warmup(kinds=("logreg", "mlp", "cnn", "quadratic"), dtypes=("float32", "float64"), out=print) -> int:
-    """Compile every kernel of these models and dtypes into the cache; returns how many were compiled."""
+def warmup(kinds=("logreg", "mlp", "cnn", "quadratic"), dtypes=("float32", "float64"), out=print,
+           everything: bool = False) -> int:
+    """Compile every kernel of these models and dtypes into the cache (everything: and every other layer
+    operation of the library, so that any layer list finds its kernels cached); returns how many were
+    compiled."""
     total = 0
-    for kind in kinds:
-        for dtype in dtypes:
-            model, data = build(kind, dtype, n=40)
-            before, t0 = jit_compilations(), time.perf_counter()
-            warm_model(model, data, 10)
-            compiled = jit_compilations() - before
-            total += compiled
-            state = f"compiled {compiled} kernels" if compiled else "already cached"
-            out(f"warmup {kind:9s} {dtype}: {state} in {time.perf_counter() - t0:.1f} s")
+
+    def step(what: str, dtype, work) -> None:
+        nonlocal total
+        before, t0 = jit_compilations(), time.perf_counter()
+        work()
+        compiled = jit_compilations() - before
+        total += compiled
+        state = f"compiled {compiled} kernels" if compiled else "already cached"
+        out(f"warmup {what:9s} {dtype}: {state} in {time.perf_counter() - t0:.1f} s")
+
+    for dtype in dtypes:
+        for kind in kinds:
+            step(kind, dtype, lambda: warm_model(*build(kind, dtype, n=40), 10))
+        if everything:
+            step("the rest", dtype, lambda: ops.tables(ops.OPERATIONS, dtype,
+                                                       ops.Apart(ops.uncached(ops.kernels_of(ops.OPERATIONS), dtype),
+                                                                 dtype)))
     return total
+
+
+def warmup_config(path: str, overrides=(), out=print) -> int:
+    """Compile what this experiment's runs compile (its model's kernels for its dtype, its algorithm's calls),
+    into the cache; returns how many were compiled."""
+    from edgefed import config as config_mod
+    from edgefed.algorithms import build_algorithm
+    from edgefed.orchestration.run import compile_notice, problem_and_model
+
+    cfg = config_mod.load_config(path, list(overrides))
+    problem, model = problem_and_model(cfg)
+    before, t0 = jit_compilations(), time.perf_counter()
+    warm_model(model, problem.device(0), None if cfg.train.batch_size == "full" else cfg.train.batch_size,
+               build_algorithm(cfg).model_calls, compile_notice(cfg, model, out))
+    compiled = jit_compilations() - before
+    out(f"warmup {path}: " + (f"compiled {compiled} kernels" if compiled else "every kernel was cached") +
+        f" in {time.perf_counter() - t0:.1f} s")
+    return compiled
 
 
 # ----------------------------------------------------------------------------------------------- speed
@@ -219,7 +248,8 @@ def measure(specs=tuple(BENCH_MODELS), cold: bool = True, out=print) -> dict:
         "format": 1, "name": name, "measured": True,
         "machine": facts,
         "recommend": {"dtype": "float32", "threads": 1, "device_ranks": facts["cores"], "batch": recommended},
-        "startup": {"warm_s": warm_s, **({"cold_s": cold_s} if cold else {})},
+        "startup": {"warm_s": warm_s, **({"cold_s": cold_s, "compile_s": {
+            tag: round(max(cold_s[tag] - warm_s[tag], 0.0), 2) for tag in cold_s}} if cold else {})},
         "memory": {"rank_rss_mb": rss},
         "speed": speeds,
     }
@@ -262,7 +292,8 @@ def header_comment(profile: dict) -> str:
     return (f"Measured by `edgefed profile` (edgefed {__version__}) on {time.strftime('%Y-%m-%d')}: "
             f"{m['cpu']}, {m['arch']}, {m['cores']} cores, {m['memory_mb']} MB.\n"
             "speed: local SGD steps per second, one thread, float32 (calls of ~50 ms, as a round's work).\n"
-            "startup: seconds from a fresh interpreter to one device's first step; cold = empty Numba cache.")
+            "startup: seconds from a fresh interpreter to one device's first step; cold = empty Numba cache;\n"
+            "compile_s = cold - warm, what a run's first start on this board spends compiling (it says so).")
 
 
 def host_name() -> str:

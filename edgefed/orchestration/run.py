@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import psutil
 
-from edgefed import compression
+from edgefed import compression, hwprofile
 from edgefed import config as config_mod
 from edgefed.algorithms import Algorithm, build_algorithm
 from edgefed.config import Config
@@ -601,6 +601,25 @@ def usable_cores() -> list[int]:
     return list(range(os.cpu_count() or 1))
 
 
+def compile_notice(cfg: Config, model, on_info):
+    """What a run says before it compiles kernels into an empty cache: which, that it is this once, and (when
+    the run names a board profile that measured it) about how long."""
+    if on_info is None:
+        return None
+
+    def say(names: list[str], dtype) -> None:
+        eta = ""
+        if cfg.device.profile is not None:
+            profile = hwprofile.load_profile(cfg.device.profile)
+            seconds = profile.compile_seconds(model.kind)
+            if seconds is not None:
+                eta = f"; about {seconds:.0f} s on a {profile.name} (its profile)"
+        on_info(f"compiling {', '.join(names)} ({np.dtype(dtype).name}) into this machine's kernel cache: only "
+                f"this once, every later run loads them (`edgefed warmup` compiles them ahead){eta}")
+
+    return say
+
+
 def note_warmup(setup: Setup, compiled: list[int], seconds: list[float], on_info) -> None:
     """Record in the log (and say) what compiling the kernels before round 1 cost each process."""
     setup.header.attrs["warmup_compiled"] = np.asarray(compiled, np.int64)
@@ -694,7 +713,7 @@ def run(cfg: Config, log_path: Path, *, resume_point=None, force: bool = False, 
         setup = timing_for(setup, None, on_info, resume_point)
         transport = local_transport(setup.cfg, setup.algorithm, setup.problem, setup.model)
         try:
-            compiled, seconds = transport.warmup()
+            compiled, seconds = transport.warmup(compile_notice(setup.cfg, setup.model, on_info))
         except BaseException:
             transport.close(failed=True)
             raise

@@ -264,15 +264,17 @@ class LocalTransport:
     def threads(self) -> int:
         return len(self.lanes)
 
-    def warmup(self) -> tuple[int, float]:
-        """Compile (or load from cache) every kernel a round uses, so no round pays for it.
+    def warmup(self, on_compile=None) -> tuple[int, float]:
+        """Compile (or load from cache) every kernel a round uses, so no round pays for it; on_compile(names,
+        dtype): told before what will compile (warm_model).
 
         Returns (kernels compiled, seconds): compiled is 0 when the cache was warm (`edgefed warmup`).
         """
         if self.device_ids.size == 0:
             return 0, 0.0
         before, t0 = jit_compilations(), time.perf_counter()
-        warm_model(self.model, self.data(int(self.device_ids[0])), self.batch_size, self.algorithm.model_calls)
+        warm_model(self.model, self.data(int(self.device_ids[0])), self.batch_size, self.algorithm.model_calls,
+                   on_compile)
         return jit_compilations() - before, time.perf_counter() - t0
 
     # -- device vectors (SCAFFOLD's controls) ------------------------------------------------------------
