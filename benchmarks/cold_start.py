@@ -9,7 +9,7 @@ empty Numba cache (NUMBA_CACHE_DIR a new folder), then warm with the cache the c
 experiment (logistic regression on SYNTHETIC(1,1), 100 rounds) and, on random data of each model's shape (the
 data's values do not change the kernels a model compiles), McMahan et al.'s 2NN and CNN on 28 x 28 images, the
 CIFAR-10 CNN of examples/cifar10-cnn.toml, and a 1-D convolution over 4 x 128 sequences, each 2 rounds of 4
-devices. Last, what the shipped board profiles predict for B's cold compilation: its seconds here scaled by the
+devices. Last, what the shipped board profiles predict for B's compilation (cold minus warm): its seconds here scaled by the
 board's latency-bound logistic-regression step against this machine's (as benchmarks/layer_speed.py does).
 """
 
@@ -74,7 +74,7 @@ def board_table(cold_s: dict[str, float]) -> None:
 
     here = hwprofile.load_profile("x86-64-laptop").step_seconds("logreg", 20, 610)
     names = list(cold_s)
-    print("| board profile | " + " | ".join(f"{n}: cold, s" for n in names) + " |")
+    print("| board profile | " + " | ".join(f"{n}: compiling, s" for n in names) + " |")
     print("| --- |" + " --- |" * len(names))
     for name in hwprofile.shipped_names():
         prof = hwprofile.load_profile(name)

@@ -94,3 +94,17 @@ def test_warmup_of_a_config_leaves_nothing_to_compile_and_a_copied_checkout_keep
     for log in (first / "r.h5", second / "r2.h5"):
         with h5py.File(log) as f:
             assert f.attrs["warmup_compiled"].tolist() == [0]
+
+
+def test_the_compile_notice_estimates_the_wait_from_the_boards_profile():
+    from edgefed.config import load_config
+    from edgefed.orchestration import run as runs
+
+    said = []
+    model = type("M", (), {"kind": "logreg"})()
+    for profile, eta in ((None, ""), ("pi4b", "; about 9 s on a Raspberry Pi 4 Model B (its profile)"),
+                         ("pi-zero-2w", "; about 31 s on a Raspberry Pi Zero 2 W (its profile)")):
+        cfg = load_config(None, [] if profile is None else [f'device.profile="{profile}"'])
+        runs.compile_notice(cfg, model, said.append)(["network", "dense", "loss", "SGD step"], np.float32)
+        assert said[-1] == ("compiling network, dense, loss, SGD step (float32) into this machine's kernel cache: "
+                            f"only this once, every later run loads them (`edgefed warmup` compiles them ahead){eta}")
