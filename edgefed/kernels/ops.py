@@ -78,7 +78,9 @@ _lock = threading.Lock()
 
 def cached(dispatcher, args) -> bool:
     """Whether a compilation of dispatcher for these argument types is in this process or in Numba's on-disk
-    cache (the test Dispatcher.compile makes first; loading it is milliseconds, compiling it seconds)."""
+    cache (the test Dispatcher.compile makes first, through the same private `_cache`; loading it is
+    milliseconds, compiling it seconds). Without that attribute (another Numba), every kernel counts as
+    uncached: a warm start then only starts a helper that finds everything cached."""
     if tuple(args) in dispatcher.overloads:
         return True
     cache = getattr(dispatcher, "_cache", None)
@@ -133,10 +135,12 @@ class Apart:
         self.todo, self.dtype = list(todo), np.dtype(dtype)
         self.folder = tempfile.mkdtemp(prefix="edgefed-compile-")
         spec = ",".join(f"{row}:{slot}" for row, slot in self.todo)
+        here = str(Path(__file__).resolve().parents[2])  # this edgefed's, whatever the helper's sys.path holds
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH")) if p)}
         try:
             self.process = subprocess.Popen(
                 [sys.executable, "-m", "edgefed.kernels.ops", self.dtype.name, spec, self.folder],
-                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
         except OSError:
             self.process = None
 
