@@ -16,6 +16,9 @@
 #   MPIRUN   the launcher (default: $VENV/bin/mpiexec if the pip mpich wheel is there, else mpirun)
 #   MPI_ARGS extra launcher flags, e.g. "--mca btl_tcp_if_include eth0" (Open MPI) or "-iface eth0" (MPICH)
 #   DRY_RUN  1: print the launch command instead of running it
+# A file BOARDS.env beside the board list, when there is one, is read first: the cluster's own settings of the
+# above (the environment given wins). launch/virtual-cluster.sh writes one: MPI over TCP, since boards on one
+# machine would otherwise talk through its shared memory and no link between them would matter.
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 usage() { sed -n '2,8p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
@@ -24,6 +27,10 @@ verb=$1 boards=$2
 shift 2
 [ -f "$boards" ] || { echo "pi-cluster.sh: board list $boards not found (see launch/hostfile.example)" >&2; exit 2; }
 
+if [ -f "$boards.env" ]; then
+    # shellcheck disable=SC1090  # the cluster's settings, written beside its board list
+    . "$boards.env"
+fi
 venv=${VENV:-$(cd "$here/.." && pwd)/.venv}
 python="$venv/bin/python"
 if [ -z "${MPIRUN:-}" ]; then

@@ -1,0 +1,287 @@
+#!/usr/bin/env bash
+# A Pi cluster on one machine, for the real launcher: every board of a board list as its own network and UTS
+# namespace, with its own host name, address, SSH server, CPU share and link.
+#
+#   launch/virtual-cluster.sh up    BOARDS VIRTUAL        # BOARDS: a board list as launch/hostfile.example
+#   launch/virtual-cluster.sh cut   VIRTUAL HOST SECONDS  # the board's link down for SECONDS, then up again
+#   launch/virtual-cluster.sh stop  VIRTUAL HOST          # every process of the board killed (power lost)
+#   launch/virtual-cluster.sh down  VIRTUAL               # everything `up` made removed; safe to repeat
+#
+# `up` makes, for each board line after the head: a network namespace ef-bN and a UTS namespace whose host
+# name is the board's name in BOARDS; a veth link from it to the bridge ef-br0 in this (the head's) namespace;
+# the address 10.231.0.(N+1) of the private subnet 10.231.0.0/24, the only addresses this script uses (the
+# head is 10.231.0.1; no route, forwarding or NAT leads anywhere else); an sshd listening only there, with
+# host and client keys made for this cluster (this machine's ssh reaches the boards through an Include of
+# STATE/ssh_config at the top of ~/.ssh/config, removed by `down`); and the board's CPU share: its sshd, and
+# so every process started on the board, runs in a cgroup whose CPU quota is the board profile's speed (the
+# logistic-regression step) against this machine's, at most one core, on one core (a board is one of its
+# cores: its processes see one, and run its devices one at a time). This machine's profile is measured
+# once (`edgefed profile`, cached in ~/.cache/edgefed/this-machine.toml, or EDGEFED_MACHINE_PROFILE). Where
+# the board's profile names a link speed ([machine] link_mbps) its link is shaped to it (tc tbf, both ways).
+# VIRTUAL is then the same board list with the boards' addresses, for launch/pi-cluster.sh and edgefed
+# launch --boards, and VIRTUAL.env the launcher's settings pi-cluster.sh reads beside it (MPI over TCP). Run as root; one virtual cluster at a time. STATE: /run/edgefed-virtual.
+set -euo pipefail
+here=$(cd "$(dirname "$0")" && pwd)
+SUBNET=10.231.0
+BRIDGE=ef-br0
+STATE=${EDGEFED_VIRTUAL_STATE:-/run/edgefed-virtual}
+python=${VENV:-$(cd "$here/.." && pwd)/.venv}/bin/python
+machine=${EDGEFED_MACHINE_PROFILE:-${XDG_CACHE_HOME:-$HOME/.cache}/edgefed/this-machine.toml}
+include="Include $STATE/ssh_config"
+SSHD=${SSHD:-/usr/sbin/sshd}
+
+say() { echo "virtual-cluster.sh: $*" >&2; }
+fail() { say "$*"; exit 2; }
+usage() { sed -n '5,8p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
+
+cgroup_root() {  # the cpu controller's folder for this cluster: cgroup v1's cpu hierarchy, or v2's unified one
+    if [ -f /sys/fs/cgroup/cpu/cpu.cfs_quota_us ] || [ -d /sys/fs/cgroup/cpu/edgefed-virtual ]; then
+        echo /sys/fs/cgroup/cpu/edgefed-virtual
+    elif grep -qw cpu /sys/fs/cgroup/cgroup.controllers 2>/dev/null; then
+        echo /sys/fs/cgroup/edgefed-virtual
+    fi
+}
+
+require() {  # what `up` needs, each missing one named in one line with how to get it; nothing made before
+    [ "$(id -u)" = 0 ] || fail "run as root: namespaces, links and cgroups are root's to make"
+    local tool package
+    for tool in ip:iproute2 tc:iproute2 nsenter:util-linux unshare:util-linux taskset:util-linux ssh:openssh-client \
+                ssh-keygen:openssh-client; do
+        command -v "${tool%%:*}" > /dev/null || fail "${tool%%:*} is missing: apt-get install ${tool#*:}"
+    done
+    [ -x "$SSHD" ] || fail "sshd is missing ($SSHD): apt-get install openssh-server"
+    ip netns list > /dev/null 2>&1 || fail "ip netns does not work here (network namespaces); a kernel with them is needed"
+    [ -n "$(cgroup_root)" ] || fail "no cgroup cpu controller at /sys/fs/cgroup (a board's CPU share needs it)"
+    [ -x "$python" ] || fail "no Python at $python: install edgefed in this checkout's .venv, or set VENV"
+    if ip link show "$BRIDGE" > /dev/null 2>&1 || [ -d "$STATE" ]; then
+        fail "a virtual cluster is up already: launch/virtual-cluster.sh down VIRTUAL first"
+    fi
+    if ip -4 addr | grep -q " $SUBNET\."; then
+        fail "the subnet $SUBNET.0/24 is in use on this machine; the virtual cluster needs it to itself"
+    fi
+}
+
+boards_of() {  # the board list as lines "HOST PROFILE LOAD" (the head first, its profile "coordinator")
+    local host role load
+    while read -r host role load _ || [ -n "${host:-}" ]; do
+        host=${host%$'\r'} role=${role%$'\r'} load=${load%$'\r'}
+        case "$host" in ''|'#'*) continue ;; esac
+        case "$load" in '#'*|'') load=0.0 ;; esac
+        echo "$host ${role:-coordinator} $load"
+    done < "$1"
+}
+
+board_index() {  # N of the board named HOST (its host name or address) in STATE, or fail
+    local index name address
+    [ -f "$STATE/boards" ] || fail "no virtual cluster is up (no $STATE); launch/virtual-cluster.sh up BOARDS VIRTUAL"
+    while read -r index name address _; do
+        if [ "$1" = "$name" ] || [ "$1" = "$address" ]; then echo "$index"; return; fi
+    done < "$STATE/boards"
+    fail "$1 is not a board of this virtual cluster (see $STATE/boards)"
+}
+
+kill_board() {  # every process of board N (its cgroup's), SIGKILL, until none is left (or 10 s)
+    local procs pid
+    procs=$(cgroup_root)/b$1/cgroup.procs
+    [ -f "$procs" ] || return 0
+    for _ in $(seq 1 100); do  # again and again: one may have forked while the others died
+        [ -n "$(cat "$procs" 2> /dev/null)" ] || return 0  # (not -s: a cgroup file's size is 0)
+        while read -r pid; do kill -9 "$pid" 2> /dev/null || true; done < "$procs"
+        sleep 0.1
+    done
+}
+
+down() {  # everything up made, whatever of it is there
+    local n dir cg
+    cg=$(cgroup_root)
+    if [ -f "$STATE/boards" ]; then
+        while read -r n _; do
+            kill_board "$n"
+            [ -d "$cg/b$n" ] && rmdir "$cg/b$n" 2> /dev/null || true
+            umount "$STATE/b$n/uts" 2> /dev/null || true
+            ip netns del "ef-b$n" 2> /dev/null || true
+            ip link del "ef-v$n" 2> /dev/null || true
+        done < "$STATE/boards"
+    fi
+    for dir in "$cg"/b*; do  # (a board `up` made before it wrote the list)
+        [ -d "$dir" ] || continue
+        n=${dir##*/b}; kill_board "$n"; rmdir "$dir" 2> /dev/null || true
+    done
+    [ -n "$cg" ] && [ -d "$cg" ] && rmdir "$cg" 2> /dev/null || true
+    for n in $(ip netns list 2> /dev/null | awk '/^ef-b[0-9]+/ {print $1}'); do ip netns del "$n" 2> /dev/null || true; done
+    for dir in "$STATE"/b*; do umount "$dir/uts" 2> /dev/null || true; done
+    ip link del "$BRIDGE" 2> /dev/null || true
+    if [ -f "$HOME/.ssh/config" ] && grep -qxF "$include" "$HOME/.ssh/config"; then
+        grep -vxF "$include" "$HOME/.ssh/config" > "$HOME/.ssh/config.edgefed-tmp" || true
+        mv "$HOME/.ssh/config.edgefed-tmp" "$HOME/.ssh/config"
+    fi
+    rm -rf "$STATE"
+}
+
+quota_and_link() {  # "QUOTA LINK_MBPS" of a board profile against this machine's (LINK_MBPS: "" when none)
+    "$python" - "$1" "$machine" <<'PY'
+import sys
+from edgefed import hwprofile
+from edgefed.errors import EdgefedError
+try:
+    board, here = hwprofile.load_profile(sys.argv[1]), hwprofile.load_profile(sys.argv[2])
+    share = here.step_seconds("logreg", 20, 610) / board.step_seconds("logreg", 20, 610)
+except EdgefedError as exc:
+    sys.exit(f"virtual-cluster.sh: {exc}")
+print(f"{min(share, 1.0):.4f} {board.machine.get('link_mbps', '')}")
+PY
+}
+
+up() {
+    local boards=$1 virtual=$2
+    [ -f "$boards" ] || fail "board list $boards not found (see launch/hostfile.example)"
+    require
+    local lines
+    mapfile -t lines < <(boards_of "$boards")
+    [ ${#lines[@]} -ge 2 ] || fail "$boards lists no board after the head node (see launch/hostfile.example)"
+    if [ ! -f "$machine" ]; then
+        say "measuring this machine once (edgefed profile --models logreg), for the boards' CPU shares: $machine"
+        mkdir -p "$(dirname "$machine")"
+        "$python" -m edgefed profile --models logreg --no-cold --out "$machine" > /dev/null
+    fi
+    local shares=() n share
+    for n in $(seq 1 $(( ${#lines[@]} - 1 ))); do  # every profile checked before anything is made
+        read -r _ profile _ <<< "${lines[$n]}"
+        share=$(quota_and_link "$profile") || exit 2
+        shares+=("$share")
+    done
+    partial="$virtual.tmp"  # (global: the trap runs after up returns)
+    trap 'status=$?; trap - EXIT; if [ $status -ne 0 ]; then say "up failed; undoing what it made"; down; rm -f "$partial"; fi; exit $status' EXIT
+    mkdir -p "$STATE" /run/sshd
+    chmod 700 "$STATE"
+    ssh-keygen -q -t ed25519 -N "" -C edgefed-virtual -f "$STATE/client_key"
+    cp "$STATE/client_key.pub" "$STATE/authorized_keys"
+    : > "$STATE/known_hosts"
+    cat > "$STATE/ssh_config" <<EOF
+Host $SUBNET.*
+    IdentityFile $STATE/client_key
+    UserKnownHostsFile $STATE/known_hosts
+    StrictHostKeyChecking yes
+    BatchMode yes
+EOF
+    mkdir -p "$HOME/.ssh"
+    touch "$HOME/.ssh/config"
+    { echo "$include"; grep -vxF "$include" "$HOME/.ssh/config" || true; } > "$HOME/.ssh/config.edgefed-tmp"
+    mv "$HOME/.ssh/config.edgefed-tmp" "$HOME/.ssh/config"
+    chmod 600 "$HOME/.ssh/config"
+    ip link add "$BRIDGE" type bridge
+    ip addr add "$SUBNET.1/24" dev "$BRIDGE"
+    ip link set "$BRIDGE" up
+    local cg host profile load share link address quota period core dir sshds=()
+    cg=$(cgroup_root)
+    mkdir -p "$cg"
+    if [ -f "$cg/cgroup.subtree_control" ]; then  # cgroup v2: the cpu controller for the boards' groups
+        echo +cpu > "$(dirname "$cg")/cgroup.subtree_control" 2> /dev/null || true
+        echo +cpu > "$cg/cgroup.subtree_control"
+    fi
+    { read -r host _ _ <<< "${lines[0]}"; echo "$SUBNET.1  coordinator  0.0  # the head: this machine ($(hostname)), for $host"; } > "$virtual.tmp"
+    : > "$STATE/boards"
+    for n in $(seq 1 $(( ${#lines[@]} - 1 ))); do
+        read -r host profile load <<< "${lines[$n]}"
+        read -r share link <<< "${shares[$((n - 1))]}"
+        address="$SUBNET.$(( n + 1 ))"
+        dir="$STATE/b$n"
+        mkdir -p "$dir"
+        echo "$n $host $address $profile $share ${link:--}" >> "$STATE/boards"
+        ip netns add "ef-b$n"
+        ip link add "ef-v$n" type veth peer name eth0 netns "ef-b$n"
+        ip link set "ef-v$n" master "$BRIDGE" up
+        ip -n "ef-b$n" addr add "$address/24" dev eth0
+        ip -n "ef-b$n" link set lo up
+        ip -n "ef-b$n" link set eth0 up
+        if [ -n "$link" ]; then  # the board's link speed, each way
+            tc qdisc add dev "ef-v$n" root tbf rate "${link}mbit" burst 64kb latency 400ms
+            ip netns exec "ef-b$n" tc qdisc add dev eth0 root tbf rate "${link}mbit" burst 64kb latency 400ms
+        fi
+        touch "$dir/uts"
+        unshare --uts="$dir/uts" hostname "$host"
+        mkdir -p "$cg/b$n"
+        # a short period, so that the share holds at a deadline's scale too (the kernel's least quota: 1 ms)
+        read -r quota period <<< "$("$python" -c "p = max(10000, round(1000 / $share)); print(round($share * p), p)")"
+        if [ -f "$cg/b$n/cpu.cfs_quota_us" ]; then
+            echo "$period" > "$cg/b$n/cpu.cfs_period_us"
+            echo "$quota" > "$cg/b$n/cpu.cfs_quota_us"
+        else
+            echo "$quota $period" > "$cg/b$n/cpu.max"
+        fi
+        core=$(( (n - 1) % $(nproc) ))  # one core, as the share is of one: the board's lanes see one
+        ssh-keygen -q -t ed25519 -N "" -C "edgefed-virtual $host" -f "$dir/host_key"
+        echo "$address $(cut -d' ' -f1,2 "$dir/host_key.pub")" >> "$STATE/known_hosts"
+        cat > "$dir/sshd_config" <<EOF
+ListenAddress $address
+HostKey $dir/host_key
+AuthorizedKeysFile $STATE/authorized_keys
+PidFile $dir/sshd.pid
+PermitRootLogin prohibit-password
+PasswordAuthentication no
+KbdInteractiveAuthentication no
+UsePAM no
+StrictModes no
+X11Forwarding no
+AllowTcpForwarding no
+EOF
+        # the board's first process joins its cgroup, then becomes its sshd: all it starts inherit the share
+        setsid sh -c "echo \$\$ > '$cg/b$n/cgroup.procs' && exec taskset -c $core ip netns exec ef-b$n \
+nsenter --uts='$dir/uts' '$SSHD' -D -f '$dir/sshd_config' -E '$dir/sshd.log'" < /dev/null > /dev/null 2>&1 &
+        sshds+=($!)
+        disown  # (its end is the board's, not this script's to report)
+        echo "$address  $profile  $load  # $host: $(awk "BEGIN {printf \"%.0f\", $share * 100}") % of a core$([ -n "$link" ] && echo ", link $link Mbit/s")" >> "$virtual.tmp"
+    done
+    for n in $(seq 1 $(( ${#lines[@]} - 1 ))); do  # every sshd answering before the cluster is said to be up
+        address="$SUBNET.$(( n + 1 ))"
+        read -r host _ <<< "${lines[$n]}"
+        for _ in $(seq 1 100); do
+            ssh -o ConnectTimeout=2 "$address" true 2> /dev/null && continue 2
+            kill -0 "${sshds[$((n - 1))]}" 2> /dev/null || break
+            sleep 0.1
+        done
+        fail "the sshd of board $host ($address) $(kill -0 "${sshds[$((n - 1))]}" 2> /dev/null && echo "does not answer" \
+|| echo "exited at start")$(tail -n 1 "$STATE/b$n/sshd.log" 2> /dev/null | sed 's/^/: /')"
+    done
+    # MPI over the links: ranks of one machine would otherwise find each other's shared memory (MPICH's UCX
+    # netmod does), and no cut or shaped link would touch them
+    echo 'MPI_ARGS=${MPI_ARGS:-"-genv MPIR_CVAR_CH4_NETMOD ofi -genv FI_PROVIDER tcp"}' > "$virtual.env"
+    mv "$virtual.tmp" "$virtual"
+    trap - EXIT
+    say "up: $(( ${#lines[@]} - 1 )) boards on $SUBNET.0/24; board list $virtual"
+}
+
+[ $# -ge 1 ] || usage
+verb=$1
+shift
+case "$verb" in
+up)
+    [ $# -eq 2 ] || usage
+    up "$1" "$2"
+    ;;
+cut)
+    [ $# -eq 3 ] || usage
+    [ "$(id -u)" = 0 ] || fail "run as root"
+    case "$3" in ''|*[!0-9.]*) fail "SECONDS must be a number of seconds, not $3" ;; esac
+    n=$(board_index "$2")
+    ip link set "ef-v$n" down
+    sleep "$3"
+    ip link set "ef-v$n" up
+    ;;
+stop)
+    [ $# -eq 2 ] || usage
+    [ "$(id -u)" = 0 ] || fail "run as root"
+    n=$(board_index "$2")
+    ip link set "ef-v$n" down
+    kill_board "$n"
+    ;;
+down)
+    [ $# -eq 1 ] || usage
+    [ "$(id -u)" = 0 ] || fail "run as root"
+    down
+    rm -f "$1" "$1.tmp" "$1.env"
+    ;;
+*)
+    usage
+    ;;
+esac

@@ -1,0 +1,217 @@
+"""A Pi cluster on one machine (launch/virtual-cluster.sh): boards as network and UTS namespaces with their own
+host name, SSH server and CPU share, driven by the real launcher (launch/pi-cluster.sh, edgefed launch).
+
+Needs root, network namespaces, a cgroup cpu controller and openssh-server (.ci/run installs it); skips,
+saying which, where the machine has not. The boards here are two profiles of this machine at a half and a
+quarter of a core (EDGEFED_MACHINE_PROFILE names a stand-in profile of this machine, so no measurement runs)."""
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import h5py
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "launch" / "virtual-cluster.sh"
+PI_CLUSTER = ROOT / "launch" / "pi-cluster.sh"
+STATE = Path("/run/edgefed-virtual-test")
+
+
+def _missing() -> str | None:
+    if os.geteuid() != 0:
+        return "the virtual cluster needs root (namespaces, links, cgroups)"
+    if not Path("/usr/sbin/sshd").exists():
+        return "no sshd: apt-get install openssh-server (.ci/run does)"
+    for tool in ("ip", "nsenter", "unshare", "ssh", "ssh-keygen", "tc"):
+        if shutil.which(tool) is None:
+            return f"no {tool} on this machine"
+    if subprocess.run(["ip", "netns", "list"], capture_output=True).returncode != 0:
+        return "network namespaces do not work here"
+    unified = Path("/sys/fs/cgroup/cgroup.controllers")
+    if not (Path("/sys/fs/cgroup/cpu/cpu.cfs_quota_us").exists()
+            or (unified.exists() and "cpu" in unified.read_text(encoding="utf-8").split())):
+        return "no cgroup cpu controller"
+    return None
+
+
+pytestmark = pytest.mark.skipif(_missing() is not None, reason=str(_missing()))
+
+MACHINE = """format = 1
+name = "this machine (stand-in)"
+measured = true
+[machine]
+arch = "x86_64"
+cores = 2
+memory_mb = 4096
+[recommend]
+dtype = "float32"
+threads = 1
+device_ranks = 2
+batch = { logreg = 20 }
+[[speed]]
+model = "logreg"
+params = 610
+batch = 20
+steps_per_s = 400000.0
+"""
+
+
+def board_profile(share: float, link_mbps: float | None = None) -> str:
+    """A board at `share` of this machine's speed (so its quota is that share of a core)."""
+    text = MACHINE.replace("this machine (stand-in)", f"a board at {share}").replace(
+        "steps_per_s = 400000.0", f"steps_per_s = {400000.0 * share}")
+    return text.replace("cores = 2\n", f"cores = 2\nlink_mbps = {link_mbps}\n") if link_mbps else text
+
+
+def script(*args, env=None, check=False, timeout=120):
+    return subprocess.run(["bash", str(SCRIPT), *map(str, args)], capture_output=True, text=True,
+                          env=env, timeout=timeout, check=check)
+
+
+def test_refusals_say_what_is_missing_and_make_nothing(tmp_path):
+    """(Runs before the module's cluster is up: `up` refuses while one is.)"""
+    (tmp_path / "machine.toml").write_text(MACHINE)
+    (tmp_path / "half.toml").write_text(board_profile(0.5))
+    boards = tmp_path / "boards.txt"
+    boards.write_text(f"head.local coordinator\nvb-half.local {tmp_path / 'half.toml'}\n")
+    env = {**os.environ, "EDGEFED_MACHINE_PROFILE": str(tmp_path / "machine.toml"),
+           "EDGEFED_VIRTUAL_STATE": str(STATE), "VENV": str(Path(sys.executable).parents[1])}
+    virtual = tmp_path / "virtual.txt"
+    nobody = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "bash", str(SCRIPT), "up",
+                             str(ROOT / "launch" / "hostfile.example"), "/tmp/edgefed-nobody.txt"],
+                            capture_output=True, text=True, timeout=60)
+    cases = [
+        (nobody, "run as root: namespaces, links and cgroups are root's to make"),
+        (script("up", tmp_path / "absent.txt", virtual, env=env),
+         f"board list {tmp_path / 'absent.txt'} not found (see launch/hostfile.example)"),
+        (script("up", boards, virtual, env={**env, "SSHD": "/usr/sbin/no-sshd"}),
+         "sshd is missing (/usr/sbin/no-sshd): apt-get install openssh-server"),
+        (script("cut", virtual, "vb-half.local", 1, env=env),
+         f"no virtual cluster is up (no {STATE}); launch/virtual-cluster.sh up BOARDS VIRTUAL"),
+    ]
+    for done, message in cases:
+        assert (done.returncode, done.stderr) == (2, f"virtual-cluster.sh: {message}\n")
+    # a failure half-way (the board's sshd dies at start) undoes everything up had made
+    broken = script("up", boards, virtual, env={**env, "SSHD": "/bin/false"})
+    assert broken.returncode == 2 and broken.stderr.splitlines() == [
+        "virtual-cluster.sh: the sshd of board vb-half.local (10.231.0.2) exited at start",
+        "virtual-cluster.sh: up failed; undoing what it made"]
+    assert not virtual.exists() and not Path(f"{virtual}.tmp").exists()
+    assert_nothing_left()
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("virtual")
+    (folder / "machine.toml").write_text(MACHINE)
+    (folder / "half.toml").write_text(board_profile(0.5))
+    (folder / "quarter.toml").write_text(board_profile(0.25, link_mbps=100))
+    (folder / "boards.txt").write_text(f"head.local coordinator\nvb-half.local {folder / 'half.toml'} 0.0\n"
+                                       f"vb-quarter.local {folder / 'quarter.toml'} 0.0\n")
+    env = {**os.environ, "EDGEFED_MACHINE_PROFILE": str(folder / "machine.toml"),
+           "EDGEFED_VIRTUAL_STATE": str(STATE), "VENV": str(Path(sys.executable).parents[1])}
+    script("down", folder / "leftover", env=env)  # (a run killed before its teardown)
+    up = script("up", folder / "boards.txt", folder / "virtual.txt", env=env)
+    assert up.returncode == 0, up.stderr
+    yield folder, env
+    down = script("down", folder / "virtual.txt", env=env)
+    assert down.returncode == 0, down.stderr
+    assert_nothing_left()
+
+
+def assert_nothing_left():
+    netns = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    links = subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True).stdout
+    procs = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
+    assert "ef-b" not in netns and "ef-br0" not in links and "ef-v" not in links
+    assert str(STATE) not in procs  # no sshd of a board
+    assert not STATE.exists()
+    assert not any(Path(p).exists() for p in ("/sys/fs/cgroup/cpu/edgefed-virtual", "/sys/fs/cgroup/edgefed-virtual"))
+    config = Path.home() / ".ssh" / "config"
+    assert not config.exists() or str(STATE) not in config.read_text()
+
+
+def test_up_writes_the_board_list_with_addresses_shares_and_links(cluster):
+    folder, env = cluster
+    lines = [line for line in (folder / "virtual.txt").read_text().splitlines() if line.strip()]
+    assert lines[0].startswith("10.231.0.1  coordinator  0.0  # the head: this machine")
+    assert lines[1] == f"10.231.0.2  {folder / 'half.toml'}  0.0  # vb-half.local: 50 % of a core"
+    assert lines[2] == f"10.231.0.3  {folder / 'quarter.toml'}  0.0  # vb-quarter.local: 25 % of a core, link 100 Mbit/s"
+    group = Path("/sys/fs/cgroup/cpu/edgefed-virtual/b2")
+    if group.exists():  # a quarter of a core, over a 10 ms period (the share holds at a deadline's scale)
+        assert (group / "cpu.cfs_quota_us").read_text().strip() == "2500"
+        assert (group / "cpu.cfs_period_us").read_text().strip() == "10000"
+    again = script("up", folder / "boards.txt", folder / "other.txt", env=env)
+    assert again.returncode == 2 and again.stderr.strip() == (
+        "virtual-cluster.sh: a virtual cluster is up already: launch/virtual-cluster.sh down VIRTUAL first")
+    assert not (folder / "other.txt").exists()
+
+
+def test_check_lists_one_rank_per_board_from_its_own_host_name(cluster):
+    folder, env = cluster
+    done = subprocess.run(["bash", str(PI_CLUSTER), "check", str(folder / "virtual.txt")], capture_output=True,
+                          text=True, env=env, timeout=180)
+    assert done.returncode == 0, done.stderr
+    out = done.stdout
+    assert "vb-half.local" in out.splitlines()[0] and "vb-quarter.local" in out.splitlines()[1]
+    ranks = dict(re.findall(r"rank (\d) of 3 on (\S+)", out))  # (lines of ranks may interleave)
+    assert (ranks["1"], ranks["2"]) == ("vb-half.local", "vb-quarter.local") and len(ranks) == 3
+
+
+DEADLINE = """rounds = 3
+[data]
+clients = 2
+[train]
+clients_per_round = "all"
+local_steps = 1000000
+[participation]
+mode = "deadline"
+deadline_s = 0.4
+grace_s = 2.0
+"""
+
+
+def test_a_deadline_run_completes_the_steps_each_boards_share_allows_and_survives_a_cut(cluster):
+    """Two boards at a half and a quarter of a core, one device each: the slower completes fewer steps in
+    every round (about half). Then its link cut mid-run for longer than the deadline: that round it is late,
+    the run completes and it rejoins."""
+    folder, env = cluster
+    config = folder / "deadline.toml"
+    config.write_text(DEADLINE)
+    log = folder / "run.h5"
+    done = subprocess.run(["bash", str(PI_CLUSTER), "run", str(folder / "virtual.txt"), str(config), "--out", str(log),
+                           "--quiet"], capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    with h5py.File(log) as f:
+        steps = f["participation/steps"][()]
+    assert (steps > 0).all() and (steps[:, 1] < 0.8 * steps[:, 0]).all(), steps
+    cut_log = folder / "cut.h5"
+    rounds = DEADLINE.replace("rounds = 3", "rounds = 6")
+    config.write_text(rounds)
+    run = subprocess.Popen(["bash", str(PI_CLUSTER), "run", str(folder / "virtual.txt"), str(config), "--out",
+                            str(cut_log)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    for line in run.stdout:  # cut the slow board's link once round 2 is done, for 3 s (past deadline + grace)
+        if line.startswith("round 2/"):
+            cut = script("cut", folder / "virtual.txt", "vb-quarter.local", 3, env=env)
+            assert cut.returncode == 0, cut.stderr
+            break
+    out, err = run.communicate(timeout=300)
+    assert run.returncode == 0, out + err
+    with h5py.File(cut_log) as f:
+        late, steps = f["participation/late"][()], f["participation/steps"][()]
+    assert late[:, 1].any() and not late[:, 0].any(), late
+    assert steps[-1, 1] > 0  # it answers again after the cut
+    unknown = script("cut", folder / "virtual.txt", "vb-absent.local", 1, env=env)
+    assert unknown.returncode == 2 and unknown.stderr == (
+        f"virtual-cluster.sh: vb-absent.local is not a board of this virtual cluster (see {STATE}/boards)\n")
+    stop = script("stop", folder / "virtual.txt", "vb-quarter.local", env=env)  # power lost: nothing of it runs
+    assert stop.returncode == 0, stop.stderr
+    procs = [p for p in ("/sys/fs/cgroup/cpu/edgefed-virtual/b2/cgroup.procs", "/sys/fs/cgroup/edgefed-virtual/b2/cgroup.procs")
+             if Path(p).exists()]
+    assert procs and Path(procs[0]).read_text() == ""
+    assert subprocess.run(["ssh", "-o", "ConnectTimeout=1", "10.231.0.3", "true"], capture_output=True).returncode != 0
