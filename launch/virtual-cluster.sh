@@ -19,12 +19,17 @@
 # once (`edgefed profile`, cached in ~/.cache/edgefed/this-machine.toml, or EDGEFED_MACHINE_PROFILE). Where
 # the board's profile names a link speed ([machine] link_mbps) its link is shaped to it (tc tbf, both ways).
 # VIRTUAL is then the same board list with the boards' addresses, for launch/pi-cluster.sh and edgefed
-# launch --boards, and VIRTUAL.env the launcher's settings pi-cluster.sh reads beside it (MPI over TCP). Run as root; one virtual cluster at a time. STATE: /run/edgefed-virtual.
+# launch --boards, and VIRTUAL.env the launcher's settings pi-cluster.sh reads beside it (MPI over TCP).
+# Run as root. STATE: /run/edgefed-virtual.
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
-SUBNET=10.231.0
-BRIDGE=ef-br0
+# Two clusters side by side (the tests' beside a user's) differ in all three: EDGEFED_VIRTUAL_NAME names the
+# links, namespaces and cgroup, EDGEFED_VIRTUAL_SUBNET their addresses, EDGEFED_VIRTUAL_STATE their state.
+NAME=${EDGEFED_VIRTUAL_NAME:-ef}
+SUBNET=${EDGEFED_VIRTUAL_SUBNET:-10.231.0}
 STATE=${EDGEFED_VIRTUAL_STATE:-/run/edgefed-virtual}
+BRIDGE=$NAME-br0
+GROUP=edgefed-virtual${EDGEFED_VIRTUAL_NAME:+-$NAME}
 python=${VENV:-$(cd "$here/.." && pwd)/.venv}/bin/python
 machine=${EDGEFED_MACHINE_PROFILE:-${XDG_CACHE_HOME:-$HOME/.cache}/edgefed/this-machine.toml}
 include="Include $STATE/ssh_config"
@@ -35,10 +40,10 @@ fail() { say "$*"; exit 2; }
 usage() { sed -n '5,8p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
 
 cgroup_root() {  # the cpu controller's folder for this cluster: cgroup v1's cpu hierarchy, or v2's unified one
-    if [ -f /sys/fs/cgroup/cpu/cpu.cfs_quota_us ] || [ -d /sys/fs/cgroup/cpu/edgefed-virtual ]; then
-        echo /sys/fs/cgroup/cpu/edgefed-virtual
+    if [ -f /sys/fs/cgroup/cpu/cpu.cfs_quota_us ] || [ -d "/sys/fs/cgroup/cpu/$GROUP" ]; then
+        echo "/sys/fs/cgroup/cpu/$GROUP"
     elif grep -qw cpu /sys/fs/cgroup/cgroup.controllers 2>/dev/null; then
-        echo /sys/fs/cgroup/edgefed-virtual
+        echo "/sys/fs/cgroup/$GROUP"
     fi
 }
 
@@ -99,8 +104,8 @@ down() {  # everything up made, whatever of it is there
             kill_board "$n"
             [ -d "$cg/b$n" ] && rmdir "$cg/b$n" 2> /dev/null || true
             umount "$STATE/b$n/uts" 2> /dev/null || true
-            ip netns del "ef-b$n" 2> /dev/null || true
-            ip link del "ef-v$n" 2> /dev/null || true
+            ip netns del "$NAME-b$n" 2> /dev/null || true
+            ip link del "$NAME-v$n" 2> /dev/null || true
         done < "$STATE/boards"
     fi
     for dir in "$cg"/b*; do  # (a board `up` made before it wrote the list)
@@ -108,7 +113,7 @@ down() {  # everything up made, whatever of it is there
         n=${dir##*/b}; kill_board "$n"; rmdir "$dir" 2> /dev/null || true
     done
     [ -n "$cg" ] && [ -d "$cg" ] && rmdir "$cg" 2> /dev/null || true
-    for n in $(ip netns list 2> /dev/null | awk '/^ef-b[0-9]+/ {print $1}'); do ip netns del "$n" 2> /dev/null || true; done
+    for n in $(ip netns list 2> /dev/null | awk -v name="$NAME" '$1 ~ "^" name "-b[0-9]+$" {print $1}'); do ip netns del "$n" 2> /dev/null || true; done
     for dir in "$STATE"/b*; do umount "$dir/uts" 2> /dev/null || true; done
     ip link del "$BRIDGE" 2> /dev/null || true
     if [ -f "$HOME/.ssh/config" ] && grep -qxF "$include" "$HOME/.ssh/config"; then
@@ -188,21 +193,23 @@ EOF
         dir="$STATE/b$n"
         mkdir -p "$dir"
         echo "$n $host $address $profile $share ${link:--}" >> "$STATE/boards"
-        ip netns add "ef-b$n"
-        ip link add "ef-v$n" type veth peer name eth0 netns "ef-b$n"
-        ip link set "ef-v$n" master "$BRIDGE" up
-        ip -n "ef-b$n" addr add "$address/24" dev eth0
-        ip -n "ef-b$n" link set lo up
-        ip -n "ef-b$n" link set eth0 up
+        ip netns add "$NAME-b$n"
+        ip link add "$NAME-v$n" type veth peer name eth0 netns "$NAME-b$n"
+        ip link set "$NAME-v$n" master "$BRIDGE" up
+        ip -n "$NAME-b$n" addr add "$address/24" dev eth0
+        ip -n "$NAME-b$n" link set lo up
+        ip -n "$NAME-b$n" link set eth0 up
         if [ -n "$link" ]; then  # the board's link speed, each way
-            tc qdisc add dev "ef-v$n" root tbf rate "${link}mbit" burst 64kb latency 400ms
-            ip netns exec "ef-b$n" tc qdisc add dev eth0 root tbf rate "${link}mbit" burst 64kb latency 400ms
+            tc qdisc add dev "$NAME-v$n" root tbf rate "${link}mbit" burst 64kb latency 400ms
+            ip netns exec "$NAME-b$n" tc qdisc add dev eth0 root tbf rate "${link}mbit" burst 64kb latency 400ms
         fi
         touch "$dir/uts"
         unshare --uts="$dir/uts" hostname "$host"
         mkdir -p "$cg/b$n"
-        # a short period, so that the share holds at a deadline's scale too (the kernel's least quota: 1 ms)
-        read -r quota period <<< "$("$python" -c "p = max(10000, round(1000 / $share)); print(round($share * p), p)")"
+        # a short period, so the share holds at a deadline's scale: within a period the board runs at this
+        # machine's speed until its quota is spent (docs/pi-cluster.md). The quota is 2 ms, not the kernel's
+        # least (1 ms): at 1 ms a board got only 70 % of its share here (a quarter millisecond lost a period)
+        quota=2000 period=$("$python" -c "print(round(2000 / $share))")
         if [ -f "$cg/b$n/cpu.cfs_quota_us" ]; then
             echo "$period" > "$cg/b$n/cpu.cfs_period_us"
             echo "$quota" > "$cg/b$n/cpu.cfs_quota_us"
@@ -226,7 +233,7 @@ X11Forwarding no
 AllowTcpForwarding no
 EOF
         # the board's first process joins its cgroup, then becomes its sshd: all it starts inherit the share
-        setsid sh -c "echo \$\$ > '$cg/b$n/cgroup.procs' && exec taskset -c $core ip netns exec ef-b$n \
+        setsid sh -c "echo \$\$ > '$cg/b$n/cgroup.procs' && exec taskset -c $core ip netns exec $NAME-b$n \
 nsenter --uts='$dir/uts' '$SSHD' -D -f '$dir/sshd_config' -E '$dir/sshd.log'" < /dev/null > /dev/null 2>&1 &
         sshds+=($!)
         disown  # (its end is the board's, not this script's to report)
@@ -252,6 +259,8 @@ nsenter --uts='$dir/uts' '$SSHD' -D -f '$dir/sshd_config' -E '$dir/sshd.log'" < 
 }
 
 [ $# -ge 1 ] || usage
+[[ $NAME =~ ^[a-z][a-z0-9]{0,7}$ ]] || fail "EDGEFED_VIRTUAL_NAME must be 1 to 8 lower-case letters or digits, not '$NAME'"
+[[ $SUBNET =~ ^10\.[0-9]{1,3}\.[0-9]{1,3}$ ]] || fail "EDGEFED_VIRTUAL_SUBNET must be a private /24 as 10.X.Y, not '$SUBNET'"
 verb=$1
 shift
 case "$verb" in
@@ -264,15 +273,15 @@ cut)
     [ "$(id -u)" = 0 ] || fail "run as root"
     case "$3" in ''|*[!0-9.]*) fail "SECONDS must be a number of seconds, not $3" ;; esac
     n=$(board_index "$2")
-    ip link set "ef-v$n" down
+    ip link set "$NAME-v$n" down
     sleep "$3"
-    ip link set "ef-v$n" up
+    ip link set "$NAME-v$n" up
     ;;
 stop)
     [ $# -eq 2 ] || usage
     [ "$(id -u)" = 0 ] || fail "run as root"
     n=$(board_index "$2")
-    ip link set "ef-v$n" down
+    ip link set "$NAME-v$n" down
     kill_board "$n"
     ;;
 down)

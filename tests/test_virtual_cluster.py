@@ -19,7 +19,10 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "launch" / "virtual-cluster.sh"
 PI_CLUSTER = ROOT / "launch" / "pi-cluster.sh"
+# the tests' cluster has names, addresses and state of its own, so a user's virtual cluster up on the same
+# machine neither blocks it nor is touched by it
 STATE = Path("/run/edgefed-virtual-test")
+NET = {"EDGEFED_VIRTUAL_STATE": str(STATE), "EDGEFED_VIRTUAL_NAME": "eftest", "EDGEFED_VIRTUAL_SUBNET": "10.232.0"}
 
 
 def _missing() -> str | None:
@@ -80,7 +83,7 @@ def test_refusals_say_what_is_missing_and_make_nothing(tmp_path):
     boards = tmp_path / "boards.txt"
     boards.write_text(f"head.local coordinator\nvb-half.local {tmp_path / 'half.toml'}\n")
     env = {**os.environ, "EDGEFED_MACHINE_PROFILE": str(tmp_path / "machine.toml"),
-           "EDGEFED_VIRTUAL_STATE": str(STATE), "VENV": str(Path(sys.executable).parents[1])}
+           **NET, "VENV": str(Path(sys.executable).parents[1])}
     virtual = tmp_path / "virtual.txt"
     nobody = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "bash", str(SCRIPT), "up",
                              str(ROOT / "launch" / "hostfile.example"), "/tmp/edgefed-nobody.txt"],
@@ -93,13 +96,15 @@ def test_refusals_say_what_is_missing_and_make_nothing(tmp_path):
          "sshd is missing (/usr/sbin/no-sshd): apt-get install openssh-server"),
         (script("cut", virtual, "vb-half.local", 1, env=env),
          f"no virtual cluster is up (no {STATE}); launch/virtual-cluster.sh up BOARDS VIRTUAL"),
+        (script("up", boards, virtual, env={**env, "EDGEFED_VIRTUAL_NAME": "Ef_1"}),
+         "EDGEFED_VIRTUAL_NAME must be 1 to 8 lower-case letters or digits, not 'Ef_1'"),
     ]
     for done, message in cases:
         assert (done.returncode, done.stderr) == (2, f"virtual-cluster.sh: {message}\n")
     # a failure half-way (the board's sshd dies at start) undoes everything up had made
     broken = script("up", boards, virtual, env={**env, "SSHD": "/bin/false"})
     assert broken.returncode == 2 and broken.stderr.splitlines() == [
-        "virtual-cluster.sh: the sshd of board vb-half.local (10.231.0.2) exited at start",
+        "virtual-cluster.sh: the sshd of board vb-half.local (10.232.0.2) exited at start",
         "virtual-cluster.sh: up failed; undoing what it made"]
     assert not virtual.exists() and not Path(f"{virtual}.tmp").exists()
     assert_nothing_left()
@@ -114,7 +119,7 @@ def cluster(tmp_path_factory):
     (folder / "boards.txt").write_text(f"head.local coordinator\nvb-half.local {folder / 'half.toml'} 0.0\n"
                                        f"vb-quarter.local {folder / 'quarter.toml'} 0.0\n")
     env = {**os.environ, "EDGEFED_MACHINE_PROFILE": str(folder / "machine.toml"),
-           "EDGEFED_VIRTUAL_STATE": str(STATE), "VENV": str(Path(sys.executable).parents[1])}
+           **NET, "VENV": str(Path(sys.executable).parents[1])}
     script("down", folder / "leftover", env=env)  # (a run killed before its teardown)
     up = script("up", folder / "boards.txt", folder / "virtual.txt", env=env)
     assert up.returncode == 0, up.stderr
@@ -128,10 +133,10 @@ def assert_nothing_left():
     netns = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     links = subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True).stdout
     procs = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
-    assert "ef-b" not in netns and "ef-br0" not in links and "ef-v" not in links
+    assert "eftest-b" not in netns and "eftest-br0" not in links and "eftest-v" not in links
     assert str(STATE) not in procs  # no sshd of a board
     assert not STATE.exists()
-    assert not any(Path(p).exists() for p in ("/sys/fs/cgroup/cpu/edgefed-virtual", "/sys/fs/cgroup/edgefed-virtual"))
+    assert not any(Path(f"/sys/fs/cgroup/{v}edgefed-virtual-eftest").exists() for v in ("cpu/", ""))
     config = Path.home() / ".ssh" / "config"
     assert not config.exists() or str(STATE) not in config.read_text()
 
@@ -139,17 +144,27 @@ def assert_nothing_left():
 def test_up_writes_the_board_list_with_addresses_shares_and_links(cluster):
     folder, env = cluster
     lines = [line for line in (folder / "virtual.txt").read_text().splitlines() if line.strip()]
-    assert lines[0].startswith("10.231.0.1  coordinator  0.0  # the head: this machine")
-    assert lines[1] == f"10.231.0.2  {folder / 'half.toml'}  0.0  # vb-half.local: 50 % of a core"
-    assert lines[2] == f"10.231.0.3  {folder / 'quarter.toml'}  0.0  # vb-quarter.local: 25 % of a core, link 100 Mbit/s"
-    group = Path("/sys/fs/cgroup/cpu/edgefed-virtual/b2")
-    if group.exists():  # a quarter of a core, over a 10 ms period (the share holds at a deadline's scale)
-        assert (group / "cpu.cfs_quota_us").read_text().strip() == "2500"
-        assert (group / "cpu.cfs_period_us").read_text().strip() == "10000"
+    assert lines[0].startswith("10.232.0.1  coordinator  0.0  # the head: this machine")
+    assert lines[1] == f"10.232.0.2  {folder / 'half.toml'}  0.0  # vb-half.local: 50 % of a core"
+    assert lines[2] == (f"10.232.0.3  {folder / 'quarter.toml'}  0.0  "
+                        "# vb-quarter.local: 25 % of a core, link 100 Mbit/s")
+    group = Path("/sys/fs/cgroup/cpu/edgefed-virtual-eftest/b2")
+    if group.exists():  # a quarter of a core: 2 ms in every 8 ms
+        assert (group / "cpu.cfs_quota_us").read_text().strip() == "2000"
+        assert (group / "cpu.cfs_period_us").read_text().strip() == "8000"
     again = script("up", folder / "boards.txt", folder / "other.txt", env=env)
     assert again.returncode == 2 and again.stderr.strip() == (
         "virtual-cluster.sh: a virtual cluster is up already: launch/virtual-cluster.sh down VIRTUAL first")
     assert not (folder / "other.txt").exists()
+    # a second cluster of other names beside it comes up and goes down without touching this one
+    two = {**env, "EDGEFED_VIRTUAL_NAME": "eftwo", "EDGEFED_VIRTUAL_SUBNET": "10.233.0",
+           "EDGEFED_VIRTUAL_STATE": "/run/edgefed-virtual-two"}
+    (folder / "one.txt").write_text(f"head.local coordinator\nvb-one.local {folder / 'half.toml'}\n")
+    for verb, args in (("up", (folder / "one.txt", folder / "two.txt")), ("down", (folder / "two.txt",))):
+        done = script(verb, *args, env=two)
+        assert done.returncode == 0, done.stderr
+    reach = subprocess.run(["ssh", "10.232.0.2", "hostname"], capture_output=True, text=True, timeout=30)
+    assert reach.stdout == "vb-half.local\n", reach.stderr
 
 
 def test_check_lists_one_rank_per_board_from_its_own_host_name(cluster):
@@ -211,7 +226,7 @@ def test_a_deadline_run_completes_the_steps_each_boards_share_allows_and_survive
         f"virtual-cluster.sh: vb-absent.local is not a board of this virtual cluster (see {STATE}/boards)\n")
     stop = script("stop", folder / "virtual.txt", "vb-quarter.local", env=env)  # power lost: nothing of it runs
     assert stop.returncode == 0, stop.stderr
-    procs = [p for p in ("/sys/fs/cgroup/cpu/edgefed-virtual/b2/cgroup.procs", "/sys/fs/cgroup/edgefed-virtual/b2/cgroup.procs")
+    procs = [p for p in (f"/sys/fs/cgroup/{v}edgefed-virtual-eftest/b2/cgroup.procs" for v in ("cpu/", ""))
              if Path(p).exists()]
     assert procs and Path(procs[0]).read_text() == ""
-    assert subprocess.run(["ssh", "-o", "ConnectTimeout=1", "10.231.0.3", "true"], capture_output=True).returncode != 0
+    assert subprocess.run(["ssh", "-o", "ConnectTimeout=1", "10.232.0.3", "true"], capture_output=True).returncode != 0
