@@ -432,7 +432,7 @@ def cmd_sweep(args) -> int:
 def cmd_contend(args) -> int:
     import time
 
-    from edgefed.runtime.contention import duty_cycle, pin
+    from edgefed.runtime.contention import cpu_share, duty_cycle, pin
 
     if not 0 <= args.load <= 1:
         raise EdgefedError(f"--load {args.load} must lie in [0, 1] (a share of one core, e.g. 0.7)")
@@ -444,10 +444,12 @@ def cmd_contend(args) -> int:
     pin(args.cpu)
     end = math.inf if args.seconds is None else time.monotonic() + args.seconds
     where = "" if args.cpu is None else f" on core {args.cpu}"
-    print(f"contending: {args.load:.0%} of a core{where}" + ("" if args.seconds is None else f" for {args.seconds:g} s"),
+    share = cpu_share()
+    of = "a core" if share >= 1 else f"the {share:.0%} of a core this cgroup allows"
+    print(f"contending: {args.load:.0%} of {of}{where}" + ("" if args.seconds is None else f" for {args.seconds:g} s"),
           flush=True)
     try:
-        duty_cycle(lambda: args.load, lambda: time.monotonic() >= end)
+        duty_cycle(lambda: args.load, lambda: time.monotonic() >= end, share=share)
     except KeyboardInterrupt:
         pass
     return 0

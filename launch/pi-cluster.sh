@@ -5,6 +5,7 @@
 #   launch/pi-cluster.sh warmup  BOARDS            # compile every float32 kernel into each board's cache
 #   launch/pi-cluster.sh profile BOARDS            # measure every board -> hw_profiles/HOST.toml on the head
 #   launch/pi-cluster.sh run     BOARDS CONFIG [edgefed launch/run options...]   # restarts without lost boards
+#   launch/pi-cluster.sh trace   BOARDS OUT [edgefed trace record options...]    # one trace per board
 #
 # BOARDS is a board list like launch/hostfile.example (host, profile, contention per line). `run` passes each
 # board's profile as [device] boards and its load as [device] contention (a competitor beside every device
@@ -21,7 +22,7 @@
 # machine would otherwise talk through its shared memory and no link between them would matter.
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
-usage() { sed -n '2,8p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
+usage() { sed -n '2,9p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
 [ $# -ge 2 ] || usage
 verb=$1 boards=$2
 shift 2
@@ -100,6 +101,19 @@ run)
     # edgefed launch reads the board list itself: each board's profile as [device] boards, its load as
     # [device] contention; when the world dies it drops the boards that no longer answer and resumes
     run "$python" -m edgefed launch --boards "$boards" --mpiexec "$MPIRUN" --mpiexec-args "${MPI_ARGS:-}" "$config" "$@"
+    ;;
+trace)
+    [ $# -ge 1 ] || usage
+    out=$1
+    shift
+    # one device per board, named by the board's own host name, beside its board's load; written on the head
+    names=()
+    for host in "${hosts[@]:1}"; do
+        names+=("$(ssh -o BatchMode=yes "$host" hostname)") || {
+            echo "pi-cluster.sh: board $host does not answer over SSH (launch/pi-cluster.sh check BOARDS)" >&2; exit 2; }
+    done
+    names=$(IFS=,; echo "${names[*]}") contention=$(IFS=,; echo "${loads[*]}")
+    run "${launch[@]}" "$python" -m edgefed trace record --out "$out" --names "$names" --contention "$contention" "$@"
     ;;
 *)
     usage

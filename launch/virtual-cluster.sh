@@ -232,9 +232,11 @@ StrictModes no
 X11Forwarding no
 AllowTcpForwarding no
 EOF
-        # the board's first process joins its cgroup, then becomes its sshd: all it starts inherit the share
-        setsid sh -c "echo \$\$ > '$cg/b$n/cgroup.procs' && exec taskset -c $core ip netns exec $NAME-b$n \
-nsenter --uts='$dir/uts' '$SSHD' -D -f '$dir/sshd_config' -E '$dir/sshd.log'" < /dev/null > /dev/null 2>&1 &
+        # the board's first process joins its cgroup, then becomes its sshd: all it starts inherit the share.
+        # nsenter, not ip netns exec, which mounts a /sys of its own: the board's processes see their cgroup
+        # (a CPU competitor takes its load of the board's share, not of a core)
+        setsid sh -c "echo \$\$ > '$cg/b$n/cgroup.procs' && exec taskset -c $core nsenter --net=/run/netns/$NAME-b$n \
+--uts='$dir/uts' '$SSHD' -D -f '$dir/sshd_config' -E '$dir/sshd.log'" < /dev/null > /dev/null 2>&1 &
         sshds+=($!)
         disown  # (its end is the board's, not this script's to report)
         echo "$address  $profile  $load  # $host: $(awk "BEGIN {printf \"%.0f\", $share * 100}") % of a core$([ -n "$link" ] && echo ", link $link Mbit/s")" >> "$virtual.tmp"

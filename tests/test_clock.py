@@ -3,6 +3,7 @@ parallel lanes: by hand on a simulated clock, as the log's own arithmetic on a m
 mpiexec with real contention."""
 
 import math
+import time
 
 import numpy as np
 import pytest
@@ -361,3 +362,22 @@ def test_a_replay_of_a_replay_of_an_over_selected_run_weighs_alike(tmp_path, boa
     first, last = read_run(tmp_path / "o.h5"), read_run(source)
     assert last["participation/coeff"].tobytes() == first["participation/coeff"].tobytes()
     assert last["trajectory/x"].tobytes() == first["trajectory/x"].tobytes()
+
+
+def test_a_competitor_takes_its_load_of_the_cpu_it_may_use_and_catches_up_what_a_stall_cost():
+    """Busy in CPU time, of its share (a cgroup's quota; here given): load 0.5 of a half-core share is a
+    quarter of a core. A stall of 80 ms (as a spent quota throttles it) is owed and made up afterwards."""
+    from edgefed.runtime.contention import duty_cycle
+
+    stalled = []
+
+    def stall_once():
+        if len(stalled) == 5:
+            time.sleep(0.08)
+        stalled.append(True)
+
+    start = time.perf_counter()
+    cpu = time.thread_time()
+    duty_cycle(lambda: 0.5, lambda: time.perf_counter() - start >= 0.3, on_period=stall_once, share=0.5)
+    used, took = time.thread_time() - cpu, time.perf_counter() - start
+    assert 0.25 * took - 0.006 <= used <= 0.25 * took + 0.003, (used, took)

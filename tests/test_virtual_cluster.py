@@ -7,6 +7,7 @@ quarter of a core (EDGEFED_MACHINE_PROFILE names a stand-in profile of this mach
 
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -69,6 +70,26 @@ def board_profile(share: float, link_mbps: float | None = None) -> str:
     text = MACHINE.replace("this machine (stand-in)", f"a board at {share}").replace(
         "steps_per_s = 400000.0", f"steps_per_s = {400000.0 * share}")
     return text.replace("cores = 2\n", f"cores = 2\nlink_mbps = {link_mbps}\n") if link_mbps else text
+
+
+COMPETITOR_PROBE = """
+import os, threading, time
+from edgefed.runtime.contention import Competitor, cpu_share
+used = []
+def device():
+    os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+    cpu, start = time.thread_time(), time.perf_counter()
+    while time.perf_counter() - start < 2.0:
+        pass
+    used.append((time.thread_time() - cpu) / 2.0)
+with Competitor(None, 0.5) as competitor:
+    competitor.set_load(0.5)
+    time.sleep(1.0)  # (its interpreter starting, at a quarter of a core)
+    thread = threading.Thread(target=device)
+    thread.start()
+    thread.join()
+print(cpu_share(), used[0])
+"""
 
 
 def script(*args, env=None, check=False, timeout=120):
@@ -152,6 +173,12 @@ def test_up_writes_the_board_list_with_addresses_shares_and_links(cluster):
     if group.exists():  # a quarter of a core: 2 ms in every 8 ms
         assert (group / "cpu.cfs_quota_us").read_text().strip() == "2000"
         assert (group / "cpu.cfs_period_us").read_text().strip() == "8000"
+    # what a board's processes see: a quarter of a core; and a competitor at 0.5 beside a device (niced, as
+    # the lanes are) leaves it half of that, not the nothing a load counted in wall time would leave
+    probe = subprocess.run(["ssh", "10.232.0.3", sys.executable, "-c", shlex.quote(COMPETITOR_PROBE)],
+                           capture_output=True, text=True, timeout=60)
+    share, device = map(float, probe.stdout.split())
+    assert share == 0.25 and 0.35 <= device / share <= 0.65, probe.stdout + probe.stderr
     again = script("up", folder / "boards.txt", folder / "other.txt", env=env)
     assert again.returncode == 2 and again.stderr.strip() == (
         "virtual-cluster.sh: a virtual cluster is up already: launch/virtual-cluster.sh down VIRTUAL first")

@@ -295,7 +295,7 @@ def header_comment(profile: dict) -> str:
     m = profile["machine"]
     return (f"Measured by `edgefed profile` (edgefed {__version__}) on {time.strftime('%Y-%m-%d')}: "
             f"{m['cpu']}, {m['arch']}, {m['cores']} cores, {m['memory_mb']} MB.\n"
-            "speed: local SGD steps per second, one thread, float32 (calls of ~50 ms, as a round's work).\n"
+            "speed: local SGD steps per second, one thread, float32 (sustained over calls of ~50 ms, a round's work).\n"
             "startup: seconds from a fresh interpreter to one device's first step; cold = empty Numba cache;\n"
             "compile_s = cold - warm, what a run's first start on this board spends compiling (it says so).")
 

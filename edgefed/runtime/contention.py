@@ -1,7 +1,8 @@
 """CPU competitors: a duty-cycle load beside the training process, like the paper's 0/30/50/70/90 % competitors.
 
 A competitor is a separate process pinned to one core that is busy `load` of every 10 ms period and sleeps
-the rest. Its load lives in a small memory-mapped file (load, stop flag, period counter), so the process
+the rest (busy in CPU time, of the CPU its cgroup allows: on a board held to a share of a core by a quota,
+a virtual one, it takes `load` of that share, as on a real board). Its load lives in a small memory-mapped file (load, stop flag, period counter), so the process
 hosting several devices changes the level to the current device's before that device works, and waits until
 the competitor has started a period at the new level (at most one period): otherwise a device with a short
 deadline would run beside the previous device's load. Started as a fresh interpreter (not a fork), which is
@@ -17,8 +18,10 @@ import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 PERIOD_S = 0.01
+OWED_S = 0.1  # a competitor catches up on at most this long a stretch of its load (a quota's period is shorter)
 CELL = 24  # load (float64), stop flag (float64), periods started (int64)
 
 
@@ -28,18 +31,67 @@ def pin(core: int | None, pid: int = 0) -> None:
         os.sched_setaffinity(pid, {core % os.cpu_count()})
 
 
-def duty_cycle(get_load, should_stop, period_s: float = PERIOD_S, on_period=None) -> None:
-    """Busy for load * period, asleep for the rest, until should_stop()."""
+def cpu_share() -> float:
+    """The share of one core this process may use: the least CPU quota of its cgroup and the cgroup's parents
+    (a container's `--cpus`, a virtual board's share), 1.0 where none limits it (or off Linux)."""
+    try:
+        lines = Path("/proc/self/cgroup").read_text(encoding="utf-8").splitlines()
+    except OSError:
+        return 1.0
+    share = 1.0
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        if controllers == "":  # cgroup v2: cpu.max holds "QUOTA PERIOD" or "max PERIOD"
+            roots, files = [Path("/sys/fs/cgroup")], ("cpu.max",)
+        elif "cpu" in controllers.split(","):
+            roots, files = [Path("/sys/fs/cgroup") / controllers, Path("/sys/fs/cgroup/cpu")], \
+                ("cpu.cfs_quota_us", "cpu.cfs_period_us")
+        else:
+            continue
+        for root in roots:
+            folder = root / path.lstrip("/")
+            if not folder.is_dir():
+                continue
+            while True:
+                share = min(share, _quota_share(folder, files))
+                if folder == root:
+                    break
+                folder = folder.parent
+            break
+    return share
+
+
+def _quota_share(folder: Path, files: tuple[str, ...]) -> float:
+    try:
+        values = " ".join((folder / f).read_text(encoding="utf-8") for f in files).split()
+        quota, period = (float(v) for v in values[:2])
+    except (OSError, ValueError):  # no such file at this level, or "max"
+        return 1.0
+    return quota / period if quota > 0 and period > 0 else 1.0
+
+
+def duty_cycle(get_load, should_stop, period_s: float = PERIOD_S, on_period=None, share: float = 1.0) -> None:
+    """Use `load` of the CPU this process may use (`share` of a core: its cgroup's quota), period by period:
+    busy in each until it has used its part, asleep for the rest, until should_stop(). Counted in CPU time,
+    and what a period could not get (the cgroup's quota was spent) owed to the next ones, up to OWED_S: on
+    a board held to a share of a core by a quota, busy for `load` of the wall clock would take all of it,
+    and a debt forgotten at each period's end would take almost none."""
+    owed, load, then = 0.0, None, time.perf_counter()
     while not should_stop():
-        load = get_load()
+        if get_load() != load:
+            owed, load = 0.0, get_load()
         if on_period is not None:
             on_period()
-        start = time.perf_counter()
-        busy_until = start + load * period_s
+        start, cpu = time.perf_counter(), time.thread_time()
+        end = start + period_s
+        # owed by the wall time since the last period began: a throttled competitor misses periods
+        owed = min(owed + load * share * (start - then), OWED_S * load * share)
+        then = start
         x = 0
-        while time.perf_counter() < busy_until:
+        while time.thread_time() - cpu < owed and time.perf_counter() < end:
             x += 1
-        rest = start + period_s - time.perf_counter()
+        owed -= time.thread_time() - cpu
+        rest = end - time.perf_counter()
         if rest > 0:
             time.sleep(rest)
 
@@ -111,7 +163,8 @@ def _serve(path: str, core: int) -> None:
 
     # The parent may die without stop() (an MPI abort kills it): then the competitor ends itself.
     duty_cycle(lambda: struct.unpack("d", cell[0:8])[0],
-               lambda: struct.unpack("d", cell[8:16])[0] != 0.0 or os.getppid() != parent, on_period=next_period)
+               lambda: struct.unpack("d", cell[8:16])[0] != 0.0 or os.getppid() != parent, on_period=next_period,
+               share=cpu_share())
 
 
 if __name__ == "__main__":
