@@ -4,6 +4,7 @@ input and --restarts 0 not retried; a run killed during start-up resumed; the bo
 command of both MPI flavours."""
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -14,6 +15,8 @@ from pathlib import Path
 import pytest
 
 from edgefed import config as config_mod
+from edgefed.analysis.logs import Run
+from edgefed.analysis.summary import summary_lines
 from edgefed.errors import EdgefedError
 from edgefed.orchestration import run as runs
 from edgefed.orchestration.launcher import Board, Launcher, read_boards, world_command
@@ -126,6 +129,9 @@ def test_a_stopped_rank_is_declared_lost_and_the_world_goes_on_without_it(tmp_pa
     data = read_run(log)
     (record,) = data["launch/restarts"]
     assert (record["ranks_before"], record["ranks_after"]) == (3, 2) and b"stopped answering" in record["cause"]
+    said = [line for line in summary_lines(Run.read(log)) if line.startswith("launch restart")]
+    assert len(said) == 1 and re.fullmatch(r"launch restart 1: the world died after round \d+ \(\S+\): rank 2 on "
+                                           r"\S+ stopped answering for [\d.]+ s; ranks 3 -> 2", said[0]), said
     same_as(data, simulator_log(tmp_path, overrides))
 
 

@@ -17,6 +17,11 @@ import h5py
 import numpy as np
 import pytest
 
+from edgefed import cli
+from edgefed.analysis.logs import Run
+from edgefed.analysis.summary import summary_lines
+from edgefed.tracefiles import read_trace_file
+
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "launch" / "virtual-cluster.sh"
 PI_CLUSTER = ROOT / "launch" / "pi-cluster.sh"
@@ -205,7 +210,30 @@ def test_check_lists_one_rank_per_board_from_its_own_host_name(cluster):
     assert (ranks["1"], ranks["2"]) == ("vb-half.local", "vb-quarter.local") and len(ranks) == 3
 
 
-DEADLINE = """rounds = 3
+def test_a_trace_recorded_on_the_boards_names_them_and_the_simulator_replays_it(cluster):
+    folder, env = cluster
+    traces = folder / "traces.csv"
+    done = subprocess.run(["bash", str(PI_CLUSTER), "trace", str(folder / "virtual.txt"), str(traces), "--rounds", "3",
+                           "--local-steps", "20000", "--deadline-s", "0.1", "--quiet"], capture_output=True, text=True,
+                          env=env, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    recorded = read_trace_file(traces)
+    assert recorded.names == ("vb-half.local", "vb-quarter.local")
+    half, quarter = recorded.fractions
+    assert (quarter < 0.8 * half).all(), recorded.fractions  # a quarter of a core does less
+    replay = folder / "replay.h5"
+    code = cli.main(["run", "--out", str(replay), "--quiet", "--set", "rounds=4", "--set", "data.clients=2",
+                     "--set", 'train.clients_per_round="all"', "--set", "train.local_steps=20000",
+                     "--set", 'participation.mode="trace"',
+                     "--set", f'participation.trace=["{traces}#vb-half.local", "{traces}#vb-quarter.local"]'])
+    assert code == 0
+    with h5py.File(replay) as f:
+        replayed = f["participation/steps"][()]
+    for k, f in enumerate(recorded.fractions):  # each device's steps: its board's recorded fractions of K
+        assert set(replayed[:, k]) <= set(np.floor(f * 20000 + 0.5).astype(int)), (replayed, f)
+
+
+DEADLINE = """rounds = 8
 [data]
 clients = 2
 [train]
@@ -214,46 +242,45 @@ local_steps = 1000000
 [participation]
 mode = "deadline"
 deadline_s = 0.4
-grace_s = 2.0
+grace_s = 0.5
+[mpi]
+rank_timeout_s = 5.0
 """
 
 
-def test_a_deadline_run_completes_the_steps_each_boards_share_allows_and_survives_a_cut(cluster):
+def test_a_deadline_run_follows_the_boards_shares_survives_a_cut_and_goes_on_without_a_stopped_board(cluster):
     """Two boards at a half and a quarter of a core, one device each: the slower completes fewer steps in
-    every round (about half). Then its link cut mid-run for longer than the deadline: that round it is late,
-    the run completes and it rejoins."""
+    every round (about half). Its link cut after round 2 for longer than the deadline and grace, shorter than
+    the rank timeout: a round goes on without it, and it rejoins. Then the board stopped after round 5:
+    edgefed launch starts the world again without it, the run completes, and its summary says so."""
     folder, env = cluster
     config = folder / "deadline.toml"
     config.write_text(DEADLINE)
     log = folder / "run.h5"
-    done = subprocess.run(["bash", str(PI_CLUSTER), "run", str(folder / "virtual.txt"), str(config), "--out", str(log),
-                           "--quiet"], capture_output=True, text=True, env=env, timeout=300)
-    assert done.returncode == 0, done.stdout + done.stderr
-    with h5py.File(log) as f:
-        steps = f["participation/steps"][()]
-    assert (steps > 0).all() and (steps[:, 1] < 0.8 * steps[:, 0]).all(), steps
-    cut_log = folder / "cut.h5"
-    rounds = DEADLINE.replace("rounds = 3", "rounds = 6")
-    config.write_text(rounds)
     run = subprocess.Popen(["bash", str(PI_CLUSTER), "run", str(folder / "virtual.txt"), str(config), "--out",
-                            str(cut_log)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-    for line in run.stdout:  # cut the slow board's link once round 2 is done, for 3 s (past deadline + grace)
-        if line.startswith("round 2/"):
-            cut = script("cut", folder / "virtual.txt", "vb-quarter.local", 3, env=env)
+                            str(log)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    for line in run.stdout:
+        if line.startswith("round 2/"):  # 1.5 s: past deadline + grace (0.9 s), within the rank timeout
+            cut = script("cut", folder / "virtual.txt", "vb-quarter.local", 1.5, env=env)
             assert cut.returncode == 0, cut.stderr
+        if line.startswith("round 5/"):  # power lost: nothing of it runs
+            stop = script("stop", folder / "virtual.txt", "vb-quarter.local", env=env)
+            assert stop.returncode == 0, stop.stderr
             break
     out, err = run.communicate(timeout=300)
     assert run.returncode == 0, out + err
-    with h5py.File(cut_log) as f:
+    with h5py.File(log) as f:
         late, steps = f["participation/late"][()], f["participation/steps"][()]
-    assert late[:, 1].any() and not late[:, 0].any(), late
-    assert steps[-1, 1] > 0  # it answers again after the cut
-    unknown = script("cut", folder / "virtual.txt", "vb-absent.local", 1, env=env)
-    assert unknown.returncode == 2 and unknown.stderr == (
-        f"virtual-cluster.sh: vb-absent.local is not a board of this virtual cluster (see {STATE}/boards)\n")
-    stop = script("stop", folder / "virtual.txt", "vb-quarter.local", env=env)  # power lost: nothing of it runs
-    assert stop.returncode == 0, stop.stderr
+    assert (steps[:2] > 0).all() and (steps[:2, 1] < 0.8 * steps[:2, 0]).all(), steps
+    assert late[2:4, 1].any() and not late[:5, 0].any(), late  # the cut round, not the other board's
+    assert steps[4, 1] > 0, steps  # it answers again after the cut
+    said = [line for line in summary_lines(Run.read(log)) if line.startswith("launch restart")]
+    assert len(said) == 1 and "rank 2 on vb-quarter.local stopped answering" in said[0] and "ranks 3 -> 2" in said[0]
+    assert (steps[5:] > 0).all(), steps  # both devices on the board left
     procs = [p for p in (f"/sys/fs/cgroup/{v}edgefed-virtual-eftest/b2/cgroup.procs" for v in ("cpu/", ""))
              if Path(p).exists()]
     assert procs and Path(procs[0]).read_text() == ""
     assert subprocess.run(["ssh", "-o", "ConnectTimeout=1", "10.232.0.3", "true"], capture_output=True).returncode != 0
+    unknown = script("cut", folder / "virtual.txt", "vb-absent.local", 1, env=env)
+    assert unknown.returncode == 2 and unknown.stderr == (
+        f"virtual-cluster.sh: vb-absent.local is not a board of this virtual cluster (see {STATE}/boards)\n")

@@ -66,6 +66,15 @@ class Run:
         clock = self.data.get("metrics/clock_s")
         return np.full(self.rounds + 1, np.nan) if clock is None else clock
 
+    @property
+    def restarts(self) -> list[dict]:
+        """The worlds `edgefed launch` started again on this log (/launch/restarts): round, time, cause, ranks."""
+        rows = self.data.get("launch/restarts")
+        if rows is None:
+            return []
+        return [{name: row[name].decode("utf-8", "replace") if rows.dtype[name].kind == "S" else int(row[name])
+                 for name in rows.dtype.names} for row in rows]
+
     def final(self, name: str) -> float:
         values = self[f"metrics/{name}"]
         finite = values[np.isfinite(values)]

@@ -24,6 +24,9 @@ def summary_lines(run: Run, target: float | None = None) -> list[str]:
     lines.append(f"test accuracy: final {_num(run.final('test_accuracy'))}, best {_num(run.best('test_accuracy'))}; "
                  f"train loss: final {_num(run.final('train_loss'), '.6g')}; "
                  f"clock {_num(clock, '.3f')} s ({run.attrs.get('clock', 'measured')}), wall {run.wall_s():.2f} s")
+    for i, r in enumerate(run.restarts, 1):  # what happened to a board: edgefed launch's restarts
+        lines.append(f"launch restart {i}: the world died after round {r['round']} ({r['time']}): {r['cause']}; "
+                     f"ranks {r['ranks_before']} -> {r['ranks_after']}")
     dropped = run.nonfinite()
     if dropped["reports"] or dropped["no_update"]:
         lines.append(f"non-finite: {dropped['reports']} reports dropped as non-finite (NaN or infinity in the update) "
