@@ -166,7 +166,7 @@ def steps_per_second(spec: str, batch: int, min_time_s: float = 0.5) -> tuple[ob
             steps, seconds = steps + k, seconds + took
         if time.perf_counter() - t0 > min_time_s and steps:
             break
-        k = max(1, int(0.05 / (took / k)))
+        k = max(1, int(0.05 * k / max(took, 1e-6)))
     return model, steps / seconds
 
 

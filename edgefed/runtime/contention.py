@@ -1,12 +1,12 @@
 """CPU competitors: a duty-cycle load beside the training process, like the paper's 0/30/50/70/90 % competitors.
 
 A competitor is a separate process pinned to one core that is busy `load` of every 10 ms period and sleeps
-the rest (busy in CPU time, of the CPU its cgroup allows: on a board held to a share of a core by a quota,
-a virtual one, it takes `load` of that share, as on a real board). Its load lives in a small memory-mapped file (load, stop flag, period counter), so the process
-hosting several devices changes the level to the current device's before that device works, and waits until
-the competitor has started a period at the new level (at most one period): otherwise a device with a short
-deadline would run beside the previous device's load. Started as a fresh interpreter (not a fork), which is
-safe inside an MPI rank.
+the rest: busy in CPU time, of the CPU its cgroup allows (on a board held to a share of a core by a quota, a
+virtual one, it takes `load` of that share, as on a real board). Its load lives in a small memory-mapped file
+(load, stop flag, period counter), so the process hosting several devices changes the level to the current
+device's before that device works, and waits until the competitor has started a period at the new level (at
+most one period): otherwise a device with a short deadline would run beside the previous device's load.
+Started as a fresh interpreter (not a fork), which is safe inside an MPI rank.
 """
 
 from __future__ import annotations
@@ -78,8 +78,9 @@ def duty_cycle(get_load, should_stop, period_s: float = PERIOD_S, on_period=None
     and a debt forgotten at each period's end would take almost none."""
     owed, load, then = 0.0, None, time.perf_counter()
     while not should_stop():
-        if get_load() != load:
-            owed, load = 0.0, get_load()
+        now = get_load()
+        if now != load:
+            owed, load = 0.0, now
         if on_period is not None:
             on_period()
         start, cpu = time.perf_counter(), time.thread_time()
