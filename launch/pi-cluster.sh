@@ -82,8 +82,9 @@ check)
         run ssh -o BatchMode=yes "$host" "$python" -c "'import platform, edgefed, mpi4py; \
 print(platform.node(), platform.machine(), \"edgefed\", edgefed.__version__, \"mpi4py\", mpi4py.__version__)'"
     done
-    run "${launch[@]}" "$python" -c "from mpi4py import MPI; import platform; \
-c = MPI.COMM_WORLD; print(f'rank {c.Get_rank()} of {c.Get_size()} on {platform.node()}', flush=True)"
+    # one write per line (print writes the newline apart, unbuffered), so the ranks' lines do not run together
+    run "${launch[@]}" "$python" -c "from mpi4py import MPI; import platform, sys; \
+c = MPI.COMM_WORLD; sys.stdout.write(f'rank {c.Get_rank()} of {c.Get_size()} on {platform.node()}\n'); sys.stdout.flush()"
     ;;
 warmup)
     for host in "${hosts[@]}"; do

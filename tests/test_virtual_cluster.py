@@ -206,7 +206,8 @@ def test_check_lists_one_rank_per_board_from_its_own_host_name(cluster):
     assert done.returncode == 0, done.stderr
     out = done.stdout
     assert "vb-half.local" in out.splitlines()[0] and "vb-quarter.local" in out.splitlines()[1]
-    ranks = dict(re.findall(r"rank (\d) of 3 on (\S+)", out))  # (lines of ranks may interleave)
+    # (the ranks' lines may interleave, even within a line: "rank 1 of 3 on vb-half.localrank 2 of 3 on ...")
+    ranks = dict(re.findall(r"rank (\d) of 3 on (.+?)(?=rank \d of |\s|$)", out))
     assert (ranks["1"], ranks["2"]) == ("vb-half.local", "vb-quarter.local") and len(ranks) == 3
 
 
