@@ -87,7 +87,8 @@ print(platform.node(), platform.machine(), \"edgefed\", edgefed.__version__, \"m
 c = MPI.COMM_WORLD; sys.stdout.write(f'rank {c.Get_rank()} of {c.Get_size()} on {platform.node()}\n'); sys.stdout.flush()"
     ;;
 warmup)
-    for host in "${hosts[@]}"; do
+    run "$python" -m edgefed warmup --dtypes float32  # the head is this machine (it needs no sshd of its own)
+    for host in "${hosts[@]:1}"; do
         run ssh -o BatchMode=yes "$host" "$python" -m edgefed warmup --dtypes float32
     done
     ;;

@@ -263,6 +263,10 @@ def test_pi_cluster_run_goes_through_edgefed_launch_with_the_board_list(tmp_path
                                                                  "device.contention=[0.0, 0.9]"]
     bad = launcher(tmp_path, "head coordinator\npi-a\n", "run", "c.toml", DRY_RUN="1")
     assert bad.returncode == 2 and "board pi-a needs a hardware profile" in bad.stderr
+    # warmup: the head (this machine, which may run no sshd) here, every board over SSH
+    warm = [shlex.split(line) for line in launcher(tmp_path, boards, "warmup", DRY_RUN="1").stdout.splitlines()]
+    assert [c[0] == "ssh" and c[3] for c in warm] == [False, "pi-a", "pi-b"], warm
+    assert all(c[-5:] == ["-m", "edgefed", "warmup", "--dtypes", "float32"] for c in warm), warm
 
 
 @pytest.mark.skipif(MPIEXEC is None, reason="no mpiexec: pip install 'edgefed[mpi]'")
