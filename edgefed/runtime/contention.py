@@ -76,7 +76,7 @@ def duty_cycle(get_load, should_stop, period_s: float = PERIOD_S, on_period=None
     and what a period could not get (the cgroup's quota was spent) owed to the next ones, up to OWED_S: on
     a board held to a share of a core by a quota, busy for `load` of the wall clock would take all of it,
     and a debt forgotten at each period's end would take almost none."""
-    owed, load, then = 0.0, None, time.perf_counter()
+    owed, load, then, used = 0.0, None, time.perf_counter(), time.thread_time()
     while not should_stop():
         now = get_load()
         if now != load:
@@ -85,13 +85,14 @@ def duty_cycle(get_load, should_stop, period_s: float = PERIOD_S, on_period=None
             on_period()
         start, cpu = time.perf_counter(), time.thread_time()
         end = start + period_s
-        # owed by the wall time since the last period began: a throttled competitor misses periods
-        owed = min(owed + load * share * (start - then), OWED_S * load * share)
-        then = start
+        # owed by the wall time since the last period began (a throttled competitor misses periods), less all
+        # the CPU it used since, its waking and sleeping too: on a small share they are not negligible
+        cap = OWED_S * load * share
+        owed = max(-cap, min(owed + load * share * (start - then) - (cpu - used), cap))
+        then, used = start, cpu
         x = 0
         while time.thread_time() - cpu < owed and time.perf_counter() < end:
             x += 1
-        owed -= time.thread_time() - cpu
         rest = end - time.perf_counter()
         if rest > 0:
             time.sleep(rest)
