@@ -74,8 +74,9 @@ class Backoff:
     The brief spin matters: a large non-blocking broadcast only advances when it is tested.
     """
 
-    def __init__(self, poll_max_s: float = POLL_MAX_S, wake: threading.Event | None = None):
-        self.poll_max_s = poll_max_s
+    def __init__(self, poll_max_s=POLL_MAX_S, wake: threading.Event | None = None):
+        """poll_max_s: seconds, or a function giving them now (a device rank polls less while its devices work)."""
+        self.poll_max_s = poll_max_s if callable(poll_max_s) else (lambda: poll_max_s)
         self.start = time.perf_counter()
         self.sleep = 20e-6
         self.wake = wake  # set by another thread to end a sleep early (a device's work finished)
@@ -91,13 +92,13 @@ class Backoff:
                 self.wake.clear()
                 self.sleep = 20e-6
                 return
-            self.sleep = min(self.sleep * 2, self.poll_max_s)
+            self.sleep = min(self.sleep * 2, self.poll_max_s())
 
     def reset(self) -> None:
         self.sleep = 20e-6
 
 
-def wait(req, poll_max_s: float = POLL_MAX_S, also=None, wake: threading.Event | None = None) -> None:
+def wait(req, poll_max_s=POLL_MAX_S, also=None, wake: threading.Event | None = None) -> None:
     """Wait for a request without burning a core; `also()` runs between polls (a device rank sends finished
     work while it waits for the next command), at once when `wake` is set."""
     backoff = Backoff(poll_max_s, wake)
