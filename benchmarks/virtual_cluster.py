@@ -23,6 +23,7 @@ the end (this VM's speed drifts). Then, in one run:
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import platform
@@ -53,6 +54,7 @@ def boards() -> list[tuple[str, str, float]]:
     return [(f"v{p.replace('-', '')}-{int(load * 100)}.local", p, load) for load in LOADS for p in PROFILES]
 
 
+@functools.cache
 def step_s(profile: str) -> float:
     return hwprofile.load_profile(profile).step_seconds("logreg", 20, 610)
 
@@ -62,13 +64,9 @@ def speeds() -> list[float]:
     return [step_s("pi5") / step_s(p) * (1 - load) for _, p, load in boards()]
 
 
-def python() -> str:
-    return sys.executable
-
-
 def machine_speed(out: Path) -> float:
     """This machine's sustained logistic-regression steps per second, measured now (edgefed profile)."""
-    subprocess.run([python(), "-m", "edgefed", "profile", "--models", "logreg", "--no-cold", "--out", str(out),
+    subprocess.run([sys.executable, "-m", "edgefed", "profile", "--models", "logreg", "--no-cold", "--out", str(out),
                     "--force"], check=True, capture_output=True)
     return 1.0 / step_s(str(out))
 
@@ -105,7 +103,7 @@ def virtual_run(folder: Path, env: dict, config: Path, log: Path, on_line=None) 
 
 def simulated_run(config: Path, log: Path, extra=()) -> None:
     sets = ['participation.clock="simulated"', 'device.profile="pi5"', f"device.speed={speeds()}", *extra]
-    subprocess.run([python(), "-m", "edgefed", "run", str(config), "--out", str(log), "--force", "--quiet",
+    subprocess.run([sys.executable, "-m", "edgefed", "run", str(config), "--out", str(log), "--force", "--quiet",
                     *[a for s in sets for a in ("--set", s)]], check=True)
 
 
@@ -186,7 +184,7 @@ def recovery(folder: Path, env: dict, fault: str, host: str) -> dict:
 
     log = folder / f"fault-{fault}.h5"
     virtual_run(folder, env, config, log, on_line)
-    said = subprocess.run([python(), "-m", "edgefed", "summary", str(log)], capture_output=True, text=True).stdout
+    said = subprocess.run([sys.executable, "-m", "edgefed", "summary", str(log)], capture_output=True, text=True).stdout
     return {"fault": fault, "host": host, **{f"{k}_s": marks[k] - marks["fault"] for k in ("lost", "restart", "resumed")
                                             if k in marks},
             "summary": [line for line in said.splitlines() if line.startswith(("launch restart", "/"))]}
@@ -204,7 +202,7 @@ def main() -> None:
     folder.mkdir(parents=True, exist_ok=True)
     before = machine_speed(folder / "machine.toml")
     env = {**os.environ, **NET, "EDGEFED_MACHINE_PROFILE": str(folder / "machine.toml"),
-           "VENV": str(Path(python()).parents[1]), "PYTHONPATH": str(ROOT)}
+           "VENV": str(Path(sys.executable).parents[1]), "PYTHONPATH": str(ROOT)}
     (folder / "boards.txt").write_text("head.local coordinator\n" + "".join(
         f"{host} {p} {load}\n" for host, p, load in boards()))
     started = time.monotonic()

@@ -126,11 +126,14 @@ def _write_restarts(f: h5py.File, restarts) -> None:
     ds.attrs["meaning"] = "worlds edgefed launch started again on this log: round, time, cause, ranks before and after"
 
 
-def _read_restarts(f: h5py.File) -> tuple:
-    if "launch/restarts" not in f:
-        return ()
+def restart_records(rows) -> tuple:
+    """/launch/restarts' rows as dicts of RESTART's fields (text decoded)."""
     return tuple({name: (row[name].decode("utf-8", "replace") if RESTART[name].kind == "S" else int(row[name]))
-                  for name in RESTART.names} for row in f["launch/restarts"][()])
+                  for name in RESTART.names} for row in rows)
+
+
+def _read_restarts(f: h5py.File) -> tuple:
+    return restart_records(f["launch/restarts"][()]) if "launch/restarts" in f else ()
 
 
 def _remove_stale_copies(path: Path) -> None:

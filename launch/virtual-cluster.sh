@@ -29,7 +29,7 @@ NAME=${EDGEFED_VIRTUAL_NAME:-ef}
 SUBNET=${EDGEFED_VIRTUAL_SUBNET:-10.231.0}
 STATE=${EDGEFED_VIRTUAL_STATE:-/run/edgefed-virtual}
 BRIDGE=$NAME-br0
-GROUP=edgefed-virtual${EDGEFED_VIRTUAL_NAME:+-$NAME}
+GROUP=edgefed-virtual-$NAME
 python=${VENV:-$(cd "$here/.." && pwd)/.venv}/bin/python
 machine=${EDGEFED_MACHINE_PROFILE:-${XDG_CACHE_HOME:-$HOME/.cache}/edgefed/this-machine.toml}
 include="Include $STATE/ssh_config"
@@ -209,7 +209,7 @@ EOF
         # a short period, so the share holds at a deadline's scale: within a period the board runs at this
         # machine's speed until its quota is spent (docs/pi-cluster.md). The quota is 2 ms, not the kernel's
         # least (1 ms): at 1 ms a board got only 70 % of its share here (a quarter millisecond lost a period)
-        quota=2000 period=$("$python" -c "print(round(2000 / $share))")
+        quota=2000 period=$(awk "BEGIN {printf \"%d\", 2000 / $share + 0.5}")
         if [ -f "$cg/b$n/cpu.cfs_quota_us" ]; then
             echo "$period" > "$cg/b$n/cpu.cfs_period_us"
             echo "$quota" > "$cg/b$n/cpu.cfs_quota_us"

@@ -15,7 +15,7 @@ import numpy as np
 
 from edgefed import config as config_mod
 from edgefed.errors import EdgefedError, RunLogError
-from edgefed.runlog import LazyRun, no_round_yet, nonfinite_counts
+from edgefed.runlog import LazyRun, no_round_yet, nonfinite_counts, restart_records
 
 
 @dataclass(frozen=True)
@@ -67,13 +67,9 @@ class Run:
         return np.full(self.rounds + 1, np.nan) if clock is None else clock
 
     @property
-    def restarts(self) -> list[dict]:
+    def restarts(self) -> tuple:
         """The worlds `edgefed launch` started again on this log (/launch/restarts): round, time, cause, ranks."""
-        rows = self.data.get("launch/restarts")
-        if rows is None:
-            return []
-        return [{name: row[name].decode("utf-8", "replace") if rows.dtype[name].kind == "S" else int(row[name])
-                 for name in rows.dtype.names} for row in rows]
+        return restart_records(self.data.get("launch/restarts", ()))
 
     def final(self, name: str) -> float:
         values = self[f"metrics/{name}"]

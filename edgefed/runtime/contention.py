@@ -38,27 +38,20 @@ def cpu_share() -> float:
         lines = Path("/proc/self/cgroup").read_text(encoding="utf-8").splitlines()
     except OSError:
         return 1.0
-    share = 1.0
+    shares = [1.0]
     for line in lines:
         _, controllers, path = line.split(":", 2)
         if controllers == "":  # cgroup v2: cpu.max holds "QUOTA PERIOD" or "max PERIOD"
-            roots, files = [Path("/sys/fs/cgroup")], ("cpu.max",)
-        elif "cpu" in controllers.split(","):
-            roots, files = [Path("/sys/fs/cgroup") / controllers, Path("/sys/fs/cgroup/cpu")], \
-                ("cpu.cfs_quota_us", "cpu.cfs_period_us")
+            root, files = Path("/sys/fs/cgroup"), ("cpu.max",)
+        elif "cpu" in controllers.split(","):  # v1: the cpu hierarchy, mounted as its controllers or as cpu
+            root, files = Path("/sys/fs/cgroup") / controllers, ("cpu.cfs_quota_us", "cpu.cfs_period_us")
+            if not root.is_dir():
+                root = Path("/sys/fs/cgroup/cpu")
         else:
             continue
-        for root in roots:
-            folder = root / path.lstrip("/")
-            if not folder.is_dir():
-                continue
-            while True:
-                share = min(share, _quota_share(folder, files))
-                if folder == root:
-                    break
-                folder = folder.parent
-            break
-    return share
+        leaf = root / path.lstrip("/")
+        shares += [_quota_share(level, files) for level in (leaf, *leaf.parents) if level.is_relative_to(root)]
+    return min(shares)
 
 
 def _quota_share(folder: Path, files: tuple[str, ...]) -> float:

@@ -208,7 +208,7 @@ class DeviceServer:
     def _poll_max(self) -> float:
         """The longest pause between polls now: longer while this rank's devices train, since a finished one
         wakes the rank at once and a poll then only takes rank 0's stops and sends the heartbeat (at 1 ms the
-        polls took 4 % of a core here: a quarter of a virtual Pi 5's share, a third of a Pi 4 core)."""
+        polls took 4 % of a core here, a quarter of a virtual Pi 5's share; at 10 ms, 1.5 %)."""
         working = any(job is not None and not job[1].done() for job in (self._future, self._task))
         return max(self.poll, WORKING_POLL_S) if working else self.poll
 
