@@ -25,6 +25,7 @@ from edgefed.kernels.conv import AVG, MAX, MAX_RELU
 from edgefed.kernels.dense import BLOCK_BYTES, FUSED_WEIGHTS
 from edgefed.kernels.fma import TILE_BYTES
 from edgefed.kernels.pointwise import LEAKY_RELU, RELU, SIGMOID, TANH
+from edgefed.kernels.sequence import work_values
 from edgefed.memory import size_text
 
 LOSSES = ("cross_entropy", "mse")
@@ -58,6 +59,14 @@ def _padding(value, where):
     if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
         return value
     raise ConfigError(f'{where} = {value!r} must be "same", "valid" or an integer >= 0')
+
+
+def _one_of(*options):
+    def check(value, where):
+        if value not in options:
+            raise ConfigError(f"{where} = {value!r} must be one of {', '.join(map(repr, options))}")
+        return value
+    return check
 
 
 def _shape(value, where):
@@ -137,13 +146,14 @@ class Tensor:
     """One parameter tensor: where it lives in the flat vector, its shape there, and PyTorch's."""
 
     layer: int
-    name: str  # "weight" or "bias"
+    name: str  # "weight" or "bias" (a recurrent layer: PyTorch's names, "weight_ih_l0", ...)
     offset: int
     shape: tuple  # as stored
     torch_shape: tuple
     fans: tuple  # (fan_in, fan_out) of its layer, for the initialisations
-    kind: str  # "dense", "conv" or "norm"
+    kind: str  # "dense", "conv", "norm", "embedding" or "recurrent"
     order: np.ndarray | None = None  # dense: the PyTorch input index of each stored weight row
+    hidden: int = 0  # recurrent: H, whose 1/sqrt(H) bounds PyTorch's initialisation
 
     @property
     def size(self) -> int:
@@ -151,9 +161,9 @@ class Tensor:
 
     def to_torch(self, flat: np.ndarray) -> np.ndarray:
         w = flat[self.offset:self.offset + self.size].reshape(self.shape)
-        if self.name == "bias" or self.kind == "norm":
+        if self.name == "bias" or self.kind in ("norm", "embedding") or len(self.shape) == 1:
             return w.copy()
-        if self.kind == "dense":
+        if self.kind in ("dense", "recurrent"):  # stored (in, out): PyTorch's (out, in) transposed
             out = np.empty(self.torch_shape, w.dtype)
             out[:, self.order if self.order is not None else slice(None)] = w.T
             return out
@@ -185,12 +195,18 @@ class Network:
     output_shapes: tuple = field(default_factory=tuple)  # each layer's output shape (PyTorch's)
     itemsize: int = 4  # of the model dtype
 
+    @property
+    def eval_chunk(self) -> int:
+        """The samples evaluated at a time: EVAL_CHUNK, fewer where a sample's activations are large (a
+        recurrent layer keeps every step's states), so that a chunk's stay within EVAL_BYTES."""
+        return int(max(1, min(EVAL_CHUNK, EVAL_BYTES // (self.per_sample * self.itemsize))))
+
     def workspace_bytes(self, rows: int) -> int:
         """What one model of this network holds (models.Sequential's buffers): the gradient, activations and
         their deltas for minibatches of `rows` samples (and evaluation chunks), the scratch, and the
         program's permutations."""
         item = self.itemsize
-        acts = max(rows, EVAL_CHUNK + 1) * (self.per_sample * item + self.aux_per_sample * 4)
+        acts = max(rows, self.eval_chunk + 1) * (self.per_sample * item + self.aux_per_sample * 4)
         deltas = rows * (self.per_sample + self.tr_per_sample) * item
         scratch = self.cols + self.wt + self.narrow + self.gblock + self.pads
         return self.dim * item + acts + deltas + scratch * item + 8 * self.perms.size
@@ -214,6 +230,7 @@ def _text(value) -> str:
 
 
 EVAL_CHUNK = 64  # the samples a model evaluates at a time (its activations hold one more row, of scratch)
+EVAL_BYTES = 16 << 20  # ... at most, unless one sample's activations are more
 
 
 class _Walk:
@@ -231,6 +248,8 @@ class _Walk:
         self.aux = 0
         self.tensors = []
         self.cols = self.wt = self.narrow = self.pads = self.tr = self.fused_out = 0
+        self.maps = False  # the current tensor is a convolution's or pooling's map, (C, H, W) or (C, L)
+        self.sequence = False  # ... a sequence (L, F) an embedding or a recurrent layer made
         self.op(ops.INPUT, int(np.prod(input_shape)))  # the samples gathered into the first activations
 
     def check_memory(self, out_size: int = 0) -> None:
@@ -263,8 +282,8 @@ class _Walk:
 
     def params(self, row, layer: int, tensors) -> None:
         row[ops.F_PARAM] = self.dim
-        for name, shape, torch_shape, fans, kind, order in tensors:
-            self.tensors.append(Tensor(layer, name, self.dim, shape, torch_shape, fans, kind, order))
+        for name, shape, torch_shape, fans, kind, order, *hidden in tensors:
+            self.tensors.append(Tensor(layer, name, self.dim, shape, torch_shape, fans, kind, order, *hidden))
             self.dim += int(np.prod(shape))
         row[ops.F_NPARAM] = self.dim - row[ops.F_PARAM]
         self.check_memory()
@@ -298,13 +317,23 @@ class _Walk:
         self.permute(channels_last(self.shape))
 
 
-def _spatial(shape: tuple, dims: int, where: str) -> tuple:
+def _spatial(walk, dims: int, where: str) -> tuple:
     """(C, H, W) of a spatial layer's input (H = 1 for a 1-D map)."""
+    shape = walk.shape
+    _not_a_sequence(walk, where, "(C, H, W)" if dims == 2 else "(C, L)")
+    walk.maps = True
     if len(shape) != dims + 1:
         want = "(C, H, W)" if dims == 2 else "(C, L)"
         raise ConfigError(f"{where} takes {want} maps, got {_show(shape)}; "
                           + ("add a reshape before it" if len(shape) == 1 else "check the layer types"))
     return (shape[0], 1, shape[1]) if dims == 1 else shape
+
+
+def _not_a_sequence(walk, where: str, takes: str) -> None:
+    if walk.sequence:
+        raise ConfigError(f"{where} takes {takes} maps, but its input {_show(walk.shape)} is a sequence (steps, "
+                          "features) from an embedding or recurrent layer; follow it with a recurrent layer, or "
+                          "with flatten and a dense layer")
 
 
 def _show(shape: tuple) -> str:
@@ -335,6 +364,14 @@ def first_spatial(model) -> int:
     return 0
 
 
+def token_ids(model) -> int | None:
+    """The vocabulary of a [model] table's first layer when it is an embedding (its samples are token ids),
+    else None."""
+    layers = builtin_layers("charlstm", (), 0) if model.kind == "charlstm" else (
+        model.layers if model.kind == "sequential" else ())
+    return layers[0]["num"] if layers and layers[0]["type"] == "embedding" else None
+
+
 def input_shape_for(sample_shape: tuple, layers) -> tuple:
     """The shape the first layers see: a sample stored as (H, W) is one channel for a 2-D layer, a vector
     one channel for a 1-D layer (the first spatial layer, before any reshape or flatten)."""
@@ -354,6 +391,7 @@ def input_shape_for(sample_shape: tuple, layers) -> tuple:
 
 def _plan_flatten(walk, layer, i, where):
     walk.shape = (int(np.prod(walk.shape)),)  # no operation: the values stay where they are (order kept)
+    walk.maps = walk.sequence = False
 
 
 def _plan_reshape(walk, layer, i, where):
@@ -370,6 +408,7 @@ def _plan_reshape(walk, layer, i, where):
                           f"input {_show(walk.shape)} has {n}")
     walk.permute(channels_last(tuple(target)))  # the same values in PyTorch's order, read as the new shape
     walk.shape = tuple(target)
+    walk.maps = walk.sequence = False
 
 
 def _plan_dense(walk, layer, i, where):
@@ -390,7 +429,7 @@ def _plan_dense(walk, layer, i, where):
 def _plan_conv(walk, layer, i, where):
     kind = layer["type"]
     dims = TYPES[kind].spatial
-    C, H, W = _spatial(walk.shape, dims, where)
+    C, H, W = _spatial(walk, dims, where)
     walk.channels_last()
     k, s, co = layer["kernel"], layer["stride"], layer["out"]
     kh = k if dims == 2 else 1
@@ -417,7 +456,7 @@ def _plan_conv(walk, layer, i, where):
 def _plan_pool(walk, layer, i, where):
     kind = layer["type"]
     dims = TYPES[kind].spatial
-    C, H, W = _spatial(walk.shape, dims, where)
+    C, H, W = _spatial(walk, dims, where)
     walk.channels_last()
     size = layer["size"]
     stride = layer.get("stride", size)
@@ -438,6 +477,7 @@ def _plan_pool(walk, layer, i, where):
 
 
 def _plan_global_pool(walk, layer, i, where):
+    _not_a_sequence(walk, where, "(C, H, W) or (C, L)")
     if len(walk.shape) not in (2, 3):
         raise ConfigError(f"{where} takes (C, H, W) or (C, L) maps, got {_show(walk.shape)}")
     walk.channels_last()
@@ -462,6 +502,7 @@ def _plan_dropout(walk, layer, i, where):
 
 
 def _plan_groupnorm(walk, layer, i, where):
+    _not_a_sequence(walk, where, "(C, H, W) or (C, L)")
     C = walk.shape[0]
     if C % layer["groups"]:
         raise ConfigError(f"{where}: groups = {layer['groups']} does not divide its {C} channels")
@@ -472,6 +513,74 @@ def _plan_groupnorm(walk, layer, i, where):
     P = int(np.prod(walk.shape[1:]))
     row = walk.op(ops.GROUPNORM, int(np.prod(walk.shape)), C=C, H=1, W=P, CO=C, MODE=layer["groups"])
     walk.params(row, i, [("weight", (C,), (C,), (C, C), "norm", None), ("bias", (C,), (C,), (C, C), "norm", None)])
+
+
+def _plan_embedding(walk, layer, i, where):
+    if len(walk.ops) != 1 or len(walk.shape) != 1:
+        raise ConfigError(f"{where} takes token ids, a sample of shape (L,), so it must be the first layer; got "
+                          f"{_show(walk.shape)}" + ("" if len(walk.ops) == 1 else " from the layers before it"))
+    V, D, L = layer["num"], layer["dim"], walk.shape[0]
+    pad = layer.get("padding_idx")
+    if pad is not None and pad >= V:
+        raise ConfigError(f"{where}: padding_idx = {pad} must be below num = {V}")
+    if walk.itemsize == 4 and V > 1 << 24:
+        raise ConfigError(f"{where}: num = {V} is more ids than float32 holds exactly (2**24); use model.dtype = "
+                          '"float64" or a smaller vocabulary')
+    row = walk.op(ops.EMBEDDING, L * D, C=V, CO=D, W=L, MODE=0 if pad is None else pad + 1)
+    walk.params(row, i, [("weight", (V, D), (V, D), (V, D), "embedding", None)])
+    walk.shape, walk.order, walk.sequence = (L, D), None, True
+
+
+def _plan_recurrent(walk, layer, i, where):
+    kind = layer["type"]
+    if walk.maps or len(walk.shape) != 2:
+        got = "maps" if walk.maps or len(walk.shape) > 2 else "a flat input"
+        fix = ("put an embedding before it (token ids), or give samples of shape (N, L, F)" if len(walk.shape) == 1
+               else "a recurrent layer takes a sequence: an embedding's, another recurrent layer's with output = "
+                    '"all", or samples of shape (N, L, F)')
+        raise ConfigError(f"{where} takes (L, F) sequences, got {got} {_show(walk.shape)}; {fix}")
+    walk.permute(None)
+    (L, F0), H, K = walk.shape, layer["hidden"], layer["layers"]
+    gates = 4 if kind == "lstm" else 3
+    every = layer["output"] == "all"
+    row = walk.op(ops.LSTM if kind == "lstm" else ops.GRU, L * H if every else H, C=F0, CO=H, W=L, H=K,
+                  MODE=int(every))
+    tensors = []
+    for k in range(K):
+        F = F0 if k == 0 else H
+        tensors += [(f"weight_ih_l{k}", (F, gates * H), (gates * H, F), (F, gates * H), "recurrent", None, H),
+                    (f"weight_hh_l{k}", (H, gates * H), (gates * H, H), (H, gates * H), "recurrent", None, H),
+                    (f"bias_ih_l{k}", (gates * H,), (gates * H,), (H, gates * H), "recurrent", None, H),
+                    (f"bias_hh_l{k}", (gates * H,), (gates * H,), (H, gates * H), "recurrent", None, H)]
+    walk.params(row, i, tensors)
+    work = work_values(kind == "lstm", L, F0, H, K)
+    walk.check_memory(work)
+    row[ops.F_WORK] = walk.next_region  # after its output: the states, cells and gates its backward pass reads
+    walk.next_region += work
+    walk.wt = max(walk.wt, gates * H * max(F0, H))
+    walk.shape, walk.order, walk.maps, walk.sequence = ((L, H) if every else (H,)), None, False, every
+
+
+def _torch_recurrent(layer, shape, out):
+    cls = "LSTM" if layer["type"] == "lstm" else "GRU"
+    return f"{cls}({shape[1]}, {layer['hidden']}, num_layers={layer['layers']}, last={layer['output'] == 'last'})"
+
+
+TORCH_WRAPPERS = {  # classes the printed module defines before its nn.Sequential, when it uses them
+    "lstm": '''class LSTM(nn.LSTM):
+    """nn.LSTM over (N, L, F) batches from zero states, returning the top layer's last state (N, H) (last=True)
+    or every step's (N, L, H)."""
+
+    def __init__(self, *args, last=True, **kwargs):
+        super().__init__(*args, batch_first=True, **kwargs)
+        self.last = last
+
+    def forward(self, x):
+        out, _ = super().forward(x)
+        return out[:, -1] if self.last else out
+''',
+}
+TORCH_WRAPPERS["gru"] = TORCH_WRAPPERS["lstm"].replace("LSTM", "GRU")
 
 
 # each type's PyTorch module, as Python text: torch(layer, input shape, output shape)
@@ -498,6 +607,7 @@ def _fixed(text):
 
 _CONV = {"out": (REQUIRED, _int(1)), "kernel": (REQUIRED, _int(1)), "stride": (1, _int(1)), "padding": ("same", _padding)}
 _POOL = {"size": (REQUIRED, _int(1)), "stride": (None, _int(1))}
+_RECURRENT = {"hidden": (REQUIRED, _int(1)), "layers": (1, _int(1)), "output": ("last", _one_of("last", "all"))}
 TYPES = {
     "dense": LayerType({"out": (REQUIRED, _int(1))}, lambda l, i, o: f"nn.Linear({i[0]}, {l['out']})", _plan_dense),
     "conv2d": LayerType(_CONV, _torch_conv, _plan_conv, 2),
@@ -517,6 +627,12 @@ TYPES = {
     "dropout": LayerType({"rate": (0.5, _rate)}, lambda l, i, o: f"nn.Dropout({l['rate']})", _plan_dropout),
     "groupnorm": LayerType({"groups": (REQUIRED, _int(1))}, lambda l, i, o: f"nn.GroupNorm({l['groups']}, {i[0]})",
                            _plan_groupnorm),
+    "embedding": LayerType({"num": (REQUIRED, _int(1)), "dim": (REQUIRED, _int(1)), "padding_idx": (None, _int(0))},
+                           lambda l, i, o: f"nn.Embedding({l['num']}, {l['dim']}"
+                                           + (f", padding_idx={l['padding_idx']})" if "padding_idx" in l else ")"),
+                           _plan_embedding),
+    "lstm": LayerType(_RECURRENT, _torch_recurrent, _plan_recurrent),
+    "gru": LayerType(_RECURRENT, _torch_recurrent, _plan_recurrent),
 }
 def build(layers, sample_shape: tuple, out_width: int, dtype, outputs_what: str = "classes",
           name: str = "model.layers", memory: tuple[int, str] | None = None, rows: int = 1) -> Network:
@@ -600,12 +716,18 @@ def initial_params(network: Network, init: str, g: np.random.Generator, dtype) -
         part = params[t.offset:t.offset + t.size]
         if t.kind == "norm":
             part[:] = 1.0 if t.name == "weight" else 0.0
+        elif t.kind == "embedding" and init == "pytorch":
+            part[:] = g.standard_normal(t.size)
         elif init == "pytorch":
-            bound = 1.0 / math.sqrt(t.fans[0])
+            bound = 1.0 / math.sqrt(t.hidden or t.fans[0])
             part[:] = g.uniform(-bound, bound, t.size)
         elif init == "glorot" and t.name == "weight":
             limit = math.sqrt(6.0 / (t.fans[0] + t.fans[1]))
             part[:] = g.uniform(-limit, limit, t.size)
+    for t in network.tensors:  # an embedding's padding_idx row starts at zero, as nn.Embedding's
+        pad = network.layers[t.layer].get("padding_idx") if t.kind == "embedding" else None
+        if pad is not None:
+            params[t.offset + pad * t.shape[1]:t.offset + (pad + 1) * t.shape[1]] = 0
     return params.astype(dtype)
 
 
@@ -616,19 +738,29 @@ def state_dict(network: Network, flat: np.ndarray) -> dict[str, np.ndarray]:
 
 
 def torch_text(network: Network) -> str:
-    """The equivalent torch.nn.Sequential, as Python: what `edgefed export --weights` prints."""
+    """The equivalent torch.nn.Sequential, as Python: what `edgefed export --weights` prints (self-contained:
+    the classes it needs, nn.LSTM and nn.GRU keeping the last step or the sequence, come first)."""
     shape, parts = network.input_shape, []
     for layer, out_shape in zip(network.layers, network.output_shapes):
         parts.append(TYPES[layer["type"]].torch(layer, shape, out_shape))
         shape = out_shape
-    return "nn.Sequential(\n" + "".join(f"    {p},\n" for p in parts) + ")"
+    used = dict.fromkeys(layer["type"] for layer in network.layers if layer["type"] in TORCH_WRAPPERS)
+    preamble = "".join(TORCH_WRAPPERS[kind] + "\n\n" for kind in used)
+    return preamble + "nn.Sequential(\n" + "".join(f"    {p},\n" for p in parts) + ")"
 
 
 # ------------------------------------------------------------------------------------- the built-in models
+CHARS = 80  # LEAF Shakespeare's vocabulary (problems/text.py)
+
+
 def builtin_layers(kind: str, sample_shape: tuple, n_classes: int, hidden=(200, 200)) -> tuple[dict, ...]:
     """The built-in models as layer lists: logistic regression, McMahan et al.'s 2NN (hidden widths) and CNN
     (two 5x5 "same" convolutions of 32 and 64 channels, each with ReLU and 2x2 max pooling, a 512-unit ReLU
-    layer, the softmax output)."""
+    layer, the softmax output), and their character LSTM (an 8-dimensional embedding of 80 characters, two
+    LSTM layers of 256 units, the next character's softmax: 819,920 parameters for 80 classes)."""
+    if kind == "charlstm":
+        return ({"type": "embedding", "num": CHARS, "dim": 8},
+                {"type": "lstm", "hidden": 256, "layers": 2, "output": "last"}, {"type": "dense", "out": n_classes})
     head = [{"type": "flatten"}]
     if kind == "logreg":
         return tuple(head + [{"type": "dense", "out": n_classes}])

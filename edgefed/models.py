@@ -61,17 +61,17 @@ class Sequential:
 
     The built-in models are named layer lists (`builtin`): logistic regression ("logreg", initialized at
     zero, as FedProx), McMahan et al.'s 2NN ("mlp") and CNN ("cnn"), both Glorot-uniform as in the
-    TensorFlow layers the FedAvg experiments used; a "sequential" model takes PyTorch's initialisation by
-    default. Samples arrive flat, (n, values) in PyTorch's (C, H, W) order; labels are int64 (cross-entropy)
-    or targets float (n, width) in the model dtype (mse).
+    TensorFlow layers the FedAvg experiments used, and their character LSTM ("charlstm") and a "sequential"
+    model, PyTorch's initialisation by default. Samples arrive flat, (n, values) in PyTorch's (C, H, W) order
+    (token ids as exact values in the model dtype); labels are int64 (cross-entropy) or targets float
+    (n, width) in the model dtype (mse).
     """
-
-    EVAL_CHUNK = layer_lib.EVAL_CHUNK
 
     def __init__(self, network: layer_lib.Network, dtype, seed: int, init: str = "pytorch",
                  loss: str = "cross_entropy", kind: str = "sequential"):
         self.network, self.dtype, self.seed, self.init, self.loss, self.kind = network, np.dtype(dtype), seed, init, loss, kind
         self.dim = network.dim
+        self.EVAL_CHUNK = network.eval_chunk
         self.n_features = int(np.prod(network.input_shape))
         self.n_outputs = network.out_width
         self._loss_kind = net.CROSS_ENTROPY if loss == "cross_entropy" else net.MSE
@@ -91,12 +91,13 @@ class Sequential:
     @classmethod
     def builtin(cls, kind: str, sample_shape: tuple, n_classes: int, dtype, seed: int = 0, hidden=(200, 200),
                 memory=None, rows: int = 1):
-        """A built-in model ("logreg", "mlp" with these hidden widths, "cnn") for samples of this shape (memory,
-        rows: as layers.build takes them)."""
+        """A built-in model ("logreg", "mlp" with these hidden widths, "cnn", "charlstm") for samples of this
+        shape (memory, rows: as layers.build takes them)."""
         layers = layer_lib.builtin_layers(kind, tuple(sample_shape), n_classes, hidden)
         network = layer_lib.build(layers, tuple(sample_shape), n_classes, dtype, name=f'model.kind = "{kind}", layers',
                                   memory=memory, rows=rows)
-        return cls(network, dtype, seed, "zeros" if kind == "logreg" else "glorot", "cross_entropy", kind)
+        init = {"logreg": "zeros", "charlstm": "pytorch"}.get(kind, "glorot")
+        return cls(network, dtype, seed, init, "cross_entropy", kind)
 
     @property
     def n_classes(self) -> int:

@@ -132,8 +132,9 @@ def scaffold_quadratic(A, b, x0, rounds, K, lr_l, lr_g, option, selections, c_cl
 
 # ------------------------------------------------------------------------------ layers, in PyTorch's semantics
 # Channels-first samples, weights in PyTorch's shapes ((out, in) dense, (out, in, k, k) conv2d, (out, in, k)
-# conv1d), one function per layer type for the forward pass and one for the backward pass, plain loops and
-# einsum: the reference edgefed's layer library (channels-last inside, its own summation order) is held to.
+# conv1d, (4H or 3H, in) LSTM / GRU with nn.LSTM's names), one function per layer type for the forward pass and
+# one for the backward pass, plain loops and einsum: the reference edgefed's layer library (channels-last inside,
+# its own summation order) is held to.
 
 def _pads(padding, k, stride):
     if padding == "same":
@@ -219,10 +220,97 @@ def groupnorm_backward(x, gamma, groups, cache, dout, eps=1e-5):
     return dx.reshape(x.shape), dgamma, dbeta
 
 
+def _sigmoid(v):
+    return 1 / (1 + np.exp(-v))
+
+
+def lstm_step(x, h, c, w_ih, w_hh, b_ih, b_hh):
+    """One nn.LSTM cell step on x (N, F), h and c (N, H): (h', c', cache), gates i, f, g, o in the 4H rows."""
+    i, f, g, o = np.split(x @ w_ih.T + b_ih + h @ w_hh.T + b_hh, 4, axis=1)
+    i, f, g, o = _sigmoid(i), _sigmoid(f), np.tanh(g), _sigmoid(o)
+    c2 = f * c + i * g
+    return o * np.tanh(c2), c2, (x, h, c, i, f, g, o, c2)
+
+
+def lstm_step_backward(cache, dh, dc):
+    """From the gradients of h' and c': those of the step's input-side (x W_ih^T + b_ih) and hidden-side
+    (h W_hh^T + b_hh) pre-activations (the same for an LSTM), h's gradient other than through W_hh (none), c's."""
+    _, _, c, i, f, g, o, c2 = cache
+    tc = np.tanh(c2)
+    dc = dc + dh * o * (1 - tc ** 2)
+    da = np.concatenate([dc * g * i * (1 - i), dc * c * f * (1 - f), dc * i * (1 - g ** 2), dh * tc * o * (1 - o)], axis=1)
+    return da, da, 0, dc * f
+
+
+def gru_step(x, h, c, w_ih, w_hh, b_ih, b_hh):
+    """One nn.GRU cell step (gates r, z, n in the 3H rows); c is carried through unused so both cells look alike."""
+    H = h.shape[1]
+    gi, gh = x @ w_ih.T + b_ih, h @ w_hh.T + b_hh
+    r = _sigmoid(gi[:, :H] + gh[:, :H])
+    z = _sigmoid(gi[:, H:2 * H] + gh[:, H:2 * H])
+    n = np.tanh(gi[:, 2 * H:] + r * gh[:, 2 * H:])
+    return (1 - z) * n + z * h, c, (x, h, r, z, n, gh[:, 2 * H:])
+
+
+def gru_step_backward(cache, dh, dc):
+    """As lstm_step_backward; here the two sides differ (r gates W_hn h + b_hn) and h also feeds h' directly."""
+    _, h, r, z, n, ghn = cache
+    dan = dh * (1 - z) * (1 - n ** 2)
+    dar = dan * ghn * r * (1 - r)
+    daz = dh * (h - n) * z * (1 - z)
+    return np.concatenate([dar, daz, dan], axis=1), np.concatenate([dar, daz, dan * r], axis=1), dh * z, dc
+
+
+def _recurrent_weights(params, i, k):
+    return [params[f"{i}.{name}_l{k}"] for name in ("weight_ih", "weight_hh", "bias_ih", "bias_hh")]
+
+
+def recurrent_forward(kind, layer, params, i, x):
+    """The top layer's h at every step (N, L, H) of nn.LSTM / nn.GRU (batch_first, zero initial h and c, the
+    layers stacked: each one's h sequence is the next one's input) on x (N, L, F), and the tape."""
+    step = lstm_step if kind == "lstm" else gru_step
+    n, steps, hidden = x.shape[0], x.shape[1], layer["hidden"]
+    seq, tape = x, []
+    for k in range(layer.get("layers", 1)):
+        h = c = np.zeros((n, hidden))
+        hs, caches = [], []
+        for t in range(steps):
+            h, c, cache = step(seq[:, t], h, c, *_recurrent_weights(params, i, k))
+            hs.append(h)
+            caches.append(cache)
+        tape.append(caches)
+        seq = np.stack(hs, axis=1)
+    return seq, tape
+
+
+def recurrent_backward(kind, layer, params, i, tape, dseq, grads):
+    """Backpropagation through time: fills grads with the four tensors of every layer, returns x's gradient."""
+    step_backward = lstm_step_backward if kind == "lstm" else gru_step_backward
+    for k in range(len(tape) - 1, -1, -1):
+        w_ih, w_hh, _, _ = _recurrent_weights(params, i, k)
+        gw_ih, gw_hh, gb_ih, gb_hh = (np.zeros_like(w) for w in _recurrent_weights(params, i, k))
+        dx = np.zeros((dseq.shape[0], dseq.shape[1], w_ih.shape[1]))
+        dh = dc = np.zeros((dseq.shape[0], w_hh.shape[1]))
+        for t in range(dseq.shape[1] - 1, -1, -1):
+            x, h = tape[k][t][:2]
+            dgi, dgh, dh_direct, dc = step_backward(tape[k][t], dh + dseq[:, t], dc)
+            gw_ih += dgi.T @ x
+            gw_hh += dgh.T @ h
+            gb_ih += dgi.sum(axis=0)
+            gb_hh += dgh.sum(axis=0)
+            dx[:, t] = dgi @ w_ih
+            dh = dh_direct + dgh @ w_hh
+        for name, g in zip(("weight_ih", "weight_hh", "bias_ih", "bias_hh"), (gw_ih, gw_hh, gb_ih, gb_hh)):
+            grads[f"{i}.{name}_l{k}"] = g
+        dseq = dx
+    return dseq
+
+
 def network_forward(layers, params, x, masks=None):
     """Outputs of the layer list on x (N, *sample shape as the first layer takes it); params: the
-    state_dict ("<i>.weight", "<i>.bias"); masks[i]: layer i's dropout keep-mask (None: evaluation).
-    Returns (outputs, tape) for network_backward."""
+    state_dict ("<i>.weight", "<i>.bias"; "<i>.weight_ih_l<k>", ... for LSTM / GRU); masks[i]: layer i's dropout
+    keep-mask (None: evaluation). An embedding takes (N, L) ids, a recurrent layer (N, L, F) and outputs the top
+    layer's h at the last step (N, H) or at every step (N, L, H). Returns (outputs, tape) for network_backward."""
     tape = []
     h = x
     for i, layer in enumerate(layers):
@@ -232,6 +320,13 @@ def network_forward(layers, params, x, masks=None):
         extra = None
         if kind == "dense":
             h = h @ w.T + b
+        elif kind == "embedding":
+            # ids may come as floats holding integers (one input array for the whole batch)
+            extra = np.asarray(h).astype(np.int64)
+            h = w[extra]
+        elif kind in ("lstm", "gru"):
+            seq, extra = recurrent_forward(kind, layer, params, i, h)
+            h = seq[:, -1] if layer.get("output", "last") == "last" else seq
         elif kind in ("conv2d", "conv1d"):
             one_d = kind == "conv1d"
             k, s = layer["kernel"], layer.get("stride", 1)
@@ -285,6 +380,17 @@ def network_backward(layers, params, tape, dout, masks=None):
         if kind == "dense":
             grads[f"{i}.weight"], grads[f"{i}.bias"] = d.T @ inp, d.sum(axis=0)
             d = d @ w
+        elif kind == "embedding":
+            grads[f"{i}.weight"] = np.zeros_like(w)
+            np.add.at(grads[f"{i}.weight"], extra, d)  # repeated ids add up
+            if layer.get("padding_idx") is not None:
+                grads[f"{i}.weight"][layer["padding_idx"]] = 0  # nn.Embedding never updates the padding row
+            d = None  # ids have no gradient
+        elif kind in ("lstm", "gru"):
+            if layer.get("output", "last") == "last":  # only the last step's h was output
+                d, last = np.zeros(inp.shape[:2] + (layer["hidden"],)), d
+                d[:, -1] = last
+            d = recurrent_backward(kind, layer, params, i, extra, d, grads)
         elif kind in ("conv2d", "conv1d"):
             xh, wh, stride, ph, pw = extra
             dh = d[:, :, None, :] if kind == "conv1d" else d

@@ -37,6 +37,8 @@ class DataConfig:
     # training set) or "unit" (/255); None: "unit" for CIFAR, else "none"
     classes: int | None = None  # arrays, LEAF: the class count C (None: the largest label + 1)
     cache_mb: float = 1024.0  # the built devices' data a process keeps (least recently used goes first)
+    vocab_size: int = 10_000  # LEAF Sent140: the training set's most frequent words given ids
+    vocab: str | None = None  # LEAF Sent140: a text file of the vocabulary's words, one a line (instead)
 
 
 @dataclass(frozen=True)

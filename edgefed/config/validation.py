@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
+from pathlib import Path
 
 from edgefed import compression, hwprofile
 from edgefed import layers as layer_lib
@@ -28,15 +29,16 @@ from edgefed.participation.schemes import SCHEMES, WEIGHTINGS
 from edgefed.participation.selection import OORT_DEFAULTS, POLICIES, oort_settings
 from edgefed.participation.timing import overselected
 from edgefed.problems.idx import EMNIST_SPLITS
-from edgefed.problems import cifar, pool
+from edgefed.problems import cifar, leaf, pool
 from edgefed.problems.partition import PARTITIONS
 
 DATA_KINDS = ("synthetic", "quadratic", "mnist", "emnist", "arrays", "leaf", "cifar10", "cifar100")
-MODEL_KINDS = ("logreg", "mlp", "cnn", "sequential", "torch", "quadratic")
+MODEL_KINDS = ("logreg", "mlp", "cnn", "charlstm", "sequential", "torch", "quadratic")
 _ANY = ("sequential", "torch")  # a user's model: on every data kind with samples
 MODELS_FOR_DATA = {"synthetic": ("logreg", "mlp") + _ANY, "quadratic": ("quadratic",),
                    "mnist": ("mlp", "cnn", "logreg") + _ANY, "emnist": ("cnn", "mlp", "logreg") + _ANY,
-                   "arrays": ("logreg", "mlp", "cnn") + _ANY, "leaf": ("cnn", "mlp", "logreg") + _ANY,
+                   "arrays": ("logreg", "mlp", "cnn", "charlstm") + _ANY,
+                   "leaf": ("cnn", "mlp", "logreg", "charlstm") + _ANY,
                    "cifar10": ("cnn", "mlp", "logreg") + _ANY, "cifar100": ("cnn", "mlp", "logreg") + _ANY}
 DTYPES = ("float32", "float64")
 LR_SCHEDULES = ("constant", "staircase")
@@ -410,6 +412,12 @@ def _validate_data(d: DataConfig) -> DataConfig:
     if d.clients is not None:
         _positive(d.clients, "data.clients", "clients = 30")
     _positive(d.min_partition_size, "data.min_partition_size", "min_partition_size = 10")
+    _positive(d.vocab_size, "data.vocab_size", "vocab_size = 10000")
+    if d.kind != "leaf" and (d.vocab is not None or d.vocab_size != DataConfig.vocab_size):
+        raise ConfigError(f"config: data.vocab{'' if d.vocab is not None else '_size'} applies to LEAF Sent140 "
+                          f"(kind = \"leaf\"), not {d.kind!r}; remove it")
+    if d.vocab is not None and not Path(d.vocab).is_file():
+        raise ConfigError(f"config: data.vocab = {d.vocab!r} is not a file; give a text file of words, one a line")
     if d.kind in FILE_KINDS:
         return _validate_file_data(d)
     if d.partition is None:
@@ -510,7 +518,12 @@ def _validate_file_data(d: DataConfig) -> DataConfig:
 def _validate_model(m: ModelConfig, data: DataConfig) -> ModelConfig:
     fits = MODELS_FOR_DATA[data.kind]
     if m.kind is None:
-        m = dataclasses.replace(m, kind=fits[0])
+        task = leaf.text_task(data.path) if data.kind == "leaf" else None
+        if task == "sent140":
+            raise ConfigError(f"config: data.path = {data.path!r} holds LEAF Sent140, which has no built-in model; give "
+                              '[model] kind = "sequential" with layers, e.g. [{type = "embedding", num = 10002, dim = '
+                              '50}, {type = "lstm", hidden = 64}, {type = "dense", out = 2}]')
+        m = dataclasses.replace(m, kind="charlstm" if task == "shakespeare" else fits[0])
     _choice(m.kind, MODEL_KINDS, "model.kind")
     if m.kind not in fits:
         raise ConfigError(

@@ -21,7 +21,7 @@ from edgefed.kernels import JIT
 from edgefed.kernels.linalg import block, copy_into, matrix, vector
 from edgefed.kernels.objective import CROSS_ENTROPY, MSE  # noqa: F401 - the losses' codes, for models
 from edgefed.kernels.ops import LOSS, STEP, call_backward, call_forward, call_loss, call_step
-from edgefed.kernels.program import (DENSE, DENSE_STEPPED, F_GRAD_IN, F_IN, F_MODE, F_NIN, F_NOUT, F_NPARAM, F_OUT,
+from edgefed.kernels.program import (DENSE, DENSE_STEPPED, EMBEDDING, F_GRAD_IN, F_IN, F_MODE, F_NIN, F_NOUT, F_NPARAM, F_OUT,
                                      F_PERM, F_TYPE)
 from edgefed.kernels.random import draw_batch
 
@@ -108,8 +108,9 @@ def _backward(ops, prog, slopes, perms, params, grad, acts, deltas, aux, tr, col
 
 @njit(inline="always", **JIT)
 def _whole_batch(t):
-    """Whether an operation runs over the whole batch at once (a dense layer), not sample by sample."""
-    return t == DENSE or t == DENSE_STEPPED
+    """Whether an operation runs over the whole batch at once (a dense or sequence layer), not sample by
+    sample."""
+    return t == DENSE or t == DENSE_STEPPED or t >= EMBEDDING
 
 
 @njit(**JIT)

@@ -28,8 +28,10 @@ from edgefed.kernels.norm import groupnorm_backward_op, groupnorm_forward_op
 from edgefed.kernels.objective import loss_op, step_op
 from edgefed.kernels.pointwise import (activation_backward_op, activation_forward_op, dropout_backward_op,
                                        dropout_forward_op, permute_backward_op, permute_forward_op)
-from edgefed.kernels.program import (ACTIVATION, CONV, DENSE, DENSE_STEPPED, DROPOUT, GLOBAL_POOL, GROUPNORM, INPUT,
-                                     PERMUTE, POOL)
+from edgefed.kernels.program import (ACTIVATION, CONV, DENSE, DENSE_STEPPED, DROPOUT, EMBEDDING, GLOBAL_POOL, GROUPNORM,
+                                     GRU, INPUT, LSTM, PERMUTE, POOL)
+from edgefed.kernels.sequence import (embedding_backward_op, embedding_forward_op, gru_backward_op, gru_forward_op,
+                                      lstm_backward_op, lstm_forward_op)
 
 OPERATIONS = {  # code -> (forward, backward)
     DENSE: (dense_forward_op, dense_backward_op),
@@ -41,6 +43,9 @@ OPERATIONS = {  # code -> (forward, backward)
     DROPOUT: (dropout_forward_op, dropout_backward_op),
     GROUPNORM: (groupnorm_forward_op, groupnorm_backward_op),
     PERMUTE: (permute_forward_op, permute_backward_op),
+    EMBEDDING: (embedding_forward_op, embedding_backward_op),
+    LSTM: (lstm_forward_op, lstm_backward_op),
+    GRU: (gru_forward_op, gru_backward_op),
 }
 FORWARD, BACKWARD, OBJECTIVE = range(3)  # a table's rows
 LOSS, STEP = 0, 1  # row OBJECTIVE's slots
@@ -99,7 +104,7 @@ def kernels_of(codes) -> list[tuple[int, int]]:
 
 NAMES = {DENSE: "dense", DENSE_STEPPED: "dense (stepped)", CONV: "convolution", POOL: "pooling",
          GLOBAL_POOL: "global pooling", ACTIVATION: "activation", DROPOUT: "dropout", GROUPNORM: "group norm",
-         PERMUTE: "permutation"}
+         PERMUTE: "permutation", EMBEDDING: "embedding", LSTM: "LSTM", GRU: "GRU"}
 
 
 def kernel_names(items) -> list[str]:

@@ -26,7 +26,7 @@ from edgefed.config import Config
 from edgefed.engine.asynchronous import AsyncEngine
 from edgefed.engine.rounds import RoundEngine
 from edgefed.errors import ConfigError, EdgefedError, RankLost, ResourceError, RunLogError
-from edgefed.layers import first_spatial
+from edgefed.layers import first_spatial, token_ids
 from edgefed.memory import memory_limit
 from edgefed.models import build_model
 from edgefed.outputs import check_output, writable
@@ -130,7 +130,7 @@ def resolve_config(config_path: str | None, overrides, resume: str | None):
 
 def problem_key(cfg: Config) -> tuple:
     """What a config's problem is built from: configs with one key have one problem."""
-    return cfg.data, cfg.seed, cfg.model.dtype, cfg.model.loss, first_spatial(cfg.model)
+    return cfg.data, cfg.seed, cfg.model.dtype, cfg.model.loss, first_spatial(cfg.model), token_ids(cfg.model)
 
 
 def problem_and_model(cfg: Config, problems: dict | None = None):

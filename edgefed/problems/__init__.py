@@ -14,27 +14,28 @@ from edgefed.problems.data import ClassificationData, QuadraticData
 __all__ = ["ClassificationData", "QuadraticData", "build_problem"]
 
 
-def build_problem(data, seed: int, dtype: str, loss: str = "cross_entropy", spatial: int = 0):
+def build_problem(data, seed: int, dtype: str, loss: str = "cross_entropy", spatial: int = 0, tokens: int | None = None):
     """The problem a validated [data] table describes (a quadratic file, or a dataset file, is opened and
     checked here); loss: the model's, which says whether a file's y are labels or float targets; spatial: the
-    dimensions of the model's first spatial layer (how a dataset file's 2-D samples are normalized)."""
+    dimensions of the model's first spatial layer (how a dataset file's 2-D samples are normalized); tokens:
+    the vocabulary of the model's first layer when it is an embedding (the samples are token ids)."""
     with reading(data.path or f"[data] kind = {data.kind!r}"):
-        return _built(data, seed, np.dtype(dtype), loss, spatial)
+        return _built(data, seed, np.dtype(dtype), loss, spatial, tokens)
 
 
-def _built(data, seed: int, dtype, loss: str, spatial: int):
+def _built(data, seed: int, dtype, loss: str, spatial: int, tokens: int | None):
     if data.kind == "arrays":
         from edgefed.problems.arrays import arrays_problem
 
-        return arrays_problem(data, seed, dtype, loss, spatial)
+        return arrays_problem(data, seed, dtype, loss, spatial, tokens)
     if data.kind == "leaf":
         from edgefed.problems.leaf import leaf_problem
 
-        return leaf_problem(data, seed, dtype, loss, spatial)
+        return leaf_problem(data, seed, dtype, loss, spatial, tokens)
     if data.kind in ("cifar10", "cifar100"):
         from edgefed.problems.cifar import cifar_problem
 
-        return cifar_problem(data, seed, dtype, loss, spatial)
+        return cifar_problem(data, seed, dtype, loss, spatial, tokens)
     if data.kind == "synthetic":
         from edgefed.problems.synthetic import SyntheticProblem
 

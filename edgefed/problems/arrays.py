@@ -3,7 +3,8 @@
 Keys: `x_train` (n, ...) and `y_train` (n,) (int labels; float targets for `model.loss = "mse"`, (n,) or
 (n, width)), optionally `x_test` and `y_test` (held-out samples of the same shape) and `device_train` (n,)
 (the device each training sample belongs to, for `partition = "natural"`). Samples are channels-first:
-(C, H, W) images, (C, L) sequences, or vectors.
+(C, H, W) images, (C, L) maps, or vectors; (L, F) float sequences for a recurrent first layer; integer
+token ids (n, L) for an embedding first.
 
 Only labels are read whole. Samples are read by rows: from `.h5` through h5py (a rank reads only its devices'
 rows), from an `.npz` written by `numpy.savez` by mapping the uncompressed member into memory; a compressed
@@ -71,6 +72,7 @@ class ArraysSource(Source):
             device = device.astype(np.int64)
         super().__init__(str(path), tuple(int(s) for s in x_train.shape[1:]), y_train, y_test, device)
         self.finite_checked = all(x is None or x.dtype.kind in "iub" for x in (x_train, x_test))  # no NaN in ints
+        self.integer = all(x is None or x.dtype.kind in "iu" for x in (x_train, x_test))
 
     def _open_h5(self, path: Path) -> dict:
         import h5py
@@ -162,11 +164,11 @@ def _map_member(path: Path, member: str):
         return None
 
 
-def arrays_problem(cfg, seed: int, dtype, loss: str, spatial: int = 0) -> PoolProblem:
+def arrays_problem(cfg, seed: int, dtype, loss: str, spatial: int = 0, tokens: int | None = None) -> PoolProblem:
     path = Path(cfg.path)
     if not path.is_file():
         raise ConfigError(f"config: data.path = {cfg.path!r} is not a file; give the .npz or .h5 file of your "
                           "arrays (x_train, y_train, optionally x_test, y_test, device_train)")
     if path.suffix not in SUFFIXES:
         raise ConfigError(f"config: data.path = {cfg.path!r}: an arrays file ends in .npz or .h5")
-    return PoolProblem(cfg, seed, dtype, ArraysSource(path), loss, path.name, spatial)
+    return PoolProblem(cfg, seed, dtype, ArraysSource(path), loss, path.name, spatial, tokens)

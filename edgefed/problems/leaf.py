@@ -3,7 +3,8 @@
 The folder holds `train/` and `test/`, each a set of `*.json` files read in name order; a file is
 `{"users": [...], "num_samples": [...], "user_data": {user: {"x": [...], "y": [...]}}}`. Samples are numbers
 (FEMNIST's 784 pixels in [0, 1], flat: a `reshape` layer to [1, 28, 28] makes them images) and labels
-integers. A user's test samples are its own (LEAF splits each user's data); a user with none has none.
+integers, or text, recognized from the samples: Shakespeare's strings and Sent140's tweets, read as token ids
+(text.py). A user's test samples are its own (LEAF splits each user's data); a user with none has none.
 
 JSON must be parsed whole, so a file is read once for the labels and again, by the processes that host its
 users, for their samples; only those are kept.
@@ -12,12 +13,18 @@ users, for their samples; only those are kept.
 from __future__ import annotations
 
 import json
+import re
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
 
 from edgefed.errors import ConfigError, ProblemFileError
+from edgefed.problems.text import ALL_LETTERS, TEXT_FIELD, WORDS, Vocabulary, letter_ids, task_of
+from edgefed.problems.text import tokens as words_of
 from edgefed.problems.pool import PoolProblem, Source
+
+TASKS = {None: "numbers", "shakespeare": "Shakespeare's lines (strings)", "sent140": "Sent140's tweets (five fields)"}
 
 
 def _load(path: Path) -> dict:
@@ -42,11 +49,23 @@ def _samples(path: Path, user: str, record) -> tuple[list, list]:
                                    "sample)")
     if len(x) != len(y):
         raise ProblemFileError(f"{path}: user {user!r} has {len(x)} samples in x but {len(y)} labels in y")
-    if x and isinstance(x[0], str):
-        raise ProblemFileError(f"{path}: user {user!r}'s samples are text or file names ({x[0][:40]!r}); edgefed "
-                               "reads numeric LEAF samples (FEMNIST-style): convert them to numbers, or to an arrays "
-                               "file with device_train")
     return x, y
+
+
+def _text_samples(path: Path, user: str, x: list, y: list, task: str, length: int) -> None:
+    """A user's text samples checked: every sample of its task's form (Shakespeare: `length` characters and one
+    next character; Sent140: five fields, the text a string), refused naming the user and sample."""
+    for i, (sample, label) in enumerate(zip(x, y)):
+        if task_of(sample) != task:
+            raise ProblemFileError(f"{path}: user {user!r}: sample {i} is not one of {TASKS[task]} like the others "
+                                   f"({str(sample)[:40]!r}); give every sample in one form")
+        if task == "shakespeare":
+            if len(sample) != length:
+                raise ProblemFileError(f"{path}: user {user!r}: sample {i} has {len(sample)} characters but the "
+                                       f"others {length}; give every sample one length")
+            if not isinstance(label, str) or len(label) != 1:
+                raise ProblemFileError(f"{path}: user {user!r}: label {i} is {label!r}; a Shakespeare label is the "
+                                       "one character that follows the sample")
 
 
 def _values(path: Path, user: str, x: list, shape: tuple | None) -> np.ndarray:
@@ -83,14 +102,16 @@ def _shaped(values: np.ndarray, path: Path, user: str, shape: tuple | None) -> n
 
 
 class LeafSource(Source):
-    def __init__(self, folder: Path):
+    def __init__(self, folder: Path, vocab_size: int = 10_000, vocab: str | None = None):
         self.folder = folder
+        self.task, self.length, self.unknown, self.vocabulary = None, 0, 0, None
+        words = Counter()
         self.files = {part: sorted((folder / part).glob("*.json")) for part in ("train", "test")}
         if not self.files["train"]:
             raise ConfigError(f"config: data.path = {str(folder)!r} has no train/*.json; give a LEAF data folder "
                               "(with train/ and test/)")
         users, labels, devices, where, seen_test, empty = [], [], [], {}, set(), set()
-        shape = None
+        shape, first = None, None
         for part in ("train", "test"):
             part_labels, part_devices = [], []
             for i, path in enumerate(self.files[part]):
@@ -112,11 +133,27 @@ class LeafSource(Source):
                     else:
                         seen_test.add(user)
                     if x:  # parsed anyway: checked here, before a log is written
-                        values = _values(path, user, x, shape)
-                        shape = values.shape[1:]
-                        if not np.all(np.isfinite(values)):
-                            raise ConfigError(f"{path}: user {user!r} has samples with NaN or infinity; clean the "
-                                              "data")
+                        task = task_of(x[0])
+                        if first is None:
+                            first, self.task = user, task
+                            self.length = len(x[0]) if task == "shakespeare" else WORDS
+                        elif task != self.task:
+                            raise ProblemFileError(f"{path}: user {user!r}'s samples are {TASKS[task]} but user "
+                                                   f"{first!r}'s {TASKS[self.task]}; give one task's users")
+                        if task is None:
+                            values = _values(path, user, x, shape)
+                            shape = values.shape[1:]
+                            if not np.all(np.isfinite(values)):
+                                raise ConfigError(f"{path}: user {user!r} has samples with NaN or infinity; clean "
+                                                  "the data")
+                        else:
+                            _text_samples(path, user, x, y, task, self.length)
+                        if task == "shakespeare":
+                            self.unknown += letter_ids(x)[1]
+                            y = letter_ids(y)[0][:, 0].tolist()
+                        elif task == "sent140" and part == "train":
+                            for sample in x:
+                                words.update(words_of(sample[TEXT_FIELD]))
                     part_labels += y
                     part_devices += [where[user]] * len(y)
                 self.files[part][i] = (path, [u for u in data["users"] if u in where])
@@ -127,6 +164,18 @@ class LeafSource(Source):
                               "data folder with users' samples")
         self.note = (f"{len(users) + len(empty)} users, {len(empty)} without samples skipped" if empty
                      else f"{len(users)} users")
+        if self.task is not None:
+            self.integer = True
+            shape = (self.length,)
+        if self.task == "shakespeare":
+            self.n_classes = len(ALL_LETTERS)
+            self.note = (f"Shakespeare, the next of {len(ALL_LETTERS)} characters"
+                         + (f" ({self.unknown} outside them read as a space)" if self.unknown else "") + f", {self.note}")
+        elif self.task == "sent140":
+            self.n_classes = 2
+            self.vocabulary = Vocabulary.from_counts(words, vocab_size) if vocab is None else _vocabulary(vocab)
+            self.note = (f"Sent140, {WORDS} words a tweet, a vocabulary of {self.vocabulary.num} ids (0 padding, "
+                         f"1 unknown{', from ' + Path(vocab).name if vocab else ''}), {self.note}")
         self._first = {}  # (part, device): its first row (a user's rows are contiguous: one entry per file)
         for part, d in zip(("train", "test"), devices):
             ids, first = np.unique(d, return_index=True)
@@ -139,7 +188,7 @@ class LeafSource(Source):
         """Rows of part; a file is parsed again only if one of its users has a row asked for."""
         device = self.device_train if part == "train" else self.device_test
         # rows run user by user in file order, so each user's block is contiguous
-        out = np.empty((rows.size, *self.sample_shape))
+        out = np.empty((rows.size, *self.sample_shape), np.int64 if self.integer else np.float64)
         wanted = set(int(d) for d in np.unique(device[rows])) if rows.size else set()
         order = {u: k for k, u in enumerate(self.device_names)}
         for path, users in self.files[part]:
@@ -151,18 +200,59 @@ class LeafSource(Source):
                 if k not in wanted:
                     continue
                 x, _ = _samples(path, user, data["user_data"][user])
-                values = np.asarray(x, np.float64).reshape(len(x), *self.sample_shape)
+                values = self._values(x)
                 lo = self._first[part, k]
                 mine = rows[(rows >= lo) & (rows < lo + len(x))]
                 out[np.searchsorted(rows, mine)] = values[mine - lo]
         return out
 
 
-def leaf_problem(cfg, seed: int, dtype, loss: str, spatial: int = 0) -> PoolProblem:
+    def _values(self, x: list) -> np.ndarray:
+        """A user's samples as the model reads them: numbers, or token ids."""
+        if self.task == "shakespeare":
+            return letter_ids(x)[0]
+        if self.task == "sent140":
+            return self.vocabulary.encode([sample[TEXT_FIELD] for sample in x])
+        return np.asarray(x, np.float64).reshape(len(x), *self.sample_shape)
+
+
+def _vocabulary(path: str) -> Vocabulary:
+    try:
+        with open(path, encoding="utf-8") as f:
+            words = [line.strip() for line in f if line.strip()]
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"config: data.vocab = {path!r} cannot be read ({exc}); give a text file of words, one a "
+                          "line") from None
+    if not words:
+        raise ConfigError(f"config: data.vocab = {path!r} holds no words; give a text file of words, one a line")
+    return Vocabulary(dict.fromkeys(words))
+
+
+def text_task(folder) -> str | None:
+    """The text task of a LEAF folder ("shakespeare", "sent140"), None for numbers or what cannot be told
+    from its first training file's first megabyte (the folder is read in full, and checked, by the run)."""
+    files = sorted((Path(folder) / "train").glob("*.json"))
+    try:
+        with open(files[0], encoding="utf-8", errors="replace") as f:
+            head = f.read(1 << 20)
+    except (IndexError, OSError):
+        return None
+    found = re.search(r'"x"\s*:\s*\[\s*(\[\s*)?(["\d\-\[])', head)
+    if found is None or found.group(2) != '"':
+        return None
+    return "sent140" if found.group(1) else "shakespeare"
+
+
+def leaf_problem(cfg, seed: int, dtype, loss: str, spatial: int = 0, tokens: int | None = None) -> PoolProblem:
     folder = Path(cfg.path)
     if not folder.is_dir():
         raise ConfigError(f"config: data.path = {cfg.path!r} is not a folder; give a LEAF data folder (with train/ "
                           "and test/ of *.json files)")
-    source = LeafSource(folder)
-    return PoolProblem(cfg, seed, dtype, source, loss, f"LEAF {folder.name}, {source.note}", spatial)
+    source = LeafSource(folder, cfg.vocab_size, cfg.vocab)
+    if source.task is not None and tokens is None:
+        raise ConfigError(f"{folder}: LEAF {source.task.capitalize()} samples are token ids; the model's first "
+                          'layer must be an embedding (model.kind = "charlstm", or a sequential model starting with '
+                          f'{{type = "embedding", num = {source.vocabulary.num if source.vocabulary else len(ALL_LETTERS)}'
+                          ', dim = 8}})')
+    return PoolProblem(cfg, seed, dtype, source, loss, f"LEAF {folder.name}, {source.note}", spatial, tokens)
 

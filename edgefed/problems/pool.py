@@ -40,6 +40,7 @@ class Source:
     device_test: np.ndarray | None = None  # ... and each test sample's (LEAF's per-user test sets)
     device_names: tuple = ()  # natural partition: the devices' names (LEAF's users)
     finite_checked = False  # the reader itself refuses NaN and infinity (or its samples are integers)
+    integer = False  # its samples are integers (token ids, when the model's first layer is an embedding)
     n_classes = None  # fixed by the dataset (CIFAR); None: data.classes, else the largest label + 1
 
     def read(self, part: str, rows: np.ndarray) -> np.ndarray:
@@ -81,9 +82,12 @@ class PoolProblem:
     has_test = True
     classes_note = ""  # why the classes are as many as they are, when the test set decides it
 
-    def __init__(self, cfg, seed: int, dtype: np.dtype, source: Source, loss: str, title: str, spatial: int = 0):
+    def __init__(self, cfg, seed: int, dtype: np.dtype, source: Source, loss: str, title: str, spatial: int = 0,
+                 tokens: int | None = None):
         """spatial: the dimensions of the model's first spatial layer (2, 1, or 0 for none), which says whether
-        a 2-D sample is one channel (H, W) or C channels (C, L) for the statistics of normalize = "standard"."""
+        a 2-D sample is one channel (H, W) or C channels (C, L) for the statistics of normalize = "standard";
+        tokens: the vocabulary of the model's first layer when it is an embedding (its samples are then token
+        ids, read as they are and checked to lie in [0, tokens))."""
         self.cfg, self.seed, self.dtype, self.source, self.title = cfg, seed, np.dtype(dtype), source, title
         self.sample_shape = tuple(source.sample_shape)
         self.n_features = int(np.prod(self.sample_shape))
@@ -115,6 +119,9 @@ class PoolProblem:
         self.train_rows, self.test_rows = train_parts, test_parts
         self.n_train = np.array([p.size for p in train_parts], dtype=np.int64)
         self.channels = channels_of(self.sample_shape, spatial)
+        self.tokens = tokens
+        if tokens is not None:
+            self._check_tokens(tokens)
         self._shift, self._scale = self._normalization()
         self._cache, self._read, self._hosted = {}, set(), None
 
@@ -179,6 +186,38 @@ class PoolProblem:
             tests.append(np.sort(shuffled[:n_test]))
         self.y_test = self.y_train  # the held-out rows are training rows
         return trains, tests
+
+    def _check_tokens(self, num: int) -> None:
+        """Token ids: integers, read as they are, each in [0, num); the first that is not is named by its
+        device and sample, before anything is written (the kernels index by them unchecked)."""
+        src = self.source
+        if not src.integer:
+            raise ConfigError(f"{src.name}: the samples are not integers, but the model's first layer is an "
+                              "embedding, which takes token ids; store x_train (and x_test) as integers")
+        if self.cfg.normalize != "none":
+            raise ConfigError(f"config: data.normalize = {self.cfg.normalize!r} would change the token ids an "
+                              'embedding takes; set data.normalize = "none"')
+        parts = ("train", "test") if src.y_test is not None else ("train",)
+        for part in parts:
+            for start, block in src.blocks(part):
+                values = block.reshape(block.shape[0], -1)
+                bad = (values < 0) | (values >= num)
+                if bad.any():
+                    row = start + int(np.flatnonzero(bad.any(axis=1))[0])
+                    value = int(values[row - start][bad[row - start]][0])
+                    raise ConfigError(f"{src.name}: {self._sample_name(part, row)} holds the token id {value}, "
+                                      f"outside [0, {num}) (the embedding's num); raise num or fix the ids")
+
+    def _sample_name(self, part: str, row: int) -> str:
+        """A row of x_train or x_test in words: whose sample it is, and which."""
+        owners = self.train_rows if part == "train" else self.test_rows
+        for k, rows in enumerate(owners):
+            at = int(np.searchsorted(rows, row))
+            if at < rows.size and rows[at] == row:
+                name = f" (user {self.source.device_names[k]!r})" if self.source.device_names else ""
+                what = "training" if part == "train" else "test"
+                return f"device {k}{name}'s {what} sample {at} (row {row} of x_{part})"
+        return f"row {row} of x_{part}"
 
     # -- normalization -----------------------------------------------------------------------------------
     def _normalization(self):
