@@ -26,7 +26,7 @@ from edgefed.errors import ConfigError
 FORMAT = 1
 SHIPPED = Path(__file__).resolve().parent / "hw_profiles"
 AUTO_FACTOR = 1.1  # "auto": as `trace record`, so an unloaded board just completes its budget
-MODELS = ("logreg", "mlp", "cnn")
+MODELS = ("logreg", "mlp", "cnn", "charlstm")
 TIMED = MODELS + ("quadratic",)  # a profile written by hand may time the quadratic too, to play a cluster
 _FACTOR = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*x\s*$")
 

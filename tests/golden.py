@@ -7,7 +7,8 @@ The committed hashes are made on 64-bit ARM (aarch64, under emulation by launch/
 tests/test_golden.py checks them on whatever CPU runs the suite: a kernel change that makes x86-64 and ARM
 disagree fails CI. When a change is meant to change the bits, regenerate them under emulation and say so
 in the commit. The image runs read a small set of generated 28 x 28 images (integer pixels from a fixed
-seed, so the same bytes everywhere), written as the IDX files MNIST comes in.
+seed, so the same bytes everywhere), written as the IDX files MNIST comes in; the character LSTM's, a small
+LEAF Shakespeare folder of text drawn alike.
 """
 
 from __future__ import annotations
@@ -34,6 +35,8 @@ CASES = {
     "2nn-scaffold": {**IMAGES, "model.kind": "mlp", "model.hidden": [200, 200], "train.algorithm": "scaffold"},
     "cnn-fedavg": {**IMAGES, "model.kind": "cnn", "train.local_steps": 2},
     "cnn-scaffold": {**IMAGES, "model.kind": "cnn", "train.local_steps": 2, "train.algorithm": "scaffold"},
+    "charlstm-fedavg": {"data.kind": "leaf", "data.path": "shakespeare", "model.kind": "charlstm",
+                        "train.lr_local": 0.5},
 }
 HASHED = ("trajectory/x", "state/x")
 
@@ -49,6 +52,22 @@ def write_images(folder: Path, n: int = 120) -> None:
         f.write(struct.pack(">2i", 2049, n) + labels.tobytes())
 
 
+def write_shakespeare(folder: Path, users: int = 4, samples: int = 6) -> None:
+    """A LEAF Shakespeare folder (train/ and test/) of users whose text is drawn from LEAF's letters."""
+    g = np.random.Generator(np.random.PCG64(20261203))
+    letters = np.array(list("\n !\"&'(),-.0123456789:;>?ABCDEFGHIJKLMNOPQRSTUVWXYZ[]abcdefghijklmnopqrstuvwxyz}"))
+    for part, n in (("train", samples), ("test", 2)):
+        data = {"users": [], "num_samples": [], "user_data": {}}
+        for k in range(users):
+            line = "".join(g.choice(letters, 80 + n))
+            data["users"].append(f"PLAY_ROLE_{k}")
+            data["num_samples"].append(n)
+            data["user_data"][f"PLAY_ROLE_{k}"] = {"x": [line[i:i + 80] for i in range(n)],
+                                                    "y": [line[i + 80] for i in range(n)]}
+        (folder / part).mkdir(parents=True, exist_ok=True)
+        (folder / part / f"all_data_{part}.json").write_text(json.dumps(data))
+
+
 def run_case(name: str, folder: Path) -> str:
     """The sha256 of the case's trajectory and final state (bytes in HASHED order)."""
     from conftest import config_with
@@ -57,7 +76,7 @@ def run_case(name: str, folder: Path) -> str:
 
     overrides = {**COMMON, **CASES[name]}
     if "data.kind" in overrides:
-        overrides["data.path"] = str(folder)
+        overrides["data.path"] = str(folder / overrides.get("data.path", ""))
     path = folder / f"{name}.h5"
     runs.run(config_with(overrides), path)
     log = read_run(path)
@@ -71,6 +90,7 @@ def all_hashes(names=CASES) -> dict[str, str]:
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
         write_images(folder)
+        write_shakespeare(folder / "shakespeare")
         return {name: run_case(name, folder) for name in names}
 
 

@@ -149,8 +149,9 @@ class LeafSource(Source):
                         else:
                             _text_samples(path, user, x, y, task, self.length)
                         if task == "shakespeare":
-                            self.unknown += letter_ids(x)[1]
-                            y = letter_ids(y)[0][:, 0].tolist()
+                            ids, unknown = letter_ids(y)
+                            self.unknown += letter_ids(x)[1] + unknown
+                            y = ids[:, 0].tolist()
                         elif task == "sent140" and part == "train":
                             for sample in x:
                                 words.update(words_of(sample[TEXT_FIELD]))

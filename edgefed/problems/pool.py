@@ -210,13 +210,14 @@ class PoolProblem:
 
     def _sample_name(self, part: str, row: int) -> str:
         """A row of x_train or x_test in words: whose sample it is, and which."""
-        owners = self.train_rows if part == "train" else self.test_rows
-        for k, rows in enumerate(owners):
-            at = int(np.searchsorted(rows, row))
-            if at < rows.size and rows[at] == row:
-                name = f" (user {self.source.device_names[k]!r})" if self.source.device_names else ""
-                what = "training" if part == "train" else "test"
-                return f"device {k}{name}'s {what} sample {at} (row {row} of x_{part})"
+        held_out = part == "train" and self.source.y_test is None  # test samples held out of x_train
+        for what, owners in (("training", self.train_rows if part == "train" else ()),
+                             ("test", self.test_rows if part == "test" or held_out else ())):
+            for k, rows in enumerate(owners):
+                at = int(np.searchsorted(rows, row))
+                if at < rows.size and rows[at] == row:
+                    name = f" (user {self.source.device_names[k]!r})" if self.source.device_names else ""
+                    return f"device {k}{name}'s {what} sample {at} (row {row} of x_{part})"
         return f"row {row} of x_{part}"
 
     # -- normalization -----------------------------------------------------------------------------------
