@@ -82,6 +82,9 @@ def network_of(run: Run):
 def inputs_text(run: Run, network) -> str:
     """What the exported model takes: samples in the layers' input shape, normalized as the run's were."""
     shape = "(N, " + ", ".join(map(str, network.input_shape)) + ")"
+    if isinstance(network, layer_lib.Network) and network.layers[0]["type"] == "embedding":
+        return (f"its inputs: token ids {shape}, integers in [0, {network.layers[0]['num']}) (torch.long), as the "
+                "run read them")
     if "input_shift" not in run.attrs:
         return f"its inputs: {shape}, as the data file holds them"
     shift, scale = (np.asarray(run.attrs[k], np.float64) for k in ("input_shift", "input_scale"))

@@ -43,8 +43,9 @@ BENCH_MODELS = {
     "logreg": (20,),
     "mlp": (10, 64),
     "cnn": (10,),
+    "charlstm": (10,),
 }
-RECOMMENDED_BATCH = {"logreg": 20, "mlp": 10, "cnn": 10}
+RECOMMENDED_BATCH = {"logreg": 20, "mlp": 10, "cnn": 10, "charlstm": 10}
 FULL_BATCH = 64  # a config with batch_size = "full" is measured at this batch (the profile scales linearly)
 CONFIG = "config:"  # a model spec naming a config file: its model, measured on random samples of its shape
 
@@ -74,10 +75,15 @@ def build(spec: str, dtype: str = "float32", n: int = 200):
         return model, QuadraticData(np.ones(d, dt), np.zeros(d, dt), 0.0)
     if spec.startswith(CONFIG):
         model = _config_model(spec, dtype)
+    elif spec == "charlstm":  # LEAF Shakespeare's: 80 characters of 80 letters
+        model = Sequential.builtin(spec, (80,), 80, dt)
     else:
         shape = (60,) if spec == "logreg" else (1, 28, 28)
         model = Sequential.builtin(spec, shape, 10, dt)
     X = g.random((n, model.n_features), dtype=np.float64).astype(dt)
+    first = model.network.layers[0] if hasattr(model, "network") else {}
+    if first.get("type") == "embedding":  # token ids
+        X = g.integers(0, first["num"], X.shape).astype(dt)
     if model.has_accuracy:
         y = g.integers(0, model.n_outputs, n).astype(np.int64)
     else:

@@ -60,10 +60,14 @@ def _text_samples(path: Path, user: str, x: list, y: list, task: str, length: in
             raise ProblemFileError(f"{path}: user {user!r}: sample {i} is not one of {TASKS[task]} like the others "
                                    f"({str(sample)[:40]!r}); give every sample in one form")
         if task == "shakespeare":
+            if not isinstance(label, str):
+                raise ProblemFileError(f"{path}: user {user!r}'s samples are text or file names ({sample[:40]!r}, "
+                                       f"label {label!r}); edgefed reads numbers, or LEAF Shakespeare's text with the "
+                                       "next character as each label: convert file names to numbers")
             if len(sample) != length:
                 raise ProblemFileError(f"{path}: user {user!r}: sample {i} has {len(sample)} characters but the "
                                        f"others {length}; give every sample one length")
-            if not isinstance(label, str) or len(label) != 1:
+            if len(label) != 1:
                 raise ProblemFileError(f"{path}: user {user!r}: label {i} is {label!r}; a Shakespeare label is the "
                                        "one character that follows the sample")
 
