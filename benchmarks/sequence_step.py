@@ -1,6 +1,6 @@
 """Sequence models' local steps beside PyTorch, one thread: McMahan et al.'s character LSTM and a GRU of its size.
 
-    python benchmarks/sequence_step.py [--quick] [--rounds R] [--steps K] [--no-memory] [--no-phases]
+    python benchmarks/sequence_step.py [--quick] [--rounds R] [--steps K] [--no-memory]
 
 Two networks over 80 token ids (batch 10, sequence length 80): the built-in "charlstm" (an 8-dimensional
 embedding of 80 characters, two LSTM layers of 256 units, the last step's state into a dense layer of 80
@@ -16,16 +16,12 @@ round, the ratio PyTorch / edgefed of the medians, and its range over the rounds
 edgefed's kernels are compiled (or loaded from the cache) by a warm-up step before any timing; a check
 line shows both frameworks' initial loss on the same 10 samples (the same network and weights).
 
-Then where edgefed's step goes: each recurrent layer's forward and backward pass (sequence.py's own
-layer functions, inlined into wrappers compiled here, never cached, on buffers of the step's sizes)
-beside the products alone (the same accumulate_product / accumulate_outer calls, same shapes and order:
-gemm), the difference being the per-element gate loops (float64 exp / tanh, cell and state updates), all
-in rounds alternating with the model's own step. Last, a device-sized run's peak resident memory: a fresh
+Then a device-sized run's peak resident memory: a fresh
 process (no torch import; started through sh, so that it does not inherit this process's ru_maxrss)
 builds the model, runs 300 local steps (--quick: 100) on 2,000 samples in calls of 20, each followed by
 an evaluation of 200, and reports its ru_maxrss and VmHWM (target <= 250 MB).
 
-Runtime: about 3 minutes (--quick about 1), of it 10 s compiling the profile's wrappers.
+Runtime: about 2 minutes (--quick about 1).
 """
 
 from __future__ import annotations
@@ -50,9 +46,6 @@ from numba import njit  # noqa: E402
 
 from edgefed import layers as layer_lib  # noqa: E402
 from edgefed.kernels.fma import TILE_BYTES, TILE_ROWS  # noqa: E402
-from edgefed.kernels.linalg import accumulate_product, matrix, transpose_into  # noqa: E402
-from edgefed.kernels.sequence import (_gru_layer_backward, _gru_layer_forward, _input_gradient,  # noqa: E402
-                                      _lstm_layer_backward, _lstm_layer_forward, _sigmoid, _weight_gradients)
 from edgefed.models import Sequential  # noqa: E402
 from edgefed.problems import ClassificationData  # noqa: E402
 from edgefed.rng import Purpose, kernel_state  # noqa: E402
@@ -195,179 +188,6 @@ def step_table(rounds: int, per_block: int, k: int) -> dict:
     return out
 
 
-# ---------------------------------------------------------------------------------------- where a step goes
-# One recurrent layer's passes on buffers of the step's sizes, the kernels' own layer functions (inlined);
-# beside them the same products alone. Layouts as sequence.py's: acts [X (n, F) | states (L+1, b, H) |
-# LSTM cells (L+1, b, H) | gates (n, 4H) | GRU: input part (n, 3H), a step's state part (b, 3H)]; params
-# [W_ih (F, G) | W_hh (H, G) | b_ih | b_hh]; deltas [from above (n, H) | input's (n, max(F, H)) | carries].
-_J = dict(cache=False, nogil=True, fastmath=False, error_model="numpy")  # not cached: would outlive sequence.py edits
-
-
-@njit(**_J)
-def _layer_forward(lstm, params, acts, F, b, L, H):
-    S0 = L * b * F
-    if lstm:
-        _lstm_layer_forward(params, 0, acts, 0, F, S0, S0 + (L + 1) * b * H, S0 + 2 * (L + 1) * b * H, b, L, H)
-    else:
-        G0 = S0 + (L + 1) * b * H
-        _gru_layer_forward(params, 0, acts, 0, F, S0, G0, G0 + 4 * b * L * H, G0 + 7 * b * L * H, b, L, H)
-
-
-@njit(**_J)
-def _layer_backward(lstm, params, grad, acts, deltas, wt, F, b, L, H):
-    S0, n, M = L * b * F, L * b, max(F, H)
-    dh0 = 2 * n * M
-    if lstm:
-        _lstm_layer_backward(params, grad, 0, acts, deltas, wt, 0, F, S0, S0 + (L + 1) * b * H,
-                             S0 + 2 * (L + 1) * b * H, 0, n * M, True, dh0, dh0 + b * H, b, L, H)
-    else:
-        _gru_layer_backward(params, grad, 0, acts, deltas, wt, 0, F, S0, S0 + (L + 1) * b * H, 0, n * M, True, dh0,
-                            dh0 + 2 * b * H, b, L, H)
-
-
-@njit(**_J)
-def _products_forward(lstm, params, acts, F, b, L, H):
-    """The forward pass's products alone: the input's part over every step, then each step's state part."""
-    GW, n, S0 = (4 if lstm else 3) * H, L * b, L * b * F
-    G0 = S0 + (2 if lstm else 1) * (L + 1) * b * H
-    Wih, Whh = matrix(params, 0, F, GW), matrix(params, F * GW, H, GW)
-    GI0 = G0 if lstm else G0 + 4 * b * L * H
-    accumulate_product(matrix(acts, 0, n, F), Wih, matrix(acts, GI0, n, GW), n, F, GW)
-    for s in range(1, L):
-        out = matrix(acts, G0 + s * b * GW, b, GW) if lstm else matrix(acts, G0 + 7 * b * L * H, b, GW)
-        accumulate_product(matrix(acts, S0 + s * b * H, b, H), Whh, out, b, H, GW)
-
-
-@njit(**_J)
-def _products_backward(lstm, params, grad, acts, deltas, wt, F, b, L, H):
-    """The backward pass's products alone: W_hh^T packed, each step's carry product, the weight gradients
-    (with the biases' sums) and the input's gradient."""
-    GW, n, S0, M = (4 if lstm else 3) * H, L * b, L * b * F, max(F, H)
-    G0 = S0 + (2 if lstm else 1) * (L + 1) * b * H
-    GS = GW if lstm else 4 * H  # a row of the gates region
-    dh0 = 2 * n * M
-    Wih, Whh = matrix(params, 0, F, GW), matrix(params, F * GW, H, GW)
-    WhhT = matrix(wt, 0, GW, H)
-    transpose_into(Whh, WhhT, H, GW)
-    dh = matrix(deltas, dh0, b, H)
-    for s in range(L - 1, 0, -1):
-        accumulate_product(matrix(acts, G0 + s * b * GS, b, GS), WhhT, dh, b, GW, H, lstm)
-    DI = matrix(acts, G0, n, GW) if lstm else matrix(deltas, dh0 + 2 * b * H, n, GW)
-    _weight_gradients(acts, grad, 0, 0, F, S0, DI, matrix(acts, G0, n, GS), GW, n, H)
-    _input_gradient(Wih, wt, DI, matrix(deltas, n * M, n, F), F, GW, n)
-
-
-def _layer_buffers(lstm: bool, F: int, b: int, L: int, H: int, seed: int = 0):
-    g = np.random.default_rng(seed)
-    GW, n = (4 if lstm else 3) * H, L * b
-    n_params = GW * (F + H + 2)
-    acts_n = L * b * F + (L + 1) * b * H * (2 if lstm else 1) + (4 * n * H if lstm else 7 * n * H + 3 * b * H)
-    bound = 1 / np.sqrt(H)  # PyTorch's initialisation
-    params = g.uniform(-bound, bound, n_params).astype(np.float32)
-    acts = np.zeros((1, acts_n), np.float32)
-    acts[0, :n * F] = g.standard_normal(n * F) if F == EMBED else g.uniform(-0.5, 0.5, n * F)  # an embedding's / h
-    deltas = np.zeros((1, 2 * n * max(F, H) + 2 * b * H + (0 if lstm else n * GW)), np.float32)
-    deltas[0, :n * H] = g.standard_normal(n * H) * 1e-3
-    return params, np.zeros_like(params), acts, deltas, np.zeros(GW * max(F, H), np.float32)
-
-
-@njit(**_J)
-def _libm_loop(kind, x, out):
-    """One nonlinearity over x as the gate loops evaluate it (float64 from float32, rounded once when stored)."""
-    for j in range(x.size):
-        if kind == 0:
-            out[j] = np.exp(np.float64(x[j]))
-        elif kind == 1:
-            out[j] = _sigmoid(x[j])
-        else:
-            out[j] = np.tanh(np.float64(x[j]))
-
-
-def libm_table(repeats: int) -> None:
-    x = (np.random.default_rng(0).standard_normal(BATCH * LENGTH * HIDDEN) * 1.5).astype(np.float32)
-    out = np.empty_like(x)
-    cells = []
-    for kind, what in enumerate(("exp", "sigmoid (1 / (1 + exp(-v)))", "tanh")):
-        _libm_loop(kind, x, out)
-        ts = []
-        for _ in range(repeats):
-            t = time.perf_counter()
-            _libm_loop(kind, x, out)
-            ts.append(time.perf_counter() - t)
-        cells.append(f"{what} {np.median(ts) / x.size * 1e9:.1f}")
-    print(f"\nThe C library's float64 functions in a Numba loop (as the gate loops call them; {x.size:,} gate values "
-          f"~ N(0, 1.5^2)), ns per value: " + ", ".join(cells) + ". A unit's forward pass calls 3 sigmoids and 2 tanh "
-          "(LSTM) or 2 and 1 (GRU); its backward pass 1 tanh (LSTM) or none (GRU).")
-
-
-def _layer_fns(lstm: bool, F: int) -> dict:
-    """One layer's passes and its products alone, in an order that runs each backward pass on the gates its
-    forward pass just left (it overwrites them)."""
-    b, L, H = BATCH, LENGTH, HIDDEN
-    params, grad, acts, deltas, wt = _layer_buffers(lstm, F, b, L, H)
-    return {"forward": lambda: _layer_forward(lstm, params, acts, F, b, L, H),
-            "backward": lambda: _layer_backward(lstm, params, grad, acts, deltas, wt, F, b, L, H),
-            "forward products": lambda: _products_forward(lstm, params, acts, F, b, L, H),
-            "backward products": lambda: _products_backward(lstm, params, grad, acts, deltas, wt, F, b, L, H)}
-
-
-def phase_table(rounds: int, k: int) -> None:
-    b, L, H = BATCH, LENGTH, HIDDEN
-    n = b * L
-    print(f"Where edgefed's step goes: each recurrent layer's passes (sequence.py's own layer functions on buffers "
-          f"of the step's sizes) and their products alone (the same accumulate_product / accumulate_outer calls: "
-          f"gemm); gate loops = pass - its products. Timed in {rounds} rounds alternating with the model's step "
-          f"({k} per call); medians, ms; the products' GFLOP/s; the gate loops' ns per unit (b * L * H = {n * H:,} "
-          f"units a layer)\n")
-    print("| model | layer | forward | of it products (GFLOP/s) | of it gate loops (ns/unit) | backward | "
-          "of it products (GFLOP/s) | of it gate loops (ns/unit) |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
-    summary = []
-    for name in MODELS:
-        lstm = name == "char-LSTM"
-        GW = (4 if lstm else 3) * H
-        model, data = build(name), token_data(1000)
-        x = model.initial_params()
-        run = model.begin(data, kernel_state(0, Purpose.LOCAL, 1, 0))
-        model.local_steps(x, data, run, 1, BATCH, LR)
-        fns = {"step": lambda: model.local_steps(x, data, run, k, BATCH, LR)}
-        for layer, F in enumerate((EMBED, H)):
-            fns.update({(layer, what): fn for what, fn in _layer_fns(lstm, F).items()})
-        for fn in fns.values():  # compiled or loaded: the first call
-            fn()
-        times = {key: [] for key in fns}
-        for _ in range(rounds):
-            for key, fn in fns.items():
-                t = time.perf_counter()
-                fn()
-                times[key].append((time.perf_counter() - t) / (k if key == "step" else 1))
-        t = {key: float(np.median(v)) for key, v in times.items()}
-        products = gates = 0.0
-        for layer, F in enumerate((EMBED, H)):
-            fwd, bwd = t[(layer, "forward")], t[(layer, "backward")]
-            pf, pb = t[(layer, "forward products")], t[(layer, "backward products")]
-            flops_f = 2 * (n * F * GW + (L - 1) * b * H * GW)
-            flops_b = 2 * ((L - 1) * b * GW * H + n * F * GW + n * H * GW + n * GW * F)
-            products += pf + pb
-            gates += fwd - pf + bwd - pb
-            print(f"| {name} | {layer + 1} ({F} -> {H}) | {fwd * 1e3:.2f} | {pf * 1e3:.2f} ({flops_f / pf / 1e9:.0f}) "
-                  f"| "
-                  f"{(fwd - pf) * 1e3:.2f} ({(fwd - pf) / (n * H) * 1e9:.1f}) | {bwd * 1e3:.2f} | {pb * 1e3:.2f} "
-                  f"({flops_b / pb / 1e9:.0f}) | {(bwd - pb) * 1e3:.2f} ({(bwd - pb) / (n * H) * 1e9:.1f}) |")
-        step = t["step"]
-        rest = step - products - gates
-        summary.append(f"| {name} | {step * 1e3:.1f} | {products * 1e3:.1f} ({products / step * 100:.0f} %) | "
-                       f"{gates * 1e3:.1f} ({gates / step * 100:.0f} %) | {rest * 1e3:.1f} "
-                       f"({rest / step * 100:.0f} %) |")
-    print("\nThe step split (both recurrent layers, timed alongside it; rest = the step - both layers: embedding, "
-          "dense layer, softmax, SGD update of every parameter, minibatch)\n")
-    print("| model | step ms | products (gemm) ms | gate loops (float64 exp/tanh, per-element updates) ms | rest ms |")
-    print("| --- | --- | --- | --- | --- |")
-    for line in summary:
-        print(line)
-    libm_table(rounds)
-
-
 # ------------------------------------------------------------------------------------------ peak memory
 MEMORY = r"""
 import json, os, resource, sys, time
@@ -459,7 +279,6 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, help="alternating rounds (default 24, quick 6)")
     parser.add_argument("--steps", type=int, help="K, local steps per call (default 5, quick 3)")
     parser.add_argument("--no-memory", action="store_true")
-    parser.add_argument("--no-phases", action="store_true")
     args = parser.parse_args()
     rounds = args.rounds or (6 if args.quick else 24)
     k = args.steps or (3 if args.quick else 5)
@@ -467,9 +286,6 @@ def main() -> int:
     print(f"command: {shlex.join([sys.executable] + sys.argv)}  (in {os.getcwd()})")
     print(machine() + "\n")
     step_table(rounds, 2, k)
-    if not args.no_phases:
-        print()
-        phase_table(5 if args.quick else 15, k)
     if not args.no_memory:
         memory_table(2000, 100 if args.quick else 300)
     print(f"\n({time.perf_counter() - t0:.0f} s)")

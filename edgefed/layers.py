@@ -25,7 +25,7 @@ from edgefed.kernels.conv import AVG, MAX, MAX_RELU
 from edgefed.kernels.dense import BLOCK_BYTES, FUSED_WEIGHTS
 from edgefed.kernels.fma import TILE_BYTES
 from edgefed.kernels.pointwise import LEAKY_RELU, RELU, SIGMOID, TANH
-from edgefed.kernels.sequence import work_values
+from edgefed.kernels.sequence import pack_values, work_values
 from edgefed.memory import size_text
 
 LOSSES = ("cross_entropy", "mse")
@@ -553,11 +553,12 @@ def _plan_recurrent(walk, layer, i, where):
                     (f"bias_ih_l{k}", (gates * H,), (gates * H,), (H, gates * H), "recurrent", None, H),
                     (f"bias_hh_l{k}", (gates * H,), (gates * H,), (H, gates * H), "recurrent", None, H)]
     walk.params(row, i, tensors)
-    work = work_values(kind == "lstm", L, F0, H, K)
+    work = work_values(kind == "lstm", L, F0, H, K, walk.itemsize)
     walk.check_memory(work)
     row[ops.F_WORK] = walk.next_region  # after its output: the states, cells and gates its backward pass reads
     walk.next_region += work
     walk.wt = max(walk.wt, gates * H * max(F0, H))
+    walk.cols = max(walk.cols, pack_values(kind == "lstm", F0, H, walk.itemsize))
     walk.shape, walk.order, walk.maps, walk.sequence = ((L, H) if every else (H,)), None, False, every
 
 
