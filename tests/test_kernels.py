@@ -283,7 +283,8 @@ def test_exp_sigmoid_and_tanh_from_fmas_are_within_ulps_of_libm():
     for ours, ref, ulps in zip(out, refs, (1, 2, 3)):
         fine = (np.abs(ref) > 1e-300) & (np.abs(ref) < 1e300)
         assert np.max(np.abs(ours[fine] - ref[fine]) / np.spacing(np.abs(ref[fine]))) <= ulps
-        assert np.array_equal(ours[fine].astype(np.float32), ref[fine].astype(np.float32))
+        with np.errstate(over="ignore"):  # (beyond float32: inf, alike)
+            assert np.array_equal(ours[fine].astype(np.float32), ref[fine].astype(np.float32))
     special = np.array([np.nan, np.inf, -np.inf, 0.0, -0.0])
     out = np.empty((3, special.size))
     apply(special, out)
