@@ -722,7 +722,7 @@ def initial_params(network: Network, init: str, g: np.random.Generator, dtype) -
         elif init == "pytorch":
             bound = 1.0 / math.sqrt(t.hidden or t.fans[0])
             part[:] = g.uniform(-bound, bound, t.size)
-        elif init == "glorot" and t.name == "weight":
+        elif init == "glorot" and t.name.startswith("weight"):
             limit = math.sqrt(6.0 / (t.fans[0] + t.fans[1]))
             part[:] = g.uniform(-limit, limit, t.size)
     for t in network.tensors:  # an embedding's padding_idx row starts at zero, as nn.Embedding's

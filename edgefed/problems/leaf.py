@@ -156,9 +156,11 @@ class LeafSource(Source):
                             ids, unknown = letter_ids(y)
                             self.unknown += letter_ids(x)[1] + unknown
                             y = ids[:, 0].tolist()
-                        elif task == "sent140" and part == "train":
-                            for sample in x:
-                                words.update(words_of(sample[TEXT_FIELD]))
+                        elif task == "sent140":
+                            y = [_sentiment(path, user, i, label) for i, label in enumerate(y)]
+                            if part == "train":
+                                for sample in x:
+                                    words.update(words_of(sample[TEXT_FIELD]))
                     part_labels += y
                     part_devices += [where[user]] * len(y)
                 self.files[part][i] = (path, [u for u in data["users"] if u in where])
@@ -219,6 +221,15 @@ class LeafSource(Source):
         if self.task == "sent140":
             return self.vocabulary.encode([sample[TEXT_FIELD] for sample in x])
         return np.asarray(x, np.float64).reshape(len(x), *self.sample_shape)
+
+
+def _sentiment(path: Path, user: str, i: int, label) -> int:
+    """A Sent140 label, 0 or 1 (LEAF writes them as numbers or as their text)."""
+    if isinstance(label, str) and label.strip() in ("0", "1"):
+        return int(label)
+    if label in (0, 1) and not isinstance(label, bool):
+        return int(label)
+    raise ProblemFileError(f"{path}: user {user!r}: label {i} is {label!r}; a Sent140 label is 0 or 1")
 
 
 def _vocabulary(path: str) -> Vocabulary:
