@@ -23,7 +23,7 @@
 #      golden hashes computed on the host beside those made on aarch64.
 #
 # Environment knobs: ARM_TESTS (pytest arguments, default below), ARM_RANKS (3), ARM_ROUNDS (5),
-# X86_COMPARE (1), HOST_PYTHON (python3 with numpy/numba/h5py for step 5), EDGEFED_REPO (the repo to
+# X86_COMPARE (1), HOST_PYTHON (for step 5: the repo's .venv/bin/python, else python3; it needs edgefed's dependencies), EDGEFED_REPO (the repo to
 # snapshot), FRESH_VENV (0; 1 recreates the arm64 venv), GOLDEN_WRITE (0; 1 copies the golden hashes
 # made on aarch64 into the repo: after a kernel change meant to change the bits, see tests/golden.py).
 # Exit status: 0 when everything passed, 1 when a test, a run or a comparison failed.
@@ -35,7 +35,7 @@ REPO=${EDGEFED_REPO:-$(cd "$(dirname "$0")/.." && pwd)}
 RANKS=${ARM_RANKS:-3}
 ROUNDS=${ARM_ROUNDS:-5}
 X86_COMPARE=${X86_COMPARE:-1}
-HOST_PYTHON=${HOST_PYTHON:-python3}
+HOST_PYTHON=${HOST_PYTHON:-$( [ -x "$REPO/.venv/bin/python" ] && echo "$REPO/.venv/bin/python" || echo python3)}  # the repo's venv when it has one
 SUITE=bookworm
 MIRROR=${DEBIAN_MIRROR:-}   # empty: debootstrap's default Debian mirror
 # The pytest subset (pytest arguments, read by bash: quote what the shell must not split), chosen to
