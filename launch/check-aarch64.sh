@@ -23,7 +23,8 @@
 #      golden hashes computed on the host beside those made on aarch64.
 #
 # Environment knobs: ARM_TESTS (pytest arguments, default below), ARM_RANKS (3), ARM_ROUNDS (5),
-# X86_COMPARE (1), HOST_PYTHON (for step 5: the repo's .venv/bin/python, else python3; it needs edgefed's dependencies), EDGEFED_REPO (the repo to
+# X86_COMPARE (1), HOST_PYTHON (step 5's, with edgefed's dependencies: the repo's .venv/bin/python, else
+# python3), EDGEFED_REPO (the repo to
 # snapshot), FRESH_VENV (0; 1 recreates the arm64 venv), GOLDEN_WRITE (0; 1 copies the golden hashes
 # made on aarch64 into the repo: after a kernel change meant to change the bits, see tests/golden.py).
 # Exit status: 0 when everything passed, 1 when a test, a run or a comparison failed.
