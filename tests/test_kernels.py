@@ -243,23 +243,21 @@ def test_packed_operands_give_the_products_bits(dtype):
     """A weight matrix (or the gates' gradients) packed into tile-wide panels, as the recurrent layers read
     them: the bits of the sequential fma reference, at widths that leave a partial last panel and depths past
     one panel piece."""
-    from edgefed.kernels.linalg import pack_columns, packed_outer, packed_product, packed_values
+    from edgefed.kernels.linalg import _packed, pack_columns, packed_values
 
     g = np.random.default_rng(1)
-    for b, din, dout in ((10, 300, 77), (3, 5, 1024), (1, 1, 1)):
+    for b, din, dout in ((6, 140, 40), (2, 3, 1030), (1, 1, 1)):  # (a panel piece is 128 or 256 deep)
         A, W = g.standard_normal((b, din)).astype(dtype), g.standard_normal((din, dout)).astype(dtype)
-        Z = g.standard_normal((b, dout)).astype(dtype)
-        P = np.full(packed_values(din, dout, np.dtype(dtype).itemsize), np.nan, dtype)
+        Z, D = g.standard_normal((b, dout)).astype(dtype), g.standard_normal((b, dout)).astype(dtype)
+        P = np.full(packed_values(max(b, din), dout, np.dtype(dtype).itemsize), np.nan, dtype)
         pack_columns(W, din, dout, P)
-        got = Z.copy()
-        packed_product(A, P, got, b, din, dout, False)
-        assert got.tobytes() == _sequential_product(A, W, Z).tobytes()
-        D = g.standard_normal((b, dout)).astype(dtype)
-        P = np.full(packed_values(b, dout, np.dtype(dtype).itemsize), np.nan, dtype)
+        product = Z.copy()
+        _packed(A, din, 1, P, product, b, dout, din, False)  # (packed_product's call; packed_outer's below)
+        assert product.tobytes() == _sequential_product(A, W, Z).tobytes()
         pack_columns(D, b, dout, P)
-        got = np.full((din, dout), np.nan, dtype)
-        packed_outer(A, P, got, b, din, dout, True)
-        assert got.tobytes() == _sequential_product(np.ascontiguousarray(A.T), D, np.zeros_like(got)).tobytes()
+        outer = np.full((din, dout), np.nan, dtype)
+        _packed(A, 1, din, P, outer, din, dout, b, True)
+        assert outer.tobytes() == _sequential_product(np.ascontiguousarray(A.T), D, np.zeros_like(outer)).tobytes()
 
 
 def test_exp_sigmoid_and_tanh_from_fmas_are_within_ulps_of_libm():

@@ -273,29 +273,21 @@ def _input_gradient(Wih, wt, D, DX, F, GW, n):
 
 
 @njit(inline="always", **JIT)
-def _recurrent_forward(op, params, acts, cols, b, lstm):
-    L, F0, H, K = op[F_W], op[F_C], op[F_CO], op[F_H]
-    base = acts.shape[0] * op[F_WORK]
+def _time_major_input(op, acts, base, b):
+    """The op's input (b, L*F), step-major rows, into the work region's first (L*b, F), time-major."""
+    L, F0 = op[F_W], op[F_C]
     X = block(acts, op[F_IN], L * F0)
-    for s in range(L):  # the input, time-major
+    for s in range(L):
         for r in range(b):
             x, out = X[r], vector(acts, base + (s * b + r) * F0, F0)
             for j in range(F0):
                 out[j] = x[s * F0 + j]
-    per = _layer_values(lstm, L, H)
-    X0, F = base, F0
-    S0 = base
-    for k in range(K):
-        at = base + b * (L * F0 + k * per)
-        p = _layer_params(op, k, 4 * H if lstm else 3 * H)
-        S0 = at
-        if lstm:
-            _lstm_layer_forward(params, p, acts, cols, X0, F, S0, at + b * (L + 1) * H, at + 2 * b * (L + 1) * H, b, L,
-                                H)
-        else:
-            G0 = at + b * (L + 1) * H
-            _gru_layer_forward(params, p, acts, cols, X0, F, S0, G0, G0 + 4 * b * L * H, G0 + 7 * b * L * H, b, L, H)
-        X0, F = S0 + b * H, H  # its states h_1..h_L: the next layer's input
+
+
+@njit(inline="always", **JIT)
+def _output(op, acts, S0, b):
+    """The top layer's states at S0 into the op's output: every step's (b, L*H), or the last step's (b, H)."""
+    L, H = op[F_W], op[F_CO]
     Z = block(acts, op[F_OUT], op[F_NOUT])
     every = op[F_MODE] == 1
     for r in range(b):
@@ -307,13 +299,9 @@ def _recurrent_forward(op, params, acts, cols, b, lstm):
 
 
 @njit(inline="always", **JIT)
-def _recurrent_backward(op, params, grad, acts, deltas, wt, cols, b, lstm):
-    L, F0, H, K = op[F_W], op[F_C], op[F_CO], op[F_H]
-    base, dbase = acts.shape[0] * op[F_WORK], deltas.shape[0] * op[F_WORK]
-    M = max(F0, H)
-    above, below = dbase, dbase + b * L * M  # states' gradients from above, and the input's (the next layer down's)
-    dh0 = dbase + 2 * b * L * M
-    pd0 = dh0 + 2 * b * H + (0 if lstm else 3 * b * L * H)  # the gates' gradients, packed
+def _deltas_from_above(op, deltas, above, b):
+    """The output's deltas as the top layer's states' gradients at `above`, time-major (L*b, H)."""
+    L, H = op[F_W], op[F_CO]
     DZ = block(deltas, op[F_OUT], op[F_NOUT])
     every = op[F_MODE] == 1
     for s in range(L):
@@ -321,49 +309,88 @@ def _recurrent_backward(op, params, grad, acts, deltas, wt, cols, b, lstm):
             d = vector(deltas, above + (s * b + r) * H, H)
             for j in range(H):
                 d[j] = DZ[r, s * H + j] if every else (DZ[r, j] if s == L - 1 else 0)
-    per = _layer_values(lstm, L, H)
-    for k in range(K - 1, -1, -1):
-        at = base + b * (L * F0 + k * per)
-        X0, F = (base, F0) if k == 0 else (base + b * (L * F0 + (k - 1) * per) + b * H, H)
-        p = _layer_params(op, k, 4 * H if lstm else 3 * H)
-        need = k > 0 or op[F_GRAD_IN] == 1
-        if lstm:
-            _lstm_layer_backward(params, grad, p, acts, deltas, wt, cols, X0, F, at, at + b * (L + 1) * H,
-                                 at + 2 * b * (L + 1) * H, above, below, need, dh0, dh0 + b * H, pd0, b, L, H)
-        else:
-            _gru_layer_backward(params, grad, p, acts, deltas, wt, cols, X0, F, at, at + b * (L + 1) * H, above, below,
-                                need, dh0, dh0 + 2 * b * H, pd0, b, L, H)
-        above, below = below, above
-    if op[F_GRAD_IN] == 1:  # the first layer's input gradient (now at `above`), back to step-major rows
-        DX = block(deltas, op[F_IN], L * F0)
-        for s in range(L):
-            for r in range(b):
-                d, dx = vector(deltas, above + (s * b + r) * F0, F0), DX[r]
-                for j in range(F0):
-                    dx[s * F0 + j] = d[j]
+
+
+@njit(inline="always", **JIT)
+def _input_deltas(op, deltas, at, b):
+    """The first layer's input gradient at `at` (L*b, F), back to the op's input rows, step-major."""
+    L, F0 = op[F_W], op[F_C]
+    DX = block(deltas, op[F_IN], L * F0)
+    for s in range(L):
+        for r in range(b):
+            d, dx = vector(deltas, at + (s * b + r) * F0, F0), DX[r]
+            for j in range(F0):
+                dx[s * F0 + j] = d[j]
 
 
 # -------------------------------------------------------------------------------- the operations of a batch
+# Each kind's operation walks its stacked layers itself (one shared driver with a kind flag would compile both
+# kinds' layers into each operation: 2 s more of every cold start, measured).
 @njit(**JIT)
 def lstm_forward_op(op, slope, perms, params, acts, aux, cols, pads, r0, b, train, rng):
-    _recurrent_forward(op, params, acts, cols, b, True)
+    L, F0, H, K = op[F_W], op[F_C], op[F_CO], op[F_H]
+    base, per = acts.shape[0] * op[F_WORK], _layer_values(True, L, H)
+    _time_major_input(op, acts, base, b)
+    X0, F, S0 = base, F0, base
+    for k in range(K):
+        S0 = base + b * (L * F0 + k * per)
+        _lstm_layer_forward(params, _layer_params(op, k, 4 * H), acts, cols, X0, F, S0, S0 + b * (L + 1) * H,
+                            S0 + 2 * b * (L + 1) * H, b, L, H)
+        X0, F = S0 + b * H, H  # its states h_1..h_L: the next layer's input
+    _output(op, acts, S0, b)
 
 
 @njit(**JIT)
 def lstm_backward_op(op, slope, perms, params, grad, acts, deltas, aux, tr, cols, wt, gt, gblock, pads, r0, b, step,
                      lr, terms):
-    _recurrent_backward(op, params, grad, acts, deltas, wt, cols, b, True)
+    L, F0, H, K = op[F_W], op[F_C], op[F_CO], op[F_H]
+    base, dbase, per, M = acts.shape[0] * op[F_WORK], deltas.shape[0] * op[F_WORK], _layer_values(True, L, H), max(F0, H)
+    above, below = dbase, dbase + b * L * M  # states' gradients from above, and the input's (the next layer down's)
+    dh0 = dbase + 2 * b * L * M
+    _deltas_from_above(op, deltas, above, b)
+    for k in range(K - 1, -1, -1):
+        at = base + b * (L * F0 + k * per)
+        X0, F = (base, F0) if k == 0 else (at - b * per + b * H, H)
+        _lstm_layer_backward(params, grad, _layer_params(op, k, 4 * H), acts, deltas, wt, cols, X0, F, at,
+                             at + b * (L + 1) * H, at + 2 * b * (L + 1) * H, above, below, k > 0 or op[F_GRAD_IN] == 1,
+                             dh0, dh0 + b * H, dh0 + 2 * b * H, b, L, H)
+        above, below = below, above
+    if op[F_GRAD_IN] == 1:
+        _input_deltas(op, deltas, above, b)
 
 
 @njit(**JIT)
 def gru_forward_op(op, slope, perms, params, acts, aux, cols, pads, r0, b, train, rng):
-    _recurrent_forward(op, params, acts, cols, b, False)
+    L, F0, H, K = op[F_W], op[F_C], op[F_CO], op[F_H]
+    base, per = acts.shape[0] * op[F_WORK], _layer_values(False, L, H)
+    _time_major_input(op, acts, base, b)
+    X0, F, S0 = base, F0, base
+    for k in range(K):
+        S0 = base + b * (L * F0 + k * per)
+        G0 = S0 + b * (L + 1) * H
+        _gru_layer_forward(params, _layer_params(op, k, 3 * H), acts, cols, X0, F, S0, G0, G0 + 4 * b * L * H,
+                           G0 + 7 * b * L * H, b, L, H)
+        X0, F = S0 + b * H, H
+    _output(op, acts, S0, b)
 
 
 @njit(**JIT)
 def gru_backward_op(op, slope, perms, params, grad, acts, deltas, aux, tr, cols, wt, gt, gblock, pads, r0, b, step,
                     lr, terms):
-    _recurrent_backward(op, params, grad, acts, deltas, wt, cols, b, False)
+    L, F0, H, K = op[F_W], op[F_C], op[F_CO], op[F_H]
+    base, dbase, per, M = acts.shape[0] * op[F_WORK], deltas.shape[0] * op[F_WORK], _layer_values(False, L, H), max(F0, H)
+    above, below = dbase, dbase + b * L * M
+    dh0 = dbase + 2 * b * L * M
+    _deltas_from_above(op, deltas, above, b)
+    for k in range(K - 1, -1, -1):
+        at = base + b * (L * F0 + k * per)
+        X0, F = (base, F0) if k == 0 else (at - b * per + b * H, H)
+        _gru_layer_backward(params, grad, _layer_params(op, k, 3 * H), acts, deltas, wt, cols, X0, F, at,
+                            at + b * (L + 1) * H, above, below, k > 0 or op[F_GRAD_IN] == 1, dh0, dh0 + 2 * b * H,
+                            dh0 + 2 * b * H + 3 * b * L * H, b, L, H)
+        above, below = below, above
+    if op[F_GRAD_IN] == 1:
+        _input_deltas(op, deltas, above, b)
 
 
 @njit(**JIT)
