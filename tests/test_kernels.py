@@ -246,7 +246,7 @@ def test_packed_operands_give_the_products_bits(dtype):
     from edgefed.kernels.linalg import _packed, pack_columns, packed_values
 
     g = np.random.default_rng(1)
-    for b, din, dout in ((6, 140, 40), (2, 3, 1030), (1, 1, 1)):  # (a panel piece is 128 or 256 deep)
+    for b, din, dout in ((9, 140, 40), (2, 3, 1030), (1, 1, 1)):  # (a panel piece 128 or 256 deep; a tall tile)
         A, W = g.standard_normal((b, din)).astype(dtype), g.standard_normal((din, dout)).astype(dtype)
         Z, D = g.standard_normal((b, dout)).astype(dtype), g.standard_normal((b, dout)).astype(dtype)
         P = np.full(packed_values(max(b, din), dout, np.dtype(dtype).itemsize), np.nan, dtype)
