@@ -292,3 +292,15 @@ def test_a_character_lstm_under_deadlines_in_mpiexec_writes_the_simulators_bytes
     assert set(steps[steps > 0].tolist()) == {2, 4}  # the slow board's devices finish half their budget
     for key in ("trajectory/x", "participation/steps", "metrics/test_accuracy", "metrics/train_loss"):
         assert sim[key].tobytes() == mpi[key].tobytes(), key
+
+
+def test_a_device_without_test_samples_is_built_again_alone(tmp_path):
+    """A device built once more on its own (its data dropped from the cache, or asked for twice) reads no test
+    rows: zero samples of the right width, not a reshape error."""
+    folder = leaf_folder(tmp_path, {"train": {"A": (["a" * 80, "b" * 80], ["a", "b"]), "B": (["c" * 80], ["c"])},
+                                    "test": {"A": (["d" * 80], ["d"])}})
+    problem = build_problem(load_config(None, ['data.kind="leaf"', f'data.path="{folder}"']).data, 0, "float32",
+                            tokens=80)
+    problem.device(1)
+    again = problem.device(1)
+    assert again.X_test.shape == (0, 80) and again.X_train.shape == (1, 80)

@@ -256,13 +256,14 @@ class PoolProblem:
 
     def _normalized(self, raw: np.ndarray) -> np.ndarray:
         """Flat rows in the model dtype, normalized."""
-        n = raw.shape[0]
+        n, per = raw.shape[0], self.n_features // self.channels  # (no -1: a device may read 0 rows)
         if self._shift is None and self._scale is None:
-            return np.ascontiguousarray(raw.reshape(n, -1), dtype=self.dtype)
+            return np.ascontiguousarray(raw.reshape(n, self.n_features), dtype=self.dtype)
         if self._shift is None:  # "unit": as the MNIST reader, in the model dtype
-            return np.ascontiguousarray(raw.reshape(n, -1), dtype=self.dtype) / self.dtype.type(self._scale)
-        x = (raw.reshape(n, self.channels, -1).astype(np.float64) - self._shift) / self._scale
-        return np.ascontiguousarray(x.reshape(n, -1), dtype=self.dtype)
+            flat = np.ascontiguousarray(raw.reshape(n, self.n_features), dtype=self.dtype)
+            return flat / self.dtype.type(self._scale)
+        x = (raw.reshape(n, self.channels, per).astype(np.float64) - self._shift) / self._scale
+        return np.ascontiguousarray(x.reshape(n, self.n_features), dtype=self.dtype)
 
     # -- devices -----------------------------------------------------------------------------------------
     def host(self, device_ids) -> None:
