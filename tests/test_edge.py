@@ -34,8 +34,9 @@ def test_shipped_profiles_load_and_describe_their_boards():
         assert prof.machine["arch"] == ("x86_64" if name.startswith("x86") else "aarch64")
         assert prof.machine["cores"] >= 2 and prof.machine["memory_mb"] >= 512
         assert prof.recommend["dtype"] == "float32" and prof.recommend["threads"] == 1
-        assert {s.model for s in prof.speeds} == {"logreg", "mlp", "cnn"}
-        for model in ("logreg", "mlp", "cnn"):  # every model the runtime can derive a deadline for
+        timed = {"logreg", "mlp", "cnn"} | ({"charlstm"} if name.startswith("pi") else set())  # (estimated on Pis)
+        assert {s.model for s in prof.speeds} == timed
+        for model in timed:  # every model the runtime can derive a deadline for
             assert prof.step_seconds(model, 10, 1000) > 0
     # slower boards are slower: the ordering the estimates must keep
     per_step = [hwprofile.load_profile(b).step_seconds("mlp", 10, 199210)
@@ -331,7 +332,7 @@ def test_resuming_a_log_without_a_newer_column_pads_its_completed_rounds(tmp_pat
 def test_a_profile_that_does_not_time_the_model_is_one_line_naming_the_model_and_the_command(run_experiment, tmp_path):
     """Once "set [device] profile" although one was set: now the profile, the model and how to time it."""
     with pytest.raises(ConfigError, match=r"hardware profile Raspberry Pi 4 Model B \(.*pi4b.toml\) has no speed for "
-                                          r"the model 'quadratic' \(it times: cnn, logreg, mlp\); measure it on that "
+                                          r"the model 'quadratic' \(it times: charlstm, cnn, logreg, mlp\); measure it on that "
                                           r"board with `edgefed profile --config CONFIG --out FILE`"):
         run_experiment({"data.kind": "quadratic", "participation.mode": "deadline", "participation.deadline_s": "auto",
                         "device.profile": "pi4b"})
