@@ -42,7 +42,6 @@ from pathlib import Path  # noqa: E402
 
 import numba  # noqa: E402
 import numpy as np  # noqa: E402
-from numba import njit  # noqa: E402
 
 from edgefed import layers as layer_lib  # noqa: E402
 from edgefed.kernels.fma import TILE_BYTES, TILE_ROWS  # noqa: E402
