@@ -18,6 +18,7 @@ from edgefed.kernels.ops import tables as op_tables
 from edgefed.kernels.program import F_TYPE
 from edgefed.kernels import quadratic as _quad
 from edgefed.kernels.sgd import step_terms
+from edgefed.errors import ConfigError
 from edgefed.problems.data import ClassificationData, QuadraticData
 from edgefed.rng import Purpose, generator, kernel_state
 
@@ -312,6 +313,11 @@ def build_model(model, problem, seed: int = 0, memory: tuple[int, str] | None = 
         from edgefed.torchmodel import TorchModel
 
         return TorchModel(model.module, model.factory, problem.sample_shape, problem.n_outputs, dtype, seed, model.loss)
+    text = getattr(problem, "text", None)  # (task, vocabulary) of token-id samples
+    if text is not None and layer_lib.token_ids(model) is None:
+        raise ConfigError(f"config: {text[0]} samples are token ids; a layer list must start with an embedding "
+                          f'(model.kind = "charlstm", or layers starting with {{type = "embedding", num = {text[1]}, '
+                          'dim = 8}), or give a torch module that takes them')
     if model.kind == "sequential":
         what = "classes" if model.loss == "cross_entropy" else "target values"
         note = getattr(problem, "classes_note", "")

@@ -195,6 +195,10 @@ def test_leaf_shakespeare_reads_characters_as_letter_ids(tmp_path):
     assert hamlet.X_train[0, :3].tolist() == [44, 67, 1] and hamlet.X_train[0, 19] == UNKNOWN_LETTER == 1  # "To "
     assert hamlet.X_train[1, 79] == UNKNOWN_LETTER and hamlet.y_train.tolist() == [44, UNKNOWN_LETTER]
     assert osric.X_test.shape == (0, 80) and hamlet.y_test.tolist() == [78]
+    with pytest.raises(ConfigError, match=r"LEAF Shakespeare samples are token ids; a layer list must start with an "
+                                          r"embedding .* or give a torch module that takes them"):
+        runs.run(load_config(None, ['data.kind="leaf"', f'data.path="{folder}"', 'model.kind="mlp"']), tmp_path / "m.h5")
+    assert not (tmp_path / "m.h5").exists()
 
 
 def test_leaf_sent140_reads_tweets_as_word_ids(tmp_path):

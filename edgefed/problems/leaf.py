@@ -265,10 +265,9 @@ def leaf_problem(cfg, seed: int, dtype, loss: str, spatial: int = 0, tokens: int
         raise ConfigError(f"config: data.path = {cfg.path!r} is not a folder; give a LEAF data folder (with train/ "
                           "and test/ of *.json files)")
     source = LeafSource(folder, cfg.vocab_size, cfg.vocab)
-    if source.task is not None and tokens is None:
-        raise ConfigError(f"{folder}: LEAF {source.task.capitalize()} samples are token ids; the model's first "
-                          'layer must be an embedding (model.kind = "charlstm", or a sequential model starting with '
-                          f'{{type = "embedding", num = {source.vocabulary.num if source.vocabulary else len(ALL_LETTERS)}'
-                          ', dim = 8}})')
-    return PoolProblem(cfg, seed, dtype, source, loss, f"LEAF {folder.name}, {source.note}", spatial, tokens)
+    problem = PoolProblem(cfg, seed, dtype, source, loss, f"LEAF {folder.name}, {source.note}", spatial, tokens)
+    if source.task is not None:  # (a layer list must start with an embedding: models.build_model checks)
+        problem.text = (f"LEAF {source.task.capitalize()}", source.vocabulary.num if source.vocabulary
+                        else len(ALL_LETTERS))
+    return problem
 
