@@ -72,7 +72,6 @@ class Sequential:
                  loss: str = "cross_entropy", kind: str = "sequential"):
         self.network, self.dtype, self.seed, self.init, self.loss, self.kind = network, np.dtype(dtype), seed, init, loss, kind
         self.dim = network.dim
-        self.EVAL_CHUNK = network.eval_chunk
         self.n_features = int(np.prod(network.input_shape))
         self.n_outputs = network.out_width
         self._loss_kind = net.CROSS_ENTROPY if loss == "cross_entropy" else net.MSE
@@ -225,8 +224,8 @@ class Sequential:
         grad_out[:] = 0
         loss = 0.0
         scale = self.dtype.type(1.0) / self.dtype.type(n)
-        for start in range(0, n, self.EVAL_CHUNK):
-            idx = np.arange(start, min(start + self.EVAL_CHUNK, n), dtype=np.int64)
+        for start in range(0, n, self.network.eval_chunk):
+            idx = np.arange(start, min(start + self.network.eval_chunk, n), dtype=np.int64)
             part, _ = self._call(params, X, y, idx, n, idx.size, 1, scale, scale, self._no_terms, self._no_rng,
                                  net.ROWS, self._grad, idx.size)
             loss += part
@@ -239,7 +238,7 @@ class Sequential:
         self._check(params, X, y)
         if X.shape[0] == 0:
             return 0.0, 0
-        rows = min(self.EVAL_CHUNK, X.shape[0]) + 1  # and one row of scratch
+        rows = min(self.network.eval_chunk, X.shape[0]) + 1  # and one row of scratch
         loss, correct = self._call(params, X, y, self._no_labels, X.shape[0], 0, 0, self.dtype.type(0), self.dtype.type(1),
                                    self._no_terms, self._no_rng, net.EVAL, self._grad, rows)
         return float(loss), int(correct)
@@ -254,7 +253,7 @@ class Sequential:
                  else np.zeros((X.shape[0], self.n_outputs), self.dtype))
             self._call(params, np.ascontiguousarray(X), y, self._no_labels, X.shape[0], 0, 0, self.dtype.type(0),
                        self.dtype.type(1), self._no_terms, self._no_rng, net.EVAL, self._grad,
-                       min(self.EVAL_CHUNK, X.shape[0]) + 1, out)
+                       min(self.network.eval_chunk, X.shape[0]) + 1, out)
         return out
 
     def train_loss(self, params, data: ClassificationData) -> float:
@@ -313,7 +312,7 @@ def build_model(model, problem, seed: int = 0, memory: tuple[int, str] | None = 
         from edgefed.torchmodel import TorchModel
 
         return TorchModel(model.module, model.factory, problem.sample_shape, problem.n_outputs, dtype, seed, model.loss)
-    text = getattr(problem, "text", None)  # (task, vocabulary) of token-id samples
+    text = getattr(problem, "text", None)  # (task, vocabulary) of samples the reader made token ids
     if text is not None and layer_lib.token_ids(model) is None:
         raise ConfigError(f"config: {text[0]} samples are token ids; a layer list must start with an embedding "
                           f'(model.kind = "charlstm", or layers starting with {{type = "embedding", num = {text[1]}, '

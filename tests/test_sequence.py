@@ -4,6 +4,7 @@ ids checked where the data is read; LEAF's Shakespeare and Sent140 as token ids;
 exported weights in NumPy and PyTorch; and under mpiexec with deadlines, the simulator's bytes."""
 
 import json
+from collections import Counter
 import subprocess
 import sys
 
@@ -21,7 +22,8 @@ from edgefed.problems.text import UNKNOWN_LETTER, Vocabulary
 from edgefed.runlog import read_run
 from edgefed.runtime.mpi.comm import local_mpiexec, outside_world_env
 from golden import write_shakespeare
-from naive import network_forward, network_loss_grad
+from naive import network_forward
+from test_layer_library import model_for, naive  # (the layer library's own harness)
 
 EMBED = {"type": "embedding", "num": 7, "dim": 3}
 
@@ -45,11 +47,6 @@ CASES = {  # name: (sample shape, layers before the dense head, samples)
 }
 
 
-def model_for(shape, layers, dtype=np.float64, classes=3):
-    checked = layer_lib.check_layers(list(layers) + [{"type": "dense", "out": classes}])
-    return Sequential(layer_lib.build(checked, shape, classes, dtype), dtype, seed=3, init="pytorch")
-
-
 def samples(model, n, seed=0):
     g = np.random.default_rng(seed)
     if model.network.layers[0]["type"] == "embedding":
@@ -60,22 +57,15 @@ def samples(model, n, seed=0):
     return ClassificationData(X, y, X.copy(), y.copy())
 
 
-def reference(model, params, X, y):
-    sd = {k: v.astype(np.float64) for k, v in model.state_dict(params).items()}
-    x = X.astype(np.float64).reshape(X.shape[0], *model.network.input_shape)
-    loss, grads = network_loss_grad(model.network.layers, sd, x, y)
-    return loss, grads, network_forward(model.network.layers, sd, x)[0]
-
-
 @pytest.mark.parametrize("case", list(CASES))
 def test_sequence_layers_forward_and_backward_against_numpy(case):
     shape, layers, n = CASES[case]
-    model = model_for(shape, layers)
+    model = model_for(shape, layers, np.float64)
     data = samples(model, n)
     x = model.initial_params()
     grad = np.zeros(model.dim)
     loss = model.loss_grad(x, data, grad)
-    ref_loss, ref_grads, ref_out = reference(model, x, data.X_train, data.y_train)
+    ref_loss, ref_grads, ref_out = naive(model, x, data.X_train, data.y_train)
     np.testing.assert_allclose(model.outputs(x, data.X_train), ref_out, rtol=1e-10, atol=1e-12)
     assert loss == pytest.approx(ref_loss, rel=1e-12)
     ours = model.state_dict(grad)
@@ -94,7 +84,7 @@ def test_float32_char_model_against_numpy_and_the_padding_row():
     assert not pad.any() and model.state_dict(x)["0.weight"][1:].std() > 0.5  # N(0, 1), as nn.Embedding's
     grad = np.zeros(model.dim, np.float32)
     model.loss_grad(x, data, grad)
-    _, ref_grads, ref_out = reference(model, x, data.X_train, data.y_train)
+    _, ref_grads, ref_out = naive(model, x, data.X_train, data.y_train)
     np.testing.assert_allclose(model.outputs(x, data.X_train), ref_out, rtol=2e-4, atol=2e-5)
     for name, value in ref_grads.items():
         np.testing.assert_allclose(model.state_dict(grad)[name], value, rtol=2e-3, atol=2e-5, err_msg=name)
@@ -105,7 +95,8 @@ def test_float32_char_model_against_numpy_and_the_padding_row():
 
 @pytest.mark.parametrize("kind", ["lstm", "gru"])
 def test_gradients_match_finite_differences(kind):
-    model = model_for((4,), [EMBED, {"type": kind, "hidden": 3, "layers": 2, "output": "all"}, {"type": "flatten"}])
+    model = model_for((4,), [EMBED, {"type": kind, "hidden": 3, "layers": 2, "output": "all"}, {"type": "flatten"}],
+                      np.float64)
     data = samples(model, 3, seed=1)
     x = model.initial_params()
     grad = np.zeros(model.dim)
@@ -214,7 +205,9 @@ def test_leaf_sent140_reads_tweets_as_word_ids(tmp_path):
     # by count: bad 2, day 2, good 2 (ties in code-point order), then the rest
     assert u1.X_train[0, :5].tolist() == [4, 4, 3, 1, 0] and not u1.X_train[1].any()
     assert u1.X_train[2].tolist() == [1] * 25 and u1.X_test[0, :3].tolist() == [4, 1, 0]
-    assert Vocabulary.from_counts(__import__("collections").Counter("b a b c".split()), 2).words == ["b", "a"]
+    assert Vocabulary.from_counts(Counter("b a b c".split()), 2).words == ["b", "a"]
+    with pytest.raises(ConfigError, match=r"LEAF Sent140's ids run to 4 but the embedding's num is 4; give it num = 5"):
+        build_problem(config_with({**data, **TOKENS, "data.vocab_size": 3}).data, 0, "float32", tokens=4)
     (tmp_path / "words.txt").write_text("night\ngood\n")
     problem = build_problem(config_with({**data, **TOKENS, "data.vocab": str(tmp_path / "words.txt")}).data, 0,
                             "float32", tokens=10)

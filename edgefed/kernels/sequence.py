@@ -50,7 +50,7 @@ def work_values(lstm: bool, length: int, features: int, hidden: int, layers: int
     """Values per sample of a recurrent layer's work region: what its forward pass keeps, or what its backward
     pass uses of the deltas' region, whichever is more (the layout in the module's docstring)."""
     L, F, H = length, features, hidden
-    kept = L * F + layers * _layer_values(lstm, L, H)
+    kept = L * F + layers * _layer_values.py_func(lstm, L, H)  # (its Python: planning compiles nothing)
     gates = (4 if lstm else 3) * H
     scratch = 2 * L * max(F, H) + 2 * H + (0 if lstm else 3 * L * H) + packed_values(L, gates, itemsize)
     return max(kept, scratch)
@@ -78,13 +78,13 @@ def _layer_values(lstm, L, H):
 
 
 @njit(inline="always", **JIT)
-def _layer_params(op, k, gates):
-    """Where stacked layer k's parameters start: per layer weight_ih (in, gates), weight_hh (H, gates),
-    bias_ih, bias_hh, in PyTorch's order."""
+def _layer_params(op, k, GW):
+    """Where stacked layer k's parameters start: per layer weight_ih (in, GW), weight_hh (H, GW), bias_ih,
+    bias_hh, in PyTorch's order (GW = gates x H)."""
     F0, H = op[F_C], op[F_CO]
     p = op[F_PARAM]
     for j in range(k):
-        p += gates * ((F0 if j == 0 else H) + H + 2)
+        p += GW * ((F0 if j == 0 else H) + H + 2)
     return p
 
 
@@ -299,6 +299,16 @@ def _output(op, acts, S0, b):
 
 
 @njit(inline="always", **JIT)
+def _backward_start(op, deltas, b):
+    """The deltas' work region's two (L*b, max(F, H)) buffers, states' gradients from above and the input's
+    (the next layer down's), and where the carries start; the output's deltas into the first, time-major."""
+    L, M = op[F_W], max(op[F_C], op[F_CO])
+    above = deltas.shape[0] * op[F_WORK]
+    _deltas_from_above(op, deltas, above, b)
+    return above, above + b * L * M, above + 2 * b * L * M
+
+
+@njit(inline="always", **JIT)
 def _deltas_from_above(op, deltas, above, b):
     """The output's deltas as the top layer's states' gradients at `above`, time-major (L*b, H)."""
     L, H = op[F_W], op[F_CO]
@@ -344,10 +354,8 @@ def lstm_forward_op(op, slope, perms, params, acts, aux, cols, pads, r0, b, trai
 def lstm_backward_op(op, slope, perms, params, grad, acts, deltas, aux, tr, cols, wt, gt, gblock, pads, r0, b, step,
                      lr, terms):
     L, F0, H, K = op[F_W], op[F_C], op[F_CO], op[F_H]
-    base, dbase, per, M = acts.shape[0] * op[F_WORK], deltas.shape[0] * op[F_WORK], _layer_values(True, L, H), max(F0, H)
-    above, below = dbase, dbase + b * L * M  # states' gradients from above, and the input's (the next layer down's)
-    dh0 = dbase + 2 * b * L * M
-    _deltas_from_above(op, deltas, above, b)
+    base, per = acts.shape[0] * op[F_WORK], _layer_values(True, L, H)
+    above, below, dh0 = _backward_start(op, deltas, b)
     for k in range(K - 1, -1, -1):
         at = base + b * (L * F0 + k * per)
         X0, F = (base, F0) if k == 0 else (at - b * per + b * H, H)
@@ -378,10 +386,8 @@ def gru_forward_op(op, slope, perms, params, acts, aux, cols, pads, r0, b, train
 def gru_backward_op(op, slope, perms, params, grad, acts, deltas, aux, tr, cols, wt, gt, gblock, pads, r0, b, step,
                     lr, terms):
     L, F0, H, K = op[F_W], op[F_C], op[F_CO], op[F_H]
-    base, dbase, per, M = acts.shape[0] * op[F_WORK], deltas.shape[0] * op[F_WORK], _layer_values(False, L, H), max(F0, H)
-    above, below = dbase, dbase + b * L * M
-    dh0 = dbase + 2 * b * L * M
-    _deltas_from_above(op, deltas, above, b)
+    base, per = acts.shape[0] * op[F_WORK], _layer_values(False, L, H)
+    above, below, dh0 = _backward_start(op, deltas, b)
     for k in range(K - 1, -1, -1):
         at = base + b * (L * F0 + k * per)
         X0, F = (base, F0) if k == 0 else (at - b * per + b * H, H)

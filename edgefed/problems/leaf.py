@@ -12,6 +12,7 @@ users, for their samples; only those are kept.
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from collections import Counter
@@ -171,18 +172,18 @@ class LeafSource(Source):
                               "data folder with users' samples")
         self.note = (f"{len(users) + len(empty)} users, {len(empty)} without samples skipped" if empty
                      else f"{len(users)} users")
-        if self.task is not None:
-            self.integer = True
-            shape = (self.length,)
         if self.task == "shakespeare":
             self.n_classes = len(ALL_LETTERS)
-            self.note = (f"Shakespeare, the next of {len(ALL_LETTERS)} characters"
-                         + (f" ({self.unknown} outside them read as a space)" if self.unknown else "") + f", {self.note}")
+            unknown = f" ({self.unknown} outside them read as a space)" if self.unknown else ""
+            self.note = f"Shakespeare, the next of {len(ALL_LETTERS)} characters{unknown}, {self.note}"
         elif self.task == "sent140":
             self.n_classes = 2
             self.vocabulary = Vocabulary.from_counts(words, vocab_size) if vocab is None else _vocabulary(vocab)
             self.note = (f"Sent140, {WORDS} words a tweet, a vocabulary of {self.vocabulary.num} ids (0 padding, "
                          f"1 unknown{', from ' + Path(vocab).name if vocab else ''}), {self.note}")
+        if self.task is not None:
+            self.integer, shape = True, (self.length,)
+            self.text = (f"LEAF {self.task.capitalize()}", self.vocabulary.num if self.vocabulary else self.n_classes)
         self._first = {}  # (part, device): its first row (a user's rows are contiguous: one entry per file)
         for part, d in zip(("train", "test"), devices):
             ids, first = np.unique(d, return_index=True)
@@ -244,6 +245,7 @@ def _vocabulary(path: str) -> Vocabulary:
     return Vocabulary(dict.fromkeys(words))
 
 
+@functools.lru_cache(maxsize=16)  # (every validation of a config without a model asks; a rank validates several)
 def text_task(folder) -> str | None:
     """The text task of a LEAF folder ("shakespeare", "sent140"), None for numbers or what cannot be told
     from its first training file's first megabyte (the folder is read in full, and checked, by the run)."""
@@ -265,9 +267,5 @@ def leaf_problem(cfg, seed: int, dtype, loss: str, spatial: int = 0, tokens: int
         raise ConfigError(f"config: data.path = {cfg.path!r} is not a folder; give a LEAF data folder (with train/ "
                           "and test/ of *.json files)")
     source = LeafSource(folder, cfg.vocab_size, cfg.vocab)
-    problem = PoolProblem(cfg, seed, dtype, source, loss, f"LEAF {folder.name}, {source.note}", spatial, tokens)
-    if source.task is not None:  # (a layer list must start with an embedding: models.build_model checks)
-        problem.text = (f"LEAF {source.task.capitalize()}", source.vocabulary.num if source.vocabulary
-                        else len(ALL_LETTERS))
-    return problem
+    return PoolProblem(cfg, seed, dtype, source, loss, f"LEAF {folder.name}, {source.note}", spatial, tokens)
 

@@ -41,6 +41,7 @@ class Source:
     device_names: tuple = ()  # natural partition: the devices' names (LEAF's users)
     finite_checked = False  # the reader itself refuses NaN and infinity (or its samples are integers)
     integer = False  # its samples are integers (token ids, when the model's first layer is an embedding)
+    text = None  # (task, vocabulary size) when the reader itself turns text into token ids (LEAF's text)
     n_classes = None  # fixed by the dataset (CIFAR); None: data.classes, else the largest label + 1
 
     def read(self, part: str, rows: np.ndarray) -> np.ndarray:
@@ -119,7 +120,7 @@ class PoolProblem:
         self.train_rows, self.test_rows = train_parts, test_parts
         self.n_train = np.array([p.size for p in train_parts], dtype=np.int64)
         self.channels = channels_of(self.sample_shape, spatial)
-        self.tokens = tokens
+        self.tokens, self.text = tokens, source.text
         if tokens is not None:
             self._check_tokens(tokens)
         self._shift, self._scale = self._normalization()
@@ -197,6 +198,12 @@ class PoolProblem:
         if self.cfg.normalize != "none":
             raise ConfigError(f"config: data.normalize = {self.cfg.normalize!r} would change the token ids an "
                               'embedding takes; set data.normalize = "none"')
+        if src.text is not None:  # ids the reader made: in [0, its vocabulary), no need to read them again
+            task, vocabulary = src.text
+            if vocabulary > num:
+                raise ConfigError(f"{src.name}: {task}'s ids run to {vocabulary - 1} but the embedding's num is "
+                                  f"{num}; give it num = {vocabulary}")
+            return
         parts = ("train", "test") if src.y_test is not None else ("train",)
         for part in parts:
             for start, block in src.blocks(part):
