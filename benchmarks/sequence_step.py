@@ -16,12 +16,16 @@ round, the ratio PyTorch / edgefed of the medians, and its range over the rounds
 edgefed's kernels are compiled (or loaded from the cache) by a warm-up step before any timing; a check
 line shows both frameworks' initial loss on the same 10 samples (the same network and weights).
 
+Then the floor: a step's products counted from the shapes (3.81 GFLOP) at the rate edgefed's packed products
+reach on this machine, beside PyTorch's matmul on the same shapes and PyTorch's LSTM step with and without
+oneDNN's fused RNN kernels (which its x86 builds use): how fast a step could be before any gate arithmetic.
+
 Then a device-sized run's peak resident memory: a fresh
 process (no torch import; started through sh, so that it does not inherit this process's ru_maxrss)
 builds the model, runs 300 local steps (--quick: 100) on 2,000 samples in calls of 20, each followed by
 an evaluation of 200, and reports its ru_maxrss and VmHWM (target <= 250 MB).
 
-Runtime: about 2 minutes (--quick about 1).
+Runtime: about 3 minutes (--quick about 1).
 """
 
 from __future__ import annotations
@@ -244,6 +248,93 @@ def memory_table(samples: int, steps: int) -> None:
               f"<= 250 MB |")
 
 
+# ------------------------------------------------------------------------------------------ the floor
+def lstm_step_flops() -> dict:
+    """Multiply-adds x 2 of one char-LSTM step's products (batch b, length L): forward, and backward's input
+    gradients and weight gradients. The gate arithmetic, the dense layer and the embedding are left out."""
+    b, L, H, D = BATCH, LENGTH, HIDDEN, EMBED
+    product = lambda rows, k, n: 2 * rows * k * n  # noqa: E731
+    forward = product(L * b, D, 4 * H) + product(L * b, H, 4 * H) * 3  # layer 0: input, recurrent; layer 1: both
+    backward = (product(L * b, 4 * H, H) * 2 + product(4 * H, L * b, H) * 2  # layer 1: dh, dx, dW_hh, dW_ih
+                + product(L * b, 4 * H, H) + product(4 * H, L * b, H)  # layer 0: dh, dW_hh
+                + product(L * b, 4 * H, D) + product(4 * H, L * b, D))  # layer 0: dx (to the embedding), dW_ih
+    return {"forward": forward, "backward": backward}
+
+
+def floor_table(rounds: int, measured: dict) -> None:
+    """How fast could a char-LSTM step be? Its products' FLOPs at the rate edgefed's products reach, beside
+    PyTorch's matmul on the same shapes and PyTorch's LSTM step with and without oneDNN's fused RNN kernels."""
+    from numba import njit
+
+    from edgefed.kernels import linalg
+
+    @njit(cache=False)
+    def recurrent(A, P, Z, steps, b, k, n):  # one step's product after another, as the forward runs them
+        for t in range(steps):
+            linalg.packed_product(A[t * b:(t + 1) * b], P, Z[t * b:(t + 1) * b], b, k, n, True)
+
+    @njit(cache=False)
+    def pack(B, k, n, P):
+        linalg.pack_columns(B, k, n, P)
+
+    g = np.random.default_rng(0)
+    A = g.standard_normal((LENGTH * BATCH, HIDDEN), dtype=np.float32)
+    W = g.standard_normal((HIDDEN, 4 * HIDDEN), dtype=np.float32)
+    P = np.zeros(linalg.packed_values(HIDDEN, 4 * HIDDEN, 4), np.float32)
+    Z = np.zeros((LENGTH * BATCH, 4 * HIDDEN), np.float32)
+    pack(W, HIDDEN, 4 * HIDDEN, P)
+    At, Wt = torch.from_numpy(A), torch.from_numpy(W)
+    module = TorchNet(nn.LSTM)
+    Xt = torch.randint(0, VOCAB, (BATCH, LENGTH), generator=torch.Generator().manual_seed(0))
+    yt = torch.randint(0, CLASSES, (BATCH,), generator=torch.Generator().manual_seed(1))
+    loss = nn.CrossEntropyLoss()
+
+    def torch_step():
+        for p in module.parameters():
+            p.grad = None
+        loss(module(Xt), yt).backward()
+        with torch.no_grad():
+            for p in module.parameters():
+                p.add_(p.grad, alpha=-LR)
+
+    def torch_step_plain():
+        with torch.backends.mkldnn.flags(enabled=False):
+            torch_step()
+
+    rows, k, n = LENGTH * BATCH, HIDDEN, 4 * HIDDEN
+    t = alternate({
+        "edgefed products, 80 x (10 x 256 x 1024)": (lambda: recurrent(A, P, Z, LENGTH, BATCH, k, n), 1),
+        "edgefed product, 800 x 256 x 1024": (lambda: recurrent(A, P, Z, 1, rows, k, n), 1),
+        "torch matmul, 80 x (10 x 256 x 1024)": (lambda: [At[i:i + BATCH] @ Wt for i in range(0, rows, BATCH)], 1),
+        "torch matmul, 800 x 256 x 1024": (lambda: At @ Wt, 1),
+        "torch LSTM step (oneDNN)": (torch_step, 1),
+        "torch LSTM step (oneDNN off)": (torch_step_plain, 1)}, rounds, 3)
+    per = 2 * rows * k * n
+    print("\nThe floor: one char-LSTM step's products (FLOPs from the shapes) at the rates measured here, "
+          f"alternating, {rounds} rounds x 3 calls, medians\n")
+    print("| what | ms | GFLOP/s |")
+    print("| --- | --- | --- |")
+    rate = {}
+    for name, ts in t.items():
+        ms = median(ts) * 1e3
+        flops = per if "step" not in name else sum(lstm_step_flops().values())
+        rate[name] = flops / (ms * 1e-3) / 1e9
+        print(f"| {name} | {ms:.2f} | {rate[name]:.0f} |")
+    flops = lstm_step_flops()
+    total = sum(flops.values())
+    best = max(rate["edgefed products, 80 x (10 x 256 x 1024)"], rate["edgefed product, 800 x 256 x 1024"])
+    floor = total / (best * 1e9) * 1e3
+    torch_ms = median(t["torch LSTM step (oneDNN)"]) * 1e3
+    print(f"\nA step's products: {flops['forward'] / 1e9:.2f} GFLOP forward + {flops['backward'] / 1e9:.2f} backward = "
+          f"{total / 1e9:.2f} GFLOP; at edgefed's best product rate here ({best:.0f} GFLOP/s) {floor:.1f} ms before any "
+          f"gate arithmetic. PyTorch's step (oneDNN's fused LSTM) {torch_ms:.1f} ms; 1.3x of it is "
+          f"{torch_ms / 1.3:.1f} ms, leaving {torch_ms / 1.3 - floor:.1f} ms for the gates, the dense layer and "
+          f"the embedding.")
+    if measured:
+        ours = measured["char-LSTM"]["step"] * 1e3
+        print(f"edgefed's char-LSTM step in the table above: {ours:.1f} ms, {ours - floor:.1f} ms over the floor.")
+
+
 # ------------------------------------------------------------------------------------------ the machine
 def machine() -> str:
     info = {}
@@ -284,7 +375,8 @@ def main() -> int:
     t0 = time.perf_counter()
     print(f"command: {shlex.join([sys.executable] + sys.argv)}  (in {os.getcwd()})")
     print(machine() + "\n")
-    step_table(rounds, 2, k)
+    measured = step_table(rounds, 2, k)
+    floor_table(max(rounds // 2, 3), measured)
     if not args.no_memory:
         memory_table(2000, 100 if args.quick else 300)
     print(f"\n({time.perf_counter() - t0:.0f} s)")
