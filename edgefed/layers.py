@@ -14,6 +14,7 @@ output shape, parameters (their initialisation and their PyTorch shape), and the
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 
@@ -84,6 +85,7 @@ class LayerType:
     torch: object  # torch(layer, input shape, output shape): its PyTorch module as Python (`edgefed export`)
     plan: object  # plan(walk, layer, index, where): its operation, output, parameters and workspaces (below)
     spatial: int = 0  # the input's dimensions a spatial layer works on (2: (C, H, W), 1: (C, L)); 0: not spatial
+    parametric: bool = False  # it has parameters (which `trainable = false` freezes)
 
 
 ACTIVATIONS = {"relu": RELU, "leaky_relu": LEAKY_RELU, "tanh": TANH, "sigmoid": SIGMOID}
@@ -109,7 +111,7 @@ def check_layers(layers, key: str = "model.layers") -> tuple[dict, ...]:
             fix = f"did you mean {hint[0]!r}?" if hint else f"choose one of {', '.join(TYPES)}"
             raise ConfigError(f"{where}.type = {kind!r} is not a layer type; {fix}")
         spec = TYPES[kind]
-        unknown = [k for k in layer if k != "type" and k not in spec.settings]
+        unknown = [k for k in layer if k not in ("type", "trainable") and k not in spec.settings]
         if unknown:
             known = ", ".join(spec.settings) or "none"
             raise ConfigError(f"{where} ({kind}): unknown setting {unknown[0]!r}; {kind} takes: {known}")
@@ -121,7 +123,19 @@ def check_layers(layers, key: str = "model.layers") -> tuple[dict, ...]:
                 raise ConfigError(f"{where} ({kind}) needs {name!r}, e.g. {_example(kind)}")
             elif default is not None:
                 checked[name] = default
+        if "trainable" in layer:
+            if not spec.parametric:
+                raise ConfigError(f"{where} ({kind}): trainable applies to layers with parameters (dense, conv, "
+                                  "groupnorm, embedding, lstm, gru); remove it here")
+            if not isinstance(layer["trainable"], bool):
+                raise ConfigError(f"{where}.trainable = {layer['trainable']!r} must be true or false")
+            if not layer["trainable"]:
+                checked["trainable"] = False  # (true is the default and is not kept: profile keys stay as they were)
         out.append(checked)
+    parametric = [layer for layer in out if TYPES[layer["type"]].parametric]
+    if parametric and not any(layer.get("trainable", True) for layer in parametric):
+        raise ConfigError(f"config: {key}: every layer with parameters has trainable = false, so nothing would "
+                          "train; let at least one train")
     return tuple(out)
 
 
@@ -154,6 +168,7 @@ class Tensor:
     kind: str  # "dense", "conv", "norm", "embedding" or "recurrent"
     order: np.ndarray | None = None  # dense: the PyTorch input index of each stored weight row
     hidden: int = 0  # recurrent: H, whose 1/sqrt(H) bounds PyTorch's initialisation
+    trainable: bool = True  # frozen tensors come after every trainable one in the flat vector
 
     @property
     def size(self) -> int:
@@ -171,6 +186,16 @@ class Tensor:
             return np.ascontiguousarray(w[0].transpose(2, 1, 0))
         return np.ascontiguousarray(w.transpose(3, 2, 0, 1))
 
+    def from_torch(self, value: np.ndarray) -> np.ndarray:
+        """to_torch's inverse: PyTorch's tensor as this one's stored values, flat."""
+        if self.name == "bias" or self.kind in ("norm", "embedding") or len(self.shape) == 1:
+            return value.reshape(-1)
+        if self.kind in ("dense", "recurrent"):
+            return (value[:, self.order] if self.order is not None else value).T.reshape(-1)
+        if len(self.torch_shape) == 3:
+            return value.transpose(2, 1, 0).reshape(-1)
+        return value.transpose(2, 3, 1, 0).reshape(-1)
+
 
 @dataclass
 class Network:
@@ -182,7 +207,7 @@ class Network:
     prog: np.ndarray
     slopes: np.ndarray
     perms: np.ndarray
-    dim: int
+    dim: int  # every parameter, the frozen ones (the last dim - trainable of the vector) included
     tensors: tuple
     per_sample: int  # activation values per sample
     aux_per_sample: int
@@ -194,6 +219,11 @@ class Network:
     fused_out: int  # the widest dense layer that steps its weights in its backward pass
     output_shapes: tuple = field(default_factory=tuple)  # each layer's output shape (PyTorch's)
     itemsize: int = 4  # of the model dtype
+    trainable: int = 0  # the parameters that train: the vector's first
+
+    @property
+    def frozen(self) -> int:
+        return self.dim - self.trainable
 
     @property
     def eval_chunk(self) -> int:
@@ -248,6 +278,7 @@ class _Walk:
         self.aux = 0
         self.tensors = []
         self.cols = self.wt = self.narrow = self.pads = self.tr = self.fused_out = 0
+        self.trainable = True  # the layer being planned trains
         self.maps = False  # the current tensor is a convolution's or pooling's map, (C, H, W) or (C, L)
         self.sequence = False  # ... a sequence (L, F) an embedding or a recurrent layer made
         self.op(ops.INPUT, int(np.prod(input_shape)))  # the samples gathered into the first activations
@@ -282,8 +313,11 @@ class _Walk:
 
     def params(self, row, layer: int, tensors) -> None:
         row[ops.F_PARAM] = self.dim
+        row[ops.F_FROZEN] = int(not self.trainable)
         for name, shape, torch_shape, fans, kind, order, *hidden in tensors:
-            self.tensors.append(Tensor(layer, name, self.dim, shape, torch_shape, fans, kind, order, *hidden))
+            hidden = hidden[0] if hidden else 0
+            self.tensors.append(Tensor(layer, name, self.dim, shape, torch_shape, fans, kind, order, hidden,
+                                       self.trainable))
             self.dim += int(np.prod(shape))
         row[ops.F_NPARAM] = self.dim - row[ops.F_PARAM]
         self.check_memory()
@@ -415,13 +449,14 @@ def _plan_dense(walk, layer, i, where):
     if len(walk.shape) != 1:
         raise ConfigError(f'{where} takes a flat input, got {_show(walk.shape)}; put {{type = "flatten"}} before it')
     din, dout = walk.shape[0], layer["out"]
-    row = walk.op(ops.DENSE_STEPPED if din * dout >= FUSED_WEIGHTS else ops.DENSE, dout, C=din, CO=dout)
+    stepped = din * dout >= FUSED_WEIGHTS and walk.trainable  # (a frozen layer takes no step)
+    row = walk.op(ops.DENSE_STEPPED if stepped else ops.DENSE, dout, C=din, CO=dout)
     walk.params(row, i, [("weight", (din, dout), (dout, din), (din, dout), "dense", walk.order),
                          ("bias", (dout,), (dout,), (din, dout), "dense", None)])
     walk.shape, walk.order = (dout,), None
     if dout * walk.itemsize < TILE_BYTES:
         walk.narrow = max(walk.narrow, din * dout)
-    if din * dout >= FUSED_WEIGHTS:
+    if stepped:
         walk.tr = max(walk.tr, din + dout)
         walk.fused_out = max(walk.fused_out, dout)
 
@@ -610,9 +645,10 @@ _CONV = {"out": (REQUIRED, _int(1)), "kernel": (REQUIRED, _int(1)), "stride": (1
 _POOL = {"size": (REQUIRED, _int(1)), "stride": (None, _int(1))}
 _RECURRENT = {"hidden": (REQUIRED, _int(1)), "layers": (1, _int(1)), "output": ("last", _one_of("last", "all"))}
 TYPES = {
-    "dense": LayerType({"out": (REQUIRED, _int(1))}, lambda l, i, o: f"nn.Linear({i[0]}, {l['out']})", _plan_dense),
-    "conv2d": LayerType(_CONV, _torch_conv, _plan_conv, 2),
-    "conv1d": LayerType(_CONV, _torch_conv, _plan_conv, 1),
+    "dense": LayerType({"out": (REQUIRED, _int(1))}, lambda l, i, o: f"nn.Linear({i[0]}, {l['out']})", _plan_dense,
+                       parametric=True),
+    "conv2d": LayerType(_CONV, _torch_conv, _plan_conv, 2, True),
+    "conv1d": LayerType(_CONV, _torch_conv, _plan_conv, 1, True),
     "maxpool2d": LayerType(_POOL, _torch_pool, _plan_pool, 2),
     "avgpool2d": LayerType(_POOL, _torch_pool, _plan_pool, 2),
     "maxpool1d": LayerType(_POOL, _torch_pool, _plan_pool, 1),
@@ -627,13 +663,13 @@ TYPES = {
     "sigmoid": LayerType({}, _fixed("nn.Sigmoid()"), _plan_activation),
     "dropout": LayerType({"rate": (0.5, _rate)}, lambda l, i, o: f"nn.Dropout({l['rate']})", _plan_dropout),
     "groupnorm": LayerType({"groups": (REQUIRED, _int(1))}, lambda l, i, o: f"nn.GroupNorm({l['groups']}, {i[0]})",
-                           _plan_groupnorm),
+                           _plan_groupnorm, parametric=True),
     "embedding": LayerType({"num": (REQUIRED, _int(1)), "dim": (REQUIRED, _int(1)), "padding_idx": (None, _int(0))},
                            lambda l, i, o: f"nn.Embedding({l['num']}, {l['dim']}"
                                            + (f", padding_idx={l['padding_idx']})" if "padding_idx" in l else ")"),
-                           _plan_embedding),
-    "lstm": LayerType(_RECURRENT, _torch_recurrent, _plan_recurrent),
-    "gru": LayerType(_RECURRENT, _torch_recurrent, _plan_recurrent),
+                           _plan_embedding, parametric=True),
+    "lstm": LayerType(_RECURRENT, _torch_recurrent, _plan_recurrent, parametric=True),
+    "gru": LayerType(_RECURRENT, _torch_recurrent, _plan_recurrent, parametric=True),
 }
 def build(layers, sample_shape: tuple, out_width: int, dtype, outputs_what: str = "classes",
           name: str = "model.layers", memory: tuple[int, str] | None = None, rows: int = 1) -> Network:
@@ -650,6 +686,7 @@ def build(layers, sample_shape: tuple, out_width: int, dtype, outputs_what: str 
         walk.where = f"config: {name}[{i}] ({kind})"
         sizes = [k for k in ("out", "kernel", "padding", "size") if k in TYPES[kind].settings]
         walk.fix = f"make the layer smaller ({', '.join(sizes)})" if sizes else "make the layers before it smaller"
+        walk.trainable = layer.get("trainable", True)
         TYPES[kind].plan(walk, layer, i, walk.where)
         walk.check_memory()
         shapes.append(walk.shape)
@@ -663,6 +700,7 @@ def build(layers, sample_shape: tuple, out_width: int, dtype, outputs_what: str 
     if walk.dim == 0:
         raise ConfigError(f"config: {name} has no layer with parameters; add a dense or conv layer")
     prog = np.stack(walk.ops)
+    tensors = _trainable_first(prog, walk.tensors)
     _mark_input_gradients(prog)
     conv_wt = 0  # each convolution packs its W^T once per step and keeps it through its samples: its own room
     for row in prog:  # (a view of it is made even where unused); a dense layer's, packed and used at once, shares it
@@ -674,8 +712,8 @@ def build(layers, sample_shape: tuple, out_width: int, dtype, outputs_what: str 
     walk.wt = max(walk.wt, conv_wt)
     network = Network(tuple(layers), shape, out_width, prog, np.asarray(walk.slopes, np.float64),
                       np.concatenate(walk.perms) if walk.perms else np.zeros(0, np.int64), walk.dim,
-                      tuple(walk.tensors), walk.next_region, walk.aux, walk.cols, walk.wt, walk.narrow, walk.pads,
-                      walk.tr, walk.fused_out, tuple(shapes), itemsize)
+                      tensors, walk.next_region, walk.aux, walk.cols, walk.wt, walk.narrow, walk.pads,
+                      walk.tr, walk.fused_out, tuple(shapes), itemsize, sum(t.size for t in tensors if t.trainable))
     need = network.workspace_bytes(rows) + network.dim * (8 + itemsize)  # and x_0, drawn in float64
     if memory is not None and need > memory[0]:
         raise ResourceError(f"config: {name}: a model of these layers needs about {size_text(need)} of memory "
@@ -698,12 +736,30 @@ def _fused_relu(walk: _Walk) -> bool:
     return last[ops.F_TYPE] == ops.CONV and last[ops.F_MODE] == 1 and last[ops.F_OUT] == walk.region
 
 
+def _trainable_first(prog: np.ndarray, tensors) -> tuple:
+    """Move the frozen layers' parameters after every trainable one (each group in layer order), so that the
+    trainable ones are the vector's first: x, what travels. Without frozen layers nothing moves."""
+    moved, at = {}, 0
+    for frozen in (0, 1):
+        for row in prog[1:]:
+            if row[ops.F_NPARAM] > 0 and row[ops.F_FROZEN] == frozen:
+                moved[int(row[ops.F_PARAM])] = at
+                row[ops.F_PARAM] = at
+                at += int(row[ops.F_NPARAM])
+    out, start = [], None
+    for t in tensors:  # a layer's tensors are consecutive, from its row's old F_PARAM
+        if t.offset in moved:
+            start, base = t.offset, moved[t.offset]
+        out.append(dataclasses.replace(t, offset=base + t.offset - start))
+    return tuple(out)
+
+
 def _mark_input_gradients(prog: np.ndarray) -> None:
-    """An operation needs its input's gradient only when some operation before it has parameters."""
+    """An operation needs its input's gradient only when some operation before it has parameters that train."""
     seen = False
     for row in prog[1:]:
         row[ops.F_GRAD_IN] = int(seen)
-        seen = seen or row[ops.F_NPARAM] > 0
+        seen = seen or (row[ops.F_NPARAM] > 0 and not row[ops.F_FROZEN])
 
 
 # ---------------------------------------------------------------------------------------- initialisation
@@ -736,6 +792,34 @@ def state_dict(network: Network, flat: np.ndarray) -> dict[str, np.ndarray]:
     """The parameters as the equivalent nn.Sequential's state_dict: "<index>.weight" / "<index>.bias" in
     PyTorch's shapes and order."""
     return {f"{t.layer}.{t.name}": t.to_torch(flat) for t in network.tensors}
+
+
+def whole_from_state(network: Network, weights: dict, source: str, dtype) -> np.ndarray:
+    """The whole parameter vector from a state_dict (state_dict's names and PyTorch's shapes): the first
+    missing, mis-shaped or unexpected tensor stops it, in one line naming it and the shape the model wants."""
+    whole = np.zeros(network.dim, dtype)
+    for t in network.tensors:
+        name = f"{t.layer}.{t.name}"
+        if name not in weights:
+            raise ConfigError(f"{source} has no tensor {name!r}, which the model's layer {t.layer} "
+                              f"({network.layers[t.layer]['type']}) needs with shape {t.torch_shape}; give the "
+                              "weights of the same layers (edgefed export --weights writes them)")
+        value = np.asarray(weights[name])
+        if value.shape != tuple(t.torch_shape):
+            raise ConfigError(f"{source}: tensor {name!r} has shape {value.shape}, but the model's layer {t.layer} "
+                              f"({network.layers[t.layer]['type']}) needs {tuple(t.torch_shape)}; give the weights "
+                              "of the same layers")
+        if not np.issubdtype(value.dtype, np.floating) or not np.isfinite(value).all():
+            what = "NaN or infinite values" if np.issubdtype(value.dtype, np.floating) else f"{value.dtype} values"
+            raise ConfigError(f"{source}: tensor {name!r} holds {what}; give finite floating-point weights")
+        whole[t.offset:t.offset + t.size] = t.from_torch(value)
+    expected = {f"{t.layer}.{t.name}" for t in network.tensors}
+    extra = [name for name in weights if name not in expected]
+    if extra:
+        names = ", ".join(sorted(expected)[:6]) + (", ..." if len(expected) > 6 else "")
+        raise ConfigError(f"{source} has the tensor {extra[0]!r}, which the model does not (its tensors: {names}); "
+                          "give the weights of the same layers")
+    return whole
 
 
 def torch_text(network: Network) -> str:

@@ -8,6 +8,8 @@ chunks (deadline mode) without changing a single draw.
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 from numba import typeof
 
@@ -15,7 +17,7 @@ from edgefed import layers as layer_lib
 from edgefed.kernels import network as net
 from edgefed.kernels.ops import ROWS, SLOTS, Apart, cached, kernel_names, kernels_of, uncached
 from edgefed.kernels.ops import tables as op_tables
-from edgefed.kernels.program import F_TYPE
+from edgefed.kernels.program import DROPOUT, F_FROZEN, F_MODE, F_NIN, F_NOUT, F_NPARAM, F_OUT, F_TYPE
 from edgefed.kernels import quadratic as _quad
 from edgefed.kernels.sgd import step_terms
 from edgefed.errors import ConfigError
@@ -46,6 +48,29 @@ class GrowingRows:
         return views
 
 
+def feature_prefix(prog: np.ndarray) -> int:
+    """The last operation of the frozen, deterministic prefix whose outputs can stand for the samples: the
+    operations before the first trainable one or the first dropout (whose draws change every step), when one
+    of them has (frozen) parameters; 0 when there is none."""
+    last, frozen = 0, False
+    for i in range(1, prog.shape[0]):
+        row = prog[i]
+        if (row[F_NPARAM] > 0 and not row[F_FROZEN]) or row[F_TYPE] == DROPOUT:
+            break
+        frozen = frozen or row[F_NPARAM] > 0
+        last = i
+    return last if frozen and last < prog.shape[0] - 1 else 0
+
+
+def rest_program(prog: np.ndarray, slopes: np.ndarray, prefix: int) -> tuple[np.ndarray, np.ndarray]:
+    """The program after a prefix: its input row gathers the prefix's outputs (features) where the prefix left
+    them in the activations, and the operations after it run as in the whole program, on the same buffers."""
+    head = prog[:1].copy()
+    head[0, F_OUT], head[0, F_NOUT], head[0, F_NIN] = prog[prefix, F_OUT], prog[prefix, F_NOUT], prog[prefix, F_NOUT]
+    head[0, F_MODE] = 0  # (features come in the activations' own layout: no permutation)
+    return np.ascontiguousarray(np.vstack([head, prog[prefix + 1:]])), np.concatenate([slopes[:1], slopes[prefix + 1:]])
+
+
 class LocalRun:
     """Workspace of one device's local work in one round: its generator state and minibatch permutation, and
     what its steps report of their losses: the sum of the squared losses of the samples trained on, and how
@@ -69,14 +94,23 @@ class Sequential:
     """
 
     def __init__(self, network: layer_lib.Network, dtype, seed: int, init: str = "pytorch",
-                 loss: str = "cross_entropy", kind: str = "sequential"):
+                 loss: str = "cross_entropy", kind: str = "sequential", cache_features: bool = True):
         self.network, self.dtype, self.seed, self.init, self.loss, self.kind = network, np.dtype(dtype), seed, init, loss, kind
-        self.dim = network.dim
-        self.n_features = int(np.prod(network.input_shape))
+        self.cache_features = cache_features
+        self.dim = network.trainable  # x: the trainable parameters, the whole vector's first
         self.n_outputs = network.out_width
         self._loss_kind = net.CROSS_ENTROPY if loss == "cross_entropy" else net.MSE
         dt = self.dtype
-        self._grad = np.zeros(self.dim, dt)
+        # frozen tensors: the whole vector lives here, x copied into its first dim values around each call
+        self._whole = np.zeros(network.dim, dt) if network.frozen else None
+        self._start = None  # the whole vector a run starts from ([model] weights); None: drawn from the seed
+        self.prefix = feature_prefix(network.prog) if cache_features else 0
+        self._prog, self._slopes = network.prog, network.slopes
+        self.n_features = int(np.prod(network.input_shape))
+        if self.prefix:  # the samples are the prefix's outputs: the program starts after it
+            self._prog, self._slopes = rest_program(network.prog, network.slopes, self.prefix)
+            self.n_features = int(network.prog[self.prefix, F_NOUT])
+        self._grad = np.zeros(network.dim, dt)
         self._acts = GrowingRows(((network.per_sample,), dt), ((network.aux_per_sample,), np.int32))
         self._deltas = GrowingRows(((network.per_sample,), dt), ((network.tr_per_sample,), dt))
         self._scratch = tuple(np.zeros(n, dt) for n in (network.cols, network.wt, network.narrow,
@@ -87,6 +121,8 @@ class Sequential:
         self._no_rng = np.zeros(4, np.uint64)
         self._no_deltas = (np.zeros((0, network.per_sample), dt), np.zeros((0, network.tr_per_sample), dt))
         self._ops = None  # (ROWS, SLOTS) addresses of the kernels the program calls (kernels/ops.py)
+        if self._whole is not None:
+            self._whole[:] = self._drawn()
 
     @classmethod
     def builtin(cls, kind: str, sample_shape: tuple, n_classes: int, dtype, seed: int = 0, hidden=(200, 200),
@@ -115,15 +151,63 @@ class Sequential:
         """What a board profile's speed entry names this model by: a built-in's name, else its layer list."""
         return self.kind if self.kind != "sequential" else f"sequential: {self.network.signature()}"
 
-    def initial_params(self) -> np.ndarray:
+    def _drawn(self) -> np.ndarray:
         return layer_lib.initial_params(self.network, self.init, generator(self.seed, Purpose.INIT), self.dtype)
+
+    def initial_params(self) -> np.ndarray:
+        """x_0: the trainable parameters, loaded (start_from) or drawn from the seed."""
+        whole = self._drawn() if self._start is None else self._start
+        return whole[:self.dim].copy()
+
+    def start_from(self, whole: np.ndarray) -> None:
+        """Start from these parameters (the whole vector, the frozen tensors last), not the seeded draw."""
+        self._start = np.ascontiguousarray(whole, self.dtype)
+        self.set_frozen(self._start[self.dim:])
+
+    def load_weights(self, weights: dict, source: str) -> None:
+        """Start from a state_dict (the printed module's names and shapes: what `edgefed export --weights`
+        writes); a missing, unexpected or mis-shaped tensor is a ConfigError naming it."""
+        self.start_from(layer_lib.whole_from_state(self.network, weights, source, self.dtype))
+
+    @property
+    def frozen_values(self) -> np.ndarray:
+        """The frozen tensors, as the whole vector holds them after x (empty: none)."""
+        return self._whole[self.dim:] if self._whole is not None else np.zeros(0, self.dtype)
+
+    def set_frozen(self, values: np.ndarray) -> None:
+        if self._whole is not None:
+            self._whole[self.dim:] = values
+
+    def whole(self, params: np.ndarray) -> np.ndarray:
+        """The whole parameter vector of x = params: params, then the frozen tensors."""
+        return params if self._whole is None else np.concatenate([params, self.frozen_values])
 
     def clone(self) -> "Sequential":
         """The same model with its own workspaces (for a second thread)."""
-        return Sequential(self.network, self.dtype, self.seed, self.init, self.loss, self.kind)
+        twin = Sequential(self.network, self.dtype, self.seed, self.init, self.loss, self.kind, self.cache_features)
+        twin._start = self._start
+        twin.set_frozen(self.frozen_values)
+        return twin
 
     def state_dict(self, params: np.ndarray) -> dict[str, np.ndarray]:
-        return layer_lib.state_dict(self.network, params)
+        return layer_lib.state_dict(self.network, self.whole(params))
+
+    def features(self, X: np.ndarray) -> np.ndarray:
+        """The samples X (n, values) through the frozen prefix: what this model trains and evaluates on."""
+        if X.dtype != self.dtype or X.ndim != 2 or X.shape[1] != int(np.prod(self.network.input_shape)):
+            raise ValueError(f"X must be {self.dtype} (n, {int(np.prod(self.network.input_shape))}), got {X.dtype} {X.shape}")
+        out = np.zeros((X.shape[0], self.n_features), self.dtype)
+        if X.shape[0]:
+            if self._ops is None:
+                self._ops = op_tables(self.network.prog[:, F_TYPE], self.dtype)
+            prog, slopes = self.network.prog[:self.prefix + 1], self.network.slopes[:self.prefix + 1]
+            rows = min(self.network.eval_chunk, X.shape[0]) + 1
+            none = self._no_labels if self._loss_kind == net.CROSS_ENTROPY else self._no_targets
+            args = self._network_args(self._ops, self._whole, np.ascontiguousarray(X), none, self._no_labels,
+                                      X.shape[0], 0, 0, self.dtype.type(0), self.dtype.type(1), self._no_terms,
+                                      self._no_rng, net.FEATURES, self._grad, rows, out)
+            net.network(args[0], prog, slopes, *args[3:])
+        return out
 
     # -- checks ------------------------------------------------------------------------------------------
     def _check(self, params: np.ndarray, X: np.ndarray, y: np.ndarray) -> None:
@@ -164,18 +248,24 @@ class Sequential:
     def _network_args(self, ops, params, X, y, idx, n, b, n_steps, lr, scale, terms, rng, mode, grad, rows,
                       outputs=None) -> tuple:
         acts, aux = self._acts.take(rows)
-        deltas, tr = self._deltas.take(b) if mode != net.EVAL else self._no_deltas
+        deltas, tr = self._deltas.take(b) if mode < net.EVAL else self._no_deltas
         labels, targets = self._targets(y)
-        nw = self.network
-        return (ops, nw.prog, nw.slopes, nw.perms, self._loss_kind, params, X, labels, targets, idx, n, b, n_steps, lr,
+        return (ops, self._prog, self._slopes, self.network.perms, self._loss_kind, params, X, labels, targets, idx, n, b,
+                n_steps, lr,
                 scale, terms, rng, mode, grad, acts, deltas, aux, tr, *self._scratch,
                 self._no_targets if outputs is None else outputs)
 
     def _call(self, params, X, y, idx, n, b, n_steps, lr, scale, terms, rng, mode, grad, rows, outputs=None):
         if self._ops is None:  # the model's operations, compiled (or loaded) when first run: at the warm-up
             self._ops = op_tables(self.network.prog[:, F_TYPE], self.dtype)
-        loss, count = net.network(*self._network_args(self._ops, params, X, y, idx, n, b, n_steps, lr, scale, terms,
+        whole = params
+        if self._whole is not None:  # x into the whole vector, beside the frozen tensors
+            whole = self._whole
+            whole[:self.dim] = params
+        loss, count = net.network(*self._network_args(self._ops, whole, X, y, idx, n, b, n_steps, lr, scale, terms,
                                                       rng, mode, grad, rows, outputs))
+        if whole is not params and mode == net.STEPS:
+            params[:] = whole[:self.dim]
         if count < 0:  # the kernel found a label outside the classes (its row: -1 - count) and stopped there
             raise ValueError(f"labels must lie in [0, {self.n_outputs}); row {-1 - count} has {int(y[-1 - count])}")
         return loss, count
@@ -213,8 +303,11 @@ class Sequential:
             self.loss_grad(params, data, grad_out)
             return
         X, y, b, inv_b = self._checked(params, data, batch_size)
+        grad = grad_out if self._whole is None else self._grad  # (the kernel writes the frozen tensors' too)
         self._call(params, X, y, run.perm, X.shape[0], b, 1, inv_b, inv_b, self._no_terms, run.rng, net.MINIBATCH,
-                   grad_out, b)
+                   grad, b)
+        if grad is not grad_out:
+            grad_out[:] = grad[:self.dim]
 
     def loss_grad(self, params, data: ClassificationData, grad_out: np.ndarray) -> float:
         """Mean training loss F_k(params) and its full gradient (dropout off), summed over chunks (bounded
@@ -229,7 +322,7 @@ class Sequential:
             part, _ = self._call(params, X, y, idx, n, idx.size, 1, scale, scale, self._no_terms, self._no_rng,
                                  net.ROWS, self._grad, idx.size)
             loss += part
-            grad_out += self._grad
+            grad_out += self._grad[:self.dim]
         return loss / n
 
     # -- evaluation --------------------------------------------------------------------------------------
@@ -258,6 +351,33 @@ class Sequential:
 
     def train_loss(self, params, data: ClassificationData) -> float:
         return self.loss_correct(params, data.X_train, data.y_train)[0] / data.n_train
+
+
+class FeatureProblem:
+    """A problem whose devices' samples are a model's frozen prefix's outputs (Sequential.features), computed
+    once when a device's data is built, in every process alike: the model's local steps and evaluation then
+    run only its trainable rest. Everything else is the problem's own."""
+
+    def __init__(self, problem, model: Sequential):
+        self._problem, self._model = problem, model
+        self._lock = threading.Lock()  # lanes build devices from their threads: one extractor's workspaces
+        self._extractor = None
+
+    def __getattr__(self, name):
+        return getattr(self._problem, name)
+
+    def device(self, device_id: int) -> ClassificationData:
+        data = self._problem.device(device_id)
+        with self._lock:
+            if self._extractor is None:
+                self._extractor = self._model.clone()
+            return ClassificationData(self._extractor.features(data.X_train), data.y_train,
+                                      self._extractor.features(data.X_test), data.y_test)
+
+    def data_bytes(self) -> int:
+        """The built devices' data: the samples as features (the raw ones are dropped once passed through)."""
+        raw = self._problem.data_bytes() if hasattr(self._problem, "data_bytes") else 0
+        return int(raw * self._model.n_features / max(int(np.prod(self._model.network.input_shape)), 1))
 
 
 class Quadratic:
@@ -322,7 +442,7 @@ def build_model(model, problem, seed: int = 0, memory: tuple[int, str] | None = 
         note = getattr(problem, "classes_note", "")
         network = layer_lib.build(model.layers, problem.sample_shape, problem.n_outputs, dtype,
                                   f"{what} ({note})" if note else what, memory=memory, rows=rows)
-        return Sequential(network, dtype, seed, model.init or "pytorch", model.loss, "sequential")
+        return Sequential(network, dtype, seed, model.init or "pytorch", model.loss, "sequential", model.cache_features)
     built = Sequential.builtin(model.kind, problem.sample_shape, problem.n_outputs, dtype, seed, model.hidden, memory,
                                rows)
     if model.init is not None:

@@ -94,6 +94,7 @@ class Header:
     attrs: dict = field(default_factory=dict)
     restarts: tuple = ()  # the worlds `edgefed launch` started again on this log (dicts of RESTART's fields)
     label_counts: np.ndarray | None = None  # (N, C) int64: each device's training labels (classification)
+    frozen: np.ndarray | None = None  # the model's frozen tensors (trainable = false), stored once
 
     def __post_init__(self):
         """An algorithm's names must not take the log's own: /state holds round, x and undo/, undo/ holds
@@ -572,6 +573,11 @@ def _write_skeleton(f: h5py.File, header: Header) -> None:
         f.create_dataset("devices/label_counts", data=np.asarray(header.label_counts, dtype=np.int64))
         f["devices/label_counts"].attrs["meaning"] = ("training samples of each label on each device "
                                                       "(device_id, label)")
+    if header.frozen is not None and header.frozen.size:
+        f.create_dataset("model/frozen", data=header.frozen)
+        f["model/frozen"].attrs["meaning"] = ("the model's frozen tensors (trainable = false; a torch module's "
+                                              "frozen parameters and buffers), the whole parameter vector after x: "
+                                              "they never change, so they are stored once")
     state = f.create_group("state")
     state.attrs["meaning"] = "what --resume needs after the last completed round"
     state.create_dataset("round", data=np.array([-1], dtype=np.int64))
@@ -835,6 +841,7 @@ class ResumePoint:
     restarts: tuple = ()  # the log's /launch/restarts
     fresh: bool = False  # no round completed (killed during start-up): the run starts from the beginning
     n_train: np.ndarray | None = None  # /devices/n_train: what the run's data gave each device
+    frozen: np.ndarray | None = None  # /model/frozen: the frozen tensors the run trained beside
 
 
 def read_resume_point(path: str | Path) -> ResumePoint:
@@ -873,8 +880,9 @@ def read_resume_point(path: str | Path) -> ResumePoint:
                 rows = rows.updated(st["undo/ids"][:count], st[f"undo/{name}"][:count]).nonzero()
             state[name] = rows
         n_train = f["devices/n_train"][()] if isinstance(f.get("devices/n_train"), h5py.Dataset) else None
+        frozen = f["model/frozen"][()] if isinstance(f.get("model/frozen"), h5py.Dataset) else np.zeros(0)
         return ResumePoint(config_toml, done, state, prefix, f.attrs.get("status") == "complete",
-                           limits, root_attrs(f, path), restarts, n_train=n_train)
+                           limits, root_attrs(f, path), restarts, n_train=n_train, frozen=frozen)
 
 
 @dataclass(frozen=True)

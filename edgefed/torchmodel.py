@@ -248,6 +248,49 @@ class TorchModel:
     def initial_params(self) -> np.ndarray:
         return self._init.copy()
 
+    def load_weights(self, weights: dict, source: str) -> None:
+        """Start from a state_dict with the module's own names and shapes (its parameters and buffers); the
+        first missing, unexpected or mis-shaped tensor is a ConfigError naming it."""
+        torch = self.torch
+        own = self.module.state_dict()
+        for name, tensor in own.items():
+            if name not in weights:
+                raise ConfigError(f"{source} has no tensor {name!r}, which model.module's state_dict holds with "
+                                  f"shape {tuple(tensor.shape)}; give the weights of the same module")
+            value = np.asarray(weights[name])
+            if value.shape != tuple(tensor.shape):
+                raise ConfigError(f"{source}: tensor {name!r} has shape {value.shape}, but model.module's is "
+                                  f"{tuple(tensor.shape)}; give the weights of the same module")
+            if tensor.dtype.is_floating_point and not np.isfinite(value).all():
+                raise ConfigError(f"{source}: tensor {name!r} holds NaN or infinite values; give finite weights")
+        extra = [name for name in weights if name not in own]
+        if extra:
+            raise ConfigError(f"{source} has the tensor {extra[0]!r}, which model.module's state_dict does not "
+                              f"(its tensors: {', '.join(list(own)[:6])}{', ...' if len(own) > 6 else ''}); give "
+                              "the weights of the same module")
+        with torch.no_grad():
+            for name, tensor in own.items():
+                tensor.copy_(torch.from_numpy(np.ascontiguousarray(weights[name])).to(tensor.dtype))
+        self._init = torch.cat([p.detach().reshape(-1) for p in self.params]).numpy().astype(self.dtype)
+
+    def _frozen(self) -> list:
+        """The module's state beside x: frozen parameters (requires_grad False) and floating-point buffers."""
+        trainable = set(self.names)
+        return [v for k, v in self.module.state_dict().items() if k not in trainable and v.dtype.is_floating_point]
+
+    @property
+    def frozen_values(self) -> np.ndarray:
+        parts = [v.detach().reshape(-1).numpy().astype(self.dtype) for v in self._frozen()]
+        return np.concatenate(parts) if parts else np.zeros(0, self.dtype)
+
+    def set_frozen(self, values: np.ndarray) -> None:
+        at = 0
+        with self.torch.no_grad():
+            for v in self._frozen():
+                n = v.numel()
+                v.copy_(self.torch.from_numpy(np.ascontiguousarray(values[at:at + n])).view(v.shape).to(v.dtype))
+                at += n
+
     def memory_bytes(self, rows: int) -> int:
         """A clone's module and flat vectors (its parameters, their gradient, two flat copies); what its
         forward passes hold is torch's, and not counted."""
@@ -255,7 +298,10 @@ class TorchModel:
 
     def clone(self) -> "TorchModel":
         """Its own module (and workspaces), for a second thread: evaluation while a late worker computes."""
-        return TorchModel(self.path, self.factory, self.sample_shape, self.n_outputs, self.dtype, self.seed, self.loss)
+        twin = TorchModel(self.path, self.factory, self.sample_shape, self.n_outputs, self.dtype, self.seed, self.loss)
+        twin.set_frozen(self.frozen_values)
+        twin._init = self._init
+        return twin
 
     def state_dict(self, params: np.ndarray) -> dict[str, np.ndarray]:
         """The module's own state_dict (names and shapes) with these parameters."""

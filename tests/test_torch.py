@@ -290,3 +290,31 @@ def test_a_missing_file_a_relative_path_and_a_missing_torch(tmp_path, monkeypatc
     monkeypatch.setitem(sys.modules, "torch", None)
     with pytest.raises(ConfigError, match=r'pip install "edgefed\[torch\]"'):
         torchmodel.import_torch()
+
+
+def test_a_module_starts_from_a_state_dict_and_keeps_its_frozen_layer_through_a_run_and_export(tmp_path):
+    """[model] weights = a .pt of the module's own state_dict: x_0 is its trainable part, the frozen layer
+    (requires_grad False) is the file's on every device, is stored once in the log and comes back in the
+    export; a state_dict of another module is one line naming the tensor."""
+    g = np.random.default_rng(3)
+    weights = {"1.weight": g.normal(size=(8, 6)), "1.bias": g.normal(size=8), "3.weight": g.normal(size=(3, 8)),
+               "3.bias": g.normal(size=3)}
+    torch.save({k: torch.from_numpy(v.astype(np.float32)) for k, v in weights.items()}, tmp_path / "w.pt")
+    np.savez(tmp_path / "d.npz", x_train=g.normal(size=(40, 6)).astype(np.float32), y_train=g.integers(0, 3, 40))
+    cfg = load_config(None, ['data.kind="arrays"', f'data.path="{tmp_path / "d.npz"}"', "data.clients=4", "rounds=2",
+                             "train.clients_per_round=2", "train.local_steps=2", 'model.kind="torch"',
+                             f'model.module="{MODULES}"', 'model.factory="frozen_first_layer"',
+                             f'model.weights="{tmp_path / "w.pt"}"'])
+    runs.run(cfg, tmp_path / "r.h5")
+    log = read_run(tmp_path / "r.h5")
+    start = np.concatenate([weights["3.weight"].ravel(), weights["3.bias"]]).astype(np.float32)
+    assert log["trajectory/x"][0].tobytes() == start.tobytes()
+    assert log["model/frozen"].size == 8 * 6 + 8
+    assert main(["export", str(tmp_path / "r.h5"), "--weights", str(tmp_path / "r.npz")]) == 0
+    out = np.load(tmp_path / "r.npz")
+    assert np.array_equal(out["1.weight"], weights["1.weight"].astype(np.float32))
+    assert not np.array_equal(out["3.weight"], weights["3.weight"].astype(np.float32))
+    model = model_of("frozen_first_layer")
+    with pytest.raises(ConfigError, match=r"has no tensor '3.bias', which model.module's state_dict holds with shape "
+                                          r"\(3,\)"):
+        model.load_weights({k: v for k, v in weights.items() if k != "3.bias"}, "w.pt")

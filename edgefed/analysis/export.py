@@ -94,10 +94,12 @@ def inputs_text(run: Run, network) -> str:
             f"scale [{numbers(scale)}] (the log's attributes input_shift, input_scale)")
 
 
-def export_weights(run: Run, out: Path, round_idx: int | None = None) -> tuple[int, str]:
-    """Write the server model of a stored round (default: the last) as one array per parameter, named and
-    shaped as the equivalent torch.nn.Sequential's state_dict; returns (round, that Sequential as Python and
-    what its inputs are)."""
+FROZEN = "model/frozen"  # the frozen tensors, stored once (the whole parameter vector after x)
+
+
+def stored_weights(run: Run, round_idx: int | None = None) -> tuple[int, dict, object]:
+    """(round, state_dict, network or torch model) of the server model of a stored round (default: the last),
+    the frozen tensors included: named and shaped as the equivalent torch module's."""
     network = network_of(run)
     stored = run["trajectory/round"]
     if round_idx is None:
@@ -110,12 +112,25 @@ def export_weights(run: Run, out: Path, round_idx: int | None = None) -> tuple[i
                                f"{int(stored[-1])}); pick one of them")
         row = int(hits[0])
     params = np.ascontiguousarray(run["trajectory/x"][row])
+    frozen = np.asarray(run[FROZEN]) if FROZEN in run.data else params[:0]
     if not isinstance(network, layer_lib.Network):  # a torch module: its own state_dict
-        weights = network.state_dict(params)
+        network.set_frozen(frozen)
+        return int(stored[row]), network.state_dict(params), network
+    if frozen.size != network.frozen or params.size != network.trainable:
+        raise RunLogError(f"{run.path} stores {params.size:,} trainable and {frozen.size:,} frozen parameters, but "
+                          f"its config's layers have {network.trainable:,} and {network.frozen:,}; it is damaged")
+    return int(stored[row]), layer_lib.state_dict(network, np.concatenate([params, frozen.astype(params.dtype)])), network
+
+
+def export_weights(run: Run, out: Path, round_idx: int | None = None) -> tuple[int, str]:
+    """Write the server model of a stored round (default: the last) as one array per parameter, named and
+    shaped as the equivalent torch.nn.Sequential's state_dict (frozen tensors included); returns (round, that
+    Sequential as Python and what its inputs are)."""
+    round_idx, weights, network = stored_weights(run, round_idx)
+    if not isinstance(network, layer_lib.Network):
         text = (f"the module {network.factory}(input_shape={network.sample_shape}, n_classes={network.n_outputs}) "
                 f"of {network.path}\n{inputs_text(run, network)}")
     else:
-        weights = layer_lib.state_dict(network, params)
         text = f"{layer_lib.torch_text(network)}\n{inputs_text(run, network)}"
     out = Path(out)
     tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp.npz")
@@ -126,4 +141,4 @@ def export_weights(run: Run, out: Path, round_idx: int | None = None) -> tuple[i
     except OSError as exc:
         tmp.unlink(missing_ok=True)
         raise EdgefedError(f"cannot write {out} ({exc}); choose another --weights file") from None
-    return int(stored[row]), text
+    return round_idx, text

@@ -26,13 +26,14 @@ def load_config(path: str | Path | None = None, overrides: typing.Sequence[str] 
     return config_from_dict(raw)
 
 
-FILE_KEYS = ("model.module",)  # files a config names relative to itself
+FILE_KEYS = ("model.module", "model.weights")  # files a config names relative to itself
 
 
 def files_read(cfg) -> list[tuple[str, str]]:
     """(what, path) of every file and folder a run of this config reads, so that no output of the run is
     written over one of them (outputs.check_output)."""
-    named = [("data.path", cfg.data.path), ("data.vocab", cfg.data.vocab), ("model.module", cfg.model.module), ("device.profile", cfg.device.profile),
+    named = [("data.path", cfg.data.path), ("data.vocab", cfg.data.vocab), ("model.module", cfg.model.module),
+             ("model.weights", cfg.model.weights), ("device.profile", cfg.device.profile),
              *(("device.boards", board) for board in cfg.device.boards)]
     trace = cfg.participation.trace
     named += [("participation.trace", trace)] if isinstance(trace, str) else []

@@ -51,6 +51,9 @@ class ModelConfig:
     init: str | None = None  # "pytorch", "glorot" or "zeros"; None: pytorch for sequential, the built-ins' own
     module: str | None = None  # torch: the Python file of the user's module (relative to the config file)
     factory: str | None = None  # torch: the function in it, factory(input_shape, n_classes) -> nn.Module
+    weights: str | None = None  # start from these: an exported .npz, a run log (.h5), a PyTorch state_dict (.pt)
+    weights_round: int | None = None  # a run log's stored round to start from (None: its last)
+    cache_features: bool = True  # a frozen prefix's outputs computed once per device, when its data is built
 
 
 @dataclass(frozen=True)

@@ -21,11 +21,11 @@ from edgefed.kernels import JIT
 from edgefed.kernels.linalg import block, copy_into, matrix, vector
 from edgefed.kernels.objective import CROSS_ENTROPY, MSE  # noqa: F401 - the losses' codes, for models
 from edgefed.kernels.ops import LOSS, STEP, call_backward, call_forward, call_loss, call_step
-from edgefed.kernels.program import (DENSE, DENSE_STEPPED, EMBEDDING, F_GRAD_IN, F_IN, F_MODE, F_NIN, F_NOUT, F_NPARAM, F_OUT,
-                                     F_PERM, F_TYPE)
+from edgefed.kernels.program import (DENSE, DENSE_STEPPED, EMBEDDING, F_FROZEN, F_GRAD_IN, F_IN, F_MODE, F_NIN, F_NOUT,
+                                     F_NPARAM, F_OUT, F_PERM, F_TYPE)
 from edgefed.kernels.random import draw_batch
 
-STEPS, MINIBATCH, ROWS, EVAL = 0, 1, 2, 3  # modes of `network`
+STEPS, MINIBATCH, ROWS, EVAL, FEATURES = 0, 1, 2, 3, 4  # modes of `network`
 
 
 @njit(inline="always", **JIT)
@@ -91,8 +91,9 @@ def _backward(ops, prog, slopes, perms, params, grad, acts, deltas, aux, tr, col
     i = prog.shape[0] - 1
     while i >= 1:
         if _whole_batch(prog[i, F_TYPE]):
-            call_backward(ops, prog[i, F_TYPE], _op(prog, i), slopes[i], perms, params, grad, acts, deltas, aux, tr, cols, wt,
-                          gt, gblock, pads, 0, b, step, lr, terms)
+            if _needs_backward(prog, i):
+                call_backward(ops, prog[i, F_TYPE], _op(prog, i), slopes[i], perms, params, grad, acts, deltas, aux, tr,
+                              cols, wt, gt, gblock, pads, 0, b, step, lr, terms)
             i -= 1
             continue
         j = i
@@ -100,10 +101,17 @@ def _backward(ops, prog, slopes, perms, params, grad, acts, deltas, aux, tr, col
             j -= 1
         for r in range(b):
             for k in range(i, j, -1):
-                if prog[k, F_NPARAM] > 0 or prog[k, F_GRAD_IN] != 0:  # (no input gradient needed, no parameters)
+                if _needs_backward(prog, k):
                     call_backward(ops, prog[k, F_TYPE], _op(prog, k), slopes[k], perms, params, grad, acts, deltas,
                                   aux, tr, cols, wt, gt, gblock, pads, r, r + 1, step, lr, terms)
         i = j
+
+
+@njit(inline="always", **JIT)
+def _needs_backward(prog, i):
+    """Whether operation i has a backward pass to run: parameters that train, or an input whose gradient a
+    trainable layer below it needs (a frozen prefix, or a layer without parameters at the bottom, has none)."""
+    return (prog[i, F_NPARAM] > 0 and prog[i, F_FROZEN] == 0) or prog[i, F_GRAD_IN] != 0
 
 
 @njit(inline="always", **JIT)
@@ -126,7 +134,8 @@ def network(ops, prog, slopes, perms, loss_kind, params, X, labels, targets, idx
     squared. MINIBATCH: grad <- scale * the summed gradient of one such minibatch. ROWS: grad <- scale * the
     summed gradient of rows idx[:b] (dropout off: the model's deterministic objective). EVAL: loss and
     correct predictions of rows 0..n-1, acts.shape[0] - 1 at a time, and their outputs (the last layer's,
-    e.g. logits) into outputs when it has n rows.
+    e.g. logits) into outputs when it has n rows. FEATURES: EVAL's outputs without a loss (a program that ends
+    before the network's last layer: a frozen prefix's outputs, models.Sequential.features).
     scale and lr come in the parameter dtype; losses are float64 sums. A label outside the classes stops it:
     count is then -1 - its row.
     """
@@ -142,7 +151,7 @@ def network(ops, prog, slopes, perms, loss_kind, params, X, labels, targets, idx
                                   vector(pads, 0, pads.shape[0]))
     empty = idx[:0]
     # flags as run-time values: a constant argument would make Numba compile each callee again for it
-    evaluate = mode == EVAL
+    evaluate = mode == EVAL or mode == FEATURES
     train, step, want_deltas = mode == STEPS or mode == MINIBATCH, mode == STEPS, not evaluate
     # one pass of gather, forward, loss (and backward, step) serves every mode: a copy of each inlined once
     chunk = acts.shape[0] - 1  # EVAL: rows at a time, the last row the runs' scratch
@@ -159,8 +168,10 @@ def network(ops, prog, slopes, perms, loss_kind, params, X, labels, targets, idx
         _forward(ops, prog, slopes, perms, params, acts, aux, cols, pads, m, train, want_deltas, rng)
         # EVAL: one running sum over every sample, whatever the chunks; STEPS: of the squared sample losses over
         # every step (a report field, no extra pass)
-        loss, right = call_loss(ops, LOSS, prog, labels, targets, rows, first, m, scale, loss_kind, acts, deltas,
-                                want_deltas, step, loss if evaluate or step else 0.0)
+        right = 0
+        if mode != FEATURES:
+            loss, right = call_loss(ops, LOSS, prog, labels, targets, rows, first, m, scale, loss_kind, acts, deltas,
+                                    want_deltas, step, loss if evaluate or step else 0.0)
         if right < 0:
             return loss, right
         if evaluate:

@@ -9,7 +9,7 @@ from numba import njit
 from edgefed.kernels import JIT
 from edgefed.kernels.fma import fma
 from edgefed.kernels.linalg import block, vector
-from edgefed.kernels.program import DENSE_STEPPED, F_NIN, F_NOUT, F_NPARAM, F_OUT, F_PARAM, F_TYPE
+from edgefed.kernels.program import DENSE_STEPPED, F_FROZEN, F_NIN, F_NOUT, F_NPARAM, F_OUT, F_PARAM, F_TYPE
 from edgefed.kernels.sgd import apply_step, terms_slice
 from edgefed.kernels.softmax import cross_entropy, softmax_xent
 
@@ -63,18 +63,29 @@ def _fuses(prog):
     return False
 
 
+@njit(inline="always", **JIT)
+def _trainable(prog):
+    """The trainable parameters' count: they come first in the vector, the frozen ones after them."""
+    n = 0
+    for i in range(1, prog.shape[0]):
+        if prog[i, F_FROZEN] == 0:
+            n += prog[i, F_NPARAM]
+    return n
+
+
 @njit(**JIT)
 def step_op(prog, params, grad, lr, terms):
-    """The SGD step of every parameter not updated in the backward pass: the whole vector as one piece, or
+    """The SGD step of every parameter not updated in the backward pass: the trainable ones as one piece, or
     (fused) layer by layer around the weights already stepped (the same bits: each coordinate's update is its
-    own). One call of apply_step: each call is inlined, and costs its compilation again."""
+    own). One call of apply_step: each call is inlined, and costs its compilation again. Frozen parameters
+    (after the trainable ones) get none."""
     n_ops = prog.shape[0]
     fused = _fuses(prog)
     i = 1
     while True:
-        p, n = 0, params.shape[0]
+        p, n = 0, _trainable(prog)
         if fused:
-            while i < n_ops and prog[i, F_NPARAM] == 0:
+            while i < n_ops and (prog[i, F_NPARAM] == 0 or prog[i, F_FROZEN] == 1):
                 i += 1
             if i == n_ops:
                 return

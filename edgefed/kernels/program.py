@@ -14,7 +14,9 @@ EMBEDDING, LSTM, GRU = range(10, 13)  # sequence.py: over the whole batch, as de
 # groupnorm: groups; input: permuted); whether the input's gradient is needed; where its padded map starts
 # in the pads scratch, its index map in perms, and (a convolution) its packed W^T in the wt scratch; where the
 # values it keeps for its backward pass start in a sample's activations (a recurrent layer's states and gates,
-# sequence.py; the same region of the deltas is its backward pass's scratch).
+# sequence.py; the same region of the deltas is its backward pass's scratch); whether its parameters are
+# frozen (`trainable = false`: they come after every trainable one in the vector, get no SGD step, and their
+# gradient is computed only where a trainable layer below needs the input's).
 #
 # A sequence layer's row: C = its input features (an embedding: the vocabulary), CO = hidden units (an
 # embedding: its dimension), W = the sequence's length L, H = stacked layers; mode: a recurrent layer's
@@ -23,5 +25,5 @@ EMBEDDING, LSTM, GRU = range(10, 13)  # sequence.py: over the whole batch, as de
 # Dense and sequence layers run over the whole batch; a run of other operations between them runs sample by sample
 # (each sample's maps stay in cache from one operation to the next), forward and backward.
 (F_TYPE, F_IN, F_OUT, F_NIN, F_NOUT, F_PARAM, F_NPARAM, F_AUX, F_C, F_H, F_W, F_CO, F_HO, F_WO, F_KH, F_KW, F_SH,
- F_SW, F_PT, F_PL, F_HP, F_WP, F_MODE, F_GRAD_IN, F_PAD, F_PERM, F_WT, F_WORK) = range(28)
-WIDTH = 28
+ F_SW, F_PT, F_PL, F_HP, F_WP, F_MODE, F_GRAD_IN, F_PAD, F_PERM, F_WT, F_WORK, F_FROZEN) = range(29)
+WIDTH = 29

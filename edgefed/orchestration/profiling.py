@@ -105,7 +105,25 @@ def speed_entry(model, batch: int, steps_per_s: float) -> dict:
     entry = {"model": model.kind, "params": model.dim, "batch": batch, "steps_per_s": float(f"{steps_per_s:.4g}")}
     if model.kind in hwprofile.NAMED:
         entry["layers"] = hwprofile.model_key(model).split(": ", 1)[1]
+    if getattr(model, "prefix", 0):  # its steps train the rest; the frozen prefix runs once per sample
+        entry["prefix_samples_per_s"] = float(f"{prefix_samples_per_second(model):.4g}")
     return entry
+
+
+def prefix_samples_per_second(model, min_time_s: float = 0.3) -> float:
+    """Samples a second through a model's frozen prefix (the one-off pass when a device's data is built)."""
+    g = np.random.default_rng(0)
+    n = 4 * model.network.eval_chunk
+    X = g.random((n, int(np.prod(model.network.input_shape)))).astype(model.dtype)
+    first = model.network.layers[0]
+    if first.get("type") == "embedding":
+        X = g.integers(0, first["num"], X.shape).astype(model.dtype)
+    model.features(X[:1])
+    samples, t0 = 0, time.perf_counter()
+    while time.perf_counter() - t0 < min_time_s or not samples:
+        model.features(X)
+        samples += n
+    return samples / (time.perf_counter() - t0)
 
 
 def warmup(kinds=("logreg", "mlp", "cnn", "quadratic"), dtypes=("float32", "float64"), out=print,

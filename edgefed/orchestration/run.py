@@ -28,7 +28,8 @@ from edgefed.engine.rounds import RoundEngine
 from edgefed.errors import ConfigError, EdgefedError, RankLost, ResourceError, RunLogError
 from edgefed.layers import first_spatial, token_ids
 from edgefed.memory import memory_limit
-from edgefed.models import build_model
+from edgefed.models import FeatureProblem, build_model
+from edgefed.orchestration.weights import start_from_weights
 from edgefed.outputs import check_output, writable
 from edgefed.orchestration.timing import link_speeds, timing_for
 from edgefed.participation.budgets import local_budgets
@@ -143,6 +144,10 @@ def problem_and_model(cfg: Config, problems: dict | None = None):
     if problems is not None:
         problems[key] = problem
     model = build_model(cfg.model, problem, cfg.seed, memory_limit(), minibatch_rows(cfg, problem))
+    if cfg.model.weights is not None:
+        start_from_weights(model, cfg.model.weights, cfg.model.weights_round)
+    if getattr(model, "prefix", 0):  # the samples pass the frozen prefix once, when a device's data is built
+        problem = FeatureProblem(problem, model)
     threads = cfg.mpi.threads_per_rank or 1
     if threads > 1 and getattr(model, "one_lane", False):
         raise ConfigError(f"config: mpi.threads_per_rank = {threads}, but model.module draws random numbers in "
@@ -458,6 +463,26 @@ def released_on_failure(log_path: Path, owned: bool):
         raise
 
 
+def _frozen_text(model) -> str:
+    """What of the model trains, when some of it is frozen, and whether its frozen prefix's outputs are cached."""
+    frozen = getattr(model, "frozen_values", np.zeros(0)).size
+    if not frozen:
+        return ""
+    cached = (f" (the frozen layers' outputs computed once per device: {model.n_features} features a sample)"
+              if getattr(model, "prefix", 0) else "")
+    return f" trained, {frozen:,} frozen{cached}"
+
+
+def _same_frozen(resume_point, model) -> None:
+    """A resumed run keeps the frozen tensors it started with (model.weights read again must give them)."""
+    logged = None if resume_point is None or resume_point.fresh else resume_point.frozen
+    now = getattr(model, "frozen_values", None)
+    if logged is None or now is None or np.array_equal(logged, now):
+        return
+    raise RunLogError("--resume: the model's frozen tensors differ from those the log's run started with: the "
+                      "file model.weights names changed since; resume with the weights the run started from")
+
+
 def _same_data(resume_point, n_train: np.ndarray) -> None:
     """A resumed run must train on the data it started with: the devices' sample counts the log keeps are a
     fingerprint of the data and its partition (a changed file, or a partition drawn otherwise)."""
@@ -487,6 +512,7 @@ def _prepared(cfg: Config, log_path: Path, resume_point, on_info, config_toml: s
         check_memory(cfg, cfg.data.clients)
     problem, model = problem_and_model(cfg, problems)
     _same_data(resume_point, problem.n_train)
+    _same_frozen(resume_point, model)
     cfg = config_mod.with_clients(cfg, problem.n_devices)
     trace = _trace(cfg, problem)
     algorithm = build_algorithm(cfg)
@@ -495,13 +521,13 @@ def _prepared(cfg: Config, log_path: Path, resume_point, on_info, config_toml: s
     layout = log_layout(algorithm, cfg, problem.n_devices, model.dim, model.dtype)
     every, stores = trajectory_every(cfg, layout, model.dim, model.dtype)
     cfg = dataclasses.replace(cfg, log=dataclasses.replace(cfg.log, every=every))  # as run; the stored text keeps it unset
-    on_info(f"{problem.describe()}; model {model.kind}, d = {model.dim} {model.dtype.name}; "
+    on_info(f"{problem.describe()}; model {model.kind}, d = {model.dim} {model.dtype.name}{_frozen_text(model)}; "
             f"{cfg.train.algorithm}, {cfg.rounds} rounds; {stores}")
     check_device_memory(algorithm, cfg, problem, model, log_path, on_info, distributed)
     header = Header(
         config_toml=config_toml, restarts=restarts,
         seed=cfg.seed, rounds=cfg.rounds, n_devices=problem.n_devices, dim=model.dim, dtype=model.dtype,
-        n_train=problem.n_train, label_counts=_label_counts(problem),
+        n_train=problem.n_train, label_counts=_label_counts(problem), frozen=getattr(model, "frozen_values", None),
         **layout,
         attrs={"problem": problem.describe(), "model": model.kind,
                "train_objective": "(1/N_r) sum_k f_k" if cfg.train.weighting == "uniform" else "sum_k n_k/n F_k"},
@@ -514,6 +540,9 @@ def _prepared(cfg: Config, log_path: Path, resume_point, on_info, config_toml: s
     normalization = problem.input_normalization() if hasattr(problem, "input_normalization") else None
     if normalization is not None:  # what the model's inputs were: the exported model wants the same
         header.attrs["input_shift"], header.attrs["input_scale"] = (np.asarray(v, np.float64) for v in normalization)
+    if getattr(model, "prefix", 0):  # what the devices' samples are
+        header.attrs["features_cached"] = (f"the frozen prefix's outputs ({model.n_features} values a sample: program "
+                                           f"operations 1..{model.prefix}), computed once per device")
     if model.kind == "torch":  # its bits repeat on this machine and torch build only
         header.attrs["torch_version"] = str(model.torch.__version__)
         header.attrs["bits"] = ("repeat on the same machine and torch build; not promised across CPUs (PyTorch's "
