@@ -210,7 +210,7 @@ def test_weights_files_of_the_wrong_kind_are_one_line(trained, tmp_path, capsys)
     for weights, extra, message in ((tmp_path / "none.npz", "", "does not exist"),
                                     (tmp_path / "notes.txt", "", "is neither an .npz, a run log nor a PyTorch"),
                                     (folder / "a.npz", "weights_round = 1", "picks a round of a run log"),
-                                    (folder / "a.h5", "weights_round = 7", "--round 7: .* stores the model of rounds")):
+                                    (folder / "a.h5", "weights_round = 7", "config: model.weights_round = 7: .* stores the model of rounds")):
         code = main(["run", str(config_file(tmp_path, "bad", extra=f'weights = "{weights}"\n{extra}')), "--out",
                      str(tmp_path / "out.h5"), "--quiet"])
         err = capsys.readouterr().err

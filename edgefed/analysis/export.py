@@ -97,9 +97,10 @@ def inputs_text(run: Run, network) -> str:
 FROZEN = "model/frozen"  # the frozen tensors, stored once (the whole parameter vector after x)
 
 
-def stored_weights(run: Run, round_idx: int | None = None) -> tuple[int, dict, object]:
+def stored_weights(run: Run, round_idx: int | None = None, flag: str = "--round ") -> tuple[int, dict, object]:
     """(round, state_dict, network or torch model) of the server model of a stored round (default: the last),
-    the frozen tensors included: named and shaped as the equivalent torch module's."""
+    the frozen tensors included: named and shaped as the equivalent torch module's. flag: how the round was
+    asked for, as an error names it."""
     network = network_of(run)
     stored = run["trajectory/round"]
     if round_idx is None:
@@ -108,7 +109,7 @@ def stored_weights(run: Run, round_idx: int | None = None) -> tuple[int, dict, o
         hits = np.flatnonzero(stored == round_idx)
         if not hits.size:
             shown = ", ".join(map(str, stored[:8])) + (", ..." if len(stored) > 8 else "")
-            raise EdgefedError(f"--round {round_idx}: {run.path} stores the model of rounds {shown} (the last "
+            raise EdgefedError(f"{flag}{round_idx}: {run.path} stores the model of rounds {shown} (the last "
                                f"{int(stored[-1])}); pick one of them")
         row = int(hits[0])
     params = np.ascontiguousarray(run["trajectory/x"][row])

@@ -270,7 +270,9 @@ def measure(specs=tuple(BENCH_MODELS), cold: bool = True, out=print) -> dict:
         for batch in batches(spec):
             model, sps = steps_per_second(spec, batch)
             speeds.append(speed_entry(model, batch, sps))
-            out(f"{tag}: batch {batch}: {sps:,.1f} steps/s ({1e3 / sps:.3f} ms per step)")
+            prefix = speeds[-1].get("prefix_samples_per_s")
+            once = f"; its frozen prefix, once a sample: {prefix:,.0f} samples/s" if prefix else ""
+            out(f"{tag}: batch {batch}: {sps:,.1f} steps/s ({1e3 / sps:.3f} ms per step){once}")
         recommended[tag] = RECOMMENDED_BATCH.get(spec, batches(spec)[0])
     profile = {
         "format": 1, "name": name, "measured": True,

@@ -81,9 +81,9 @@ def _from_log(p: Path, round_idx: int | None, where: str) -> dict[str, np.ndarra
     from edgefed.analysis.logs import Run
 
     try:
-        _, weights, _ = stored_weights(Run.read(p), round_idx)
-    except EdgefedError as exc:
-        raise ConfigError(f"{where}: {exc}") from None
+        _, weights, _ = stored_weights(Run.read(p), round_idx, "config: model.weights_round = ")
+    except EdgefedError as exc:  # (a round it does not store names weights_round itself)
+        raise ConfigError(str(exc) if str(exc).startswith("config:") else f"{where}: {exc}") from None
     return weights
 
 
