@@ -231,13 +231,14 @@ class Network:
         recurrent layer keeps every step's states), so that a chunk's stay within EVAL_BYTES."""
         return int(max(1, min(EVAL_CHUNK, EVAL_BYTES // (self.per_sample * self.itemsize))))
 
-    def workspace_bytes(self, rows: int) -> int:
+    def workspace_bytes(self, rows: int, per_sample: int | None = None) -> int:
         """What one model of this network holds (models.Sequential's buffers): the gradient, activations and
         their deltas for minibatches of `rows` samples (and evaluation chunks), the scratch, and the
-        program's permutations."""
-        item = self.itemsize
-        acts = max(rows, self.eval_chunk + 1) * (self.per_sample * item + self.aux_per_sample * 4)
-        deltas = rows * (self.per_sample + self.tr_per_sample) * item
+        program's permutations. per_sample: the activations a sample of the program it runs keeps (fewer
+        when a frozen prefix's outputs are the samples)."""
+        item, per_sample = self.itemsize, self.per_sample if per_sample is None else per_sample
+        acts = max(rows, self.eval_chunk + 1) * (per_sample * item + self.aux_per_sample * 4)
+        deltas = rows * (per_sample + self.tr_per_sample) * item
         scratch = self.cols + self.wt + self.narrow + self.gblock + self.pads
         return self.dim * item + acts + deltas + scratch * item + 8 * self.perms.size
 

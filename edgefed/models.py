@@ -17,7 +17,7 @@ from edgefed import layers as layer_lib
 from edgefed.kernels import network as net
 from edgefed.kernels.ops import ROWS, SLOTS, Apart, cached, kernel_names, kernels_of, uncached
 from edgefed.kernels.ops import tables as op_tables
-from edgefed.kernels.program import DROPOUT, F_FROZEN, F_MODE, F_NIN, F_NOUT, F_NPARAM, F_OUT, F_TYPE
+from edgefed.kernels.program import DROPOUT, F_FROZEN, F_IN, F_MODE, F_NIN, F_NOUT, F_NPARAM, F_OUT, F_TYPE, F_WORK
 from edgefed.kernels import quadratic as _quad
 from edgefed.kernels.sgd import step_terms
 from edgefed.errors import ConfigError
@@ -62,13 +62,19 @@ def feature_prefix(prog: np.ndarray) -> int:
     return last if frozen and last < prog.shape[0] - 1 else 0
 
 
-def rest_program(prog: np.ndarray, slopes: np.ndarray, prefix: int) -> tuple[np.ndarray, np.ndarray]:
-    """The program after a prefix: its input row gathers the prefix's outputs (features) where the prefix left
-    them in the activations, and the operations after it run as in the whole program, on the same buffers."""
+def rest_program(prog: np.ndarray, slopes: np.ndarray, prefix: int) -> tuple[np.ndarray, np.ndarray, int]:
+    """The program after a prefix, and where its activations start in the whole program's: its input row
+    gathers the prefix's outputs (features, in the activations' own layout), and the operations after it run
+    as in the whole program, their regions moved down by that start (the prefix's regions are not kept)."""
+    base = int(prog[prefix, F_OUT])
+    rest = prog[prefix + 1:].copy()
+    rest[:, F_IN] -= base
+    rest[:, F_OUT] -= base
+    rest[:, F_WORK] = np.where(rest[:, F_WORK] > 0, rest[:, F_WORK] - base, 0)  # (a recurrent layer's)
     head = prog[:1].copy()
-    head[0, F_OUT], head[0, F_NOUT], head[0, F_NIN] = prog[prefix, F_OUT], prog[prefix, F_NOUT], prog[prefix, F_NOUT]
-    head[0, F_MODE] = 0  # (features come in the activations' own layout: no permutation)
-    return np.ascontiguousarray(np.vstack([head, prog[prefix + 1:]])), np.concatenate([slopes[:1], slopes[prefix + 1:]])
+    head[0, F_OUT], head[0, F_NOUT], head[0, F_NIN] = 0, prog[prefix, F_NOUT], prog[prefix, F_NOUT]
+    head[0, F_MODE] = 0  # (no permutation)
+    return np.ascontiguousarray(np.vstack([head, rest])), np.concatenate([slopes[:1], slopes[prefix + 1:]]), base
 
 
 class LocalRun:
@@ -105,21 +111,23 @@ class Sequential:
         self._whole = np.zeros(network.dim, dt) if network.frozen else None
         self._start = None  # the whole vector a run starts from ([model] weights); None: drawn from the seed
         self.prefix = feature_prefix(network.prog) if cache_features else 0
-        self._prog, self._slopes = network.prog, network.slopes
+        self._prog, self._slopes, start = network.prog, network.slopes, 0
         self.n_features = int(np.prod(network.input_shape))
         if self.prefix:  # the samples are the prefix's outputs: the program starts after it
-            self._prog, self._slopes = rest_program(network.prog, network.slopes, self.prefix)
+            self._prog, self._slopes, start = rest_program(network.prog, network.slopes, self.prefix)
             self.n_features = int(network.prog[self.prefix, F_NOUT])
+        self._prefix_acts = None  # the whole network's activations, for features (made when first asked)
         self._grad = np.zeros(network.dim, dt)
-        self._acts = GrowingRows(((network.per_sample,), dt), ((network.aux_per_sample,), np.int32))
-        self._deltas = GrowingRows(((network.per_sample,), dt), ((network.tr_per_sample,), dt))
+        per_sample = self._per_sample = network.per_sample - start
+        self._acts = GrowingRows(((per_sample,), dt), ((network.aux_per_sample,), np.int32))
+        self._deltas = GrowingRows(((per_sample,), dt), ((network.tr_per_sample,), dt))
+        self._no_deltas = (np.zeros((0, per_sample), dt), np.zeros((0, network.tr_per_sample), dt))
         self._scratch = tuple(np.zeros(n, dt) for n in (network.cols, network.wt, network.narrow,
                                                         network.gblock, network.pads))
         self._no_labels = np.zeros(0, np.int64)
         self._no_targets = np.zeros((0, 0), dt)
         self._no_terms = step_terms(dt)
         self._no_rng = np.zeros(4, np.uint64)
-        self._no_deltas = (np.zeros((0, network.per_sample), dt), np.zeros((0, network.tr_per_sample), dt))
         self._ops = None  # (ROWS, SLOTS) addresses of the kernels the program calls (kernels/ops.py)
         if self._whole is not None:
             self._whole[:] = self._drawn()
@@ -145,7 +153,7 @@ class Sequential:
 
     def memory_bytes(self, rows: int) -> int:
         """What a model of this network holds for minibatches of `rows` samples (a clone: one more lane)."""
-        return self.network.workspace_bytes(rows)
+        return self.network.workspace_bytes(rows, self._per_sample)
 
     def profile_key(self) -> str:
         """What a board profile's speed entry names this model by: a built-in's name, else its layer list."""
@@ -200,13 +208,16 @@ class Sequential:
         if X.shape[0]:
             if self._ops is None:
                 self._ops = op_tables(self.network.prog[:, F_TYPE], self.dtype)
-            prog, slopes = self.network.prog[:self.prefix + 1], self.network.slopes[:self.prefix + 1]
-            rows = min(self.network.eval_chunk, X.shape[0]) + 1
+            nw = self.network
+            if self._prefix_acts is None:
+                self._prefix_acts = GrowingRows(((nw.per_sample,), self.dtype), ((nw.aux_per_sample,), np.int32))
+            acts, aux = self._prefix_acts.take(min(nw.eval_chunk, X.shape[0]) + 1)
             none = self._no_labels if self._loss_kind == net.CROSS_ENTROPY else self._no_targets
-            args = self._network_args(self._ops, self._whole, np.ascontiguousarray(X), none, self._no_labels,
-                                      X.shape[0], 0, 0, self.dtype.type(0), self.dtype.type(1), self._no_terms,
-                                      self._no_rng, net.FEATURES, self._grad, rows, out)
-            net.network(args[0], prog, slopes, *args[3:])
+            deltas, tr = np.zeros((0, nw.per_sample), self.dtype), self._no_deltas[1]
+            net.network(self._ops, nw.prog[:self.prefix + 1], nw.slopes[:self.prefix + 1], nw.perms, self._loss_kind,
+                        self._whole, np.ascontiguousarray(X), *self._targets(none), self._no_labels, X.shape[0], 0, 0,
+                        self.dtype.type(0), self.dtype.type(1), self._no_terms, self._no_rng, net.FEATURES, self._grad,
+                        acts, deltas, aux, tr, *self._scratch, out)
         return out
 
     # -- checks ------------------------------------------------------------------------------------------

@@ -116,6 +116,8 @@ def test_the_feature_cache_changes_no_bit_of_a_step():
         model.local_steps(x, data, model.begin(data, kernel_state(3, Purpose.LOCAL, 1, 0)), 4, 6, 0.1)
         xs.append((x, model.loss_correct(x, data.X_test, data.y_test)))
     assert xs[0][0].tobytes() == xs[1][0].tobytes() and xs[0][1] == xs[1][1]
+    # the cached model keeps none of the prefix's activations before its outputs (here the 36 input values)
+    assert whole.memory_bytes(6) - cached.memory_bytes(6) == (max(6, cached.network.eval_chunk + 1) + 6) * 36 * 4
 
 
 @pytest.mark.parametrize("layers, message", [
