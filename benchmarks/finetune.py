@@ -76,14 +76,13 @@ def halves(folder: Path) -> tuple[Path, Path]:
 
 
 def config(folder: Path, name: str, data: Path, layers: str, frozen: bool, weights: Path | None, cache: bool,
-           body: str) -> Path:
+           body: str, clients: int = 20, partition: str = "dirichlet") -> Path:
     net = layers % ((FROZEN, FROZEN) if frozen else ("", ""))
     model = f'kind = "sequential"\nlayers = [{net}]\ncache_features = {str(cache).lower()}\n'
     model += f'weights = "{weights}"\n' if weights else ""
     path = folder / f"{name}.toml"
     path.write_text(f'seed = 0\n{body}\n[data]\nkind = "arrays"\npath = "{data}"\nclasses = 10\n'
-                    f'{"clients = 1" if name == "pretrain" else "clients = 20"}\n'
-                    f'partition = "{"iid" if name == "pretrain" else "dirichlet"}"\n[model]\n{model}')
+                    f'clients = {clients}\npartition = "{partition}"\n[model]\n{model}')
     return path
 
 
@@ -114,7 +113,7 @@ def pi4_ratio() -> float:
 def digits(folder: Path, rounds: int, target: float) -> None:
     pre, fine = halves(folder)
     body = "rounds = 40\n[train]\nclients_per_round = 1\nlocal_steps = 20\nbatch_size = 16\nlr_local = 0.2\n"
-    path = config(folder, "pretrain", pre, DIGITS_CNN, False, None, True, body)
+    path = config(folder, "pretrain", pre, DIGITS_CNN, False, None, True, body, clients=1, partition="iid")
     runs.run(load_config(path), folder / "pretrain.h5")
     pretrained = read_run(folder / "pretrain.h5")
     with contextlib.redirect_stdout(io.StringIO()):  # (the printed module)
@@ -142,10 +141,10 @@ def digits(folder: Path, rounds: int, target: float) -> None:
 
     # the same under a deadline on a simulated Pi 4 cluster
     ratio = pi4_ratio()
+    # (the uncached arm has the cached one's layer list, so one profile entry, which times the cached steps)
+    paths = {name: path for name, path in paths.items() if name != "frozen convs, no cache"}
     speeds = {}
     for name, path in paths.items():
-        if name == "frozen convs, no cache":
-            continue  # (the same layer list as the cached arm: one profile entry; its steps run on raw samples)
         model, sps = steps_per_second(CONFIG + str(path), 16)
         speeds[name] = speed_entry(model, 16, sps * ratio)
     entries = {(e["model"], e.get("layers")): e for e in speeds.values()}
@@ -162,8 +161,6 @@ def digits(folder: Path, rounds: int, target: float) -> None:
           f"round to {target:.0%} | clock there (ms) |")
     print("| --- | ---: | ---: | ---: | ---: | ---: |")
     for name, path in paths.items():
-        if name == "frozen convs, no cache":
-            continue
         text = path.read_text().replace("[model]", '[participation]\nmode = "deadline"\nclock = "simulated"\n'
                                          f'deadline_s = {deadline:.6f}\nscheme = "B"\n[device]\nprofile = "{board}"\n'
                                          "[model]")
@@ -189,9 +186,7 @@ def cifar(folder: Path) -> None:
     results = {}
     for name, frozen, cache in (("every layer", False, True), ("frozen convs, no cache", True, False),
                                 ("frozen convs, cached features", True, True)):
-        path = config(folder, f"cifar{len(results)}", data, CIFAR_CNN, frozen, None, cache, body)
-        text = path.read_text().replace("clients = 20", "clients = 4").replace('"dirichlet"', '"iid"')
-        path.write_text(text)
+        path = config(folder, f"cifar{len(results)}", data, CIFAR_CNN, frozen, None, cache, body, 4, "iid")
         runs.run(load_config(path), folder / f"{path.stem}.h5")
         log = read_run(folder / f"{path.stem}.h5")
         results[name] = per_step_ms(log)

@@ -42,7 +42,6 @@ class Speed:
     batch: int
     steps_per_s: float
     layers: str = ""  # a sequential model's signature
-    prefix_samples_per_s: float = 0.0  # a model with a frozen prefix: samples a second through it (once each)
 
     @property
     def key(self) -> str:
@@ -189,10 +188,10 @@ def profile_from_dict(raw: dict, source: str) -> Profile:
                 raise bad(f"{where}.{key}", f"must be a positive integer, found {value!r}")
         if not isinstance(sps, (int, float)) or isinstance(sps, bool) or not sps > 0 or not math.isfinite(sps):
             raise bad(f"{where}.steps_per_s", f"must be a positive number, found {sps!r}")
-        prefix = entry.get("prefix_samples_per_s", 0.0)
+        prefix = entry.get("prefix_samples_per_s", 0.0)  # (reported: the one-off pass is not on the clock)
         if not isinstance(prefix, (int, float)) or isinstance(prefix, bool) or prefix < 0 or not math.isfinite(prefix):
             raise bad(f"{where}.prefix_samples_per_s", f"must be a number >= 0, found {prefix!r}")
-        speed = Speed(model, params, batch, float(sps), layers, float(prefix))
+        speed = Speed(model, params, batch, float(sps), layers)
         if any(s.key == speed.key and s.batch == batch for s in speeds):
             raise bad(where, f"repeats model {speed.key!r} at batch {batch}; keep one entry per model and batch")
         speeds.append(speed)

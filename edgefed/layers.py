@@ -14,9 +14,8 @@ output shape, parameters (their initialisation and their PyTorch shape), and the
 
 from __future__ import annotations
 
-import dataclasses
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -28,6 +27,7 @@ from edgefed.kernels.fma import TILE_BYTES
 from edgefed.kernels.pointwise import LEAKY_RELU, RELU, SIGMOID, TANH
 from edgefed.kernels.sequence import pack_values, work_values
 from edgefed.memory import size_text
+from edgefed.problems.text import ALL_LETTERS
 
 LOSSES = ("cross_entropy", "mse")
 INITS = ("pytorch", "glorot", "zeros")
@@ -168,7 +168,6 @@ class Tensor:
     kind: str  # "dense", "conv", "norm", "embedding" or "recurrent"
     order: np.ndarray | None = None  # dense: the PyTorch input index of each stored weight row
     hidden: int = 0  # recurrent: H, whose 1/sqrt(H) bounds PyTorch's initialisation
-    trainable: bool = True  # frozen tensors come after every trainable one in the flat vector
 
     @property
     def size(self) -> int:
@@ -176,7 +175,7 @@ class Tensor:
 
     def to_torch(self, flat: np.ndarray) -> np.ndarray:
         w = flat[self.offset:self.offset + self.size].reshape(self.shape)
-        if self.name == "bias" or self.kind in ("norm", "embedding") or len(self.shape) == 1:
+        if self.kind == "embedding" or len(self.shape) == 1:  # (biases, norms: 1-D)
             return w.copy()
         if self.kind in ("dense", "recurrent"):  # stored (in, out): PyTorch's (out, in) transposed
             out = np.empty(self.torch_shape, w.dtype)
@@ -188,7 +187,7 @@ class Tensor:
 
     def from_torch(self, value: np.ndarray) -> np.ndarray:
         """to_torch's inverse: PyTorch's tensor as this one's stored values, flat."""
-        if self.name == "bias" or self.kind in ("norm", "embedding") or len(self.shape) == 1:
+        if self.kind == "embedding" or len(self.shape) == 1:
             return value.reshape(-1)
         if self.kind in ("dense", "recurrent"):
             return (value[:, self.order] if self.order is not None else value).T.reshape(-1)
@@ -316,9 +315,7 @@ class _Walk:
         row[ops.F_PARAM] = self.dim
         row[ops.F_FROZEN] = int(not self.trainable)
         for name, shape, torch_shape, fans, kind, order, *hidden in tensors:
-            hidden = hidden[0] if hidden else 0
-            self.tensors.append(Tensor(layer, name, self.dim, shape, torch_shape, fans, kind, order, hidden,
-                                       self.trainable))
+            self.tensors.append(Tensor(layer, name, self.dim, shape, torch_shape, fans, kind, order, *hidden))
             self.dim += int(np.prod(shape))
         row[ops.F_NPARAM] = self.dim - row[ops.F_PARAM]
         self.check_memory()
@@ -355,10 +352,10 @@ class _Walk:
 def _spatial(walk, dims: int, where: str) -> tuple:
     """(C, H, W) of a spatial layer's input (H = 1 for a 1-D map)."""
     shape = walk.shape
-    _not_a_sequence(walk, where, "(C, H, W)" if dims == 2 else "(C, L)")
+    want = "(C, H, W)" if dims == 2 else "(C, L)"
+    _not_a_sequence(walk, where, want)
     walk.maps = True
     if len(shape) != dims + 1:
-        want = "(C, H, W)" if dims == 2 else "(C, L)"
         raise ConfigError(f"{where} takes {want} maps, got {_show(shape)}; "
                           + ("add a reshape before it" if len(shape) == 1 else "check the layer types"))
     return (shape[0], 1, shape[1]) if dims == 1 else shape
@@ -701,7 +698,7 @@ def build(layers, sample_shape: tuple, out_width: int, dtype, outputs_what: str 
     if walk.dim == 0:
         raise ConfigError(f"config: {name} has no layer with parameters; add a dense or conv layer")
     prog = np.stack(walk.ops)
-    tensors = _trainable_first(prog, walk.tensors)
+    tensors, trainable = _trainable_first(prog, walk.tensors)
     _mark_input_gradients(prog)
     conv_wt = 0  # each convolution packs its W^T once per step and keeps it through its samples: its own room
     for row in prog:  # (a view of it is made even where unused); a dense layer's, packed and used at once, shares it
@@ -714,7 +711,7 @@ def build(layers, sample_shape: tuple, out_width: int, dtype, outputs_what: str 
     network = Network(tuple(layers), shape, out_width, prog, np.asarray(walk.slopes, np.float64),
                       np.concatenate(walk.perms) if walk.perms else np.zeros(0, np.int64), walk.dim,
                       tensors, walk.next_region, walk.aux, walk.cols, walk.wt, walk.narrow, walk.pads,
-                      walk.tr, walk.fused_out, tuple(shapes), itemsize, sum(t.size for t in tensors if t.trainable))
+                      walk.tr, walk.fused_out, tuple(shapes), itemsize, trainable)
     need = network.workspace_bytes(rows) + network.dim * (8 + itemsize)  # and x_0, drawn in float64
     if memory is not None and need > memory[0]:
         raise ResourceError(f"config: {name}: a model of these layers needs about {size_text(need)} of memory "
@@ -737,11 +734,14 @@ def _fused_relu(walk: _Walk) -> bool:
     return last[ops.F_TYPE] == ops.CONV and last[ops.F_MODE] == 1 and last[ops.F_OUT] == walk.region
 
 
-def _trainable_first(prog: np.ndarray, tensors) -> tuple:
+def _trainable_first(prog: np.ndarray, tensors) -> tuple[tuple, int]:
     """Move the frozen layers' parameters after every trainable one (each group in layer order), so that the
-    trainable ones are the vector's first: x, what travels. Without frozen layers nothing moves."""
-    moved, at = {}, 0
+    trainable ones are the vector's first: x, what travels. Without frozen layers nothing moves. Returns the
+    tensors at their new offsets and how many parameters train."""
+    moved, at, trainable = {}, 0, 0
     for frozen in (0, 1):
+        if frozen:
+            trainable = at
         for row in prog[1:]:
             if row[ops.F_NPARAM] > 0 and row[ops.F_FROZEN] == frozen:
                 moved[int(row[ops.F_PARAM])] = at
@@ -751,8 +751,8 @@ def _trainable_first(prog: np.ndarray, tensors) -> tuple:
     for t in tensors:  # a layer's tensors are consecutive, from its row's old F_PARAM
         if t.offset in moved:
             start, base = t.offset, moved[t.offset]
-        out.append(dataclasses.replace(t, offset=base + t.offset - start))
-    return tuple(out)
+        out.append(replace(t, offset=base + t.offset - start))
+    return tuple(out), trainable
 
 
 def _mark_input_gradients(prog: np.ndarray) -> None:
@@ -782,10 +782,9 @@ def initial_params(network: Network, init: str, g: np.random.Generator, dtype) -
         elif init == "glorot" and t.name.startswith("weight"):
             limit = math.sqrt(6.0 / (t.fans[0] + t.fans[1]))
             part[:] = g.uniform(-limit, limit, t.size)
-    for t in network.tensors:  # an embedding's padding_idx row starts at zero, as nn.Embedding's
         pad = network.layers[t.layer].get("padding_idx") if t.kind == "embedding" else None
-        if pad is not None:
-            params[t.offset + pad * t.shape[1]:t.offset + (pad + 1) * t.shape[1]] = 0
+        if pad is not None:  # an embedding's padding_idx row starts at zero, as nn.Embedding's
+            part.reshape(t.shape)[pad] = 0
     return params.astype(dtype)
 
 
@@ -795,31 +794,36 @@ def state_dict(network: Network, flat: np.ndarray) -> dict[str, np.ndarray]:
     return {f"{t.layer}.{t.name}": t.to_torch(flat) for t in network.tensors}
 
 
-def whole_from_state(network: Network, weights: dict, source: str, dtype) -> np.ndarray:
-    """The whole parameter vector from a state_dict (state_dict's names and PyTorch's shapes): the first
-    missing, mis-shaped or unexpected tensor stops it, in one line naming it and the shape the model wants."""
-    whole = np.zeros(network.dim, dtype)
-    for t in network.tensors:
-        name = f"{t.layer}.{t.name}"
+def check_state(weights: dict, expected: dict, source: str, fix: str) -> None:
+    """A state_dict against what a model holds, expected: name -> (shape, whose it is, e.g. "the model's layer
+    4 (dense)", whether it is floating point). The first tensor missing, of another shape, not finite, or not
+    the model's stops it: a ConfigError naming it and what the model wants, then `fix`."""
+    for name, (shape, whose, floating) in expected.items():
         if name not in weights:
-            raise ConfigError(f"{source} has no tensor {name!r}, which the model's layer {t.layer} "
-                              f"({network.layers[t.layer]['type']}) needs with shape {t.torch_shape}; give the "
-                              "weights of the same layers (edgefed export --weights writes them)")
+            raise ConfigError(f"{source} has no tensor {name!r}, which {whose} needs with shape {shape}; {fix}")
         value = np.asarray(weights[name])
-        if value.shape != tuple(t.torch_shape):
-            raise ConfigError(f"{source}: tensor {name!r} has shape {value.shape}, but the model's layer {t.layer} "
-                              f"({network.layers[t.layer]['type']}) needs {tuple(t.torch_shape)}; give the weights "
-                              "of the same layers")
-        if not np.issubdtype(value.dtype, np.floating) or not np.isfinite(value).all():
+        if value.shape != shape:
+            raise ConfigError(f"{source}: tensor {name!r} has shape {value.shape}, but {whose} needs {shape}; {fix}")
+        if floating and (not np.issubdtype(value.dtype, np.floating) or not np.isfinite(value).all()):
             what = "NaN or infinite values" if np.issubdtype(value.dtype, np.floating) else f"{value.dtype} values"
             raise ConfigError(f"{source}: tensor {name!r} holds {what}; give finite floating-point weights")
-        whole[t.offset:t.offset + t.size] = t.from_torch(value)
-    expected = {f"{t.layer}.{t.name}" for t in network.tensors}
     extra = [name for name in weights if name not in expected]
     if extra:
-        names = ", ".join(sorted(expected)[:6]) + (", ..." if len(expected) > 6 else "")
+        names = ", ".join(list(expected)[:6]) + (", ..." if len(expected) > 6 else "")
         raise ConfigError(f"{source} has the tensor {extra[0]!r}, which the model does not (its tensors: {names}); "
-                          "give the weights of the same layers")
+                          f"{fix}")
+
+
+def whole_from_state(network: Network, weights: dict, source: str, dtype) -> np.ndarray:
+    """The whole parameter vector from a state_dict (state_dict's names and PyTorch's shapes), checked first
+    (check_state)."""
+    check_state(weights, {f"{t.layer}.{t.name}": (tuple(t.torch_shape),
+                                                  f"the model's layer {t.layer} ({network.layers[t.layer]['type']})",
+                                                  True) for t in network.tensors},
+                source, "give the weights of the same layers (edgefed export --weights writes them)")
+    whole = np.zeros(network.dim, dtype)
+    for t in network.tensors:
+        whole[t.offset:t.offset + t.size] = t.from_torch(np.asarray(weights[f"{t.layer}.{t.name}"]))
     return whole
 
 
@@ -836,7 +840,7 @@ def torch_text(network: Network) -> str:
 
 
 # ------------------------------------------------------------------------------------- the built-in models
-CHARS = 80  # LEAF Shakespeare's vocabulary (problems/text.py)
+CHARS = len(ALL_LETTERS)  # LEAF Shakespeare's vocabulary
 
 
 def builtin_layers(kind: str, sample_shape: tuple, n_classes: int, hidden=(200, 200)) -> tuple[dict, ...]:

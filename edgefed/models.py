@@ -100,25 +100,29 @@ class Sequential:
     """
 
     def __init__(self, network: layer_lib.Network, dtype, seed: int, init: str = "pytorch",
-                 loss: str = "cross_entropy", kind: str = "sequential", cache_features: bool = True):
+                 loss: str = "cross_entropy", kind: str = "sequential", cache_features: bool = True,
+                 start: np.ndarray | None = None):
         self.network, self.dtype, self.seed, self.init, self.loss, self.kind = network, np.dtype(dtype), seed, init, loss, kind
         self.cache_features = cache_features
         self.dim = network.trainable  # x: the trainable parameters, the whole vector's first
         self.n_outputs = network.out_width
         self._loss_kind = net.CROSS_ENTROPY if loss == "cross_entropy" else net.MSE
         dt = self.dtype
-        # frozen tensors: the whole vector lives here, x copied into its first dim values around each call
-        self._whole = np.zeros(network.dim, dt) if network.frozen else None
-        self._start = None  # the whole vector a run starts from ([model] weights); None: drawn from the seed
+        # the whole vector a run starts from ([model] weights, or a clone's); None: drawn from the seed (once,
+        # here, when the frozen tensors need it)
+        self._start = self._drawn() if start is None and network.frozen else start
+        self._whole = None if self._start is None or not network.frozen else self._start.copy()  # x, then frozen
         self.prefix = feature_prefix(network.prog) if cache_features else 0
-        self._prog, self._slopes, start = network.prog, network.slopes, 0
-        self.n_features = int(np.prod(network.input_shape))
+        self._prog, self._slopes, first = network.prog, network.slopes, 0
+        self.n_inputs = self.n_features = int(np.prod(network.input_shape))
         if self.prefix:  # the samples are the prefix's outputs: the program starts after it
-            self._prog, self._slopes, start = rest_program(network.prog, network.slopes, self.prefix)
+            self._prog, self._slopes, first = rest_program(network.prog, network.slopes, self.prefix)
             self.n_features = int(network.prog[self.prefix, F_NOUT])
+        # x goes into the whole vector around a call only while the program still has frozen parameters
+        self._copies_x = bool(((self._prog[1:, F_NPARAM] > 0) & (self._prog[1:, F_FROZEN] == 1)).any())
         self._prefix_acts = None  # the whole network's activations, for features (made when first asked)
         self._grad = np.zeros(network.dim, dt)
-        per_sample = self._per_sample = network.per_sample - start
+        per_sample = self._per_sample = network.per_sample - first
         self._acts = GrowingRows(((per_sample,), dt), ((network.aux_per_sample,), np.int32))
         self._deltas = GrowingRows(((per_sample,), dt), ((network.tr_per_sample,), dt))
         self._no_deltas = (np.zeros((0, per_sample), dt), np.zeros((0, network.tr_per_sample), dt))
@@ -129,8 +133,6 @@ class Sequential:
         self._no_terms = step_terms(dt)
         self._no_rng = np.zeros(4, np.uint64)
         self._ops = None  # (ROWS, SLOTS) addresses of the kernels the program calls (kernels/ops.py)
-        if self._whole is not None:
-            self._whole[:] = self._drawn()
 
     @classmethod
     def builtin(cls, kind: str, sample_shape: tuple, n_classes: int, dtype, seed: int = 0, hidden=(200, 200),
@@ -163,28 +165,20 @@ class Sequential:
         return layer_lib.initial_params(self.network, self.init, generator(self.seed, Purpose.INIT), self.dtype)
 
     def initial_params(self) -> np.ndarray:
-        """x_0: the trainable parameters, loaded (start_from) or drawn from the seed."""
-        whole = self._drawn() if self._start is None else self._start
-        return whole[:self.dim].copy()
-
-    def start_from(self, whole: np.ndarray) -> None:
-        """Start from these parameters (the whole vector, the frozen tensors last), not the seeded draw."""
-        self._start = np.ascontiguousarray(whole, self.dtype)
-        self.set_frozen(self._start[self.dim:])
+        """x_0: the trainable parameters, loaded (load_weights) or drawn from the seed."""
+        return (self._drawn() if self._start is None else self._start)[:self.dim].copy()
 
     def load_weights(self, weights: dict, source: str) -> None:
         """Start from a state_dict (the printed module's names and shapes: what `edgefed export --weights`
-        writes); a missing, unexpected or mis-shaped tensor is a ConfigError naming it."""
-        self.start_from(layer_lib.whole_from_state(self.network, weights, source, self.dtype))
+        writes), not the seeded draw; a missing, unexpected or mis-shaped tensor is a ConfigError naming it."""
+        self._start = layer_lib.whole_from_state(self.network, weights, source, self.dtype)
+        if self._whole is not None:
+            self._whole[self.dim:] = self._start[self.dim:]
 
     @property
     def frozen_values(self) -> np.ndarray:
         """The frozen tensors, as the whole vector holds them after x (empty: none)."""
         return self._whole[self.dim:] if self._whole is not None else np.zeros(0, self.dtype)
-
-    def set_frozen(self, values: np.ndarray) -> None:
-        if self._whole is not None:
-            self._whole[self.dim:] = values
 
     def whole(self, params: np.ndarray) -> np.ndarray:
         """The whole parameter vector of x = params: params, then the frozen tensors."""
@@ -192,32 +186,27 @@ class Sequential:
 
     def clone(self) -> "Sequential":
         """The same model with its own workspaces (for a second thread)."""
-        twin = Sequential(self.network, self.dtype, self.seed, self.init, self.loss, self.kind, self.cache_features)
-        twin._start = self._start
-        twin.set_frozen(self.frozen_values)
-        return twin
+        return Sequential(self.network, self.dtype, self.seed, self.init, self.loss, self.kind, self.cache_features,
+                          self._start)
 
     def state_dict(self, params: np.ndarray) -> dict[str, np.ndarray]:
         return layer_lib.state_dict(self.network, self.whole(params))
 
     def features(self, X: np.ndarray) -> np.ndarray:
         """The samples X (n, values) through the frozen prefix: what this model trains and evaluates on."""
-        if X.dtype != self.dtype or X.ndim != 2 or X.shape[1] != int(np.prod(self.network.input_shape)):
-            raise ValueError(f"X must be {self.dtype} (n, {int(np.prod(self.network.input_shape))}), got {X.dtype} {X.shape}")
+        if X.dtype != self.dtype or X.ndim != 2 or X.shape[1] != self.n_inputs:
+            raise ValueError(f"X must be {self.dtype} (n, {self.n_inputs}), got {X.dtype} {X.shape}")
         out = np.zeros((X.shape[0], self.n_features), self.dtype)
         if X.shape[0]:
-            if self._ops is None:
-                self._ops = op_tables(self.network.prog[:, F_TYPE], self.dtype)
             nw = self.network
             if self._prefix_acts is None:
                 self._prefix_acts = GrowingRows(((nw.per_sample,), self.dtype), ((nw.aux_per_sample,), np.int32))
             acts, aux = self._prefix_acts.take(min(nw.eval_chunk, X.shape[0]) + 1)
-            none = self._no_labels if self._loss_kind == net.CROSS_ENTROPY else self._no_targets
-            deltas, tr = np.zeros((0, nw.per_sample), self.dtype), self._no_deltas[1]
-            net.network(self._ops, nw.prog[:self.prefix + 1], nw.slopes[:self.prefix + 1], nw.perms, self._loss_kind,
-                        self._whole, np.ascontiguousarray(X), *self._targets(none), self._no_labels, X.shape[0], 0, 0,
-                        self.dtype.type(0), self.dtype.type(1), self._no_terms, self._no_rng, net.FEATURES, self._grad,
-                        acts, deltas, aux, tr, *self._scratch, out)
+            net.network(self._operations(), nw.prog[:self.prefix + 1], nw.slopes[:self.prefix + 1], nw.perms,
+                        self._loss_kind, self._whole, np.ascontiguousarray(X), self._no_labels, self._no_targets,
+                        self._no_labels, X.shape[0], 0, 0, self.dtype.type(0), self.dtype.type(1), self._no_terms,
+                        self._no_rng, net.FEATURES, self._grad, acts, self._no_deltas[0], aux, self._no_deltas[1],
+                        *self._scratch, out)
         return out
 
     # -- checks ------------------------------------------------------------------------------------------
@@ -243,7 +232,7 @@ class Sequential:
         if self._ops is not None:
             return
         codes = self.network.prog[:, F_TYPE]
-        args = self._network_args(np.zeros((ROWS, SLOTS), np.int64), self.initial_params(), data.X_train[:0],
+        args = self._network_args(np.zeros((ROWS, SLOTS), np.int64), self._grad[:self.dim], data.X_train[:0],
                                   data.y_train[:0], self._no_labels, 0, 0, 0, self.dtype.type(0), self.dtype.type(1),
                                   self._no_terms, self._no_rng, net.EVAL, self._grad, 1)
         network_cold = not cached(net.network, [typeof(a) for a in args])
@@ -266,15 +255,18 @@ class Sequential:
                 scale, terms, rng, mode, grad, acts, deltas, aux, tr, *self._scratch,
                 self._no_targets if outputs is None else outputs)
 
-    def _call(self, params, X, y, idx, n, b, n_steps, lr, scale, terms, rng, mode, grad, rows, outputs=None):
+    def _operations(self):
         if self._ops is None:  # the model's operations, compiled (or loaded) when first run: at the warm-up
             self._ops = op_tables(self.network.prog[:, F_TYPE], self.dtype)
+        return self._ops
+
+    def _call(self, params, X, y, idx, n, b, n_steps, lr, scale, terms, rng, mode, grad, rows, outputs=None):
         whole = params
-        if self._whole is not None:  # x into the whole vector, beside the frozen tensors
+        if self._copies_x:  # x into the whole vector, beside the frozen tensors the program reads
             whole = self._whole
             whole[:self.dim] = params
-        loss, count = net.network(*self._network_args(self._ops, whole, X, y, idx, n, b, n_steps, lr, scale, terms,
-                                                      rng, mode, grad, rows, outputs))
+        loss, count = net.network(*self._network_args(self._operations(), whole, X, y, idx, n, b, n_steps, lr, scale,
+                                                      terms, rng, mode, grad, rows, outputs))
         if whole is not params and mode == net.STEPS:
             params[:] = whole[:self.dim]
         if count < 0:  # the kernel found a label outside the classes (its row: -1 - count) and stopped there
@@ -314,7 +306,7 @@ class Sequential:
             self.loss_grad(params, data, grad_out)
             return
         X, y, b, inv_b = self._checked(params, data, batch_size)
-        grad = grad_out if self._whole is None else self._grad  # (the kernel writes the frozen tensors' too)
+        grad = self._grad if self._copies_x else grad_out  # (the kernel writes the frozen tensors' too)
         self._call(params, X, y, run.perm, X.shape[0], b, 1, inv_b, inv_b, self._no_terms, run.rng, net.MINIBATCH,
                    grad, b)
         if grad is not grad_out:
@@ -395,6 +387,7 @@ class Quadratic:
     """The quadratic oracle; the model is x itself (d = the problem's dimension)."""
 
     kind = "quadratic"
+    prefix = 0  # (no layers, none frozen)
 
     def __init__(self, dim: int, x0: np.ndarray, dtype: np.dtype):
         self.dim, self.dtype = dim, np.dtype(dtype)
@@ -402,6 +395,10 @@ class Quadratic:
 
     def initial_params(self) -> np.ndarray:
         return self._x0.astype(self.dtype)
+
+    @property
+    def frozen_values(self) -> np.ndarray:
+        return np.zeros(0, self.dtype)
 
     def memory_bytes(self, rows: int) -> int:
         return 0  # its oracle works in place, on the problem's arrays

@@ -109,6 +109,9 @@ class Header:
                              "state/undo/{round,count,ids} and its base columns); rename the algorithm's vectors")
 
 
+FROZEN = "model/frozen"  # a model's frozen tensors, stored once (the whole parameter vector after x)
+
+
 # One row per restart of the world by `edgefed launch`: which launch, the rounds completed when the world
 # died, when (UTC), why, and the ranks of the world before and after.
 RESTART = np.dtype([("launch", "S32"), ("round", "<i8"), ("time", "S32"), ("cause", "S240"),
@@ -574,8 +577,8 @@ def _write_skeleton(f: h5py.File, header: Header) -> None:
         f["devices/label_counts"].attrs["meaning"] = ("training samples of each label on each device "
                                                       "(device_id, label)")
     if header.frozen is not None and header.frozen.size:
-        f.create_dataset("model/frozen", data=header.frozen)
-        f["model/frozen"].attrs["meaning"] = ("the model's frozen tensors (trainable = false; a torch module's "
+        f.create_dataset(FROZEN, data=header.frozen)
+        f[FROZEN].attrs["meaning"] = ("the model's frozen tensors (trainable = false; a torch module's "
                                               "frozen parameters and buffers), the whole parameter vector after x: "
                                               "they never change, so they are stored once")
     state = f.create_group("state")
@@ -880,7 +883,7 @@ def read_resume_point(path: str | Path) -> ResumePoint:
                 rows = rows.updated(st["undo/ids"][:count], st[f"undo/{name}"][:count]).nonzero()
             state[name] = rows
         n_train = f["devices/n_train"][()] if isinstance(f.get("devices/n_train"), h5py.Dataset) else None
-        frozen = f["model/frozen"][()] if isinstance(f.get("model/frozen"), h5py.Dataset) else np.zeros(0)
+        frozen = f[FROZEN][()] if isinstance(f.get(FROZEN), h5py.Dataset) else np.zeros(0)
         return ResumePoint(config_toml, done, state, prefix, f.attrs.get("status") == "complete",
                            limits, root_attrs(f, path), restarts, n_train=n_train, frozen=frozen)
 

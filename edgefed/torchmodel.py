@@ -29,6 +29,7 @@ import numpy as np
 
 from edgefed.errors import ConfigError
 from edgefed.kernels.random import draw_batch
+from edgefed.layers import check_state
 from edgefed.rng import Purpose, generator
 
 EVAL_CHUNK = 64
@@ -110,6 +111,7 @@ class TorchModel:
     """A user's torch.nn.Module behind edgefed's model interface (see the module's docstring)."""
 
     kind = "torch"
+    prefix = 0  # (no feature cache: the module is run whole)
     EVAL_CHUNK = EVAL_CHUNK
     report_losses = False  # fill run.loss_sq (a selection policy reads them): off, a step costs nothing more
 
@@ -153,7 +155,7 @@ class TorchModel:
         self._flat_grad = torch.zeros(self.dim, dtype=self.tdtype)
         self._g = torch.zeros(self.dim, dtype=self.tdtype)  # the step's gradient with the algorithm's terms
         self._bound = None
-        self._init = torch.cat([p.detach().reshape(-1) for p in self.params]).numpy().astype(self.dtype)
+        self._init = self._flat_params()
         self._check_module()
         self._bind_grads()
 
@@ -250,28 +252,18 @@ class TorchModel:
 
     def load_weights(self, weights: dict, source: str) -> None:
         """Start from a state_dict with the module's own names and shapes (its parameters and buffers); the
-        first missing, unexpected or mis-shaped tensor is a ConfigError naming it."""
-        torch = self.torch
+        first missing, unexpected or mis-shaped tensor is a ConfigError naming it (layers.check_state)."""
         own = self.module.state_dict()
-        for name, tensor in own.items():
-            if name not in weights:
-                raise ConfigError(f"{source} has no tensor {name!r}, which model.module's state_dict holds with "
-                                  f"shape {tuple(tensor.shape)}; give the weights of the same module")
-            value = np.asarray(weights[name])
-            if value.shape != tuple(tensor.shape):
-                raise ConfigError(f"{source}: tensor {name!r} has shape {value.shape}, but model.module's is "
-                                  f"{tuple(tensor.shape)}; give the weights of the same module")
-            if tensor.dtype.is_floating_point and not np.isfinite(value).all():
-                raise ConfigError(f"{source}: tensor {name!r} holds NaN or infinite values; give finite weights")
-        extra = [name for name in weights if name not in own]
-        if extra:
-            raise ConfigError(f"{source} has the tensor {extra[0]!r}, which model.module's state_dict does not "
-                              f"(its tensors: {', '.join(list(own)[:6])}{', ...' if len(own) > 6 else ''}); give "
-                              "the weights of the same module")
-        with torch.no_grad():
+        check_state(weights, {name: (tuple(t.shape), "model.module's state_dict", t.dtype.is_floating_point)
+                              for name, t in own.items()}, source, "give the weights of the same module")
+        with self.torch.no_grad():
             for name, tensor in own.items():
-                tensor.copy_(torch.from_numpy(np.ascontiguousarray(weights[name])).to(tensor.dtype))
-        self._init = torch.cat([p.detach().reshape(-1) for p in self.params]).numpy().astype(self.dtype)
+                tensor.copy_(self.torch.from_numpy(np.ascontiguousarray(weights[name])).to(tensor.dtype))
+        self._init = self._flat_params()
+
+    def _flat_params(self) -> np.ndarray:
+        """The trainable parameters as one vector of the model dtype."""
+        return self.torch.cat([p.detach().reshape(-1) for p in self.params]).numpy().astype(self.dtype)
 
     def _frozen(self) -> list:
         """The module's state beside x: frozen parameters (requires_grad False) and floating-point buffers."""

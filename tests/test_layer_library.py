@@ -77,6 +77,20 @@ def naive(model, params, X, y, loss="cross_entropy", masks=None):
     return value, grads, network_forward(model.network.layers, sd, x, masks)[0]
 
 
+def assert_float64_matches_naive(model, data, loss_rel=1e-10):
+    """A float64 model's outputs, loss and every gradient against the NumPy reference, at x_0."""
+    x = model.initial_params()
+    grad = np.zeros(model.dim)
+    loss = model.loss_grad(x, data, grad)
+    ref_loss, ref_grads, ref_outputs = naive(model, x, data.X_train, data.y_train)
+    np.testing.assert_allclose(model.outputs(x, data.X_train), ref_outputs, rtol=1e-10, atol=1e-12)
+    assert loss == pytest.approx(ref_loss, rel=loss_rel)
+    ours = model.state_dict(grad)
+    assert ours.keys() == ref_grads.keys()
+    for name, value in ref_grads.items():
+        np.testing.assert_allclose(ours[name], value, rtol=1e-9, atol=1e-12, err_msg=name)
+
+
 @pytest.mark.parametrize("dtype,tol", [(np.float64, 1e-10), (np.float32, 2e-4)])
 @pytest.mark.parametrize("case", list(CASES))
 def test_every_layer_type_forward_and_backward_against_numpy(case, dtype, tol):
@@ -185,15 +199,7 @@ def test_random_deep_stacks_against_numpy(seed):
         current = trial.output_shapes[len(layers) - 1]
     layers += [{"type": "flatten"}, {"type": "dense", "out": 7}, {"type": "relu"}]
     model = model_for(shape, layers, np.float64)
-    data = samples(model, 6, seed=seed)
-    x = model.initial_params()
-    grad = np.zeros(model.dim)
-    loss = model.loss_grad(x, data, grad)
-    ref_loss, ref_grads, ref_outputs = naive(model, x, data.X_train, data.y_train)
-    np.testing.assert_allclose(model.outputs(x, data.X_train), ref_outputs, rtol=1e-10, atol=1e-12)
-    assert loss == pytest.approx(ref_loss, rel=1e-10)
-    for name, value in ref_grads.items():
-        np.testing.assert_allclose(model.state_dict(grad)[name], value, rtol=1e-9, atol=1e-12, err_msg=name)
+    assert_float64_matches_naive(model, samples(model, 6, seed=seed))
 
 
 def test_a_large_dense_layer_steps_its_weights_in_the_backward_pass_with_the_algorithms_terms():

@@ -75,7 +75,6 @@ def test_users_samples_and_split(plays, tmp_path):
     # ANNA: 10 lines over three speeches, stage directions left out; 8 for training, the last 2 for test
     anna_train = " ".join(ANNA[:8]) + " "
     anna_test = " ".join(ANNA[8:]) + " "
-    assert len(anna_train) == 8 * 54 and len(anna_test) == 2 * 54
     x, y = train["user_data"]["The_Alpha_Play_ANNA"]["x"], train["user_data"]["The_Alpha_Play_ANNA"]["y"]
     assert len(x) == len(y) == 8 * 54 - 80
     assert x[0] == "Anna speaks line 01 of her part, in quite good verse. Anna speaks line 02 of her"
@@ -150,6 +149,7 @@ def test_refuses_to_overwrite(plays, tmp_path):
     assert (out / "keep.txt").read_text() == "mine"
     assert len(load(out, "train")["user_data"]["The_Alpha_Play_ANNA"]["x"][0]) == 20
     done = run(plays, out, "--seq-len", "20", "--force")  # the same input gives the same bytes
+    assert done.returncode == 0, done.stderr
     again = (out / "train" / "all_data_train.json").read_bytes()
     assert run(plays, tmp_path / "other", "--seq-len", "20").returncode == 0
     assert (tmp_path / "other" / "train" / "all_data_train.json").read_bytes() == again

@@ -4,9 +4,9 @@ ids checked where the data is read; LEAF's Shakespeare and Sent140 as token ids;
 exported weights in NumPy and PyTorch; and under mpiexec with deadlines, the simulator's bytes."""
 
 import json
-from collections import Counter
 import subprocess
 import sys
+from collections import Counter
 
 import numpy as np
 import pytest
@@ -23,7 +23,7 @@ from edgefed.runlog import read_run
 from edgefed.runtime.mpi.comm import local_mpiexec, outside_world_env
 from golden import write_shakespeare
 from naive import network_forward
-from test_layer_library import model_for, naive  # (the layer library's own harness)
+from test_layer_library import assert_float64_matches_naive, model_for, naive  # (the layer library's own harness)
 
 EMBED = {"type": "embedding", "num": 7, "dim": 3}
 
@@ -61,17 +61,7 @@ def samples(model, n, seed=0):
 def test_sequence_layers_forward_and_backward_against_numpy(case):
     shape, layers, n = CASES[case]
     model = model_for(shape, layers, np.float64)
-    data = samples(model, n)
-    x = model.initial_params()
-    grad = np.zeros(model.dim)
-    loss = model.loss_grad(x, data, grad)
-    ref_loss, ref_grads, ref_out = naive(model, x, data.X_train, data.y_train)
-    np.testing.assert_allclose(model.outputs(x, data.X_train), ref_out, rtol=1e-10, atol=1e-12)
-    assert loss == pytest.approx(ref_loss, rel=1e-12)
-    ours = model.state_dict(grad)
-    assert ours.keys() == ref_grads.keys()
-    for name, value in ref_grads.items():
-        np.testing.assert_allclose(ours[name], value, rtol=1e-9, atol=1e-12, err_msg=name)
+    assert_float64_matches_naive(model, samples(model, n), loss_rel=1e-12)
 
 
 def test_float32_char_model_against_numpy_and_the_padding_row():
@@ -177,7 +167,7 @@ def test_leaf_shakespeare_reads_characters_as_letter_ids(tmp_path):
     a, b = "To be, or not to be" + "—" * 2 + " " * 59, "x" * 79 + "$"
     folder = leaf_folder(tmp_path, {"train": {"HAMLET": ([a, b], ["T", "é"]), "OSRIC": ([b], ["y"])},
                                     "test": {"HAMLET": ([b], ["z"])}})  # OSRIC: no test samples
-    cfg = load_config(None, [f'data.kind="leaf"', f'data.path="{folder}"'])
+    cfg = load_config(None, ['data.kind="leaf"', f'data.path="{folder}"'])
     assert cfg.model.kind == "charlstm"  # LEAF Shakespeare's natural model
     problem = build_problem(cfg.data, 0, "float32", tokens=80)
     assert "Shakespeare, the next of 80 characters (6 outside them read as a space), 2 users" in problem.describe()

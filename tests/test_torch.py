@@ -315,6 +315,6 @@ def test_a_module_starts_from_a_state_dict_and_keeps_its_frozen_layer_through_a_
     assert np.array_equal(out["1.weight"], weights["1.weight"].astype(np.float32))
     assert not np.array_equal(out["3.weight"], weights["3.weight"].astype(np.float32))
     model = model_of("frozen_first_layer")
-    with pytest.raises(ConfigError, match=r"has no tensor '3.bias', which model.module's state_dict holds with shape "
+    with pytest.raises(ConfigError, match=r"has no tensor '3.bias', which model.module's state_dict needs with shape "
                                           r"\(3,\)"):
         model.load_weights({k: v for k, v in weights.items() if k != "3.bias"}, "w.pt")

@@ -36,7 +36,7 @@ starts from):
   turned into spaces and every run of two or more spaces squeezed to one (the text so ends in a space).
   Its samples slide one character at a time: x = text[i:i + L], y = text[i + L] for i = 0 ... len - L - 1
   (L = --seq-len), so a text of c characters gives c - L samples and one of L characters or fewer none.
-* Characters are not changed: those outside LEAF's 80-character vocabulary (ALL_LETTERS below) are only
+* Characters are not changed: those outside LEAF's 80-character vocabulary (ALL_LETTERS, edgefed's problems/text.py) are only
   counted; a reader maps them as it maps any unknown character.
 
 Where the Markdown differs from the Gutenberg text LEAF parsed, the rules that apply to the Markdown:
@@ -77,8 +77,7 @@ import time
 from fractions import Fraction
 from pathlib import Path
 
-# LEAF's character vocabulary for Shakespeare (its models' language utilities): 80 characters.
-ALL_LETTERS = "\n !\"&'(),-.0123456789:;>?ABCDEFGHIJKLMNOPQRSTUVWXYZ[]abcdefghijklmnopqrstuvwxyz}"
+from edgefed.problems.text import ALL_LETTERS  # LEAF's 80 characters, as edgefed's reader maps them
 
 HEADING_RE = re.compile(r"^(#+)\s*(.*?)\s*#*\s*$")
 SPEAKER_RE = re.compile(r"^\*\*([^*]+)\*\*\s*(.*)$")
@@ -205,8 +204,8 @@ def leaf_text(lines: list[str]) -> str:
 
 def samples(text: str, seq_len: int) -> tuple[list[str], list[str]]:
     """LEAF's next-character samples: every window of seq_len characters and the character after it."""
-    n = len(text) - seq_len
-    return [text[i:i + seq_len] for i in range(n)], [text[i + seq_len] for i in range(max(n, 0))]
+    n = num_samples(text, seq_len)
+    return [text[i:i + seq_len] for i in range(n)], [text[i + seq_len] for i in range(n)]
 
 
 def num_samples(text: str, seq_len: int) -> int:

@@ -14,6 +14,7 @@ from edgefed import config as config_mod
 from edgefed import layers as layer_lib
 from edgefed.analysis.logs import Run
 from edgefed.errors import EdgefedError, RunLogError
+from edgefed.runlog import FROZEN, reading
 
 CSV_FILES = ("metrics.csv", "participation.csv")  # what --csv writes into its folder
 PER_ROUND = ("lr", "n_applied", "round_elapsed_s")  # round rows only (no round 0)
@@ -94,9 +95,6 @@ def inputs_text(run: Run, network) -> str:
             f"scale [{numbers(scale)}] (the log's attributes input_shift, input_scale)")
 
 
-FROZEN = "model/frozen"  # the frozen tensors, stored once (the whole parameter vector after x)
-
-
 def stored_weights(run: Run, round_idx: int | None = None, flag: str = "--round ") -> tuple[int, dict, object]:
     """(round, state_dict, network or torch model) of the server model of a stored round (default: the last),
     the frozen tensors included: named and shaped as the equivalent torch module's. flag: how the round was
@@ -112,8 +110,9 @@ def stored_weights(run: Run, round_idx: int | None = None, flag: str = "--round 
             raise EdgefedError(f"{flag}{round_idx}: {run.path} stores the model of rounds {shown} (the last "
                                f"{int(stored[-1])}); pick one of them")
         row = int(hits[0])
-    params = np.ascontiguousarray(run["trajectory/x"][row])
-    frozen = np.asarray(run[FROZEN]) if FROZEN in run.data else params[:0]
+    with reading(run.path) as f:  # the one row, not the trajectory (a weights file read by every rank)
+        params = np.ascontiguousarray(f["trajectory/x"][row])
+        frozen = f[FROZEN][()] if FROZEN in f else params[:0]
     if not isinstance(network, layer_lib.Network):  # a torch module: its own state_dict
         network.set_frozen(frozen)
         return int(stored[row]), network.state_dict(params), network

@@ -541,14 +541,11 @@ def _validate_model(m: ModelConfig, data: DataConfig) -> ModelConfig:
     if m.weights is None and m.weights_round is not None:
         raise ConfigError("config: model.weights_round picks a round of the run log model.weights names; give "
                           "model.weights, or remove weights_round")
-    if m.weights_round is not None and (not isinstance(m.weights_round, int) or isinstance(m.weights_round, bool)
-                                        or m.weights_round < 0):
+    if m.weights_round is not None and m.weights_round < 0:  # (its type: config/reading.py's _coerce)
         raise ConfigError(f"config: model.weights_round = {m.weights_round!r} must be a round, an integer >= 0")
     if m.weights is not None and m.kind == "quadratic":
         raise ConfigError("config: model.weights does not apply to the quadratic model (x_0 comes from the "
                           "problem); remove it")
-    if not isinstance(m.cache_features, bool):
-        raise ConfigError(f"config: model.cache_features = {m.cache_features!r} must be true or false")
     given = [key for key in ("module", "factory") if getattr(m, key) is not None]
     if m.kind == "torch":
         missing = [key for key in ("module", "factory") if key not in given]

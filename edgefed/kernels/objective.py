@@ -81,9 +81,10 @@ def step_op(prog, params, grad, lr, terms):
     (after the trainable ones) get none."""
     n_ops = prog.shape[0]
     fused = _fuses(prog)
+    trainable = 0 if fused else _trainable(prog)
     i = 1
     while True:
-        p, n = 0, _trainable(prog)
+        p, n = 0, trainable
         if fused:
             while i < n_ops and (prog[i, F_NPARAM] == 0 or prog[i, F_FROZEN] == 1):
                 i += 1

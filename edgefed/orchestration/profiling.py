@@ -80,10 +80,8 @@ def build(spec: str, dtype: str = "float32", n: int = 200):
     else:
         shape = (60,) if spec == "logreg" else (1, 28, 28)
         model = Sequential.builtin(spec, shape, 10, dt)
-    X = g.random((n, model.n_features), dtype=np.float64).astype(dt)
     first = model.network.layers[0] if hasattr(model, "network") else {}
-    if first.get("type") == "embedding":  # token ids
-        X = g.integers(0, first["num"], X.shape).astype(dt)
+    X = _random_samples(g, model, n, model.n_features, first.get("type") == "embedding" and not model.prefix)
     if model.has_accuracy:
         y = g.integers(0, model.n_outputs, n).astype(np.int64)
     else:
@@ -100,24 +98,29 @@ def _config_model(spec: str, dtype: str):
     return problem_and_model(dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, dtype=dtype)))[1]
 
 
-def speed_entry(model, batch: int, steps_per_s: float) -> dict:
-    """A profile's [[speed]] entry for a model: a built-in by name, a layer list by its signature."""
+def _random_samples(g, model, n: int, width: int, token_ids: bool) -> np.ndarray:
+    """n random samples of width values in the model dtype: token ids of its embedding, else in [0, 1)."""
+    if token_ids:
+        return g.integers(0, model.network.layers[0]["num"], (n, width)).astype(model.dtype)
+    return g.random((n, width)).astype(model.dtype)
+
+
+def speed_entry(model, batch: int, steps_per_s: float, prefix_samples_per_s: float | None = None) -> dict:
+    """A profile's [[speed]] entry for a model: a built-in by name, a layer list by its signature; a model whose
+    frozen prefix's outputs are its samples, with that prefix's speed (prefix_samples_per_second)."""
     entry = {"model": model.kind, "params": model.dim, "batch": batch, "steps_per_s": float(f"{steps_per_s:.4g}")}
     if model.kind in hwprofile.NAMED:
         entry["layers"] = hwprofile.model_key(model).split(": ", 1)[1]
-    if getattr(model, "prefix", 0):  # its steps train the rest; the frozen prefix runs once per sample
-        entry["prefix_samples_per_s"] = float(f"{prefix_samples_per_second(model):.4g}")
+    if prefix_samples_per_s is not None:
+        entry["prefix_samples_per_s"] = float(f"{prefix_samples_per_s:.4g}")
     return entry
 
 
 def prefix_samples_per_second(model, min_time_s: float = 0.3) -> float:
     """Samples a second through a model's frozen prefix (the one-off pass when a device's data is built)."""
-    g = np.random.default_rng(0)
     n = 4 * model.network.eval_chunk
-    X = g.random((n, int(np.prod(model.network.input_shape)))).astype(model.dtype)
-    first = model.network.layers[0]
-    if first.get("type") == "embedding":
-        X = g.integers(0, first["num"], X.shape).astype(model.dtype)
+    X = _random_samples(np.random.default_rng(0), model, n, model.n_inputs,
+                        model.network.layers[0]["type"] == "embedding")
     model.features(X[:1])
     samples, t0 = 0, time.perf_counter()
     while time.perf_counter() - t0 < min_time_s or not samples:
@@ -269,7 +272,7 @@ def measure(specs=tuple(BENCH_MODELS), cold: bool = True, out=print) -> dict:
         out(f"{tag}: warm start {warm_s[tag]:.2f} s, one device's process {rss[tag]:.0f} MB resident")
         for batch in batches(spec):
             model, sps = steps_per_second(spec, batch)
-            speeds.append(speed_entry(model, batch, sps))
+            speeds.append(speed_entry(model, batch, sps, prefix_samples_per_second(model) if model.prefix else None))
             prefix = speeds[-1].get("prefix_samples_per_s")
             once = f"; its frozen prefix, once a sample: {prefix:,.0f} samples/s" if prefix else ""
             out(f"{tag}: batch {batch}: {sps:,.1f} steps/s ({1e3 / sps:.3f} ms per step){once}")

@@ -146,7 +146,7 @@ def problem_and_model(cfg: Config, problems: dict | None = None):
     model = build_model(cfg.model, problem, cfg.seed, memory_limit(), minibatch_rows(cfg, problem))
     if cfg.model.weights is not None:
         start_from_weights(model, cfg.model.weights, cfg.model.weights_round)
-    if getattr(model, "prefix", 0):  # the samples pass the frozen prefix once, when a device's data is built
+    if model.prefix:  # the samples pass the frozen prefix once, when a device's data is built
         problem = FeatureProblem(problem, model)
     threads = cfg.mpi.threads_per_rank or 1
     if threads > 1 and getattr(model, "one_lane", False):
@@ -465,19 +465,18 @@ def released_on_failure(log_path: Path, owned: bool):
 
 def _frozen_text(model) -> str:
     """What of the model trains, when some of it is frozen, and whether its frozen prefix's outputs are cached."""
-    frozen = getattr(model, "frozen_values", np.zeros(0)).size
+    frozen = model.frozen_values.size
     if not frozen:
         return ""
     cached = (f" (the frozen layers' outputs computed once per device: {model.n_features} features a sample)"
-              if getattr(model, "prefix", 0) else "")
+              if model.prefix else "")
     return f" trained, {frozen:,} frozen{cached}"
 
 
 def _same_frozen(resume_point, model) -> None:
     """A resumed run keeps the frozen tensors it started with (model.weights read again must give them)."""
     logged = None if resume_point is None or resume_point.fresh else resume_point.frozen
-    now = getattr(model, "frozen_values", None)
-    if logged is None or now is None or np.array_equal(logged, now):
+    if logged is None or np.array_equal(logged, model.frozen_values):
         return
     raise RunLogError("--resume: the model's frozen tensors differ from those the log's run started with: the "
                       "file model.weights names changed since; resume with the weights the run started from")
@@ -527,7 +526,7 @@ def _prepared(cfg: Config, log_path: Path, resume_point, on_info, config_toml: s
     header = Header(
         config_toml=config_toml, restarts=restarts,
         seed=cfg.seed, rounds=cfg.rounds, n_devices=problem.n_devices, dim=model.dim, dtype=model.dtype,
-        n_train=problem.n_train, label_counts=_label_counts(problem), frozen=getattr(model, "frozen_values", None),
+        n_train=problem.n_train, label_counts=_label_counts(problem), frozen=model.frozen_values,
         **layout,
         attrs={"problem": problem.describe(), "model": model.kind,
                "train_objective": "(1/N_r) sum_k f_k" if cfg.train.weighting == "uniform" else "sum_k n_k/n F_k"},
@@ -540,7 +539,7 @@ def _prepared(cfg: Config, log_path: Path, resume_point, on_info, config_toml: s
     normalization = problem.input_normalization() if hasattr(problem, "input_normalization") else None
     if normalization is not None:  # what the model's inputs were: the exported model wants the same
         header.attrs["input_shift"], header.attrs["input_scale"] = (np.asarray(v, np.float64) for v in normalization)
-    if getattr(model, "prefix", 0):  # what the devices' samples are
+    if model.prefix:  # what the devices' samples are
         header.attrs["features_cached"] = (f"the frozen prefix's outputs ({model.n_features} values a sample: program "
                                            f"operations 1..{model.prefix}), computed once per device")
     if model.kind == "torch":  # its bits repeat on this machine and torch build only

@@ -21,7 +21,7 @@ HDF5_SIGNATURE = b"\x89HDF\r\n\x1a\n"
 
 def read_weights(path: str, round_idx: int | None = None) -> dict[str, np.ndarray]:
     """The state_dict a weights file holds (its kind told by its first bytes, then its suffix)."""
-    where = f"config: model.weights = {path!r}"
+    where = _where(path)
     p = Path(path)
     if not p.is_file():
         raise ConfigError(f"{where} {'is a folder' if p.is_dir() else 'does not exist'}; give an .npz that edgefed "
@@ -90,4 +90,8 @@ def _from_log(p: Path, round_idx: int | None, where: str) -> dict[str, np.ndarra
 def start_from_weights(model, path: str, round_idx: int | None) -> None:
     """The model's x_0 and frozen tensors from the file (a ConfigError naming the first tensor that does not
     fit)."""
-    model.load_weights(read_weights(path, round_idx), f"config: model.weights = {path!r}")
+    model.load_weights(read_weights(path, round_idx), _where(path))
+
+
+def _where(path: str) -> str:
+    return f"config: model.weights = {path!r}"

@@ -120,7 +120,7 @@ class PoolProblem:
         self.train_rows, self.test_rows = train_parts, test_parts
         self.n_train = np.array([p.size for p in train_parts], dtype=np.int64)
         self.channels = channels_of(self.sample_shape, spatial)
-        self.tokens, self.text = tokens, source.text
+        self.text = source.text
         if tokens is not None:
             self._check_tokens(tokens)
         self._shift, self._scale = self._normalization()
