@@ -177,8 +177,9 @@ def _resolve(args):
     if args.resume:
         path = Path(args.resume)
     else:
-        path = Path(args.out or cfg.log.path or run.default_log_path(args.config))
+        path = args.out or cfg.log.path or run.default_log_path(args.config)
         check_output(path, force=True, inputs=[("the config file", args.config)], example="run.h5")  # (the rest: prepare)
+        path = Path(path)
     return cfg, point, path
 
 
@@ -410,7 +411,7 @@ def cmd_export(args) -> int:
 def cmd_report(args) -> int:
     from edgefed.analysis.report import write_report
 
-    written = write_report(args.targets, Path(args.out), args.format, args.force)
+    written = write_report(args.targets, args.out, args.format, args.force)
     print(f"wrote {written[0]}" if args.format == "html" else f"wrote {len(written)} figures into {args.out}")
     return 0
 

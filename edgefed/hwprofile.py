@@ -133,11 +133,14 @@ def parse_deadline(value) -> float | None:
     return float(m.group(1))
 
 
+def names_a_file(name: str) -> bool:
+    """Whether a [device] profile or boards entry is a path to a profile file, not a shipped profile's name."""
+    return name.endswith(".toml") or "/" in name or "\\" in name
+
+
 def resolve_path(name: str) -> Path:
     """A shipped profile's name ("pi4b"), or a path to a profile file."""
-    if name.endswith(".toml") or "/" in name or "\\" in name:
-        return Path(name)
-    return SHIPPED / f"{name}.toml"
+    return Path(name) if names_a_file(name) else SHIPPED / f"{name}.toml"
 
 
 def shipped_names() -> list[str]:

@@ -139,10 +139,16 @@ def check_layers(layers, key: str = "model.layers") -> tuple[dict, ...]:
     return tuple(out)
 
 
+EXAMPLES = {  # a layer of each type with its required settings, as a message shows it (tests check each)
+    "dense": '{type = "dense", out = 10}', "conv2d": '{type = "conv2d", out = 32, kernel = 5}',
+    "conv1d": '{type = "conv1d", out = 32, kernel = 5}', "reshape": '{type = "reshape", shape = [1, 28, 28]}',
+    "groupnorm": '{type = "groupnorm", groups = 8}', "embedding": '{type = "embedding", num = 80, dim = 8}',
+    "lstm": '{type = "lstm", hidden = 256}', "gru": '{type = "gru", hidden = 256}',
+    **{pool: f'{{type = "{pool}", size = 2}}' for pool in ("maxpool2d", "avgpool2d", "maxpool1d", "avgpool1d")}}
+
+
 def _example(kind: str) -> str:
-    return {"dense": '{type = "dense", out = 10}', "conv2d": '{type = "conv2d", out = 32, kernel = 5}',
-            "conv1d": '{type = "conv1d", out = 32, kernel = 5}', "reshape": '{type = "reshape", shape = [1, 28, 28]}',
-            "groupnorm": '{type = "groupnorm", groups = 8}'}.get(kind, f'{{type = "{kind}", size = 2}}')
+    return EXAMPLES.get(kind, f'{{type = "{kind}"}}')
 
 
 # ------------------------------------------------------------------------------------------------- layouts
@@ -281,6 +287,7 @@ class _Walk:
         self.trainable = True  # the layer being planned trains
         self.maps = False  # the current tensor is a convolution's or pooling's map, (C, H, W) or (C, L)
         self.sequence = False  # ... a sequence (L, F) an embedding or a recurrent layer made
+        self.before = None  # (its name, its settings) of the layer planned last, for a message's fix
         self.op(ops.INPUT, int(np.prod(input_shape)))  # the samples gathered into the first activations
 
     def check_memory(self, out_size: int = 0) -> None:
@@ -568,9 +575,14 @@ def _plan_recurrent(walk, layer, i, where):
     kind = layer["type"]
     if walk.maps or len(walk.shape) != 2:
         got = "maps" if walk.maps or len(walk.shape) > 2 else "a flat input"
-        fix = ("put an embedding before it (token ids), or give samples of shape (N, L, F)" if len(walk.shape) == 1
-               else "a recurrent layer takes a sequence: an embedding's, another recurrent layer's with output = "
-                    '"all", or samples of shape (N, L, F)')
+        name, before = walk.before or (None, {})
+        if before.get("type") in ("lstm", "gru"):  # its output = "last" gave one vector, not the sequence
+            fix = f'set output = "all" on {name} ({before["type"]}), so that it hands this layer its whole sequence'
+        elif len(walk.shape) == 1:
+            fix = "put an embedding before it (token ids), or give samples of shape (N, L, F)"
+        else:
+            fix = ("a recurrent layer takes a sequence: an embedding's, another recurrent layer's with output = "
+                   '"all", or samples of shape (N, L, F)')
         raise ConfigError(f"{where} takes (L, F) sequences, got {got} {_show(walk.shape)}; {fix}")
     walk.permute(None)
     (L, F0), H, K = walk.shape, layer["hidden"], layer["layers"]
@@ -687,6 +699,7 @@ def build(layers, sample_shape: tuple, out_width: int, dtype, outputs_what: str 
         walk.trainable = layer.get("trainable", True)
         TYPES[kind].plan(walk, layer, i, walk.where)
         walk.check_memory()
+        walk.before = (f"{name}[{i}]", layer)
         shapes.append(walk.shape)
     if len(walk.shape) != 1:
         raise ConfigError(f"config: {name} ends with {_show(walk.shape)} maps; end with "
@@ -798,6 +811,10 @@ def check_state(weights: dict, expected: dict, source: str, fix: str) -> None:
     """A state_dict against what a model holds, expected: name -> (shape, whose it is, e.g. "the model's layer
     4 (dense)", whether it is floating point). The first tensor missing, of another shape, not finite, or not
     the model's stops it: a ConfigError naming it and what the model wants, then `fix`."""
+    if not weights:
+        wanted = ", ".join(f"{name} {shape}" for name, (shape, _, _) in list(expected.items())[:4])
+        raise ConfigError(f"{source} holds no tensors; the model needs {len(expected)} ({wanted}"
+                          f"{', ...' if len(expected) > 4 else ''}); {fix}")
     for name, (shape, whose, floating) in expected.items():
         if name not in weights:
             raise ConfigError(f"{source} has no tensor {name!r}, which {whose} needs with shape {shape}; {fix}")

@@ -49,10 +49,13 @@ def writable(path, flag: str = "--out") -> Path:
 
 def check_output(path, *, force: bool, inputs=(), flag: str = "--out", example: str = "out",
                  exists=None) -> Path:
-    """The path a command may write: not a folder, not one of `inputs` ((what, path) pairs: the files and
-    folders the command reads), not an existing file unless force, and in a writable folder. `exists(path)`:
-    the error for an existing file (default: one that names --force). Raises EdgefedError naming the flag and
-    the fix."""
+    """The path a command may write: not a folder (nor a path ending in "/", which names one), not one of
+    `inputs` ((what, path) pairs: the files and folders the command reads), not an existing file unless force,
+    and in a writable folder. `exists(path)`: the error for an existing file (default: one that names --force).
+    Raises EdgefedError naming the flag and the fix."""
+    if isinstance(path, str) and path.endswith(("/", os.sep)):  # (Path() would drop it and write a plain file)
+        raise EdgefedError(f"{flag} {path} ends in {path[-1]!r}, which names a folder; give a file to write, e.g. "
+                           f"{path}{example}")
     path = Path(path)
     if path.is_dir():
         raise EdgefedError(f"{flag} {path} is a folder; give a file to write, e.g. {path / example}")

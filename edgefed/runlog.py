@@ -39,7 +39,7 @@ try:
 except ImportError:  # pragma: no cover - Windows
     resource = None
 
-from edgefed import __version__
+from edgefed import __version__, holds
 from edgefed.algorithms.base import DeviceRows, nonzero_rows
 from edgefed.errors import ResourceError, RunLogError
 from edgefed.errors import reading as errors_reading
@@ -156,6 +156,30 @@ def _remove_stale_copies(path: Path) -> None:
 def exists_error(path: Path) -> RunLogError:
     return RunLogError(f"run log {path} already exists; use --resume {path} to continue it, --force to replace it, "
                        "or another --out")
+
+
+def hold(path: Path, resume_point: "ResumePoint | None" = None) -> None:
+    """Take the log at path for this process to write (holds.py), before its first byte: a RunLogError when a
+    live process writes it already (a second writer would swap its copy in under that run), or when the log
+    gained rounds since resume_point was read from it (its run ended between the two)."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError:
+        return  # (the log cannot be written there either: writing it says why)
+    holder = holds.hold(path)
+    if holder is not None:
+        again = f"edgefed run --resume {path}" if resume_point is not None else "run it again"
+        raise RunLogError(f"run log {path} is being written by {holder}, which is still running; let it finish (or "
+                          f"stop it), then {again}")
+    if resume_point is not None and max(completed_rounds(path), 0) != resume_point.rounds_done:
+        holds.let_go(path)
+        raise RunLogError(f"run log {path} gained rounds while --resume read it (its run ended just now); "
+                          f"edgefed run --resume {path} again")
+
+
+def let_go(path: Path) -> None:
+    """This process writes the log at path no more (see hold)."""
+    holds.let_go(path)
 
 
 def write_stub(path: Path, config_toml: str, restarts=(), claim: bool = False) -> None:
@@ -844,7 +868,6 @@ class ResumePoint:
     restarts: tuple = ()  # the log's /launch/restarts
     fresh: bool = False  # no round completed (killed during start-up): the run starts from the beginning
     n_train: np.ndarray | None = None  # /devices/n_train: what the run's data gave each device
-    frozen: np.ndarray | None = None  # /model/frozen: the frozen tensors the run trained beside
 
 
 def read_resume_point(path: str | Path) -> ResumePoint:
@@ -883,9 +906,8 @@ def read_resume_point(path: str | Path) -> ResumePoint:
                 rows = rows.updated(st["undo/ids"][:count], st[f"undo/{name}"][:count]).nonzero()
             state[name] = rows
         n_train = f["devices/n_train"][()] if isinstance(f.get("devices/n_train"), h5py.Dataset) else None
-        frozen = f[FROZEN][()] if isinstance(f.get(FROZEN), h5py.Dataset) else np.zeros(0)
         return ResumePoint(config_toml, done, state, prefix, f.attrs.get("status") == "complete",
-                           limits, root_attrs(f, path), restarts, n_train=n_train, frozen=frozen)
+                           limits, root_attrs(f, path), restarts, n_train=n_train)
 
 
 @dataclass(frozen=True)

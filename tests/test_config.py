@@ -2,7 +2,7 @@
 
 import pytest
 
-from edgefed.config import config_from_dict, load_config, parse_toml, same_experiment, to_toml
+from edgefed.config import absolute_paths, config_from_dict, load_config, parse_toml, same_experiment, to_toml
 from edgefed.errors import ConfigError
 
 
@@ -78,3 +78,39 @@ def test_bad_toml_file_and_missing_file(tmp_path):
         load_config(tmp_path / "nope.toml")
     with pytest.raises(ConfigError, match="is not KEY=VALUE"):
         load_config(None, ["train.local_steps"])
+
+
+def test_every_path_in_a_config_is_relative_to_the_file_that_names_it(tmp_path, monkeypatch):
+    """One rule for every key that names a file: the config file's folder (the working folder for --set);
+    names that are not paths (a shipped board, the built-in traces) stay names; a path found only in the
+    working folder (the old rule for data.path) is refused saying what to write."""
+    (tmp_path / "exp" / "data").mkdir(parents=True)
+    (tmp_path / "exp" / "data" / "words.txt").write_text("good\n")
+    (tmp_path / "exp" / "t.csv").write_text("")
+    cfg_file = tmp_path / "exp" / "a.toml"
+    cfg_file.write_text('[data]\nkind = "arrays"\npath = "data/d.npz"\n[device]\nprofile = "pi4b"\n'
+                        'boards = ["pi5", "b/x.toml"]\n[participation]\nmode = "trace"\ntrace = "t.csv:3"\n'
+                        '[log]\npath = "runs/a.h5"\n')
+    monkeypatch.chdir(tmp_path)
+    raw = parse_toml(cfg_file.read_text())
+    absolute_paths(raw, cfg_file.parent, str(cfg_file))
+    exp = str((tmp_path / "exp").resolve())
+    assert raw["data"]["path"] == f"{exp}/data/d.npz" and raw["log"]["path"] == f"{exp}/runs/a.h5"
+    assert raw["device"] == {"profile": "pi4b", "boards": ["pi5", f"{exp}/b/x.toml"]}
+    assert raw["participation"]["trace"] == f"{exp}/t.csv:3"
+    for trace in ("builtin:5", ["cpu0", "cpu90"]):
+        raw = {"participation": {"trace": trace}}
+        absolute_paths(raw, cfg_file.parent, str(cfg_file))
+        assert raw["participation"]["trace"] == trace
+    raw = {"participation": {"trace": ["t.csv#cpu0", "cpu90"]}}
+    absolute_paths(raw, cfg_file.parent, str(cfg_file))
+    assert raw["participation"]["trace"] == [f"{exp}/t.csv#cpu0", "cpu90"]
+    cfg = load_config(None, ['data.kind="leaf"', 'data.path="exp"', 'data.vocab="exp/data/words.txt"',
+                             'model.kind="sequential"', 'model.layers=[{type = "embedding", num = 9, dim = 2}, '
+                             '{type = "flatten"}, {type = "dense", out = 2}]'])  # --set: the working folder
+    assert cfg.data.vocab == f"{exp}/data/words.txt"
+    (tmp_path / "exp" / "b.toml").write_text('[data]\nkind = "leaf"\npath = "exp"\n')  # meant from the working folder
+    with pytest.raises(ConfigError, match=f"config: data.path = 'exp' is not at {exp}/exp: a path in a config file is "
+                                          "relative to that file .*; write '.' for the working folder's exp, or an "
+                                          "absolute path"):
+        load_config(tmp_path / "exp" / "b.toml")

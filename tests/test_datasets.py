@@ -324,7 +324,8 @@ def test_bad_folders_are_one_line(tmp_path):
     text = leaf_folder(tmp_path / "text", x=["img_1.jpg"] * 5)
     cfg = config_with({"data.kind": "leaf", "data.path": str(text), "model.kind": "logreg",
                        "train.clients_per_round": 1})
-    with pytest.raises(EdgefedError, match="text or file names"):
+    with pytest.raises(EdgefedError, match="user 'ann': sample 0 is a file name \\('img_1.jpg'\\), label 1; edgefed "
+                                           "reads samples as numbers: convert the images to their pixels"):
         problem_of(cfg)
     with pytest.raises(ConfigError, match="has no data_batch_1"):
         problem_of(config_with({"data.kind": "cifar10", "data.path": str(tmp_path), "train.clients_per_round": 1}))

@@ -22,7 +22,7 @@ from edgefed.rng import Purpose, kernel_state
 from edgefed.runlog import read_run
 from edgefed.runtime.mpi.comm import local_mpiexec, outside_world_env
 
-from helpers import assert_same_logs, interrupted_then_resumed
+from helpers import assert_same_logs, run_until
 
 DIGITS = Path(__file__).resolve().parents[1] / "examples" / "data" / "digits.npz"
 CONV = '{type = "conv2d", out = 4, kernel = 3%s}'
@@ -180,11 +180,29 @@ def test_a_frozen_layer_after_a_trainable_one_still_passes_gradients_back(traine
     assert not np.array_equal(conv[0], conv[-1])  # the convolution below the frozen layer trains
 
 
-def test_a_fine_tuning_run_resumes_to_the_same_bytes(trained, tmp_path):
+def test_a_fine_tuning_run_resumes_to_the_same_bytes_when_its_weights_file_moved_or_changed(trained, tmp_path):
+    """The log holds x_0 and the frozen tensors: a resume takes them from there, whatever the weights file
+    is now, and says when it is gone or no longer the run's."""
     folder, _ = trained
-    cfg = load_config(config_file(tmp_path, "resume", frozen=(0,), extra=f'weights = "{folder / "a.npz"}"'))
-    whole, part = interrupted_then_resumed(cfg, tmp_path, 1)
-    assert_same_logs(whole, part)
+    weights = tmp_path / "w.npz"
+    cfg = load_config(config_file(tmp_path, "resume", frozen=(0,), extra=f'weights = "{weights}"'))
+    whole = tmp_path / "whole.h5"
+    for case in ("same", "gone", "changed"):
+        weights.write_bytes((folder / "a.npz").read_bytes())
+        if not whole.exists():
+            runs.run(cfg, whole)
+        part = tmp_path / f"{case}.h5"
+        point = run_until(cfg, part, 1)
+        if case == "gone":
+            weights.unlink()
+        elif case == "changed":
+            np.savez(weights, **{k: v + 1 for k, v in np.load(folder / "a.npz").items()})
+        said = []
+        runs.run(cfg, part, resume_point=point, on_info=said.append)
+        assert_same_logs(read_run(whole), read_run(part))
+        warnings = [line for line in said if line.startswith("warning: model.weights")]
+        assert len(warnings) == (case != "same"), said
+        assert case == "same" or ("is gone" if case == "gone" else "is not the file the run started from") in warnings[0]
 
 
 @pytest.mark.parametrize("change, message", [
@@ -210,7 +228,10 @@ def test_weights_that_do_not_fit_are_one_line_and_nothing_is_written(trained, tm
 def test_weights_files_of_the_wrong_kind_are_one_line(trained, tmp_path, capsys):
     folder, _ = trained
     (tmp_path / "notes.txt").write_text("not weights")
+    np.savez(tmp_path / "empty.npz")
     for weights, extra, message in ((tmp_path / "none.npz", "", "does not exist"),
+                                    (tmp_path / "empty.npz", "", re.escape("holds no tensors; the model needs 6 "
+                                                                           "(0.weight (4, 1, 3, 3), 0.bias (4,),")),
                                     (tmp_path / "notes.txt", "", "is neither an .npz, a run log nor a PyTorch"),
                                     (folder / "a.npz", "weights_round = 1", "picks a round of a run log"),
                                     (folder / "a.h5", "weights_round = 7", "config: model.weights_round = 7: .* stores the model of rounds")):

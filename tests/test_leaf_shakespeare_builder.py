@@ -167,6 +167,19 @@ def test_bad_input_is_one_line(tmp_path, case):
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize("args, says", [(["--seq-len", "100000"], "(the longest has 432), so no role has a "
+                                                                  "training sample; lower --seq-len"),
+                                        (["--min-lines", "50"], "no role has --min-lines 50 lines (5 roles)")])
+def test_refuses_settings_that_keep_no_role(plays, tmp_path, capsys, args, says):
+    """A dataset with no user is not written: exit 2, one line saying which setting to lower (the longest
+    training text: ANNA's 8 training lines of 54 characters)."""
+    out = tmp_path / "none"
+    assert leaf_shakespeare.main([str(plays), str(out), *args]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err.count("\n") == 1 and says in captured.err, captured.err
+    assert not out.exists()
+
+
 @pytest.mark.skipif(not PLAYS.is_dir(), reason=f"the Shakespeare Markdown plays are not in {PLAYS} (shared data "
                     "beside the checkout)")
 def test_real_corpus():

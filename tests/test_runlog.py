@@ -75,11 +75,12 @@ def test_interrupted_run_resumes_to_the_same_log(tmp_path):
 
 def test_killed_run_resumes_byte_identical(tmp_path, capsys):
     """SIGKILL a real `edgefed run` mid-run while reading its log, then --resume it (in this process, as the
-    uninterrupted run: the CLI's own code, without two more interpreters to start)."""
+    uninterrupted run: the CLI's own code, without two more interpreters to start). While it lives, a --resume
+    or a --force run on its log is refused, and the live run goes on."""
     from edgefed.cli import main
 
     cfg_path = tmp_path / "exp.toml"
-    cfg_path.write_text("rounds = 150\n[log]\nevery = 7\n")
+    cfg_path.write_text("rounds = 300\n[log]\nevery = 7\n")
     killed, whole = tmp_path / "killed.h5", tmp_path / "whole.h5"
     cmd = [sys.executable, "-m", "edgefed", "run", str(cfg_path), "--quiet"]
     proc = subprocess.Popen(cmd + ["--out", str(killed)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
@@ -96,13 +97,22 @@ def test_killed_run_resumes_byte_identical(tmp_path, capsys):
                         seen = int(f["state/round"][0])
                 except Exception:
                     continue
+        for args in (["--resume", str(killed)], [str(cfg_path), "--out", str(killed), "--force"]):
+            assert main(["run", *args, "--quiet"]) == 2
+            err = capsys.readouterr().err
+            assert err.count("\n") == 1 and (f"run log {killed} is being written by process {proc.pid}, which is "
+                                             "still running; let it finish (or stop it)") in err, err
+        while read_run(killed)["state/round"][0] < seen + 5:  # the live run goes on, in its own log
+            assert proc.poll() is None, proc.stderr.read().decode()
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=30)
     finally:
         if proc.poll() is None:
             proc.kill()
     done = read_run(killed)["state/round"][0]
-    assert 20 <= done < 150, "the kill did not land mid-run"
+    assert 25 <= done < 300, "the kill did not land mid-run"
     assert main(["run", "--resume", str(killed), "--quiet"]) == 0
     assert main(["run", str(cfg_path), "--out", str(whole), "--quiet"]) == 0
     a, b = read_run(whole), read_run(killed)
@@ -237,6 +247,36 @@ def test_two_runs_starting_on_one_out_at_once_one_claims_it_the_other_is_told(tm
                                         "--force to replace it, or another --out"]), said
         assert open_run(path).attrs["status"] == "starting"
         assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []  # no copy left beside it
+
+
+def _hold_then_die(path, held, go):
+    from edgefed import holds
+
+    assert holds.hold(path) is None
+    held.set()
+    go.wait(30)
+    os._exit(0)  # no let_go: as a killed process ends
+
+
+def test_a_log_is_held_by_one_live_process_and_let_go_when_it_ends_however_it_ends(tmp_path):
+    import multiprocessing
+
+    from edgefed import holds
+
+    ctx = multiprocessing.get_context("fork")
+    path, held, go = tmp_path / "r.h5", ctx.Event(), ctx.Event()
+    child = ctx.Process(target=_hold_then_die, args=(path, held, go))
+    child.start()
+    try:
+        assert held.wait(30)
+        assert holds.hold(path) == f"process {child.pid}"
+    finally:
+        go.set()
+        child.join(30)
+    assert holds.hold(path) is None and holds.hold(path) is None  # (again: this process holds it already)
+    assert (tmp_path / ".r.h5.writer").exists()
+    holds.let_go(path)
+    assert [p.name for p in tmp_path.iterdir()] == []  # its lock file goes with the last holder
 
 
 def test_a_cpu_competitor_leaves_no_file_in_the_temporary_folder_even_if_never_stopped():

@@ -6,6 +6,7 @@ exported weights in NumPy and PyTorch; and under mpiexec with deadlines, the sim
 import json
 import subprocess
 import sys
+import tomllib
 from collections import Counter
 
 import numpy as np
@@ -14,7 +15,8 @@ import pytest
 from conftest import config_with
 from edgefed import layers as layer_lib
 from edgefed.config import load_config
-from edgefed.errors import ConfigError
+from edgefed.cli import main
+from edgefed.errors import ConfigError, EdgefedError
 from edgefed.models import Sequential
 from edgefed.orchestration import run as runs
 from edgefed.problems import ClassificationData, build_problem
@@ -116,12 +118,24 @@ def test_the_character_lstm_is_mcmahans():
                                                                        "got (8, 4)"),
     ((8,), [{**EMBED, "padding_idx": 7}, lstm(2)], "padding_idx = 7 must be below num = 7"),
     ((8,), [EMBED, lstm(2, output="first")], "model.layers[1].output = 'first' must be one of 'last', 'all'"),
+    ((8,), [EMBED, lstm(4), gru(4)], "model.layers[2] (gru) takes (L, F) sequences, got a flat input (4,); set output = "
+                                     '"all" on model.layers[1] (lstm), so that it hands this layer its whole sequence'),
 ])
 def test_compositions_that_cannot_work_are_refused_naming_the_layer(shape, layers, message):
     with pytest.raises(ConfigError) as err:
         layer_lib.build(layer_lib.check_layers(layers + [{"type": "flatten"}, {"type": "dense", "out": 3}]), shape, 3,
                         np.float32)
     assert message in str(err.value) and "\n" not in str(err.value)
+
+
+def test_every_layer_types_example_in_a_missing_setting_message_is_a_layer_that_checks():
+    """A message for a missing setting shows a layer to copy: it must be one (no invented keys)."""
+    for kind, spec in layer_lib.TYPES.items():
+        if any(default is layer_lib.REQUIRED for default, _ in spec.settings.values()):
+            with pytest.raises(ConfigError, match=r"needs '\w+', e.g. ") as err:
+                layer_lib.check_layers([{"type": kind}])
+            example = tomllib.loads(f"layer = {str(err.value).partition('e.g. ')[2]}")["layer"]
+            assert layer_lib.check_layers([example])[0]["type"] == kind
 
 
 # -- token ids where the data is read ------------------------------------------------------------------------
@@ -196,14 +210,60 @@ def test_leaf_sent140_reads_tweets_as_word_ids(tmp_path):
     assert u1.X_train[0, :5].tolist() == [4, 4, 3, 1, 0] and not u1.X_train[1].any()
     assert u1.X_train[2].tolist() == [1] * 25 and u1.X_test[0, :3].tolist() == [4, 1, 0]
     assert Vocabulary.from_counts(Counter("b a b c".split()), 2).words == ["b", "a"]
-    with pytest.raises(ConfigError, match=r"LEAF Sent140's ids run to 4 but the embedding's num is 4; give it num = 5"):
+    with pytest.raises(ConfigError, match=r"LEAF Sent140's ids run to 4, beyond the model's 4; give the embedding "
+                                          r"num = 5$"):
         build_problem(config_with({**data, **TOKENS, "data.vocab_size": 3}).data, 0, "float32", tokens=4)
+    with pytest.raises(ConfigError, match=r'ids run to 4, beyond the model\'s 4; model.kind = "charlstm" takes 4 ids; '
+                                          r'use a layer list \(model.kind = "sequential"\) whose embedding has num = 5'):
+        build_problem(config_with({**data, **TOKENS, "data.vocab_size": 3}).data, 0, "float32", tokens=4,
+                      builtin="charlstm")
     (tmp_path / "words.txt").write_text("night\ngood\n")
     problem = build_problem(config_with({**data, **TOKENS, "data.vocab": str(tmp_path / "words.txt")}).data, 0,
                             "float32", tokens=10)
     assert problem.device(0).X_test[0, :3].tolist() == [3, 2, 0] and "4 ids" in problem.describe()
+    for text, message in (("the\ncat\nthe\ndog\n", "line 3, 'the', repeats line 1"), ("the\n\ncat\n", "line 2 is blank"),
+                          ("the\nbad day\n", "line 2, 'bad day', is not one word as tweets are split")):
+        (tmp_path / "words.txt").write_text(text)  # never renumbered behind the user's back
+        with pytest.raises(ConfigError, match=f"config: data.vocab = '{tmp_path / 'words.txt'}': {message}"):
+            build_problem(config_with({**data, **TOKENS, "data.vocab": str(tmp_path / "words.txt")}).data, 0,
+                          "float32", tokens=10)
     with pytest.raises(ConfigError, match="Sent140, which has no built-in model"):
         load_config(None, ['data.kind="leaf"', f'data.path="{folder}"'])
+
+
+TWEET = ["1", "Mon Apr 06", "NO_QUERY", "someone", "a b"]
+
+
+@pytest.mark.parametrize("x,y,message", [
+    (["a" * 79, "b" * 80, "c" * 80], ["x", "y", "z"], "user 'u': sample 0 has 79 characters but the user's other "
+                                                        "samples have 80; give every sample one length"),
+    ([TWEET[:4], TWEET, TWEET], [0, 1, 1], "user 'u': sample 0 is not one of Sent140's tweets (five fields) like the "
+                                           "others (\"['1', 'Mon Apr 06', 'NO_QUERY', 'someone\")"),
+    ([[1, 2, 3], TWEET, TWEET], [0, 1, 1], "user 'u': sample 0 is not one of Sent140's tweets (five fields) like the "
+                                           "others ('[1, 2, 3]')"),
+    (["a" * 80, "b" * 80], [3, 4], "user 'u': label 0 is 3; a Shakespeare label is the one character that follows "
+                                   'its sample, as a string ("e", not a number)'),
+    ([[1.0, 2.0], [1.0, 2.0, 3.0], [4.0, 5.0, 6.0]], [0, 1, 1], "user 'u': sample 0 has shape (2,) but the user's "
+                                                                "other samples have (3,)"),
+])
+def test_a_bad_sample_is_named_itself_with_the_fix_of_its_task(tmp_path, x, y, message):
+    """The odd sample is the one named (the user's samples decide its task and length), not the next one."""
+    from edgefed.problems.leaf import LeafSource
+
+    with pytest.raises(EdgefedError) as err:
+        LeafSource(leaf_folder(tmp_path, {"train": {"u": (x, y)}}))
+    assert message in str(err.value) and "\n" not in str(err.value)
+
+
+def test_shakespeare_samples_of_no_characters_are_one_line_in_run_and_warmup(tmp_path, capsys):
+    folder = leaf_folder(tmp_path / "leaf", {"train": {"a": (["", ""], ["x", "y"]), "b": ([""], ["z"])}})
+    (tmp_path / "c.toml").write_text(f'[data]\nkind = "leaf"\npath = "{folder}"\n')
+    for args in (["run", str(tmp_path / "c.toml"), "--out", str(tmp_path / "r.h5")],
+                 ["warmup", "--config", str(tmp_path / "c.toml")]):
+        assert main(args) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "user 'a': sample 0 is an empty string; a Shakespeare sample is a window" in err
+    assert not (tmp_path / "r.h5").exists()
 
 
 def test_the_character_lstms_exported_weights_give_the_logs_predictions(tmp_path):

@@ -88,6 +88,10 @@ def test_no_verb_replaces_a_file_without_force_nor_its_own_input_with_it(logs, t
         if verb == "export --csv":
             assert (tmp_path / "csv" / "metrics.csv").read_text() == "mine\n"
             break
+    if verb != "export --csv":  # a path ending in "/" names a folder: not written as a file of that name
+        code, given = call(f"{tmp_path / 'new'}/")
+        assert "ends in '/', which names a folder; give a file to write" in one_line(capsys, code, given)
+        assert not (tmp_path / "new").exists()
     if own is not None:
         code, given = call(own.format(**names), "--force")
         assert "which this command reads; it is never written over, even with --force" in one_line(capsys, code, given)
@@ -187,8 +191,10 @@ def _leaf(folder, second_user):
     ("x_train group", "x_train is a group, not a dataset; store x_train as one array"),
     ("y_train group", "y_train is a group, not a dataset"),
     ("x_test group", "x_test is a group, not a dataset"),
-    ("leaf ragged", "user 'u2': sample 1 has shape (2,) but sample 0 has (3,); give every sample one shape"),
-    ("leaf words", "user 'u2': sample 0 is not a list of numbers of one shape"),
+    ("leaf ragged", "user 'u2': sample 1 has shape (2,) but the user's other samples have (3,); give every sample one "
+                    "shape"),
+    ("leaf words", "user 'u2': sample 0 (\"['a', 'b', 'c']\") is not numbers of one shape like the user's other "
+                   "samples; LEAF samples are numbers"),
     ("text .npz", "is not an .npz file (a zip of arrays, as numpy.savez writes it): it starts with b'x_train,y"),
 ])
 def test_a_malformed_data_file_is_one_line_and_leaves_no_log(tmp_path, capsys, case, message):

@@ -60,8 +60,8 @@ written in name order. An existing OUT_DIR (other than an empty folder) is refus
 replaces the *.json files in OUT_DIR/train and OUT_DIR/test and leaves anything else alone.
 
 The last line printed counts plays, roles kept and skipped, training and test samples and the characters
-outside ALL_LETTERS. Bad input (no such folder, no .md file, an unreadable file) is one line on stderr and
-exit status 2.
+outside ALL_LETTERS. Bad input (no such folder, no .md file, an unreadable file, settings that keep no role:
+nothing is then written) is one line on stderr and exit status 2.
 """
 
 from __future__ import annotations
@@ -231,6 +231,7 @@ def build(plays_dir: Path, seq_len: int = 80, train_fraction: Fraction = Fractio
     users: dict[str, tuple[str, str]] = {}
     oov: collections.Counter = collections.Counter()
     seen: dict[str, Path] = {}
+    longest = 0  # characters of the longest training text, for the message when no role is kept
     for play in plays:
         stats["unattributed_lines"] += play.unattributed
         stats["direction_lines"] += play.directions
@@ -246,6 +247,7 @@ def build(plays_dir: Path, seq_len: int = 80, train_fraction: Fraction = Fractio
                 continue
             train, test = split_lines(lines, train_fraction)
             train_text, test_text = leaf_text(train), leaf_text(test)
+            longest = max(longest, len(train_text))
             if num_samples(train_text, seq_len) == 0:
                 stats["skipped_no_train_sample"] += 1
                 continue
@@ -261,7 +263,20 @@ def build(plays_dir: Path, seq_len: int = 80, train_fraction: Fraction = Fractio
             oov.update(c for c in text if c not in ALL_LETTERS)
     stats["kept"] = len(users)
     stats["skipped"] = stats["skipped_few_lines"] + stats["skipped_no_train_sample"]
+    if not users:  # a dataset with no users is no dataset: a run on it could only refuse
+        raise InputError(_nothing_kept(stats, longest, seq_len, min_lines))
     return users, stats, oov
+
+
+def _nothing_kept(stats, longest: int, seq_len: int, min_lines: int) -> str:
+    """Why no role was kept, with the setting that would keep some."""
+    if not stats["lines"]:
+        return f"{stats['plays']} plays but no speech in them; give Markdown plays with **SPEAKER** lines"
+    if stats["skipped_few_lines"] and not stats["skipped_no_train_sample"]:
+        return (f"no role has --min-lines {min_lines} lines ({stats['skipped_few_lines']} roles); lower "
+                "--min-lines")
+    return (f"no role's training text is longer than --seq-len {seq_len} characters (the longest has {longest}), "
+            f"so no role has a training sample; lower --seq-len (LEAF's is 80)")
 
 
 def _write_json(path: Path, users: dict[str, str], seq_len: int) -> None:

@@ -582,10 +582,10 @@ def write_report(targets, out: Path, fmt: str = "html", force: bool = False) -> 
     sweeps, runs = load_targets(targets)
     reads = [("a run log", r.path) for r in runs] + [
         ("a file of the sweep", path) for s in sweeps for path in s.files()]
-    out = Path(out)
     if fmt == "html":
-        check_output(out, force=force, inputs=reads, example="report.html")
+        out = check_output(out, force=force, inputs=reads, example="report.html")
     else:
+        out = Path(out)
         check_folder(out, (), force=force, inputs=reads, flag="--out")
     _plt()
     try:

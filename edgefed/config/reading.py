@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import os
 import tomllib
 import types
 import typing
@@ -12,21 +13,25 @@ from pathlib import Path
 from edgefed.config.schema import FIELDS, TABLES, TOP_KEYS, Config
 from edgefed.config.validation import validate
 from edgefed.errors import ConfigError
+from edgefed.hwprofile import names_a_file
 
 
 def load_config(path: str | Path | None = None, overrides: typing.Sequence[str] = ()) -> Config:
-    """Read CONFIG.toml (None: the built-in default), apply `table.key=value` overrides, validate. A file a
-    config names (model.module) is taken relative to the config file, or to the working folder when set by an
-    override, and stored absolute: a resumed run and every rank find it whatever their working folder."""
+    """Read CONFIG.toml (None: the built-in default), apply `table.key=value` overrides, validate. Every file or
+    folder a config names (PATH_KEYS) is taken relative to the config file, or to the working folder when set by
+    an override, and stored absolute: a resumed run and every rank find it whatever their working folder."""
     raw = {} if path is None else read_toml(path)
-    absolute_paths(raw, Path(path).parent if path is not None else Path.cwd())
+    absolute_paths(raw, Path(path).parent if path is not None else Path.cwd(), None if path is None else str(path))
     for item in overrides:
         apply_override(raw, item)
         absolute_paths(raw, Path.cwd())
     return config_from_dict(raw)
 
 
-FILE_KEYS = ("model.module", "model.weights")  # files a config names relative to itself
+# every key whose value names a file or folder (some of their values are names instead: a shipped board
+# profile, the built-in traces); one rule for all: relative to the file that names it (docs/config.md)
+PATH_KEYS = ("data.path", "data.vocab", "model.module", "model.weights", "device.profile", "device.boards",
+             "participation.trace", "log.path")
 
 
 def files_read(cfg) -> list[tuple[str, str]]:
@@ -46,12 +51,44 @@ def absolute_path(value, base: Path):
     return str((base / value).resolve()) if isinstance(value, str) and not Path(value).is_absolute() else value
 
 
-def absolute_paths(raw: dict, base: Path) -> None:
-    """FILE_KEYS of a raw config made absolute against base, in place."""
-    for key in FILE_KEYS:
+def absolute_value(key: str, value, base: Path, source: str | None = None):
+    """The value of a PATH_KEYS key with the paths in it made absolute against base (names left as they are).
+    source: the file the value was read from; a path not found there but found in the working folder (where
+    data.path and data.vocab were once taken from) is refused, saying what to write."""
+    if key in ("device.profile", "device.boards"):
+        if isinstance(value, list):
+            return [absolute_value(key, v, base, source) for v in value]
+        return value if not isinstance(value, str) or not names_a_file(value) else _absolute(key, value, base, source)
+    if key == "participation.trace":
+        if isinstance(value, list):  # trace names, a file's as FILE#name
+            return [f"{_absolute(key, v.rpartition('#')[0], base, source)}#{v.rpartition('#')[2]}"
+                    if isinstance(v, str) and "#" in v else v for v in value]
+        if not isinstance(value, str) or value == "builtin" or value.startswith("builtin:"):
+            return value
+        file, colon, first = value.rpartition(":")  # FILE:k, the first k of its traces
+        if colon and first.isdigit() and not (base / value).exists():
+            return f"{_absolute(key, file, base, source)}:{first}"
+    return _absolute(key, value, base, source)
+
+
+def _absolute(key: str, value, base: Path, source: str | None):
+    if not isinstance(value, str) or not value or Path(value).is_absolute():
+        return value
+    path = absolute_path(value, base)
+    here = Path.cwd() / value
+    if source is not None and not Path(path).exists() and here.exists() and base.resolve() != Path.cwd().resolve():
+        fix = os.path.relpath(here.resolve(), base.resolve())
+        raise ConfigError(f"config: {key} = {value!r} is not at {path}: a path in a config file is relative to that "
+                          f"file ({source}); write {fix!r} for the working folder's {value}, or an absolute path")
+    return path
+
+
+def absolute_paths(raw: dict, base: Path, source: str | None = None) -> None:
+    """PATH_KEYS of a raw config made absolute against base, in place (source: as absolute_value takes it)."""
+    for key in PATH_KEYS:
         table, name = key.split(".")
         if isinstance(raw.get(table), dict) and name in raw[table]:
-            raw[table][name] = absolute_path(raw[table][name], base)
+            raw[table][name] = absolute_value(key, raw[table][name], base, source)
 
 
 def read_toml(path: str | Path) -> dict:
@@ -78,8 +115,10 @@ PREDATED = {("data", "min_partition_size"): 2}
 
 def stored_config(text: str, source: str) -> tuple[dict, list[str]]:
     """A config stored in a run log, as TOML data, with the keys it predates set as its run behaved (every log
-    stores every key, so a missing one is one the log is older than); and those keys (table.key)."""
+    stores every key, so a missing one is one the log is older than); and those keys (table.key). A relative
+    path in it is from a log older than the rule that stores every path absolute, and was the working folder's."""
     raw = parse_toml(text, source)
+    absolute_paths(raw, Path.cwd())  # (a log written before paths were stored absolute: its run took them from here)
     predated = []
     for (table, key), value in PREDATED.items():
         if isinstance(raw.get(table), dict) and key not in raw[table]:

@@ -396,9 +396,8 @@ def profile_targets(out: str | None, hosts: list[str], force: bool, inputs=()) -
         return [(hosts[0], None)]
     if len(hosts) > 1 and "{host}" not in out:
         raise EdgefedError(f"profiling {len(hosts)} hosts; put {{host}} in --out, e.g. --out hw_profiles/{{host}}.toml")
-    targets = [(h, Path(out.replace("{host}", h))) for h in hosts]
-    for _, path in targets:
-        check_output(path, force=force, inputs=inputs, example="board.toml")
+    targets = [(h, check_output(out.replace("{host}", h), force=force, inputs=inputs, example="board.toml"))
+               for h in hosts]
     for _, path in targets:
         try:
             path.parent.mkdir(parents=True, exist_ok=True)

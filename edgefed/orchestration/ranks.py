@@ -7,6 +7,8 @@ own devices' data and report whether they could. After that only buffers move (r
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import json
 import os
 import pickle
@@ -21,7 +23,7 @@ from edgefed.errors import (EXIT_BAD_INPUT, EXIT_INTERNAL, EXIT_INTERRUPTED, EXI
                             Interrupted, RankLost, internal_error)
 from edgefed.orchestration import run as run_mod
 from edgefed.orchestration.timing import timing_for
-from edgefed.runlog import discard_stub
+from edgefed.runlog import discard_stub, let_go
 from edgefed.runtime.mpi import protocol
 from edgefed.runtime.mpi.comm import abort_with, mpi_of, wait, world
 from edgefed.runtime.mpi.coordinator import MpiTransport, gather_setup, receive_setup, send_setup
@@ -89,10 +91,16 @@ def lanes(cfg, rank: int, machines: list[tuple[str, list[int]]], loaded: bool) -
 def run_coordinator(comm, resolve, force: bool, on_round, on_info, on_error, launch=None) -> int:
     """Rank 0. `resolve()` returns (config, resume point, log path) or raises EdgefedError. A rank lost is
     written to the launcher's status file before the world ends."""
+    with contextlib.ExitStack() as held:  # (prepare holds the log for this process to write, until the end)
+        return _coordinate(comm, resolve, force, on_round, on_info, on_error, launch, held)
+
+
+def _coordinate(comm, resolve, force: bool, on_round, on_info, on_error, launch, held: contextlib.ExitStack) -> int:
     machines = comm.allgather(machine())
     point = path = setup = None
     try:
         cfg, point, path = resolve()
+        held.callback(let_go, path)
         setup = run_mod.prepare(cfg, path, resume_point=point, force=force, on_info=on_info, launch=launch,
                                 distributed=True)  # (it removes its stub itself if it fails)
         with run_mod.released_on_failure(path, setup.stub):
@@ -106,7 +114,9 @@ def run_coordinator(comm, resolve, force: bool, on_round, on_info, on_error, lau
     except BaseException as exc:  # a bug: the device ranks must not wait for a config that never comes
         _complete(send_setup(comm, {"error": f"{type(exc).__name__}: {exc}"}))
         raise
-    sent = send_setup(comm, {"config": config_mod.to_toml(setup.cfg), "owners": owners})
+    # the weights the run starts from, so that model.weights is read on this board alone
+    sent = send_setup(comm, {"config": config_mod.to_toml(setup.cfg), "owners": owners, "weights": setup.weights})
+    setup = dataclasses.replace(setup, weights=None)
     try:
         reports = gather_setup(comm, config_mod.rank_timeout(setup.cfg),
                                {rank: host for rank, (host, _) in enumerate(machines)})
@@ -170,7 +180,7 @@ def _build_devices(cfg, info, rank: int, machines):
     failure is (its line, whether it is an internal error)."""
     failure, transport, problem, model, warm = None, None, None, None, (0, 0.0)
     try:
-        problem, model = run_mod.problem_and_model(cfg)
+        problem, model = run_mod.problem_and_model(cfg, start=info["weights"])
         own = np.flatnonzero(info["owners"] == rank)
         algorithm = build_algorithm(cfg)
         loads = cfg.participation.contention

@@ -29,7 +29,7 @@ from edgefed.errors import ConfigError, EdgefedError, RankLost, ResourceError, R
 from edgefed.layers import first_spatial, token_ids
 from edgefed.memory import memory_limit
 from edgefed.models import FeatureProblem, build_model
-from edgefed.orchestration.weights import start_from_weights
+from edgefed.orchestration.weights import read_weights, resumed_weights
 from edgefed.outputs import check_output, writable
 from edgefed.orchestration.timing import link_speeds, timing_for
 from edgefed.participation.budgets import local_budgets
@@ -39,8 +39,8 @@ from edgefed.participation.sampling import evaluation_sample
 from edgefed.participation.traces import ReplayTrace
 from edgefed.problems import build_problem
 from edgefed.participation.selection import POLICY_CLASSES, build_policy
-from edgefed.runlog import (Column, Header, RunLogWriter, discard_stub, exists_error, nonfinite_counts, open_run,
-                            read_participation, read_resume_point, read_run, size_text, write_stub)
+from edgefed.runlog import (Column, Header, RunLogWriter, discard_stub, exists_error, hold, let_go, nonfinite_counts,
+                            open_run, read_participation, read_resume_point, read_run, size_text, write_stub)
 from edgefed.runtime.local import LocalTransport
 from edgefed.tracefiles import sampled_traces
 
@@ -131,12 +131,16 @@ def resolve_config(config_path: str | None, overrides, resume: str | None):
 
 def problem_key(cfg: Config) -> tuple:
     """What a config's problem is built from: configs with one key have one problem."""
-    return cfg.data, cfg.seed, cfg.model.dtype, cfg.model.loss, first_spatial(cfg.model), token_ids(cfg.model)
+    tokens = token_ids(cfg.model)
+    builtin = cfg.model.kind if tokens is not None and cfg.model.kind != "sequential" else None  # (no key sets
+    # a built-in model's vocabulary: a message says so)
+    return cfg.data, cfg.seed, cfg.model.dtype, cfg.model.loss, first_spatial(cfg.model), tokens, builtin
 
 
-def problem_and_model(cfg: Config, problems: dict | None = None):
+def problem_and_model(cfg: Config, problems: dict | None = None, start: dict | None = None):
     """The problem a config describes and the model that trains on it (every process builds them alike);
-    problems: built problems by problem_key, taken from and added to (a sweep's plan)."""
+    problems: built problems by problem_key, taken from and added to (a sweep's plan); start: the state_dict
+    the run starts from when model.weights is set (start_weights), read from the file when not given."""
     key = problem_key(cfg)
     problem = None if problems is None else problems.get(key)
     if problem is None:
@@ -145,7 +149,9 @@ def problem_and_model(cfg: Config, problems: dict | None = None):
         problems[key] = problem
     model = build_model(cfg.model, problem, cfg.seed, memory_limit(), minibatch_rows(cfg, problem))
     if cfg.model.weights is not None:
-        start_from_weights(model, cfg.model.weights, cfg.model.weights_round)
+        if start is None:
+            start = read_weights(cfg.model.weights, cfg.model.weights_round)
+        model.load_weights(start, f"config: model.weights = {cfg.model.weights!r}")
     if model.prefix:  # the samples pass the frozen prefix once, when a device's data is built
         problem = FeatureProblem(problem, model)
     threads = cfg.mpi.threads_per_rank or 1
@@ -394,6 +400,7 @@ class Setup:
     trace: object | None  # trace mode: a ReplayTrace or SampledTraces
     timing: Timing = field(default_factory=Timing)  # the clock, the boards' times, the deadline policy
     stub: bool = False  # prepare wrote the log's stub (a new path, or a resumed stub): the run's own to remove
+    weights: dict | None = None  # the state_dict the run starts from (model.weights): what device ranks get
 
 
 def _trace(cfg: Config, problem):
@@ -438,6 +445,7 @@ def prepare(cfg: Config, log_path: Path, *, resume_point=None, force: bool = Fal
         check_output(log_path, force=force, inputs=config_mod.files_read(cfg), example="run.h5", exists=exists_error)
     else:  # continued in place: a new whole file is swapped in, beside it
         writable(log_path)
+    hold(log_path, resume_point)  # (the caller lets go: run, or the MPI coordinator)
     restarts = merged_restarts(resume_point.restarts if resume_point else (), launch)
     config_toml = resume_point.config_toml if resume_point else config_mod.to_toml(cfg)
     # a stub, unless it would replace a log (--force replaces one only by a whole new log)
@@ -473,13 +481,17 @@ def _frozen_text(model) -> str:
     return f" trained, {frozen:,} frozen{cached}"
 
 
-def _same_frozen(resume_point, model) -> None:
-    """A resumed run keeps the frozen tensors it started with (model.weights read again must give them)."""
-    logged = None if resume_point is None or resume_point.fresh else resume_point.frozen
-    if logged is None or np.array_equal(logged, model.frozen_values):
-        return
-    raise RunLogError("--resume: the model's frozen tensors differ from those the log's run started with: the "
-                      "file model.weights names changed since; resume with the weights the run started from")
+def start_weights(cfg: Config, log_path: Path, resume_point, on_info) -> dict | None:
+    """The state_dict the run starts from (None: drawn from the seed): model.weights read, or for a resumed run
+    the one its log started from, whatever the file holds now (a warning says when it moved or changed)."""
+    if cfg.model.weights is None:
+        return None
+    if resume_point is None or resume_point.fresh:
+        return read_weights(cfg.model.weights, cfg.model.weights_round)
+    weights, warning = resumed_weights(cfg.model.weights, cfg.model.weights_round, log_path)
+    if warning:
+        on_info(warning)
+    return weights
 
 
 def _same_data(resume_point, n_train: np.ndarray) -> None:
@@ -509,9 +521,9 @@ def _prepared(cfg: Config, log_path: Path, resume_point, on_info, config_toml: s
               problems: dict | None = None, distributed: bool = False) -> Setup:
     if cfg.data.kind == "synthetic" and cfg.data.clients:  # N is known before its sizes are drawn (minutes at 10^7)
         check_memory(cfg, cfg.data.clients)
-    problem, model = problem_and_model(cfg, problems)
+    weights = start_weights(cfg, log_path, resume_point, on_info)
+    problem, model = problem_and_model(cfg, problems, weights)
     _same_data(resume_point, problem.n_train)
-    _same_frozen(resume_point, model)
     cfg = config_mod.with_clients(cfg, problem.n_devices)
     trace = _trace(cfg, problem)
     algorithm = build_algorithm(cfg)
@@ -555,7 +567,7 @@ def _prepared(cfg: Config, log_path: Path, resume_point, on_info, config_toml: s
         header.attrs["eval_devices"] = cfg.log.eval_devices
     if cfg.privacy.mechanism != "none":
         cfg = resolved_privacy(cfg, problem.n_devices, header.attrs, on_info, trace)
-    return Setup(cfg, algorithm, problem, model, header, trace)
+    return Setup(cfg, algorithm, problem, model, header, trace, weights=weights)
 
 
 def _label_counts(problem) -> np.ndarray | None:
@@ -736,17 +748,20 @@ def _closed_on_failure(log: RunLogWriter, transport):
 def run(cfg: Config, log_path: Path, *, resume_point=None, force: bool = False, on_round=None,
         on_info=None, launch: Launch | None = None) -> RunResult:
     """One run in this process (the simulator)."""
-    setup = prepare(cfg, log_path, resume_point=resume_point, force=force, on_info=on_info, launch=launch)
-    with released_on_failure(log_path, setup.stub):
-        setup = timing_for(setup, None, on_info, resume_point)
-        transport = local_transport(setup.cfg, setup.algorithm, setup.problem, setup.model)
-        try:
-            compiled, seconds = transport.warmup(compile_notice(setup.cfg, setup.model, on_info))
-        except BaseException:
-            transport.close(failed=True)
-            raise
-    note_warmup(setup, [compiled], [seconds], on_info or (lambda line: None))
-    return drive(setup, transport, log_path, resume_point=resume_point, on_round=on_round, on_warning=on_info)
+    try:
+        setup = prepare(cfg, log_path, resume_point=resume_point, force=force, on_info=on_info, launch=launch)
+        with released_on_failure(log_path, setup.stub):
+            setup = timing_for(setup, None, on_info, resume_point)
+            transport = local_transport(setup.cfg, setup.algorithm, setup.problem, setup.model)
+            try:
+                compiled, seconds = transport.warmup(compile_notice(setup.cfg, setup.model, on_info))
+            except BaseException:
+                transport.close(failed=True)
+                raise
+        note_warmup(setup, [compiled], [seconds], on_info or (lambda line: None))
+        return drive(setup, transport, log_path, resume_point=resume_point, on_round=on_round, on_warning=on_info)
+    finally:
+        let_go(log_path)
 
 
 def _summary(path, data: dict, rounds_run: int, wall: float, tally: Tally, already_complete=False) -> RunResult:

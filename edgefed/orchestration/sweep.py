@@ -135,7 +135,7 @@ def read_sweep(path: Path, on_progress=None) -> Sweep:
             base = config_mod.read_toml(path.parent / raw["base"])
         except ConfigError as exc:
             raise ConfigError(f"{where}: base: {exc}") from None
-        config_mod.absolute_paths(base, (path.parent / raw["base"]).parent)
+        config_mod.absolute_paths(base, (path.parent / raw["base"]).parent, str(path.parent / raw["base"]))
     seeds = raw.get("seeds")
     if seeds is not None and (not isinstance(seeds, list) or not seeds
                               or not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in seeds)):
@@ -148,11 +148,11 @@ def read_sweep(path: Path, on_progress=None) -> Sweep:
         if not isinstance(table, dict):
             raise ConfigError(f"{where}: [{name}] must be a table of dotted keys")
     settings, axes = _dotted(settings), _dotted(axes)
-    for key in config_mod.FILE_KEYS:  # a file named in the sweep: relative to the sweep file
+    for key in config_mod.PATH_KEYS:  # a file named in the sweep: relative to the sweep file
         if key in settings:
-            settings[key] = config_mod.absolute_path(settings[key], path.parent)
+            settings[key] = config_mod.absolute_value(key, settings[key], path.parent, str(path))
         if isinstance(axes.get(key), list):
-            axes[key] = [config_mod.absolute_path(v, path.parent) for v in axes[key]]
+            axes[key] = [config_mod.absolute_value(key, v, path.parent, str(path)) for v in axes[key]]
     groups = []  # (keys, value tuples): an axis "a.x,a.y" links keys that move together
     for key, values in axes.items():
         if not isinstance(values, list) or not values:

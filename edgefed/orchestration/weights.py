@@ -3,7 +3,8 @@
 Three kinds of file, each read into a state_dict (names and PyTorch's shapes) that the model takes as its
 whole parameter vector, the frozen tensors included: an `.npz` as `edgefed export --weights` writes it, a run
 log (its last stored round, or `[model] weights_round`), or a PyTorch state_dict (`.pt`, `.pth`; with the
-torch extra). Every process reads the file alike, before anything is written.
+torch extra). The process that writes the log reads it before anything is written, and under MPI sends the
+state_dict to the device ranks with the run's setup; a resumed run takes it from its own log.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ def read_weights(path: str, round_idx: int | None = None) -> dict[str, np.ndarra
         raise ConfigError(f"config: model.weights_round picks a round of a run log, and {path} is not one; remove it")
     if p.suffix in TORCH_SUFFIXES:
         return _from_torch(p, where)
-    if head[:4] == b"PK\x03\x04":
+    if head[:4] in (b"PK\x03\x04", b"PK\x05\x06"):  # a zip's first entry, or an empty zip's end record
         return _from_npz(p, where)
     raise ConfigError(f"{where} is neither an .npz, a run log nor a PyTorch state_dict (.pt, .pth); give the file "
                       "edgefed export --weights wrote, the run's log, or torch.save(module.state_dict(), PATH)")
@@ -87,10 +88,24 @@ def _from_log(p: Path, round_idx: int | None, where: str) -> dict[str, np.ndarra
     return weights
 
 
-def start_from_weights(model, path: str, round_idx: int | None) -> None:
-    """The model's x_0 and frozen tensors from the file (a ConfigError naming the first tensor that does not
-    fit)."""
-    model.load_weights(read_weights(path, round_idx), _where(path))
+def resumed_weights(path: str, round_idx: int | None, log: Path) -> tuple[dict[str, np.ndarray], str | None]:
+    """(the state_dict a resumed run started from, a warning or None): the run's log holds it (round 0 is x_0,
+    /model/frozen the frozen tensors), so the file model.weights names may have moved or changed since; the
+    warning says so when it has."""
+    logged = read_weights(str(log), 0)
+    if not Path(path).is_file():
+        return logged, (f"warning: {_where(path)[len('config: '):]} is gone; the resumed run takes the weights it "
+                        "started from (x_0 and the frozen tensors) from its log")
+    try:
+        given = read_weights(path, round_idx)
+    except ConfigError:
+        given = None
+    same = given is not None and given.keys() == logged.keys() and all(
+        np.array_equal(np.asarray(given[k]).astype(v.dtype), v) for k, v in logged.items())
+    if same:
+        return logged, None
+    return logged, (f"warning: {_where(path)[len('config: '):]} is not the file the run started from (it changed "
+                    "since, or cannot be read); the resumed run keeps the weights it started from, which its log holds")
 
 
 def _where(path: str) -> str:

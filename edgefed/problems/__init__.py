@@ -14,28 +14,30 @@ from edgefed.problems.data import ClassificationData, QuadraticData
 __all__ = ["ClassificationData", "QuadraticData", "build_problem"]
 
 
-def build_problem(data, seed: int, dtype: str, loss: str = "cross_entropy", spatial: int = 0, tokens: int | None = None):
+def build_problem(data, seed: int, dtype: str, loss: str = "cross_entropy", spatial: int = 0, tokens: int | None = None,
+                  builtin: str | None = None):
     """The problem a validated [data] table describes (a quadratic file, or a dataset file, is opened and
     checked here); loss: the model's, which says whether a file's y are labels or float targets; spatial: the
     dimensions of the model's first spatial layer (how a dataset file's 2-D samples are normalized); tokens:
-    the vocabulary of the model's first layer when it is an embedding (the samples are token ids)."""
+    the vocabulary of the model's first layer when it is an embedding (the samples are token ids); builtin: the
+    built-in model (charlstm) that embedding is part of, None for a layer list (what a message says to change)."""
     with reading(data.path or f"[data] kind = {data.kind!r}"):
-        return _built(data, seed, np.dtype(dtype), loss, spatial, tokens)
+        return _built(data, seed, np.dtype(dtype), loss, spatial, (tokens, builtin))
 
 
-def _built(data, seed: int, dtype, loss: str, spatial: int, tokens: int | None):
+def _built(data, seed: int, dtype, loss: str, spatial: int, tokens: tuple):
     if data.kind == "arrays":
         from edgefed.problems.arrays import arrays_problem
 
-        return arrays_problem(data, seed, dtype, loss, spatial, tokens)
+        return arrays_problem(data, seed, dtype, loss, spatial, *tokens)
     if data.kind == "leaf":
         from edgefed.problems.leaf import leaf_problem
 
-        return leaf_problem(data, seed, dtype, loss, spatial, tokens)
+        return leaf_problem(data, seed, dtype, loss, spatial, *tokens)
     if data.kind in ("cifar10", "cifar100"):
         from edgefed.problems.cifar import cifar_problem
 
-        return cifar_problem(data, seed, dtype, loss, spatial, tokens)
+        return cifar_problem(data, seed, dtype, loss, spatial, *tokens)
     if data.kind == "synthetic":
         from edgefed.problems.synthetic import SyntheticProblem
 

@@ -164,11 +164,12 @@ def _map_member(path: Path, member: str):
         return None
 
 
-def arrays_problem(cfg, seed: int, dtype, loss: str, spatial: int = 0, tokens: int | None = None) -> PoolProblem:
+def arrays_problem(cfg, seed: int, dtype, loss: str, spatial: int = 0, tokens: int | None = None,
+                   builtin: str | None = None) -> PoolProblem:
     path = Path(cfg.path)
     if not path.is_file():
         raise ConfigError(f"config: data.path = {cfg.path!r} is not a file; give the .npz or .h5 file of your "
                           "arrays (x_train, y_train, optionally x_test, y_test, device_train)")
     if path.suffix not in SUFFIXES:
         raise ConfigError(f"config: data.path = {cfg.path!r}: an arrays file ends in .npz or .h5")
-    return PoolProblem(cfg, seed, dtype, ArraysSource(path), loss, path.name, spatial, tokens)
+    return PoolProblem(cfg, seed, dtype, ArraysSource(path), loss, path.name, spatial, tokens, builtin)

@@ -91,11 +91,12 @@ class CifarSource(Source):
         return self._last[1]
 
 
-def cifar_problem(cfg, seed: int, dtype, loss: str, spatial: int = 0, tokens: int | None = None) -> PoolProblem:
+def cifar_problem(cfg, seed: int, dtype, loss: str, spatial: int = 0, tokens: int | None = None,
+                  builtin: str | None = None) -> PoolProblem:
     folder = Path(cfg.path)
     if not folder.is_dir():
         raise ConfigError(f"config: data.path = {cfg.path!r} is not a folder; give the CIFAR python version's "
                           "folder (cifar-10-batches-py or cifar-100-python)")
     source = CifarSource(folder, cfg.kind, cfg.split)
     title = "CIFAR-10" if cfg.kind == "cifar10" else f"CIFAR-100 ({cfg.split})"
-    return PoolProblem(cfg, seed, dtype, source, loss, title, spatial, tokens)
+    return PoolProblem(cfg, seed, dtype, source, loss, title, spatial, tokens, builtin)

@@ -53,50 +53,74 @@ def _samples(path: Path, user: str, record) -> tuple[list, list]:
     return x, y
 
 
-def _text_samples(path: Path, user: str, x: list, y: list, task: str, length: int) -> None:
-    """A user's text samples checked: every sample of its task's form (Shakespeare: `length` characters and one
-    next character; Sent140: five fields, the text a string), refused naming the user and sample."""
+IMAGE_FILE = re.compile(r"\.(png|jpe?g|bmp|gif|tiff?)$", re.IGNORECASE)
+FORMS = ("LEAF samples are numbers (FEMNIST's pixels), strings (Shakespeare's lines) or five fields with the text "
+         "last (Sent140's tweets)")
+
+
+def _task(x: list) -> str | None:
+    """A user's task from its samples: the most common form among them, so that one bad sample is named as the
+    odd one out, not the samples after it (a tie goes to the text task: a broken text sample looks like no task)."""
+    counts = Counter(task_of(sample) for sample in x)
+    return max(counts, key=lambda task: (counts[task], task is not None))
+
+
+def _length(x: list) -> int:
+    """The length of a user's Shakespeare samples: the most common, so that an odd sample is the one named."""
+    counts = Counter(len(sample) for sample in x)
+    return max(counts, key=lambda n: (counts[n], n))
+
+
+def _text_samples(path: Path, user: str, x: list, y: list, task: str, length: int, first: str) -> None:
+    """A user's text samples checked: every sample of its task's form (Shakespeare: `length` characters, the
+    length of `first`'s samples, and one next character; Sent140: five fields, the text a string), refused naming
+    the user, the sample and the fix for its task."""
     for i, (sample, label) in enumerate(zip(x, y)):
         if task_of(sample) != task:
             raise ProblemFileError(f"{path}: user {user!r}: sample {i} is not one of {TASKS[task]} like the others "
                                    f"({str(sample)[:40]!r}); give every sample in one form")
         if task == "shakespeare":
-            if not isinstance(label, str):
-                raise ProblemFileError(f"{path}: user {user!r}'s samples are text or file names ({sample[:40]!r}, "
-                                       f"label {label!r}); edgefed reads numbers, or LEAF Shakespeare's text with the "
-                                       "next character as each label: convert file names to numbers")
+            if not sample:
+                raise ProblemFileError(f"{path}: user {user!r}: sample {i} is an empty string; a Shakespeare sample "
+                                       "is a window of the role's text (80 characters in LEAF), its label the "
+                                       "character after it")
             if len(sample) != length:
-                raise ProblemFileError(f"{path}: user {user!r}: sample {i} has {len(sample)} characters but the "
-                                       f"others {length}; give every sample one length")
-            if len(label) != 1:
+                theirs = "the user's other samples have" if user == first else f"user {first!r}'s samples have"
+                raise ProblemFileError(f"{path}: user {user!r}: sample {i} has {len(sample)} characters but {theirs} "
+                                       f"{length}; give every sample one length")
+            if not isinstance(label, str) and IMAGE_FILE.search(sample):  # LEAF's raw FEMNIST: images by name
+                raise ProblemFileError(f"{path}: user {user!r}: sample {i} is a file name ({sample[:40]!r}), label "
+                                       f"{label!r}; edgefed reads samples as numbers: convert the images to their "
+                                       "pixels (LEAF's preprocessed FEMNIST)")
+            if not isinstance(label, str) or len(label) != 1:
                 raise ProblemFileError(f"{path}: user {user!r}: label {i} is {label!r}; a Shakespeare label is the "
-                                       "one character that follows the sample")
+                                       "one character that follows its sample, as a string (\"e\", not a number)")
 
 
 def _values(path: Path, user: str, x: list, shape: tuple | None) -> np.ndarray:
-    """A user's samples as one float64 array; a sample of another shape (than the user's first, or than
-    `shape`, the other users') or of values that are not numbers is refused naming the user and sample."""
+    """A user's samples as one float64 array; a sample of another shape (than most of the user's samples, or
+    than `shape`, the other users') or of values that are not numbers is refused naming the user and sample."""
     try:
         raw = np.asarray(x)
         if raw.dtype.kind in "iuf":  # (True, None, "1": no sample of numbers, though float64 would take them)
             return _shaped(raw.astype(np.float64), path, user, shape)
     except (ValueError, TypeError):
         pass
-    first = None
+    shapes = []
     for i, sample in enumerate(x):
         try:
             values = np.asarray(sample)
-            found = values.shape
             if values.dtype.kind not in "iuf":
                 raise TypeError
         except (ValueError, TypeError):
-            raise ProblemFileError(f"{path}: user {user!r}: sample {i} is not a list of numbers of one shape; give "
-                                   "every sample as numbers") from None
-        first = found if first is None else first
-        if found != first:
-            raise ProblemFileError(f"{path}: user {user!r}: sample {i} has shape {found} but sample 0 has "
-                                   f"{first}; give every sample one shape")
-    raise ProblemFileError(f"{path}: user {user!r}: the samples cannot be read as numbers")
+            raise ProblemFileError(f"{path}: user {user!r}: sample {i} ({str(sample)[:40]!r}) is not numbers of one "
+                                   f"shape like the user's other samples; {FORMS}, one form in a dataset") from None
+        shapes.append(values.shape)
+    counts = Counter(shapes)
+    common = max(counts, key=lambda shape: (counts[shape], shape == shapes[0]))  # the odd sample is the one named
+    i = next((i for i, found in enumerate(shapes) if found != common), 0)
+    raise ProblemFileError(f"{path}: user {user!r}: sample {i} has shape {shapes[i]} but the user's other samples "
+                           f"have {common}; give every sample one shape")
 
 
 def _shaped(values: np.ndarray, path: Path, user: str, shape: tuple | None) -> np.ndarray:
@@ -138,10 +162,10 @@ class LeafSource(Source):
                     else:
                         seen_test.add(user)
                     if x:  # parsed anyway: checked here, before a log is written
-                        task = task_of(x[0])
+                        task = _task(x)
                         if first is None:
                             first, self.task = user, task
-                            self.length = len(x[0]) if task == "shakespeare" else WORDS
+                            self.length = _length(x) if task == "shakespeare" else WORDS
                         elif task != self.task:
                             raise ProblemFileError(f"{path}: user {user!r}'s samples are {TASKS[task]} but user "
                                                    f"{first!r}'s {TASKS[self.task]}; give one task's users")
@@ -152,7 +176,7 @@ class LeafSource(Source):
                                 raise ConfigError(f"{path}: user {user!r} has samples with NaN or infinity; clean "
                                                   "the data")
                         else:
-                            _text_samples(path, user, x, y, task, self.length)
+                            _text_samples(path, user, x, y, task, self.length, first)
                         if task == "shakespeare":
                             ids, unknown = letter_ids(y)
                             self.unknown += letter_ids(x)[1] + unknown
@@ -234,15 +258,31 @@ def _sentiment(path: Path, user: str, i: int, label) -> int:
 
 
 def _vocabulary(path: str) -> Vocabulary:
+    """A vocabulary file: one word a line, the first line id 2 (docs/config.md). A blank line, a repeated word
+    or a line the tweets' split would never give as one word is refused naming its line: ids are never
+    renumbered behind the user's back."""
+    where = f"config: data.vocab = {path!r}"
     try:
         with open(path, encoding="utf-8") as f:
-            words = [line.strip() for line in f if line.strip()]
+            lines = f.read().splitlines()
     except (OSError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"config: data.vocab = {path!r} cannot be read ({exc}); give a text file of words, one a "
-                          "line") from None
-    if not words:
-        raise ConfigError(f"config: data.vocab = {path!r} holds no words; give a text file of words, one a line")
-    return Vocabulary(dict.fromkeys(words))
+        raise ConfigError(f"{where} cannot be read ({exc}); give a text file of words, one a line") from None
+    if not lines:
+        raise ConfigError(f"{where} holds no words; give a text file of words, one a line")
+    seen = {}
+    for number, line in enumerate(lines, 1):
+        word = line.strip()
+        if not word:
+            raise ConfigError(f"{where}: line {number} is blank; give one word a line (line 1 is id 2, line n id "
+                              "n + 1), with no blank lines")
+        if word in seen:
+            raise ConfigError(f"{where}: line {number}, {word!r}, repeats line {seen[word]}; give each word once "
+                              "(a word's id is its line number + 1)")
+        if words_of(word) != [word]:
+            raise ConfigError(f"{where}: line {number}, {word!r}, is not one word as tweets are split ([\\w']+, or "
+                              "one of . , ! ? ;): no tweet would ever give it; give one word a line")
+        seen[word] = number
+    return Vocabulary(seen)
 
 
 @functools.lru_cache(maxsize=16)  # (every validation of a config without a model asks; a rank validates several)
@@ -261,11 +301,12 @@ def text_task(folder) -> str | None:
     return "sent140" if found.group(1) else "shakespeare"
 
 
-def leaf_problem(cfg, seed: int, dtype, loss: str, spatial: int = 0, tokens: int | None = None) -> PoolProblem:
+def leaf_problem(cfg, seed: int, dtype, loss: str, spatial: int = 0, tokens: int | None = None,
+                 builtin: str | None = None) -> PoolProblem:
     folder = Path(cfg.path)
     if not folder.is_dir():
         raise ConfigError(f"config: data.path = {cfg.path!r} is not a folder; give a LEAF data folder (with train/ "
                           "and test/ of *.json files)")
     source = LeafSource(folder, cfg.vocab_size, cfg.vocab)
-    return PoolProblem(cfg, seed, dtype, source, loss, f"LEAF {folder.name}, {source.note}", spatial, tokens)
+    return PoolProblem(cfg, seed, dtype, source, loss, f"LEAF {folder.name}, {source.note}", spatial, tokens, builtin)
 

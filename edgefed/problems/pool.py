@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from edgefed.errors import ConfigError, reading
+from edgefed.errors import ConfigError, ProblemFileError, reading
 from edgefed.problems.data import ClassificationData
 from edgefed.problems.partition import MIN_SAMPLES, PARTITIONS, describe_partition, partition
 from edgefed.rng import Purpose, generator
@@ -43,6 +43,11 @@ class Source:
     integer = False  # its samples are integers (token ids, when the model's first layer is an embedding)
     text = None  # (task, vocabulary size) when the reader itself turns text into token ids (LEAF's text)
     n_classes = None  # fixed by the dataset (CIFAR); None: data.classes, else the largest label + 1
+
+    def __post_init__(self):
+        if not all(self.sample_shape):  # (a shape with a 0 in it: nothing for a model to read)
+            raise ProblemFileError(f"{self.name}: its samples have shape {tuple(self.sample_shape)}, no values; give "
+                                   "samples of at least one value each")
 
     def read(self, part: str, rows: np.ndarray) -> np.ndarray:
         """Samples rows (ascending, unique) of part ("train" or "test"), shaped (len(rows), *sample_shape)."""
@@ -84,11 +89,12 @@ class PoolProblem:
     classes_note = ""  # why the classes are as many as they are, when the test set decides it
 
     def __init__(self, cfg, seed: int, dtype: np.dtype, source: Source, loss: str, title: str, spatial: int = 0,
-                 tokens: int | None = None):
+                 tokens: int | None = None, builtin: str | None = None):
         """spatial: the dimensions of the model's first spatial layer (2, 1, or 0 for none), which says whether
         a 2-D sample is one channel (H, W) or C channels (C, L) for the statistics of normalize = "standard";
         tokens: the vocabulary of the model's first layer when it is an embedding (its samples are then token
-        ids, read as they are and checked to lie in [0, tokens))."""
+        ids, read as they are and checked to lie in [0, tokens)); builtin: the built-in model whose embedding
+        that is (its vocabulary is not a key), None for a layer list."""
         self.cfg, self.seed, self.dtype, self.source, self.title = cfg, seed, np.dtype(dtype), source, title
         self.sample_shape = tuple(source.sample_shape)
         self.n_features = int(np.prod(self.sample_shape))
@@ -122,7 +128,7 @@ class PoolProblem:
         self.channels = channels_of(self.sample_shape, spatial)
         self.text = source.text
         if tokens is not None:
-            self._check_tokens(tokens)
+            self._check_tokens(tokens, builtin)
         self._shift, self._scale = self._normalization()
         self._cache, self._read, self._hosted = {}, set(), None
 
@@ -188,9 +194,15 @@ class PoolProblem:
         self.y_test = self.y_train  # the held-out rows are training rows
         return trains, tests
 
-    def _check_tokens(self, num: int) -> None:
+    def _check_tokens(self, num: int, builtin: str | None) -> None:
         """Token ids: integers, read as they are, each in [0, num); the first that is not is named by its
         device and sample, before anything is written (the kernels index by them unchecked)."""
+        if builtin is None:
+            takes, more = "the embedding's num", "raise the embedding's num"
+        else:  # no key sets a built-in model's vocabulary
+            takes = f'the ids model.kind = "{builtin}" takes'
+            more = f'use a layer list (model.kind = "sequential") whose embedding\'s num covers them'
+
         src = self.source
         if not src.integer:
             raise ConfigError(f"{src.name}: the samples are not integers, but the model's first layer is an "
@@ -201,8 +213,10 @@ class PoolProblem:
         if src.text is not None:  # ids the reader made: in [0, its vocabulary), no need to read them again
             task, vocabulary = src.text
             if vocabulary > num:
-                raise ConfigError(f"{src.name}: {task}'s ids run to {vocabulary - 1} but the embedding's num is "
-                                  f"{num}; give it num = {vocabulary}")
+                fix = (f"give the embedding num = {vocabulary}" if builtin is None else
+                       f'model.kind = "{builtin}" takes {num} ids; use a layer list (model.kind = "sequential") '
+                       f"whose embedding has num = {vocabulary}")
+                raise ConfigError(f"{src.name}: {task}'s ids run to {vocabulary - 1}, beyond the model's {num}; {fix}")
             return
         parts = ("train", "test") if src.y_test is not None else ("train",)
         for part in parts:
@@ -213,7 +227,7 @@ class PoolProblem:
                     row = start + int(np.flatnonzero(bad.any(axis=1))[0])
                     value = int(values[row - start][bad[row - start]][0])
                     raise ConfigError(f"{src.name}: {self._sample_name(part, row)} holds the token id {value}, "
-                                      f"outside [0, {num}) (the embedding's num); raise num or fix the ids")
+                                      f"outside [0, {num}) ({takes}); fix the ids, or {more}")
 
     def _sample_name(self, part: str, row: int) -> str:
         """A row of x_train or x_test in words: whose sample it is, and which."""
