@@ -465,6 +465,9 @@ def warm_model(model, data, batch_size, calls=MODEL_CALLS, on_compile=None) -> N
     """Call every kernel a round can reach, compiling (or loading from the cache) each for this model's
     dtype: local steps, evaluation, and of MODEL_CALLS those named in calls (an algorithm's model_calls).
     on_compile(names, dtype): told what is about to compile, before it does (a layer list's kernels)."""
+    if isinstance(data, ClassificationData):  # a few rows reach every kernel: a device of 50,000 would cost seconds
+        few = 2 * (batch_size or 16)
+        data = ClassificationData(data.X_train[:few], data.y_train[:few], data.X_test[:few], data.y_test[:few])
     if hasattr(model, "compile_kernels"):
         model.compile_kernels(data, on_compile)
     x = model.initial_params()

@@ -72,7 +72,9 @@ def test_a_process_reads_only_its_own_devices_rows(tmp_path, monkeypatch):
     problem.device(1)
     train = np.concatenate([rows for part, rows in asked if part == "train"])
     assert sorted(train) == sorted(np.concatenate([problem.train_rows[1], problem.train_rows[3]]))
-    assert len(asked) == 2  # one pass over each part for every hosted device
+    # an .h5 file's rows are read a device at a time, as it is built: only the hosted devices', nothing ahead
+    assert [part for part, _ in asked] == ["train", "test"] * 2
+    assert list(asked[0][1]) == list(problem.train_rows[3]) and list(asked[2][1]) == list(problem.train_rows[1])
 
 
 def test_natural_partition_from_device_train_and_a_holdout_without_x_test(tmp_path):

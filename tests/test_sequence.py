@@ -248,10 +248,11 @@ TWEET = ["1", "Mon Apr 06", "NO_QUERY", "someone", "a b"]
 ])
 def test_a_bad_sample_is_named_itself_with_the_fix_of_its_task(tmp_path, x, y, message):
     """The odd sample is the one named (the user's samples decide its task and length), not the next one."""
-    from edgefed.problems.leaf import LeafSource
+    from edgefed.problems.leaf import convert_leaf
 
     with pytest.raises(EdgefedError) as err:
-        LeafSource(leaf_folder(tmp_path, {"train": {"u": (x, y)}}))
+        convert_leaf(leaf_folder(tmp_path / "leaf", {"train": {"u": (x, y)}}), tmp_path / "out.h5")
+    assert list(tmp_path.iterdir()) == [tmp_path / "leaf"]  # nothing written
     assert message in str(err.value) and "\n" not in str(err.value)
 
 

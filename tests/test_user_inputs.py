@@ -259,7 +259,9 @@ def test_leaf_users_without_samples_are_skipped_and_counted_in_the_first_line(tm
     main(["run", *sets(TINY + ['data.kind="leaf"', f'data.path="{folder}"', "data.clients=1",
                                "train.clients_per_round=1", 'model.kind="logreg"']), "--out", str(tmp_path / "r.h5"),
           "--quiet"])
-    assert capsys.readouterr().out.startswith("LEAF leaf, 2 users, 1 without samples skipped (natural): 1 devices")
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith(f"LEAF folder {folder}: converted once (") and ", which runs read until its " in lines[0]
+    assert lines[1].startswith("LEAF leaf, 2 users, 1 without samples skipped (natural): 1 devices")
 
 
 # -- a sweep plans every run before the first --------------------------------------------------------------------

@@ -180,7 +180,7 @@ def _build_devices(cfg, info, rank: int, machines):
     failure is (its line, whether it is an internal error)."""
     failure, transport, problem, model, warm = None, None, None, None, (0, 0.0)
     try:
-        problem, model = run_mod.problem_and_model(cfg, start=info["weights"])
+        problem, model = run_mod.problem_and_model(cfg, start=info["weights"], convert=False)
         own = np.flatnonzero(info["owners"] == rank)
         algorithm = build_algorithm(cfg)
         loads = cfg.participation.contention

@@ -137,14 +137,15 @@ def problem_key(cfg: Config) -> tuple:
     return cfg.data, cfg.seed, cfg.model.dtype, cfg.model.loss, first_spatial(cfg.model), tokens, builtin
 
 
-def problem_and_model(cfg: Config, problems: dict | None = None, start: dict | None = None):
+def problem_and_model(cfg: Config, problems: dict | None = None, start: dict | None = None, convert: bool = True):
     """The problem a config describes and the model that trains on it (every process builds them alike);
     problems: built problems by problem_key, taken from and added to (a sweep's plan); start: the state_dict
-    the run starts from when model.weights is set (start_weights), read from the file when not given."""
+    the run starts from when model.weights is set (start_weights), read from the file when not given;
+    convert: whether this process may convert a LEAF folder (a device rank reads its coordinator's copy)."""
     key = problem_key(cfg)
     problem = None if problems is None else problems.get(key)
     if problem is None:
-        problem = build_problem(*key)
+        problem = build_problem(*key, convert=convert)
     if problems is not None:
         problems[key] = problem
     model = build_model(cfg.model, problem, cfg.seed, memory_limit(), minibatch_rows(cfg, problem))
@@ -532,6 +533,8 @@ def _prepared(cfg: Config, log_path: Path, resume_point, on_info, config_toml: s
     layout = log_layout(algorithm, cfg, problem.n_devices, model.dim, model.dtype)
     every, stores = trajectory_every(cfg, layout, model.dim, model.dtype)
     cfg = dataclasses.replace(cfg, log=dataclasses.replace(cfg.log, every=every))  # as run; the stored text keeps it unset
+    if getattr(problem, "notice", None):
+        on_info(problem.notice)
     on_info(f"{problem.describe()}; model {model.kind}, d = {model.dim} {model.dtype.name}{_frozen_text(model)}; "
             f"{cfg.train.algorithm}, {cfg.rounds} rounds; {stores}")
     check_device_memory(algorithm, cfg, problem, model, log_path, on_info, distributed)

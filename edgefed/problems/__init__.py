@@ -15,17 +15,18 @@ __all__ = ["ClassificationData", "QuadraticData", "build_problem"]
 
 
 def build_problem(data, seed: int, dtype: str, loss: str = "cross_entropy", spatial: int = 0, tokens: int | None = None,
-                  builtin: str | None = None):
+                  builtin: str | None = None, convert: bool = True):
     """The problem a validated [data] table describes (a quadratic file, or a dataset file, is opened and
     checked here); loss: the model's, which says whether a file's y are labels or float targets; spatial: the
     dimensions of the model's first spatial layer (how a dataset file's 2-D samples are normalized); tokens:
     the vocabulary of the model's first layer when it is an embedding (the samples are token ids); builtin: the
-    built-in model (charlstm) that embedding is part of, None for a layer list (what a message says to change)."""
+    built-in model (charlstm) that embedding is part of, None for a layer list (what a message says to change);
+    convert: whether a LEAF folder may be converted here (leaf.cached), not only read from its converted copy."""
     with reading(data.path or f"[data] kind = {data.kind!r}"):
-        return _built(data, seed, np.dtype(dtype), loss, spatial, (tokens, builtin))
+        return _built(data, seed, np.dtype(dtype), loss, spatial, (tokens, builtin), convert)
 
 
-def _built(data, seed: int, dtype, loss: str, spatial: int, tokens: tuple):
+def _built(data, seed: int, dtype, loss: str, spatial: int, tokens: tuple, convert: bool):
     if data.kind == "arrays":
         from edgefed.problems.arrays import arrays_problem
 
@@ -33,7 +34,7 @@ def _built(data, seed: int, dtype, loss: str, spatial: int, tokens: tuple):
     if data.kind == "leaf":
         from edgefed.problems.leaf import leaf_problem
 
-        return leaf_problem(data, seed, dtype, loss, spatial, *tokens)
+        return leaf_problem(data, seed, dtype, loss, spatial, *tokens, convert=convert)
     if data.kind in ("cifar10", "cifar100"):
         from edgefed.problems.cifar import cifar_problem
 

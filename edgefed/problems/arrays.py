@@ -19,18 +19,24 @@ from pathlib import Path
 import numpy as np
 
 from edgefed.errors import ConfigError, ProblemFileError
+from edgefed.problems.compact import FORMAT
 from edgefed.problems.pool import PoolProblem, Source
 
-KEYS = ("x_train", "y_train", "x_test", "y_test", "device_train")
+KEYS = ("x_train", "y_train", "x_test", "y_test", "device_train", "device_test", "users")
 SUFFIXES = (".npz", ".h5", ".hdf5")
 
 
 class ArraysSource(Source):
-    """The arrays of one file: labels in memory, samples by rows (memory-mapped or from HDF5)."""
+    """The arrays of one file: labels in memory, samples by rows (memory-mapped or from HDF5). A compact file
+    (compact.py, what `edgefed data convert` writes) adds its devices' test samples, names and row ranges,
+    and its kind's defaults; name: what messages call it (a LEAF folder read through its converted copy)."""
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, name: str | None = None):
         self.path = path
         self._h5 = None
+        self.x_scale = None
+        self.note = ""
+        self.ranges = {}
         if path.suffix in (".h5", ".hdf5"):
             arrays = self._open_h5(path)
         else:
@@ -53,7 +59,12 @@ class ArraysSource(Source):
                 raise ConfigError(f"{path}: {key} has values of type {x.dtype}; give numbers")
         y_train = np.asarray(arrays["y_train"][()])
         y_test = None if arrays.get("y_test") is None else np.asarray(arrays["y_test"][()])
-        device = None if arrays.get("device_train") is None else np.asarray(arrays["device_train"][()])
+        # a compact file's devices' row ranges say whose each row is: its per-row devices are not read
+        self.ranges = {part: np.asarray(self._h5[f"device_rows_{part}"][()], np.int64) for part in ("train", "test")
+                       if self._h5 is not None and self._h5.attrs.get("format") == FORMAT
+                       and f"device_rows_{part}" in self._h5}
+        device = None if arrays.get("device_train") is None or "train" in self.ranges else np.asarray(
+            arrays["device_train"][()])
         n = x_train.shape[0]
         for key, value in (("y_train", y_train), ("device_train", device)):
             if value is not None and value.shape[:1] != (n,):
@@ -70,9 +81,30 @@ class ArraysSource(Source):
             if device.dtype.kind not in "iu" or (device.size and device.min() < 0):
                 raise ConfigError(f"{path}: device_train must hold device ids (integers >= 0)")
             device = device.astype(np.int64)
-        super().__init__(str(path), tuple(int(s) for s in x_train.shape[1:]), y_train, y_test, device)
+        device_test = None if arrays.get("device_test") is None or "test" in self.ranges else np.asarray(
+            arrays["device_test"][()], np.int64)
+        names = () if arrays.get("users") is None else tuple(u.decode() if isinstance(u, bytes) else str(u)
+                                                             for u in arrays["users"][()])
+        super().__init__(name or str(path), tuple(int(s) for s in x_train.shape[1:]), y_train, y_test, device,
+                         device_test, names)
         self.finite_checked = all(x is None or x.dtype.kind in "iub" for x in (x_train, x_test))  # no NaN in ints
         self.integer = all(x is None or x.dtype.kind in "iu" for x in (x_train, x_test))
+        self.random_access = self._h5 is not None or isinstance(x_train, np.memmap)
+        if self._h5 is not None and self._h5.attrs.get("format") == FORMAT:
+            self._compact(self._h5.attrs)
+
+    def _compact(self, attrs) -> None:
+        """What a compact file says of itself (compact.py): its scale, its kind's classes and text."""
+        if "x_scale" in attrs:
+            self.x_scale = float(attrs["x_scale"])
+            self.integer = False
+        self.finite_checked = True  # (the conversion refused NaN and infinity)
+        self.note = str(attrs.get("note", ""))
+        if "classes" in attrs:
+            self.n_classes = int(attrs["classes"])
+        task = attrs.get("text_task")
+        if task is not None and "token_ids" in attrs:  # ids the conversion made: in [0, token_ids)
+            self.text = (f"LEAF {str(task).capitalize()}", int(attrs["token_ids"]))
 
     def _open_h5(self, path: Path) -> dict:
         import h5py
@@ -127,6 +159,12 @@ class ArraysSource(Source):
         if self._h5 is None:
             return np.asarray(x[rows])
         out = np.empty((rows.size, *x.shape[1:]), x.dtype)
+        if self.x_scale is not None:  # numbers stored as k / x_scale: their float64 values, to the bit
+            return self._read_into(x, rows, out).astype(np.float64) / self.x_scale
+        return self._read_into(x, rows, out)
+
+    @staticmethod
+    def _read_into(x, rows: np.ndarray, out: np.ndarray) -> np.ndarray:
         # HDF5 reads a contiguous run of rows at once; the runs of the asked rows, one read each
         cuts = np.flatnonzero(np.diff(rows) != 1) + 1
         at = 0

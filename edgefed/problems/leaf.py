@@ -6,38 +6,32 @@ The folder holds `train/` and `test/`, each a set of `*.json` files read in name
 integers, or text, recognized from the samples: Shakespeare's strings and Sent140's tweets, read as token ids
 (text.py). A user's test samples are its own (LEAF splits each user's data); a user with none has none.
 
-JSON must be parsed whole, so a file is read once for the labels and again, by the processes that host its
-users, for their samples; only those are kept.
+JSON is streamed, a user at a time (ijson), into the compact arrays file (compact.py) and never held whole:
+`edgefed data convert` writes that file where you say; a run given the folder itself converts it once into a
+cache beside it (`.edgefed/` in the folder, or the user's cache folder where the folder cannot be written),
+keyed by the files' names, sizes and times, and every process reads its devices' rows from there.
 """
 
 from __future__ import annotations
 
 import functools
-import json
+import hashlib
+import os
 import re
+import time
 from collections import Counter
 from pathlib import Path
 
 import numpy as np
 
 from edgefed.errors import ConfigError, ProblemFileError
-from edgefed.problems.text import ALL_LETTERS, TEXT_FIELD, WORDS, Vocabulary, letter_ids, task_of
+from edgefed.problems.compact import FORMAT_VERSION, CompactWriter
+from edgefed.problems.arrays import ArraysSource
+from edgefed.problems.pool import PoolProblem
+from edgefed.problems.text import ALL_LETTERS, PAD, TEXT_FIELD, UNKNOWN, WORDS, Vocabulary, letter_ids, task_of
 from edgefed.problems.text import tokens as words_of
-from edgefed.problems.pool import PoolProblem, Source
 
 TASKS = {None: "numbers", "shakespeare": "Shakespeare's lines (strings)", "sent140": "Sent140's tweets (five fields)"}
-
-
-def _load(path: Path) -> dict:
-    try:
-        with open(path, encoding="utf-8") as f:
-            data = json.load(f)
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ProblemFileError(f"{path} cannot be read as LEAF JSON ({exc})") from None
-    if not isinstance(data, dict) or not isinstance(data.get("users"), list) or not isinstance(data.get("user_data"),
-                                                                                              dict):
-        raise ProblemFileError(f"{path} is not a LEAF file: it needs \"users\" and \"user_data\"")
-    return data
 
 
 def _samples(path: Path, user: str, record) -> tuple[list, list]:
@@ -130,122 +124,189 @@ def _shaped(values: np.ndarray, path: Path, user: str, shape: tuple | None) -> n
     return values
 
 
-class LeafSource(Source):
-    def __init__(self, folder: Path, vocab_size: int = 10_000, vocab: str | None = None):
-        self.folder = folder
-        self.task, self.length, self.unknown, self.vocabulary = None, 0, 0, None
-        words = Counter()
+def _users(path: Path) -> list:
+    """A file's users list (a first pass over the file: its user_data is streamed in a second)."""
+    import ijson
+
+    try:
+        with open(path, "rb") as f:
+            users = list(ijson.items(f, "users.item"))
+    except (OSError, ijson.JSONError, UnicodeDecodeError) as exc:
+        raise ProblemFileError(f"{path} cannot be read as LEAF JSON ({_one_line(exc)})") from None
+    if not users:
+        with open(path, "rb") as f:
+            head = f.read(1 << 16)
+        if b'"users"' not in head and b'"user_data"' not in head:
+            raise ProblemFileError(f'{path} is not a LEAF file: it needs "users" and "user_data"')
+    bad = next((u for u in users if not isinstance(u, str)), None)
+    if bad is not None:
+        raise ProblemFileError(f"{path}: users lists {bad!r}, not a name; give each user's name as a string")
+    return users
+
+
+def _records(path: Path, users: list):
+    """(user, record) of a file's user_data, a user at a time, for the users the file lists (others ignored);
+    a listed user without a record is named."""
+    import ijson
+
+    listed, seen = set(users), set()
+    try:
+        with open(path, "rb") as f:
+            for user, record in ijson.kvitems(f, "user_data", use_float=True):
+                if user in listed and user not in seen:
+                    seen.add(user)
+                    yield user, record
+    except (OSError, ijson.JSONError, UnicodeDecodeError) as exc:
+        raise ProblemFileError(f"{path} cannot be read as LEAF JSON ({_one_line(exc)})") from None
+    missing = next((u for u in users if u not in seen), None)
+    if missing is not None:
+        _samples(path, missing, None)
+
+
+def _one_line(exc: BaseException) -> str:
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+
+
+class _Conversion:
+    """One pass over a LEAF folder's files into a CompactWriter: the checks of every sample, the task, the
+    devices (users with training samples, in file order), the labels; Sent140's words counted to give them ids
+    at the end."""
+
+    def __init__(self, folder: Path, out: Path, vocab_size: int, vocab: str | None):
+        self.folder, self.out, self.vocab_size, self.vocab = folder, out, vocab_size, vocab
         self.files = {part: sorted((folder / part).glob("*.json")) for part in ("train", "test")}
         if not self.files["train"]:
             raise ConfigError(f"config: data.path = {str(folder)!r} has no train/*.json; give a LEAF data folder "
                               "(with train/ and test/)")
-        users, labels, devices, where, seen_test, empty = [], [], [], {}, set(), set()
-        shape, first = None, None
-        for part in ("train", "test"):
-            part_labels, part_devices = [], []
-            for i, path in enumerate(self.files[part]):
-                data = _load(path)
-                for user in data["users"]:
-                    x, y = _samples(path, user, data["user_data"].get(user))
-                    if part == "train":
-                        if user in where or user in empty:
-                            raise ProblemFileError(f"{path}: user {user!r} appears twice in train/")
-                        if not x:  # nothing to train on: not a device (the run's first line counts them)
-                            empty.add(user)
-                            continue
-                        where[user] = len(users)
-                        users.append(user)
-                    elif user not in where:
-                        continue  # a user with test samples only takes no part
-                    elif user in seen_test:
-                        raise ProblemFileError(f"{path}: user {user!r} appears twice in test/")
-                    else:
-                        seen_test.add(user)
-                    if x:  # parsed anyway: checked here, before a log is written
-                        task = _task(x)
-                        if first is None:
-                            first, self.task = user, task
-                            self.length = _length(x) if task == "shakespeare" else WORDS
-                        elif task != self.task:
-                            raise ProblemFileError(f"{path}: user {user!r}'s samples are {TASKS[task]} but user "
-                                                   f"{first!r}'s {TASKS[self.task]}; give one task's users")
-                        if task is None:
-                            values = _values(path, user, x, shape)
-                            shape = values.shape[1:]
-                            if not np.all(np.isfinite(values)):
-                                raise ConfigError(f"{path}: user {user!r} has samples with NaN or infinity; clean "
-                                                  "the data")
-                        else:
-                            _text_samples(path, user, x, y, task, self.length, first)
-                        if task == "shakespeare":
-                            ids, unknown = letter_ids(y)
-                            self.unknown += letter_ids(x)[1] + unknown
-                            y = ids[:, 0].tolist()
-                        elif task == "sent140":
-                            y = [_sentiment(path, user, i, label) for i, label in enumerate(y)]
-                            if part == "train":
-                                for sample in x:
-                                    words.update(words_of(sample[TEXT_FIELD]))
-                    part_labels += y
-                    part_devices += [where[user]] * len(y)
-                self.files[part][i] = (path, [u for u in data["users"] if u in where])
-            labels.append(np.asarray(part_labels))
-            devices.append(np.asarray(part_devices, np.int64))
-        if not users:
-            raise ConfigError(f"config: data.path = {str(folder)!r}: train/ has no users with samples; give a LEAF "
-                              "data folder with users' samples")
-        self.note = (f"{len(users) + len(empty)} users, {len(empty)} without samples skipped" if empty
-                     else f"{len(users)} users")
-        if self.task == "shakespeare":
-            self.n_classes = len(ALL_LETTERS)
-            unknown = f" ({self.unknown} outside them read as a space)" if self.unknown else ""
-            self.note = f"Shakespeare, the next of {len(ALL_LETTERS)} characters{unknown}, {self.note}"
-        elif self.task == "sent140":
-            self.n_classes = 2
-            self.vocabulary = Vocabulary.from_counts(words, vocab_size) if vocab is None else _vocabulary(vocab)
-            self.note = (f"Sent140, {WORDS} words a tweet, a vocabulary of {self.vocabulary.num} ids (0 padding, "
-                         f"1 unknown{', from ' + Path(vocab).name if vocab else ''}), {self.note}")
-        if self.task is not None:
-            self.integer, shape = True, (self.length,)
-            self.text = (f"LEAF {self.task.capitalize()}", self.vocabulary.num if self.vocabulary else self.n_classes)
-        self._first = {}  # (part, device): its first row (a user's rows are contiguous: one entry per file)
-        for part, d in zip(("train", "test"), devices):
-            ids, first = np.unique(d, return_index=True)
-            self._first.update({(part, int(k)): int(i) for k, i in zip(ids, first)})
-        super().__init__(str(folder), tuple(shape), labels[0], labels[1] if self.files["test"] else None,
-                         devices[0], devices[1], tuple(users))
-        self.finite_checked = True
+        self.task, self.length, self.first, self.shape, self.unknown = None, 0, None, None, 0
+        self.writer = None
+        self.devices, self.empty, self.seen_test = [], set(), set()
+        self.word_ids, self.words, self.counts = {}, [], []  # Sent140: each distinct word's provisional id
 
-    def read(self, part: str, rows: np.ndarray) -> np.ndarray:
-        """Rows of part; a file is parsed again only if one of its users has a row asked for."""
-        device = self.device_train if part == "train" else self.device_test
-        # rows run user by user in file order, so each user's block is contiguous
-        out = np.empty((rows.size, *self.sample_shape), np.int64 if self.integer else np.float64)
-        wanted = set(int(d) for d in np.unique(device[rows])) if rows.size else set()
-        order = {u: k for k, u in enumerate(self.device_names)}
-        for path, users in self.files[part]:
-            if not any(order[u] in wanted for u in users):
-                continue
-            data = _load(path)
-            for user in users:
-                k = order[user]
-                if k not in wanted:
-                    continue
-                x, _ = _samples(path, user, data["user_data"][user])
-                values = self._values(x)
-                lo = self._first[part, k]
-                mine = rows[(rows >= lo) & (rows < lo + len(x))]
-                out[np.searchsorted(rows, mine)] = values[mine - lo]
+    def run(self) -> str:
+        try:
+            for part in ("train", "test"):
+                for path in self.files[part]:
+                    users = _users(path)
+                    self._listed(path, part, users)
+                    for user, record in _records(path, users):
+                        self._user(path, part, user, record)
+            if not self.devices:
+                raise ConfigError(f"config: data.path = {str(self.folder)!r}: train/ has no users with samples; give "
+                                  "a LEAF data folder with users' samples")
+            return self._finish()
+        except BaseException:
+            if self.writer is not None:
+                self.writer.discard()
+            raise
+
+    def _listed(self, path: Path, part: str, users: list) -> None:
+        if part == "train":
+            known = set(self.devices) | self.empty
+            counts = Counter(users)
+            twice = next((u for u in users if u in known or counts[u] > 1), None)
+            if twice is not None:
+                raise ProblemFileError(f"{path}: user {twice!r} appears twice in train/")
+        else:
+            counts = Counter(u for u in users if u in self._device_set)
+            twice = next((u for u in users if u in self._device_set and (u in self.seen_test or counts[u] > 1)), None)
+            if twice is not None:
+                raise ProblemFileError(f"{path}: user {twice!r} appears twice in test/")
+            self.seen_test.update(u for u in users if u in self._device_set)
+
+    def _user(self, path: Path, part: str, user: str, record) -> None:
+        x, y = _samples(path, user, record)
+        if part == "train":
+            if not x:  # nothing to train on: not a device (the run's first line counts them)
+                self.empty.add(user)
+                return
+            self.devices.append(user)
+        elif user not in self._device_set:
+            return  # a user with test samples only takes no part
+        if not x:
+            return
+        task = _task(x)
+        if self.first is None:
+            self.first, self.task = user, task
+            self.length = _length(x) if task == "shakespeare" else WORDS
+        elif task != self.task:
+            raise ProblemFileError(f"{path}: user {user!r}'s samples are {TASKS[task]} but user {self.first!r}'s "
+                                   f"{TASKS[self.task]}; give one task's users")
+        if task is None:
+            values = _values(path, user, x, self.shape)
+            self.shape = values.shape[1:]
+            if not np.all(np.isfinite(values)):
+                raise ConfigError(f"{path}: user {user!r} has samples with NaN or infinity; clean the data")
+            self._writer(self.shape, None).add(part, values, np.asarray(y), user)
+            return
+        _text_samples(path, user, x, y, task, self.length, self.first)
+        if task == "shakespeare":
+            ids, unknown = letter_ids(x)
+            labels, unknown_y = letter_ids(y)
+            self.unknown += unknown + unknown_y
+            self._writer((self.length,), np.uint8).add(part, ids, labels[:, 0], user)
+        else:
+            labels = np.array([_sentiment(path, user, i, label) for i, label in enumerate(y)], np.uint8)
+            self._writer((WORDS,), np.uint32).add(part, self._provisional(x, part == "train"), labels, user)
+
+    @functools.cached_property
+    def _device_set(self) -> set:
+        return set(self.devices)  # (asked once train/ is read)
+
+    def _writer(self, shape: tuple, ids_dtype) -> CompactWriter:
+        if self.writer is None:
+            self.writer = CompactWriter(self.out, shape, ids_dtype)
+        return self.writer
+
+    def _provisional(self, x: list, count: bool) -> np.ndarray:
+        """Tweets as provisional word ids (each distinct word numbered as first seen, from 2; 0 pads), the
+        training set's words counted."""
+        out = np.zeros((len(x), WORDS), np.uint32)
+        ids, words, counts = self.word_ids, self.words, self.counts
+        for i, sample in enumerate(x):
+            for j, word in enumerate(words_of(sample[TEXT_FIELD])):
+                k = ids.get(word)
+                if k is None:
+                    k = ids[word] = len(words) + 2
+                    words.append(word)
+                    counts.append(0)
+                if count:
+                    counts[k - 2] += 1
+                out[i, j] = k
         return out
 
-
-    def _values(self, x: list) -> np.ndarray:
-        """A user's samples as the model reads them: numbers, or token ids."""
+    def _finish(self) -> str:
+        users = len(self.devices) + len(self.empty)
+        note = f"{users} users, {len(self.empty)} without samples skipped" if self.empty else f"{users} users"
+        attrs = {"partition": "natural", "text_task": self.task}
+        vocabulary = None
         if self.task == "shakespeare":
-            return letter_ids(x)[0]
-        if self.task == "sent140":
-            return self.vocabulary.encode([sample[TEXT_FIELD] for sample in x])
-        return np.asarray(x, np.float64).reshape(len(x), *self.sample_shape)
+            attrs["classes"] = attrs["token_ids"] = len(ALL_LETTERS)
+            unknown = f" ({self.unknown} outside them read as a space)" if self.unknown else ""
+            note = f"Shakespeare, the next of {len(ALL_LETTERS)} characters{unknown}, {note}"
+        elif self.task == "sent140":
+            attrs["classes"] = 2
+            counts = Counter({w: c for w, c in zip(self.words, self.counts) if c})
+            chosen = Vocabulary.from_counts(counts, self.vocab_size) if self.vocab is None else _vocabulary(self.vocab)
+            table = np.full(len(self.words) + 2, UNKNOWN, np.int64)
+            table[PAD] = PAD
+            for word, k in self.word_ids.items():
+                table[k] = chosen.ids.get(word, UNKNOWN)
+            self.writer.remap(table)
+            vocabulary, attrs["token_ids"] = chosen.words, chosen.num
+            note = (f"Sent140, {WORDS} words a tweet, a vocabulary of {chosen.num} ids (0 padding, 1 unknown"
+                    f"{', from ' + Path(self.vocab).name if self.vocab else ''}), {note}")
+        attrs["note"] = note
+        attrs["title"] = f"LEAF {self.folder.name}, {note}"
+        attrs["source"] = f"the LEAF folder {self.folder}"
+        self.writer.finish(attrs, keys=self.devices, vocabulary=vocabulary, has_test=bool(self.files["test"]))
+        return note
+
+
+def convert_leaf(folder: Path, out: Path, vocab_size: int = 10_000, vocab: str | None = None) -> str:
+    """Stream a LEAF folder into the compact arrays file at out (swapped in whole); returns how a run
+    describes it."""
+    return _Conversion(Path(folder), Path(out), vocab_size, vocab).run()
 
 
 def _sentiment(path: Path, user: str, i: int, label) -> int:
@@ -301,12 +362,71 @@ def text_task(folder) -> str | None:
     return "sent140" if found.group(1) else "shakespeare"
 
 
+CONVERTER = 1  # bumped when the conversion writes other bytes for the same folder: old caches are not read
+
+
+def cache_key(folder: Path, vocab_size: int, vocab: str | None) -> str:
+    """What a folder's conversion depends on: its files' names, sizes and times, and Sent140's vocabulary."""
+    stamp = [FORMAT_VERSION, CONVERTER, vocab_size]
+    for part in ("train", "test"):
+        for path in sorted((folder / part).glob("*.json")):
+            st = path.stat()
+            stamp.append((part, path.name, st.st_size, st.st_mtime_ns))
+    if vocab is not None:
+        st = Path(vocab).stat()
+        stamp.append((str(Path(vocab).resolve()), st.st_size, st.st_mtime_ns))
+    return hashlib.sha256(repr(stamp).encode()).hexdigest()[:16]
+
+
+def cache_places(folder: Path, key: str) -> list[Path]:
+    """Where a folder's converted copy may be: beside its files, else in the user's cache folder."""
+    home = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "edgefed" / "leaf"
+    tag = hashlib.sha256(str(folder.resolve()).encode()).hexdigest()[:12]
+    return [folder / ".edgefed" / f"leaf-{key}.h5", home / f"{tag}-leaf-{key}.h5"]
+
+
+def cached(folder: Path, vocab_size: int, vocab: str | None, convert: bool = True) -> tuple[Path, str | None]:
+    """(the folder's converted copy, what was done to make it, or None when it was there already); convert:
+    whether this process may make it (a device rank of an MPI run reads the copy its coordinator made)."""
+    key = cache_key(folder, vocab_size, vocab)
+    places = cache_places(folder, key)
+    found = next((p for p in places if p.is_file()), None)
+    if found is not None:
+        return found, None
+    if not convert:
+        raise ProblemFileError(f"the LEAF folder {folder} has no converted copy on this machine (the run's "
+                               f"coordinator makes it where it runs); convert it here with `edgefed data convert "
+                               f"{folder} {folder.name}.h5` and give data.path = that file (launch/pi-cluster.sh "
+                               "data copies each board its devices' rows)")
+    start = time.perf_counter()
+    for place in places:
+        try:
+            place.parent.mkdir(parents=True, exist_ok=True)
+            probe = place.with_name(f".probe-{os.getpid()}")
+            probe.touch()
+            probe.unlink()
+        except OSError:
+            continue
+        for old in place.parent.glob(place.name.replace(key, "*")):
+            if old != place:
+                old.unlink(missing_ok=True)  # an earlier version of the folder's
+        convert_leaf(folder, place, vocab_size, vocab)
+        return place, (f"LEAF folder {folder}: converted once ({time.perf_counter() - start:.1f} s) to {place}, which "
+                       "runs read until its files change")
+    raise ProblemFileError(f"the LEAF folder {folder} cannot be converted: neither {places[0].parent} nor "
+                           f"{places[1].parent} can be written; convert it with `edgefed data convert {folder} OUT.h5` "
+                           "and give data.path = OUT.h5")
+
+
 def leaf_problem(cfg, seed: int, dtype, loss: str, spatial: int = 0, tokens: int | None = None,
-                 builtin: str | None = None) -> PoolProblem:
+                 builtin: str | None = None, convert: bool = True) -> PoolProblem:
     folder = Path(cfg.path)
     if not folder.is_dir():
         raise ConfigError(f"config: data.path = {cfg.path!r} is not a folder; give a LEAF data folder (with train/ "
                           "and test/ of *.json files)")
-    source = LeafSource(folder, cfg.vocab_size, cfg.vocab)
-    return PoolProblem(cfg, seed, dtype, source, loss, f"LEAF {folder.name}, {source.note}", spatial, tokens, builtin)
-
+    path, notice = cached(folder, cfg.vocab_size, cfg.vocab, convert)
+    source = ArraysSource(path, name=str(folder))
+    problem = PoolProblem(cfg, seed, dtype, source, loss, f"LEAF {folder.name}, {source.note}", spatial, tokens,
+                          builtin)
+    problem.notice = notice
+    return problem

@@ -12,6 +12,7 @@ samples. Samples reach the models flat, in PyTorch's (C, H, W) order, normalized
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -43,6 +44,8 @@ class Source:
     integer = False  # its samples are integers (token ids, when the model's first layer is an embedding)
     text = None  # (task, vocabulary size) when the reader itself turns text into token ids (LEAF's text)
     n_classes = None  # fixed by the dataset (CIFAR); None: data.classes, else the largest label + 1
+    ranges = {}  # part -> (N, 2) each device's rows [start, stop) (a compact file's natural partition)
+    random_access = False  # a device's rows are read alone at little cost (else every hosted device at once)
 
     def __post_init__(self):
         if not all(self.sample_shape):  # (a shape with a 0 in it: nothing for a model to read)
@@ -62,8 +65,28 @@ class Source:
             yield start, self.read(part, np.arange(start, min(start + step, n)))
 
 
+class RowRanges(Sequence):
+    """Each device's rows, [start, stop) of a table (N, 2), made arrays only when asked: a compact file's
+    natural partition holds 3.5 million rows as 1,150 pairs."""
+
+    def __init__(self, table: np.ndarray):
+        self.table = np.asarray(table, np.int64)
+
+    def __len__(self) -> int:
+        return self.table.shape[0]
+
+    def __getitem__(self, k) -> np.ndarray:
+        lo, hi = self.table[k]
+        return np.arange(lo, hi)
+
+    @property
+    def sizes(self) -> np.ndarray:
+        return self.table[:, 1] - self.table[:, 0]
+
+
 def check_labels(y: np.ndarray, n_classes: int | None, where: str, classes_key: str = "data.classes") -> np.ndarray:
-    """Integer labels in [0, C) as int64; C from data.classes when given."""
+    """Integer labels in [0, C) as int32 (what a device's are cast to int64 from: millions of labels are held
+    by every process); C from data.classes when given."""
     if y.ndim != 1:
         raise ConfigError(f"{where} has shape {y.shape}; give one integer label per sample, shape (n,) (float "
                           'targets of any width go with model.loss = "mse")')
@@ -73,13 +96,14 @@ def check_labels(y: np.ndarray, n_classes: int | None, where: str, classes_key: 
                               'set model.loss = "mse" for float targets')
     elif y.dtype.kind not in "iub":
         raise ConfigError(f"{where} has labels of type {y.dtype}; give integer labels")
-    y = y.astype(np.int64)
     if y.size and y.min() < 0:
         raise ConfigError(f"{where} has the label {int(y.min())}; labels run from 0 to the classes - 1")
     if n_classes is not None and y.size and y.max() >= n_classes:
         raise ConfigError(f"{where} has the label {int(y.max())}, outside [0, {n_classes}) ({classes_key} = "
                           f"{n_classes}); raise {classes_key} or fix the labels")
-    return y
+    if y.size and y.max() >= 2 ** 31:
+        raise ConfigError(f"{where} has the label {int(y.max())}; labels run from 0 to the classes - 1")
+    return y.astype(np.int32)
 
 
 class PoolProblem:
@@ -124,7 +148,8 @@ class PoolProblem:
         train_parts, test_parts = self._partition()
         self.n_devices = len(train_parts)
         self.train_rows, self.test_rows = train_parts, test_parts
-        self.n_train = np.array([p.size for p in train_parts], dtype=np.int64)
+        self.n_train = (train_parts.sizes if isinstance(train_parts, RowRanges) else
+                        np.array([p.size for p in train_parts], dtype=np.int64))
         self.channels = channels_of(self.sample_shape, spatial)
         self.text = source.text
         if tokens is not None:
@@ -138,18 +163,24 @@ class PoolProblem:
         kind = cfg.partition
         self.partition_draws = None  # the dirichlet partition's draws (1: the first fitted)
         if kind == "natural":
-            if src.device_train is None:
+            if src.device_train is None and "train" not in src.ranges:
                 raise ConfigError(f'config: data.partition = "natural" needs each training sample\'s device: '
                                   f"{src.name} has no device_train; add it or choose one of {', '.join(PARTITIONS)}")
-            ids, device = np.unique(src.device_train, return_inverse=True)  # the distinct ids, ascending: 0..
+            if "train" in src.ranges:  # each device's rows stored: no pass over every sample's device
+                ids = np.arange(src.ranges["train"].shape[0])
+            else:
+                ids, device = np.unique(src.device_train, return_inverse=True)  # the distinct ids, ascending: 0..
             found = ids.size
             n = cfg.clients or found
             if n > found:
                 raise ConfigError(f"config: data.clients = {n} but {src.name} has {found} devices (natural "
                                   f"partition); use at most {found}")
-            order = np.argsort(device, kind="stable")
-            cuts = np.searchsorted(device[order], np.arange(1, n + 1))
-            parts = [np.sort(p) for p in np.split(order, cuts)[:n]]
+            if "train" in src.ranges:
+                parts = RowRanges(src.ranges["train"][:n])
+            else:
+                order = np.argsort(device, kind="stable")
+                cuts = np.searchsorted(device[order], np.arange(1, n + 1))
+                parts = [np.sort(p) for p in np.split(order, cuts)[:n]]
             small = [k for k, p in enumerate(parts) if p.size < (1 if self.y_test is not None else 2)]
             if small:
                 k = small[0]
@@ -173,7 +204,9 @@ class PoolProblem:
                                                     cfg.dirichlet_alpha, min_size=cfg.min_partition_size)
         if self.y_test is None:  # no test samples in the file: each device holds out a share of its own
             return self._holdout(parts)
-        if src.device_test is not None and kind == "natural":
+        if "test" in src.ranges and kind == "natural":
+            tests = RowRanges(src.ranges["test"][:len(parts)])
+        elif src.device_test is not None and kind == "natural":
             tests = [np.flatnonzero(src.device_test == k) for k in range(len(parts))]
         else:
             order = generator(self.seed, Purpose.DATA_DEVICE, TEST_SPLIT).permutation(self.y_test.shape[0])
@@ -292,7 +325,7 @@ class PoolProblem:
         self._hosted = np.asarray(device_ids, dtype=np.int64)
 
     def _labels(self, y, rows):
-        return y[rows].astype(self.dtype) if self.regression else y[rows].copy()
+        return y[rows].astype(self.dtype if self.regression else np.int64)
 
     def _load(self, device_ids) -> None:
         want = {"train": np.unique(np.concatenate([self.train_rows[k] for k in device_ids] + [np.zeros(0, np.int64)])),
@@ -313,11 +346,12 @@ class PoolProblem:
                                                      arrays[1], self._labels(self.y_test, self.test_rows[k]))
 
     def device(self, device_id: int) -> ClassificationData:
-        """One device's data; the first call reads every hosted device's samples in one pass."""
+        """One device's data; from a source read whole at a time, the first call reads every hosted device's
+        samples in one pass."""
         k = int(device_id)
         if k not in self._cache:
             hosted = self._hosted if self._hosted is not None else np.arange(self.n_devices)
-            todo = [int(j) for j in hosted if int(j) not in self._read]
+            todo = [] if self.source.random_access else [int(j) for j in hosted if int(j) not in self._read]
             batch = todo if k in todo else [k]
             with reading(self.source.name):
                 self._load(batch)
@@ -339,7 +373,8 @@ class PoolProblem:
         return np.stack([np.bincount(self.y_train[rows], minlength=self.n_classes) for rows in self.train_rows])
 
     def describe(self) -> str:
-        n_test = sum(r.size for r in self.test_rows)
+        n_test = int(self.test_rows.sizes.sum()) if isinstance(self.test_rows, RowRanges) else sum(
+            r.size for r in self.test_rows)
         shape = "x".join(map(str, self.sample_shape))
         what = f"{self.n_outputs}-value targets" if self.regression else f"{self.n_classes} classes"
         what += f" ({self.classes_note})" if self.classes_note else ""

@@ -1,0 +1,208 @@
+"""The compact arrays file: what `edgefed data convert` writes and what a LEAF folder is read through.
+
+It is an arrays `.h5` (arrays.py reads it like any other, `[data] kind = "arrays"`) with what a run needs to
+read only its own devices and to run as a run on the source would:
+
+- `x_train`, `x_test`: samples in the smallest type that holds them exactly (token ids and pixels as uint8
+  where they fit; numbers k/255 as uint8 with the root attribute `x_scale` = 255), chunked by rows (about
+  64 KB a chunk), so a rank reads the chunks of its devices' rows and no others;
+- `y_train`, `y_test`: labels in the smallest integer type;
+- `device_train`, `device_test`: each sample's device (a natural partition: LEAF's users), and
+  `device_rows_train`, `device_rows_test` (N, 2): each device's rows [start, stop), when they are contiguous;
+- `users`: the devices' names; `vocabulary`: Sent140's words, ids 2.. in order;
+- root attributes: `format` = "edgefed-arrays", `format_version`, `source` (what it was converted from),
+  `title` (how a run describes it), and the defaults of its kind: `partition`, `normalize`, `classes`,
+  `text_task` and `token_ids` (the ids an embedding over the samples needs: no scan of them at start-up).
+
+The file is written beside its path and swapped in whole; a conversion that fails leaves nothing.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import h5py
+import numpy as np
+
+from edgefed.errors import ProblemFileError
+
+FORMAT = "edgefed-arrays"
+FORMAT_VERSION = 1
+CHUNK_BYTES = 64 * 1024
+PARTS = ("train", "test")
+
+
+def smallest_int(low: int, high: int) -> np.dtype:
+    """The smallest integer type holding [low, high]."""
+    for dtype in (np.uint8, np.uint16, np.uint32) if low >= 0 else ():
+        if high <= np.iinfo(dtype).max:
+            return np.dtype(dtype)
+    for dtype in (np.int8, np.int16, np.int32, np.int64):
+        if np.iinfo(dtype).min <= low and high <= np.iinfo(dtype).max:
+            return np.dtype(dtype)
+    return np.dtype(np.int64)
+
+
+# how numbers are stored, narrowest first: the first that gives every value back to the bit
+NUMBERS = ("uint8", "uint8/255", "float32", "float64")
+
+
+def numbers_kind(values: np.ndarray) -> str:
+    """The narrowest of NUMBERS that holds these float64 values exactly."""
+    if not values.size:
+        return NUMBERS[0]
+    with np.errstate(invalid="ignore", over="ignore"):
+        if values.min() >= 0 and values.max() <= 255 and np.array_equal(np.round(values), values):
+            return "uint8"
+        k = np.round(values * 255)
+        if values.min() >= 0 and values.max() <= 1 and np.array_equal(k / 255, values):
+            return "uint8/255"
+        if np.array_equal(values.astype(np.float32).astype(np.float64), values):
+            return "float32"
+    return "float64"
+
+
+def stored(values: np.ndarray, kind: str) -> np.ndarray:
+    """float64 values as NUMBERS kind stores them."""
+    if kind == "uint8":
+        return values.astype(np.uint8)
+    if kind == "uint8/255":
+        return np.round(values * 255).astype(np.uint8)
+    return values.astype(np.float32 if kind == "float32" else np.float64)
+
+
+def _as_float64(block: np.ndarray, kind: str) -> np.ndarray:
+    return block.astype(np.float64) / 255 if kind == "uint8/255" else block.astype(np.float64)
+
+
+class CompactWriter:
+    """Appends samples part by part (a device's block at a time, or any block) and writes the file whole at
+    `finish`. Samples are ids (their dtype given: ids_dtype) or numbers, whose storage widens as needed (the rows
+    written so far are rewritten once in the wider type)."""
+
+    def __init__(self, path: Path, sample_shape: tuple, ids_dtype=None):
+        self.path = Path(path)
+        self.tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
+        self.sample_shape = tuple(int(s) for s in sample_shape)
+        self.kind = None if ids_dtype is None else "ids"
+        self.x_dtype = None if ids_dtype is None else np.dtype(ids_dtype)
+        self._f = h5py.File(self.tmp, "w")
+        self._x = {}
+        self.rows = {part: 0 for part in PARTS}
+        self._y = {part: [] for part in PARTS}
+        self._ranges = {part: {} for part in PARTS}  # key -> [start, stop)
+        self._scattered = {part: False for part in PARTS}
+
+    def _dataset(self, part: str, dtype: np.dtype):
+        name = f"x_{part}"
+        if name not in self._x:
+            per_row = max(1, int(np.prod(self.sample_shape)) * dtype.itemsize)
+            rows = max(1, CHUNK_BYTES // per_row)
+            self._x[name] = self._f.create_dataset(name, (0, *self.sample_shape), dtype=dtype,
+                                                   maxshape=(None, *self.sample_shape), chunks=(rows, *self.sample_shape))
+        return self._x[name]
+
+    def add(self, part: str, x: np.ndarray, y: np.ndarray, key=None) -> None:
+        """Rows x (n, *sample_shape) with labels y; key: whose rows they are (a LEAF user), for the devices'
+        row ranges."""
+        n = int(x.shape[0])
+        if self.kind == "ids":
+            block = x.astype(self.x_dtype)
+        else:
+            kind = numbers_kind(x)
+            if self.kind is None or NUMBERS.index(kind) > NUMBERS.index(self.kind):
+                self._widen(kind)
+            block = stored(x, self.kind)
+        ds = self._dataset(part, block.dtype)
+        start = self.rows[part]
+        ds.resize(start + n, axis=0)
+        if n:
+            ds[start:start + n] = block
+        self.rows[part] = start + n
+        self._y[part].append(np.asarray(y))
+        if key is not None:
+            ranges = self._ranges[part]
+            if key in ranges and ranges[key][1] != start:
+                self._scattered[part] = True
+            ranges.setdefault(key, [start, start])[1] = start + n
+
+    def _widen(self, kind: str) -> None:
+        """Numbers stored so far rewritten in the wider kind (a chunk at a time)."""
+        old, self.kind = self.kind, kind
+        for name in list(self._x):
+            ds = self._x.pop(name)
+            data = self._f.create_dataset(f"{name}.wide", ds.shape, dtype=stored(np.zeros(1), kind).dtype,
+                                          maxshape=(None, *self.sample_shape), chunks=ds.chunks)
+            step = ds.chunks[0] * 16
+            for first in range(0, ds.shape[0], step):
+                data[first:first + step] = stored(_as_float64(ds[first:first + step], old), kind)
+            del self._f[name]
+            self._f.move(f"{name}.wide", name)
+            self._x[name] = self._f[name]
+
+    def remap(self, table: np.ndarray) -> None:
+        """Ids rewritten through table (id -> new id), in the smallest type that holds the new ids: Sent140's
+        words, counted while written, given their ids once the vocabulary is known."""
+        self.x_dtype = smallest_int(0, int(table.max(initial=0)))
+        for name in list(self._x):
+            ds = self._x.pop(name)
+            data = self._f.create_dataset(f"{name}.ids", ds.shape, dtype=self.x_dtype,
+                                          maxshape=(None, *self.sample_shape), chunks=ds.chunks)
+            step = ds.chunks[0] * 16
+            for first in range(0, ds.shape[0], step):
+                data[first:first + step] = table[ds[first:first + step]]
+            del self._f[name]
+            self._f.move(f"{name}.ids", name)
+            self._x[name] = self._f[name]
+
+    def labels(self, part: str) -> np.ndarray:
+        blocks = self._y[part]
+        return np.concatenate(blocks) if blocks else np.zeros(0, np.int64)
+
+    def finish(self, attrs: dict, keys=None, devices: dict | None = None, vocabulary=None,
+               has_test: bool = False) -> None:
+        """Write labels, devices and attributes, then swap the file into place. keys: the keys of add(), in
+        device order (device k's rows are those added with keys[k]; stored as `users`); devices: part -> (n,)
+        device ids instead (an arrays file's own device_train); has_test: write the test part even if empty."""
+        f = self._f
+        numbers = stored(np.zeros(1), self.kind or NUMBERS[0]).dtype
+        for part in PARTS if has_test or self.rows["test"] else ("train",):
+            self._dataset(part, self.x_dtype if self.kind == "ids" else numbers)
+            y = self.labels(part)
+            if y.dtype.kind in "iu" and y.size:
+                y = y.astype(smallest_int(int(y.min()), int(y.max())))
+            f.create_dataset(f"y_{part}", data=y)
+            if keys is not None:
+                ranges = np.zeros((len(keys), 2), np.int64)
+                device = np.full(self.rows[part], -1, np.int32)
+                for k, key in enumerate(keys):
+                    lo, hi = self._ranges[part].get(key, (0, 0))
+                    ranges[k] = (lo, hi)
+                    device[lo:hi] = k
+                f.create_dataset(f"device_{part}", data=device, chunks=True)
+                if not self._scattered[part]:
+                    f.create_dataset(f"device_rows_{part}", data=ranges)
+        for part, values in (devices or {}).items():
+            f.create_dataset(f"device_{part}", data=np.asarray(values, np.int32), chunks=True)
+        if keys is not None:
+            f.create_dataset("users", data=np.asarray([str(k) for k in keys], dtype=h5py.string_dtype()))
+        if vocabulary is not None:
+            f.create_dataset("vocabulary", data=np.asarray(list(vocabulary), dtype=h5py.string_dtype()))
+        f.attrs["format"], f.attrs["format_version"] = FORMAT, FORMAT_VERSION
+        if self.kind == "uint8/255":
+            f.attrs["x_scale"] = 255.0
+        for key, value in attrs.items():
+            if value is not None:
+                f.attrs[key] = value
+        f.close()
+        try:
+            os.replace(self.tmp, self.path)
+        except OSError as exc:
+            self.discard()
+            raise ProblemFileError(f"cannot write {self.path} ({exc}); choose another OUT") from None
+
+    def discard(self) -> None:
+        if self._f.id.valid:
+            self._f.close()
+        self.tmp.unlink(missing_ok=True)
