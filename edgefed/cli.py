@@ -121,6 +121,22 @@ def build_parser() -> argparse.ArgumentParser:
     show.add_argument("file", help="a trace file, or builtin")
     show.set_defaults(func=cmd_trace_show)
 
+    data = verbs.add_parser("data", help="datasets: convert one to the compact form runs read by rows")
+    data_verbs = data.add_subparsers(dest="data_verb", required=True, parser_class=_Verb)
+    convert = data_verbs.add_parser(
+        "convert", help="write a dataset (LEAF folder, CIFAR, MNIST/EMNIST IDX, .npz/.h5) as a compact arrays .h5")
+    convert.add_argument("source", help="the dataset: its folder, or an arrays file")
+    convert.add_argument("out", metavar="OUT.h5", help="the compact arrays file to write")
+    convert.add_argument("--split", help="EMNIST's split (when the folder holds several), CIFAR-100's labels "
+                                         "(fine or coarse)")
+    convert.add_argument("--holdout", type=int, default=2000,
+                         help="MNIST/EMNIST with only the test files: the images held out for testing (2000)")
+    convert.add_argument("--vocab-size", type=int, default=10_000,
+                         help="LEAF Sent140: the training tweets' most frequent words given ids (10000)")
+    convert.add_argument("--vocab", metavar="FILE", help="LEAF Sent140: a file of the vocabulary's words, one a line")
+    convert.add_argument("--force", action="store_true", help="replace an existing OUT.h5")
+    convert.set_defaults(func=cmd_data_convert)
+
     sweep = verbs.add_parser("sweep", help="run a grid of experiments (axes x seeds) into a folder, with tables")
     sweep.add_argument("file", help="sweep file (TOML: base, seeds, [set], [axes], [target])")
     sweep.add_argument("--out", required=True, help="folder for the run logs, summary.csv and cells.csv")
@@ -292,6 +308,22 @@ def cmd_trace_record(args) -> int:
         return code
     print(f"wrote {args.out}: {len(names)} traces x {args.rounds} rounds")
     return cmd_trace_show(argparse.Namespace(file=args.out))
+
+
+def cmd_data_convert(args) -> int:
+    import time
+
+    from edgefed.problems.convert import convert
+
+    if args.vocab_size < 1:
+        raise EdgefedError(f"--vocab-size {args.vocab_size} must be at least 1")
+    check_output(args.out, force=args.force, inputs=[("the dataset", args.source)], flag="OUT", example="data.h5")
+    start = time.perf_counter()
+    what = convert(args.source, args.out, split=args.split, holdout=args.holdout, vocab_size=args.vocab_size,
+                   vocab=args.vocab)
+    print(f"wrote {args.out}: {what} ({Path(args.out).stat().st_size / 2**20:.1f} MB, "
+          f"{time.perf_counter() - start:.1f} s); run it with [data] kind = \"arrays\", path = \"{args.out}\"")
+    return 0
 
 
 def cmd_trace_show(args) -> int:

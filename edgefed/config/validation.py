@@ -29,7 +29,7 @@ from edgefed.participation.schemes import SCHEMES, WEIGHTINGS
 from edgefed.participation.selection import OORT_DEFAULTS, POLICIES, oort_settings
 from edgefed.participation.timing import overselected
 from edgefed.problems.idx import EMNIST_SPLITS
-from edgefed.problems import cifar, leaf, pool
+from edgefed.problems import cifar, compact, leaf, pool
 from edgefed.problems.partition import PARTITIONS
 
 DATA_KINDS = ("synthetic", "quadratic", "mnist", "emnist", "arrays", "leaf", "cifar10", "cifar100")
@@ -485,14 +485,15 @@ def _validate_file_data(d: DataConfig) -> DataConfig:
     if d.path is None:
         raise ConfigError(f"config: data.kind = {d.kind!r} needs data.path, {FILE_PATHS[d.kind]} (nothing is "
                           "downloaded)")
-    partition = d.partition or ("natural" if d.kind == "leaf" else "iid")
+    own = compact.defaults(d.path) if d.kind == "arrays" else {}  # (a converted file carries its kind's)
+    partition = d.partition or own.get("partition") or ("natural" if d.kind == "leaf" else "iid")
     _choice(partition, PARTITIONS + ("natural",), "data.partition")
     if d.kind == "leaf" and partition != "natural":
         raise ConfigError('config: data.partition for LEAF is "natural" (a device per user); remove it')
     if d.kind.startswith("cifar") and partition == "natural":
         raise ConfigError('config: data.partition = "natural" needs each sample\'s device, which CIFAR does not '
                           "have; choose iid, label, shards or dirichlet")
-    normalize = d.normalize or ("unit" if d.kind.startswith("cifar") else "none")
+    normalize = d.normalize or own.get("normalize") or ("unit" if d.kind.startswith("cifar") else "none")
     _choice(normalize, pool.NORMALIZE, "data.normalize")
     split = d.split
     if d.kind == "cifar100":
@@ -518,12 +519,13 @@ def _validate_file_data(d: DataConfig) -> DataConfig:
 def _validate_model(m: ModelConfig, data: DataConfig) -> ModelConfig:
     fits = MODELS_FOR_DATA[data.kind]
     if m.kind is None:
-        task = leaf.text_task(data.path) if data.kind == "leaf" else None
+        own = compact.defaults(data.path) if data.kind == "arrays" else {}
+        task = leaf.text_task(data.path) if data.kind == "leaf" else own.get("text_task")
         if task == "sent140":
             raise ConfigError(f"config: data.path = {data.path!r} holds LEAF Sent140, which has no built-in model; give "
                               '[model] kind = "sequential" with layers, e.g. [{type = "embedding", num = 10002, dim = '
                               '50}, {type = "lstm", hidden = 64}, {type = "dense", out = 2}]')
-        m = dataclasses.replace(m, kind="charlstm" if task == "shakespeare" else fits[0])
+        m = dataclasses.replace(m, kind="charlstm" if task == "shakespeare" else own.get("model") or fits[0])
     _choice(m.kind, MODEL_KINDS, "model.kind")
     if m.kind not in fits:
         raise ConfigError(

@@ -35,7 +35,7 @@ class ArraysSource(Source):
         self.path = path
         self._h5 = None
         self.x_scale = None
-        self.note = ""
+        self.note, self.title = "", None
         self.ranges = {}
         if path.suffix in (".h5", ".hdf5"):
             arrays = self._open_h5(path)
@@ -97,9 +97,11 @@ class ArraysSource(Source):
         """What a compact file says of itself (compact.py): its scale, its kind's classes and text."""
         if "x_scale" in attrs:
             self.x_scale = float(attrs["x_scale"])
+        if attrs.get("x_numbers"):
             self.integer = False
         self.finite_checked = True  # (the conversion refused NaN and infinity)
         self.note = str(attrs.get("note", ""))
+        self.title = str(attrs["title"]) if "title" in attrs else None
         if "classes" in attrs:
             self.n_classes = int(attrs["classes"])
         task = attrs.get("text_task")
@@ -210,4 +212,5 @@ def arrays_problem(cfg, seed: int, dtype, loss: str, spatial: int = 0, tokens: i
                           "arrays (x_train, y_train, optionally x_test, y_test, device_train)")
     if path.suffix not in SUFFIXES:
         raise ConfigError(f"config: data.path = {cfg.path!r}: an arrays file ends in .npz or .h5")
-    return PoolProblem(cfg, seed, dtype, ArraysSource(path), loss, path.name, spatial, tokens, builtin)
+    source = ArraysSource(path)
+    return PoolProblem(cfg, seed, dtype, source, loss, source.title or path.name, spatial, tokens, builtin)

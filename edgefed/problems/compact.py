@@ -19,6 +19,7 @@ The file is written beside its path and swapped in whole; a conversion that fail
 
 from __future__ import annotations
 
+import functools
 import os
 from pathlib import Path
 
@@ -183,8 +184,14 @@ class CompactWriter:
                 f.create_dataset(f"device_{part}", data=device, chunks=True)
                 if not self._scattered[part]:
                     f.create_dataset(f"device_rows_{part}", data=ranges)
-        for part, values in (devices or {}).items():
-            f.create_dataset(f"device_{part}", data=np.asarray(values, np.int32), chunks=True)
+        ids = np.unique(devices["train"]) if devices and "train" in devices else None
+        for part, values in (devices or {}).items():  # an arrays file's own: ranges where each device's rows run
+            values = np.asarray(values)
+            f.create_dataset(f"device_{part}", data=values.astype(smallest_int(0, int(values.max(initial=0)))),
+                             chunks=True)
+            table = _runs(values, ids)
+            if table is not None:
+                f.create_dataset(f"device_rows_{part}", data=table)
         if keys is not None:
             f.create_dataset("users", data=np.asarray([str(k) for k in keys], dtype=h5py.string_dtype()))
         if vocabulary is not None:
@@ -192,6 +199,8 @@ class CompactWriter:
         f.attrs["format"], f.attrs["format_version"] = FORMAT, FORMAT_VERSION
         if self.kind == "uint8/255":
             f.attrs["x_scale"] = 255.0
+        if self.kind not in (None, "ids"):
+            f.attrs["x_numbers"] = True  # (numbers stored as integers: not token ids)
         for key, value in attrs.items():
             if value is not None:
                 f.attrs[key] = value
@@ -206,3 +215,41 @@ class CompactWriter:
         if self._f.id.valid:
             self._f.close()
         self.tmp.unlink(missing_ok=True)
+
+
+def _runs(values: np.ndarray, ids: np.ndarray) -> np.ndarray | None:
+    """(len(ids), 2): the rows [start, stop) of each id when each id's rows are one run (no rows: (0, 0));
+    None when some id's rows are not."""
+    table = np.zeros((ids.size, 2), np.int64)
+    if not values.size:
+        return table
+    cuts = np.flatnonzero(np.diff(values)) + 1
+    starts, stops = np.concatenate([[0], cuts]), np.concatenate([cuts, [values.size]])
+    runs = values[starts]
+    if np.unique(runs).size != runs.size or not np.isin(runs, ids).all():
+        return None
+    at = np.searchsorted(ids, runs)
+    table[at, 0], table[at, 1] = starts, stops
+    return table
+
+
+@functools.lru_cache(maxsize=16)
+def _stamped_defaults(path: str, stamp: tuple) -> dict:
+    try:
+        with h5py.File(path, "r") as f:
+            if f.attrs.get("format") != FORMAT:
+                return {}
+            return {key: f.attrs[key].item() if hasattr(f.attrs[key], "item") else f.attrs[key]
+                    for key in ("partition", "normalize", "model", "text_task", "title") if key in f.attrs}
+    except (OSError, KeyError):
+        return {}
+
+
+def defaults(path) -> dict:
+    """A compact file's own defaults (partition, normalize, model, text_task, title), read from its attributes
+    ({} for any other file): what a config that leaves those keys unset gets."""
+    p = Path(path)
+    if p.suffix not in (".h5", ".hdf5") or not p.is_file():
+        return {}
+    st = p.stat()
+    return _stamped_defaults(str(p.resolve()), (st.st_size, st.st_mtime_ns))

@@ -237,7 +237,12 @@ class _Conversion:
             self.shape = values.shape[1:]
             if not np.all(np.isfinite(values)):
                 raise ConfigError(f"{path}: user {user!r} has samples with NaN or infinity; clean the data")
-            self._writer(self.shape, None).add(part, values, np.asarray(y), user)
+            bad = next((i for i, label in enumerate(y) if isinstance(label, bool) or not isinstance(label, (int, float))
+                        or label < 0 or label != int(label)), None)
+            if bad is not None:
+                raise ProblemFileError(f"{path}: user {user!r}: label {bad} is {y[bad]!r}; a label is a class, an "
+                                       "integer from 0")
+            self._writer(self.shape, None).add(part, values, np.asarray(y, np.int64), user)
             return
         _text_samples(path, user, x, y, task, self.length, self.first)
         if task == "shakespeare":

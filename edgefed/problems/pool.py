@@ -206,8 +206,8 @@ class PoolProblem:
             return self._holdout(parts)
         if "test" in src.ranges and kind == "natural":
             tests = RowRanges(src.ranges["test"][:len(parts)])
-        elif src.device_test is not None and kind == "natural":
-            tests = [np.flatnonzero(src.device_test == k) for k in range(len(parts))]
+        elif src.device_test is not None and kind == "natural":  # the test rows of each device's id
+            tests = [np.flatnonzero(src.device_test == ids[k]) for k in range(len(parts))]
         else:
             order = generator(self.seed, Purpose.DATA_DEVICE, TEST_SPLIT).permutation(self.y_test.shape[0])
             tests = [np.sort(p) for p in np.array_split(order, len(parts))]
