@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import math
 import os
 import re
 import time
@@ -238,7 +239,7 @@ class _Conversion:
             if not np.all(np.isfinite(values)):
                 raise ConfigError(f"{path}: user {user!r} has samples with NaN or infinity; clean the data")
             bad = next((i for i, label in enumerate(y) if isinstance(label, bool) or not isinstance(label, (int, float))
-                        or label < 0 or label != int(label)), None)
+                        or not math.isfinite(label) or label < 0 or label != int(label)), None)
             if bad is not None:
                 raise ProblemFileError(f"{path}: user {user!r}: label {bad} is {y[bad]!r}; a label is a class, an "
                                        "integer from 0")
