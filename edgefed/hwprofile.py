@@ -63,6 +63,11 @@ class Profile:
     speeds: tuple[Speed, ...]
     extra: dict = field(default_factory=dict)  # startup, memory, mpi: reported, not used by the runtime
 
+    @property
+    def available_mb(self) -> float:
+        """What the board leaves a rank: its memory less what its own system takes (machine.system_mb)."""
+        return float(self.machine["memory_mb"]) - float(self.machine.get("system_mb", 0))
+
     def compile_seconds(self, kind: str) -> float | None:
         """Seconds this board spends compiling a model's kernels into an empty cache (the profile's startup
         compile_s: cold start minus warm start): the built-in kind's entry, else the longest it has (a layer
@@ -175,6 +180,9 @@ def profile_from_dict(raw: dict, source: str) -> Profile:
     for key in ("arch", "cores", "memory_mb"):
         if key not in machine:
             raise bad(f"machine.{key}", "is missing")
+    system = machine.get("system_mb", 0)
+    if isinstance(system, bool) or not isinstance(system, (int, float)) or not 0 <= system < machine["memory_mb"]:
+        raise bad("machine.system_mb", f"must be a number of MB in [0, memory_mb), found {system!r}")
     speeds = []
     for i, entry in enumerate(raw.get("speed", [])):
         where = f"speed[{i}]"

@@ -3,6 +3,8 @@ allocates (a model's layers, the devices' data and vectors) compares against."""
 
 from __future__ import annotations
 
+import sys
+
 import psutil
 
 try:
@@ -32,3 +34,11 @@ def size_text(n: float) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
     return f"{n:.1f} GB"
+
+
+def peak_rss() -> int:
+    """This process's peak resident memory so far, in bytes (0 where the system does not say)."""
+    if resource is None:
+        return 0
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(peak) if sys.platform == "darwin" else int(peak) * 1024  # (Linux says KB, macOS bytes)

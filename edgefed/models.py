@@ -377,10 +377,10 @@ class FeatureProblem:
             return ClassificationData(self._extractor.features(data.X_train), data.y_train,
                                       self._extractor.features(data.X_test), data.y_test)
 
-    def data_bytes(self) -> int:
-        """The built devices' data: the samples as features (the raw ones are dropped once passed through)."""
-        raw = self._problem.data_bytes() if hasattr(self._problem, "data_bytes") else 0
-        return int(raw * self._model.n_features / max(int(np.prod(self._model.network.input_shape)), 1))
+    def device_bytes(self) -> np.ndarray:
+        """(N,) each built device's data: the samples as features (the raw ones are dropped once passed through)."""
+        raw = self._problem.device_bytes()
+        return (raw * (self._model.n_features / max(int(np.prod(self._model.network.input_shape)), 1))).astype(np.int64)
 
 
 class Quadratic:

@@ -56,6 +56,9 @@ LIBVER = ("v110", "v110")
 MEASURED = frozenset({"participation/elapsed_s", "participation/cpu_percent", "participation/cpu_freq_mhz",
                       "participation/temperature_c", "participation/compiled", "metrics/round_elapsed_s",
                       "participation/secagg_s"})
+# Root attributes measured (or estimated for this machine and world): they differ between runs of one config.
+MEASURED_ATTRS = frozenset({"created", "finished", "warmup_s", "warmup_compiled", "rank_memory_estimate_mb",
+                            "rank_board_memory_mb", "rank_peak_rss_mb"})
 # ... and, where the clock is measured (root attribute clock = "measured"), the time the federation kept.
 MEASURED_CLOCK = frozenset({"metrics/clock_s", "participation/comm_s", "participation/deadline_s",
                             "participation/core"})

@@ -117,5 +117,9 @@ class Transport(Protocol):
         """Restore the devices' vectors and residuals, e.g. on --resume: the stored rows (DeviceRows over the
         federation); every other device's are zero."""
 
+    def peak_rss(self) -> dict[int, int]:
+        """{rank: its peak resident memory, bytes} of the other processes that host devices (none in one
+        process: the caller's own is its own peak)."""
+
     def close(self, failed: bool = False) -> None:
         """End the devices' work (and, under MPI, the device ranks)."""

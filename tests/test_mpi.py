@@ -1,5 +1,6 @@
 """The MPI runtime, each test a real `mpiexec` in a subprocess with a timeout (a hang fails the test)."""
 
+import re
 import subprocess
 import sys
 
@@ -73,7 +74,12 @@ def test_mpi_writes_the_simulators_bytes(tmp_path, simulated):
     done = edgefed(["run", cfg, "--out", str(out), "--quiet"], 2)
     assert done.returncode == 0, done.stderr
     assert "MPI: 1 device ranks" in done.stdout
-    assert same_datasets(sim, read_run(out)) == []
+    log = read_run(out)
+    assert same_datasets(sim, log) == []
+    # each rank's peak resident memory (the device rank's from its reports) beside the plan's estimate
+    peaks, estimates = log["attrs"]["rank_peak_rss_mb"], log["attrs"]["rank_memory_estimate_mb"]
+    assert peaks.shape == estimates.shape == (2,) and (peaks > 50).all() and (estimates > peaks * 0.8).all()
+    assert sim["attrs"]["rank_peak_rss_mb"].shape == (1,)
 
 
 def test_a_raising_rank_aborts_the_world_with_its_message(tmp_path):
@@ -108,6 +114,14 @@ def test_bad_config_under_mpi_is_one_line_and_exit_2(tmp_path):
     lines = [line for line in done.stderr.splitlines() if line.strip()]
     assert done.returncode == 2 and len(lines) == 1 and "model.layers[0] (dense) makes the model need" in lines[0]
     assert not (tmp_path / "h.h5").exists()
+    large = write(tmp_path, "b.toml", SMALL + '[model]\nkind = "sequential"\nlayers = [{type = "dense", out = '
+                                               '400000}, {type = "dense", out = 10}]\n[device]\nboards = ["pi-zero-2w"]\n')
+    done = edgefed(["run", large, "--out", str(tmp_path / "b.h5")], 2, timeout=120)  # fits here, not a Zero
+    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    assert done.returncode == 2 and len(lines) == 1, done.stderr
+    assert re.search(r"board pi-zero-2w \(rank 1\) has 512 MB, of which its system takes 220 MB: 292 MB for the "
+                     r"rank, which needs about [\d.]+ [MG]B", lines[0]), lines[0]
+    assert not (tmp_path / "b.h5").exists()
 
 
 DEADLINE = """rounds = 5

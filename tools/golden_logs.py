@@ -28,6 +28,7 @@ from pathlib import Path
 import h5py
 import numpy as np
 
+from edgefed.runlog import MEASURED_ATTRS
 from edgefed.runtime.mpi.comm import local_mpiexec, outside_world_env
 
 # Datasets that hold wall time, load or compilation: the only ones two runs of one config may differ in;
@@ -35,7 +36,7 @@ from edgefed.runtime.mpi.comm import local_mpiexec, outside_world_env
 MEASURED = {"participation/elapsed_s", "participation/cpu_percent", "participation/cpu_freq_mhz",
             "participation/temperature_c", "participation/compiled", "metrics/round_elapsed_s"}
 MEASURED_CLOCK = {"metrics/clock_s", "participation/comm_s", "participation/deadline_s", "participation/core"}
-TIMED_ATTRS = {"created", "finished", "warmup_s", "warmup_compiled"}
+TIMED_ATTRS = MEASURED_ATTRS
 
 SMALL = """seed = 3
 rounds = 12

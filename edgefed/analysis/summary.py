@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
+
 from edgefed.analysis.logs import Run
 from edgefed.runlog import size_text
 
@@ -58,6 +60,7 @@ def summary_lines(run: Run, target: float | None = None) -> list[str]:
         lines.append(f"secure aggregation: {_num(secure['seconds'] * 1e3, '.1f')} ms and "
                      f"{size_text(secure['bytes'])} of protocol per device and round, {secure['aborted']} rounds "
                      f"aborted, {secure['clipped']} coordinates clipped ({secure['keys']} keys)")
+    lines += _memory_lines(run.attrs)
     if target is not None:
         rounds, seconds = run.to_target(target)
         lines.append(f"to test accuracy {target:g}: " + ("never reached" if math.isnan(rounds) else
@@ -72,3 +75,19 @@ def summary_lines(run: Run, target: float | None = None) -> list[str]:
         lines.append(f"(the {DEVICE_ROWS} devices selected most of {run.attrs['n_devices']}; edgefed export --csv "
                      "writes every device's rows)")
     return lines
+
+
+def _memory_lines(attrs) -> list[str]:
+    """Each rank's measured peak beside the run's estimate for it and what its board leaves it."""
+    estimate = np.asarray(attrs.get("rank_memory_estimate_mb", []), np.float64)
+    if not estimate.size:
+        return []  # a log from before ranks' memory was kept
+    peak = np.asarray(attrs.get("rank_peak_rss_mb", np.full(estimate.size, np.nan)), np.float64)
+    board = np.asarray(attrs.get("rank_board_memory_mb", np.full(estimate.size, np.nan)), np.float64)
+    cells = []
+    for r in range(estimate.size):
+        got = "not measured (the run did not finish)" if r >= peak.size or math.isnan(peak[r]) else \
+            f"peak {peak[r]:.0f} MB"
+        fits = "" if r >= board.size or math.isnan(board[r]) else f", its board leaves {board[r]:.0f} MB"
+        cells.append(f"rank {r} {got} (estimated {estimate[r]:.0f} MB{fits})")
+    return [f"memory: {'; '.join(cells)}"]

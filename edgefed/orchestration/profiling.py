@@ -240,8 +240,12 @@ def machine_facts() -> dict:
                 board = value.strip() or board  # a Raspberry Pi names itself here
     except OSError:
         pass
+    memory = psutil.virtual_memory()
+    # what the board's own system takes: all but what is available, less this process (edgefed's own ranks)
+    system = memory.total - memory.available - psutil.Process().memory_info().rss
     facts = {"arch": platform.machine(), "cpu": cpu, "cores": psutil.cpu_count(logical=False) or os.cpu_count(),
-             "logical_cores": os.cpu_count(), "memory_mb": int(psutil.virtual_memory().total / 2**20),
+             "logical_cores": os.cpu_count(), "memory_mb": int(memory.total / 2**20),
+             "system_mb": max(int(system / 2**20), 0),
              "python": platform.python_version(), "numpy": np.__version__, "numba": numba.__version__,
              "edgefed": __version__}
     if board and not board.isdigit():
@@ -324,6 +328,7 @@ def header_comment(profile: dict) -> str:
     m = profile["machine"]
     return (f"Measured by `edgefed profile` (edgefed {__version__}) on {time.strftime('%Y-%m-%d')}: "
             f"{m['cpu']}, {m['arch']}, {m['cores']} cores, {m['memory_mb']} MB.\n"
+            "system_mb: what the machine's own system took as it was profiled (total less available, less edgefed).\n"
             "speed: local SGD steps per second, one thread, float32 (sustained over calls of ~50 ms, a round's work).\n"
             "startup: seconds from a fresh interpreter to one device's first step; cold = empty Numba cache;\n"
             "compile_s = cold - warm, what a run's first start on this board spends compiling (it says so).")

@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from edgefed import config as config_mod
+from edgefed import hwprofile
 from edgefed.algorithms import Algorithm, build_algorithm
 from edgefed.errors import (EXIT_BAD_INPUT, EXIT_INTERNAL, EXIT_INTERRUPTED, EXIT_RANK_LOST, ConfigError, EdgefedError,
                             Interrupted, RankLost, internal_error)
@@ -107,6 +108,7 @@ def _coordinate(comm, resolve, force: bool, on_round, on_info, on_error, launch,
             owners = device_owners(setup.problem.n_devices, comm.Get_size(), setup.cfg.mpi.device_ranks)
             check_device_ranks(setup.cfg, comm.Get_size() - 1)
             setup = timing_for(setup, owners, on_info, point, distributed=True)
+            plan_ranks(setup, owners, machines)
     except EdgefedError as exc:
         _complete(send_setup(comm, {"error": str(exc)}))
         on_error(str(exc))
@@ -174,6 +176,35 @@ def _say_lost(status: Path, lost: RankLost) -> None:
         pass  # the launcher then restarts with every rank, and the rank times out again
 
 
+def rank_lanes(cfg, rank: int, machines) -> tuple[list[int] | None, tuple]:
+    """(device rank `rank`'s lanes, the CPU loads beside its devices)."""
+    loads = cfg.participation.contention
+    if cfg.device.contention:  # this board's own load, beside each of its devices
+        load = cfg.device.contention[rank - 1]
+        loads = (load,) if load > 0 else ()
+    return lanes(cfg, rank, machines, bool(loads)), loads
+
+
+def plan_ranks(setup, owners: np.ndarray, machines) -> None:
+    """Each device rank's memory estimate, into the log's header, and held to its board's memory (the
+    [device] boards, or the profile every board has) before the world builds anything."""
+    cfg = setup.cfg
+    needs = {}
+    for rank in range(1, len(machines)):
+        cores, _ = rank_lanes(cfg, rank, machines)
+        needs[rank] = run_mod.rank_memory(cfg, setup.algorithm, setup.problem, setup.model,
+                                          np.flatnonzero(owners == rank), len(cores or (None,)))
+    boards = ({rank: cfg.device.boards[rank - 1] for rank in needs} if cfg.device.boards else
+              {rank: cfg.device.profile for rank in needs} if cfg.device.profile else {})
+    run_mod.check_boards(needs, boards)
+    attrs = setup.header.attrs
+    attrs["rank_memory_estimate_mb"] = np.concatenate([attrs["rank_memory_estimate_mb"][:1],
+                                                       [needs[r][0] / 2 ** 20 for r in sorted(needs)]])
+    if boards:  # what each rank's board leaves it (rank 0's: none named)
+        attrs["rank_board_memory_mb"] = np.array([np.nan] + [hwprofile.load_profile(boards[r]).available_mb
+                                                             for r in sorted(needs)])
+
+
 def _build_devices(cfg, info, rank: int, machines):
     """A device rank's setup (its devices' data, its lanes, the kernels compiled): (failure or None, transport,
     problem, model, warm-up), so that its failure reaches rank 0 as a report rather than hanging the world; a
@@ -183,11 +214,7 @@ def _build_devices(cfg, info, rank: int, machines):
         problem, model = run_mod.problem_and_model(cfg, start=info["weights"], convert=False)
         own = np.flatnonzero(info["owners"] == rank)
         algorithm = build_algorithm(cfg)
-        loads = cfg.participation.contention
-        if cfg.device.contention:  # this board's own load, beside each of its devices
-            load = cfg.device.contention[rank - 1]
-            loads = (load,) if load > 0 else ()
-        cores = lanes(cfg, rank, machines, bool(loads))
+        cores, loads = rank_lanes(cfg, rank, machines)
         run_mod.check_rank_memory(cfg, algorithm, problem, model, own, len(cores or (None,)))
         transport = run_mod.local_transport(cfg, algorithm, problem, model, device_ids=own, cores=cores,
                                             contention=loads)

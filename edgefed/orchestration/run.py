@@ -27,7 +27,7 @@ from edgefed.engine.asynchronous import AsyncEngine
 from edgefed.engine.rounds import RoundEngine
 from edgefed.errors import ConfigError, EdgefedError, RankLost, ResourceError, RunLogError
 from edgefed.layers import first_spatial, token_ids
-from edgefed.memory import memory_limit
+from edgefed.memory import memory_limit, peak_rss
 from edgefed.models import FeatureProblem, build_model
 from edgefed.orchestration.weights import read_weights, resumed_weights
 from edgefed.outputs import check_output, writable
@@ -249,7 +249,8 @@ def trajectory_every(cfg: Config, header_layout: dict, d: int, dtype) -> tuple[i
     return every, f"log: the model {what}{why}, {n} of {cfg.rounds + 1} ({size_text(n * row)})"
 
 
-KERNEL_BYTES = 150 * 2 ** 20  # what compiling (or loading) a run's kernels adds to the process, about
+KERNEL_BYTES = 64 * 2 ** 20  # what loading a run's compiled kernels adds to the process (measured: 56-61 MB for
+# each built-in model, LLVM's own state the most of it; benchmarks/RESULTS.md, "Data at the edge")
 PER_DEVICE_BYTES = 700  # what the coordinator keeps per device (weights, sizes, label counts, a round's log rows,
 # the selection's and the clock's arrays): benchmarks/scale.py's peaks grow 0.44 KB a device from 10^5 to
 # 10^6 (637 -> 1028 MB); 700 leaves room for what that slope hides
@@ -257,33 +258,56 @@ RANK_DEVICE_BYTES = 100  # what a device rank keeps per device of the federation
 # record's per-device fields: about 70 B by their dtypes; not measured apart)
 
 
-def check_memory(cfg: Config, n: int, data_bytes: int = 0, state_bytes: int = 0, state_what: str = "",
-                 device_bytes: int = PER_DEVICE_BYTES, model_bytes: int = 0) -> None:
-    """Refuse, before anything large is built, a run whose estimate (this process as it stands and its kernels,
-    the model's further buffers, N devices' bookkeeping at device_bytes each, the devices' data it may hold:
-    all of it up to data.cache_mb, the devices' vectors) exceeds what this process may use; one line with the
-    estimate, the limit and what would fit."""
+def memory_need(cfg: Config, n: int, data_bytes: int = 0, state_bytes: int = 0, state_what: str = "",
+                device_bytes: int = PER_DEVICE_BYTES, model_bytes: int = 0) -> tuple[int, list[str]]:
+    """(bytes, their parts in words) a process needs: this process as it stands (the runtime, the problem) and
+    its kernels, the model's further buffers, N devices' bookkeeping at device_bytes each, the devices' data it
+    may hold (data_held), the devices' vectors."""
     runtime = psutil.Process().memory_info().rss + KERNEL_BYTES
     per_device = n * device_bytes
-    cache = min(cfg.data.cache_mb * 2 ** 20, data_bytes)
-    need = runtime + model_bytes + per_device + cache + state_bytes
-    limit, what = memory_limit()
-    if need <= limit:
-        return
     parts = [f"{size_text(runtime)} the runtime"]
     parts += [f"{size_text(model_bytes)} the model's buffers (its lanes' workspaces, a round's updates)"] if model_bytes else []
     parts += [f"{size_text(per_device)} for {n:,} devices' bookkeeping"]
-    parts += [f"{size_text(cache)} of their data (data.cache_mb)"] if cache else []
+    parts += [f"{size_text(data_bytes)} of their data (up to data.cache_mb)"] if data_bytes else []
     parts += [f"{size_text(state_bytes)} {state_what}"] if state_bytes else []
-    if runtime + model_bytes + cache >= limit:  # no number of devices fits: the model is what is too large
+    return runtime + model_bytes + per_device + data_bytes + state_bytes, parts
+
+
+def check_memory(cfg: Config, n: int, data_bytes: int = 0, state_bytes: int = 0, state_what: str = "",
+                 device_bytes: int = PER_DEVICE_BYTES, model_bytes: int = 0) -> int:
+    """Refuse, before anything large is built, a run whose estimate (memory_need) exceeds what this process may
+    use; one line with the estimate, the limit and what would fit. Returns the estimate."""
+    need, parts = memory_need(cfg, n, data_bytes, state_bytes, state_what, device_bytes, model_bytes)
+    limit, what = memory_limit()
+    if need <= limit:
+        return need
+    runtime = psutil.Process().memory_info().rss + KERNEL_BYTES
+    if runtime + model_bytes + data_bytes >= limit:  # no number of devices fits: the model is what is too large
         raise ResourceError(f"this run needs about {size_text(need)} of memory ({', '.join(parts)}) but {what} is "
                             f"{size_text(limit)}; use a smaller model, smaller minibatches (train.batch_size), fewer "
-                            "devices a round or fewer mpi.threads_per_rank")
-    fit = max(int((limit - runtime - model_bytes - cache) // (device_bytes + state_bytes / max(n, 1))), 0)
-    smaller = ", a smaller data.cache_mb, or log.eval_devices (evaluation builds every device)" if cache else ""
+                            "devices a round, fewer mpi.threads_per_rank" + (" or a smaller data.cache_mb"
+                                                                             if data_bytes else ""))
+    fit = max(int((limit - runtime - model_bytes - data_bytes) // (device_bytes + state_bytes / max(n, 1))), 0)
+    smaller = ", a smaller data.cache_mb, or log.eval_devices (evaluation builds every device)" if data_bytes else ""
     raise ResourceError(f"this run needs about {size_text(need)} of memory ({', '.join(parts)}) but {what} is "
                         f"{size_text(limit)}; about {fit:,} devices would fit in this process: use fewer devices "
                         f"(data.clients) or fewer per rank (more ranks under mpiexec){smaller}")
+
+
+def data_held(cfg: Config, problem, own: np.ndarray | None = None) -> int:
+    """The most of the devices' data a process hosting `own` (None: every device) holds at once: the devices a
+    run can build there (the rounds' selections and the evaluated ones; every hosted one when all are
+    evaluated), the largest first, up to data.cache_mb and the one device its cache keeps beyond it."""
+    if not hasattr(problem, "device_bytes"):
+        return 0
+    sizes = problem.device_bytes()
+    sizes = sizes if own is None else sizes[own]
+    if not sizes.size:
+        return 0
+    built = sizes.size if cfg.log.eval_devices is None else min(
+        sizes.size, touched_rows(cfg, problem.n_devices) + cfg.log.eval_devices)
+    largest = np.partition(sizes, sizes.size - built)[sizes.size - built:] if built < sizes.size else sizes
+    return int(min(largest.sum(), cfg.data.cache_mb * 2 ** 20 + largest.max()))
 
 
 def minibatch_rows(cfg: Config, problem) -> int:
@@ -337,33 +361,58 @@ def residual_bytes(algorithm: Algorithm, cfg: Config, n: int, d: int, dtype) -> 
     return len(algorithm.reports) * touched_rows(cfg, n) * d * np.dtype(dtype).itemsize
 
 
-def check_rank_memory(cfg: Config, algorithm: Algorithm, problem, model, own: np.ndarray, lanes: int) -> None:
-    """A device rank's estimate before it builds its devices: its share of the devices' data (up to
-    data.cache_mb), the vectors of its devices a run can touch, and its lanes' models."""
+def _rank_terms(cfg: Config, algorithm: Algorithm, problem, model, own: np.ndarray, lanes: int) -> tuple:
+    """memory_need's terms for a device rank hosting `own` with `lanes` lanes: the devices' data it may hold,
+    the vectors of its devices a run can touch, and its lanes' models."""
     n = problem.n_devices
     touched = min(own.size, touched_rows(cfg, n))
     rows = len(algorithm.device_vectors) * (touched if algorithm.zero_start else own.size)
     rows += len(algorithm.reports) * touched if cfg.compress.error_feedback else 0
     state = rows * model.dim * np.dtype(model.dtype).itemsize
-    data = problem.data_bytes() * own.size // max(n, 1) if hasattr(problem, "data_bytes") else 0
-    check_memory(cfg, n, data, state, "its devices' vectors", RANK_DEVICE_BYTES,
-                 model_bytes(cfg, algorithm, problem, model, lanes, own.size, distributed=True))
+    return (cfg, n, data_held(cfg, problem, own), state, "its devices' vectors", RANK_DEVICE_BYTES,
+            model_bytes(cfg, algorithm, problem, model, lanes, own.size, distributed=True))
+
+
+def rank_memory(cfg: Config, algorithm: Algorithm, problem, model, own: np.ndarray, lanes: int) -> tuple[int, list]:
+    """A device rank's estimate (memory_need): what rank 0 holds a board to before the world builds anything
+    (this process stands in for the rank's runtime: the same software and problem)."""
+    return memory_need(*_rank_terms(cfg, algorithm, problem, model, own, lanes))
+
+
+def check_rank_memory(cfg: Config, algorithm: Algorithm, problem, model, own: np.ndarray, lanes: int) -> int:
+    """A device rank's estimate before it builds its devices, against what its machine has."""
+    return check_memory(*_rank_terms(cfg, algorithm, problem, model, own, lanes))
+
+
+def check_boards(needs: dict[int, tuple[int, list]], boards: dict[int, str]) -> None:
+    """Each device rank's estimate against its board's memory less what the board's own system takes
+    (hwprofile: machine.system_mb): a rank that cannot fit its board is refused before the world builds
+    anything, in one line naming the board."""
+    for rank, name in sorted(boards.items()):
+        board = hwprofile.load_profile(name)
+        need, parts = needs[rank]
+        if need > board.available_mb * 2 ** 20:
+            memory, system = board.machine["memory_mb"], board.machine.get("system_mb", 0)
+            raise ResourceError(
+                f"board {name} (rank {rank}) has {memory} MB, of which its system takes {system} MB: "
+                f"{board.available_mb:.0f} MB for the rank, which needs about {size_text(need)} ({', '.join(parts)}); "
+                "give the rank fewer devices (more boards), a smaller data.cache_mb or train.batch_size, or a "
+                "smaller model")
 
 
 def check_device_memory(algorithm: Algorithm, cfg: Config, problem, model, log_path: Path, on_info,
-                        distributed: bool = False) -> None:
+                        distributed: bool = False) -> int:
     """Report what the devices' vectors (SCAFFOLD's controls: a row for each device a run can touch, or all
     N) and error feedback's residuals can take, and refuse when memory (with the model's lanes and a round's
-    vectors, in one process) or disk cannot hold them."""
+    vectors, in one process) or disk cannot hold them. Returns this process's estimate."""
     vectors = algorithm.device_vectors
     n, d, dtype = problem.n_devices, model.dim, model.dtype
-    data_bytes = problem.data_bytes() if hasattr(problem, "data_bytes") else 0  # (a pool is in memory already)
+    data_bytes = 0 if distributed else data_held(cfg, problem)  # (under mpiexec the device ranks hold it)
     residuals = residual_bytes(algorithm, cfg, n, d, dtype)
     held_model = model_bytes(cfg, algorithm, problem, model, 0 if distributed else cfg.mpi.threads_per_rank or 1,
                              distributed=distributed)  # (under mpiexec the coordinator hosts no device)
     if not vectors:
-        check_memory(cfg, n, data_bytes, residuals, "error feedback's residuals", model_bytes=held_model)
-        return
+        return check_memory(cfg, n, data_bytes, residuals, "error feedback's residuals", model_bytes=held_model)
     owner, noun = vectors[0].owner, " and ".join(dict.fromkeys(v.noun for v in vectors))
     item = np.dtype(dtype).itemsize
     held = held_rows(algorithm, cfg, n)
@@ -380,13 +429,14 @@ def check_device_memory(algorithm: Algorithm, cfg: Config, problem, model, log_p
         raise ResourceError(f"{owner}'s {noun} need {size_text(in_memory)} but only {size_text(available)} of memory "
                             f"is available; {hint}use fewer devices (data.clients)"
                             f"{'' if held == n else ', fewer rounds or fewer devices a round'}")
-    check_memory(cfg, n, data_bytes, in_memory + residuals, f"{owner}'s {noun}" + (" and the residuals" if residuals else ""),
-                 model_bytes=held_model)
+    need = check_memory(cfg, n, data_bytes, in_memory + residuals,
+                        f"{owner}'s {noun}" + (" and the residuals" if residuals else ""), model_bytes=held_model)
     free = shutil.disk_usage(log_path.parent if log_path.parent.exists() else Path.cwd()).free
     if on_disk > free:
         raise ResourceError(f"the run log would need {size_text(on_disk)} for {owner}'s {noun} but the disk has "
                             f"{size_text(free)} free; log fewer rounds (log.every), set log.client_controls = false, "
                             'or use model.dtype = "float32"')
+    return need
 
 
 @dataclass(frozen=True)
@@ -537,14 +587,16 @@ def _prepared(cfg: Config, log_path: Path, resume_point, on_info, config_toml: s
         on_info(problem.notice)
     on_info(f"{problem.describe()}; model {model.kind}, d = {model.dim} {model.dtype.name}{_frozen_text(model)}; "
             f"{cfg.train.algorithm}, {cfg.rounds} rounds; {stores}")
-    check_device_memory(algorithm, cfg, problem, model, log_path, on_info, distributed)
+    need = check_device_memory(algorithm, cfg, problem, model, log_path, on_info, distributed)
+    attrs = {"problem": problem.describe(), "model": model.kind,
+             "train_objective": "(1/N_r) sum_k f_k" if cfg.train.weighting == "uniform" else "sum_k n_k/n F_k",
+             "rank_memory_estimate_mb": np.array([need / 2 ** 20])}  # (device ranks' added under mpiexec)
     header = Header(
         config_toml=config_toml, restarts=restarts,
         seed=cfg.seed, rounds=cfg.rounds, n_devices=problem.n_devices, dim=model.dim, dtype=model.dtype,
         n_train=problem.n_train, label_counts=_label_counts(problem), frozen=model.frozen_values,
         **layout,
-        attrs={"problem": problem.describe(), "model": model.kind,
-               "train_objective": "(1/N_r) sum_k f_k" if cfg.train.weighting == "uniform" else "sum_k n_k/n F_k"},
+        attrs=attrs,
     )
     if hasattr(problem, "sample_shape"):  # what rebuilds the model's layers from the config (edgefed export)
         header.attrs["sample_shape"] = np.asarray(problem.sample_shape, np.int64)
@@ -730,8 +782,12 @@ def drive(setup: Setup, transport, log_path: Path, *, resume_point=None, on_roun
         engine.run(done)
     wall = time.perf_counter() - wall0
     # complete before the devices are let go: a rank lost in the final drain then costs nothing logged
+    peaks = transport.peak_rss()  # this process is rank 0, and the only one in the simulator
+    ranks = np.arange(len(setup.header.attrs["rank_memory_estimate_mb"]))
     log.close({"status": "complete",
-               "finished": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")})
+               "finished": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+               "rank_peak_rss_mb": np.array([peak_rss() if r == 0 else peaks.get(int(r), np.nan) for r in ranks],
+                                            np.float64) / 2 ** 20})
     transport.close()
     with open_run(log_path) as f:  # the two metrics, not the whole log (a large federation's is gigabytes)
         metrics = {name: f[name][()] for name in ("metrics/test_accuracy", "metrics/train_loss")}

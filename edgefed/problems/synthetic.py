@@ -108,9 +108,9 @@ class SyntheticProblem:
         counting needs every device's samples generated, about 0.8 ms a device here (80 s at 10^5 devices)."""
         return self.n_devices > EAGER_LABELS_UP_TO
 
-    def data_bytes(self) -> int:
-        """What every device's data takes once built (features in the model dtype, int64 labels)."""
-        return int(self.n_total.sum()) * (N_FEATURES * np.dtype(self.dtype).itemsize + 8)
+    def device_bytes(self) -> np.ndarray:
+        """(N,) what each device's data takes once built (features in the model dtype, int64 labels)."""
+        return self.n_total.astype(np.int64) * (N_FEATURES * np.dtype(self.dtype).itemsize + 8)
 
     def labels_of(self, data: ClassificationData) -> np.ndarray:
         return _label_counts(data.y_train)

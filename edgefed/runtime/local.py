@@ -527,6 +527,9 @@ class LocalTransport:
                 out[i] = self.eval_model.train_loss(x, self.data(int(k)))
         return out
 
+    def peak_rss(self) -> dict[int, int]:
+        return {}  # (the devices are this process's: its own peak is the caller's)
+
     def evaluate(self, x: np.ndarray) -> Evaluation:
         """Evaluation of the hosted devices that are evaluated (others NaN / 0), indexed by device id."""
         n = self.problem.n_devices

@@ -57,6 +57,7 @@ class MpiTransport:
         self._out = {}  # async: device -> (its task's plan, when it was sent)
         self._arrived = deque()  # async: (work record, when) of the reports not yet taken
         self._status = MPI.Status()
+        self._peaks = {}  # rank -> its peak resident memory, as its work and evaluation records say
 
     # -- down ---------------------------------------------------------------------------------------------
     def _command(self, command: int, plan: RoundPlan | None = None, devices=None, x=None, vectors=None,
@@ -115,7 +116,14 @@ class MpiTransport:
         raw = self._recv[src][:nbytes]
         self.comm.Recv([raw, MPI.BYTE], source=src, tag=tag)
         self._heard[src] = time.perf_counter()
+        if tag in (protocol.TAG_WORK, protocol.TAG_EVAL) and nbytes:
+            peak = int(raw.view(self.wire.tags[tag])["peak_rss"].max())
+            self._peaks[src] = max(self._peaks.get(src, 0), peak)
         return src, tag, raw
+
+    def peak_rss(self) -> dict[int, int]:
+        """Each device rank's peak resident memory, bytes, as its reports last said."""
+        return dict(self._peaks)
 
     def _collect(self, tag: int, ranks, unpack=None) -> dict:
         """One message per rank in `ranks` with this tag, as unpack(bytes) makes it (default: the tag's records;

@@ -21,6 +21,7 @@ from collections import deque
 import numpy as np
 
 from edgefed.algorithms.base import DeviceRows, ServerState
+from edgefed.memory import peak_rss
 from edgefed.runtime.mpi import protocol
 from edgefed.runtime.mpi.comm import POLL_MAX_S, Backoff, mpi_of, wait
 from edgefed.runtime.mpi.protocol import Wire
@@ -109,6 +110,8 @@ class DeviceServer:
         return buf.view(record)
 
     def _send_records(self, tag: int, records: np.ndarray) -> None:
+        if "peak_rss" in records.dtype.names:  # (work and evaluation: the rank's memory goes into the log)
+            records["peak_rss"] = peak_rss()
         i = self._next
         self._next = 1 - i
         self._send_req[i] = self.comm.Isend([self._send[i][: records.nbytes], self._mpi_byte], dest=0, tag=tag)

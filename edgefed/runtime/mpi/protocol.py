@@ -103,12 +103,13 @@ class Wire:
             ("secagg_s", "<f4"),  # secure aggregation: the device's protocol time through its masked input
             ("loss_sq", "<f8"),  # the squared losses of the samples its steps trained on, summed (Oort's utility)
             ("samples", "<i8"),  # how many samples those were
+            ("peak_rss", "<i8"),  # the rank's peak resident memory so far, bytes (the log's rank_peak_rss_mb)
             ("payload", "u1", (payload,)),  # the report vectors, encoded, back to back (or the masked input)
         ], align=True)
         self.residual = np.dtype([("round", "<i8"), ("device", "<i8"),
                                   ("vectors", self.dtype, (len(self.reports), dim))], align=True)
         self.evaluation = np.dtype([("device", "<i8"), ("train_loss", "<f8"), ("test_loss_sum", "<f8"),
-                                    ("test_correct", "<i8"), ("n_test", "<i8")], align=True)
+                                    ("test_correct", "<i8"), ("n_test", "<i8"), ("peak_rss", "<i8")], align=True)
         self.rows = np.dtype([("device", "<i8"), ("vectors", self.dtype, (len(self.device), dim))], align=True)
         self.load = np.dtype([("device", "<i8"), ("vectors", self.dtype, (len(self.restored), dim))], align=True)
         self.bye = np.dtype([("rank", "<i8")])
