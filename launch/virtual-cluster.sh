@@ -18,6 +18,9 @@
 # cores: its processes see one, and run its devices one at a time). This machine's profile is measured
 # once (`edgefed profile`, cached in ~/.cache/edgefed/this-machine.toml, or EDGEFED_MACHINE_PROFILE). Where
 # the board's profile names a link speed ([machine] link_mbps) its link is shaped to it (tc tbf, both ways).
+# Its memory: the same processes run in a memory cgroup limited to what the real board leaves edgefed (the
+# profile's memory_mb less its system_mb, swap included), so a rank that would not fit the board is killed
+# here by the kernel's OOM killer as it would be there (the launcher then names the board and its memory).
 # VIRTUAL is then the same board list with the boards' addresses, for launch/pi-cluster.sh and edgefed
 # launch --boards, and VIRTUAL.env the launcher's settings pi-cluster.sh reads beside it (MPI over TCP).
 # Run as root. STATE: /run/edgefed-virtual.
@@ -57,6 +60,7 @@ require() {  # what `up` needs, each missing one named in one line with how to g
     [ -x "$SSHD" ] || fail "sshd is missing ($SSHD): apt-get install openssh-server"
     ip netns list > /dev/null 2>&1 || fail "ip netns does not work here (network namespaces); a kernel with them is needed"
     [ -n "$(cgroup_root)" ] || fail "no cgroup cpu controller at /sys/fs/cgroup (a board's CPU share needs it)"
+    [ -n "$(memory_root)" ] || fail "no cgroup memory controller at /sys/fs/cgroup (a board's memory needs it)"
     [ -x "$python" ] || fail "no Python at $python: install edgefed in this checkout's .venv, or set VENV"
     if ip link show "$BRIDGE" > /dev/null 2>&1 || [ -d "$STATE" ]; then
         fail "a virtual cluster is up already: launch/virtual-cluster.sh down VIRTUAL first"
@@ -85,6 +89,14 @@ board_index() {  # N of the board named HOST (its host name or address) in STATE
     fail "$1 is not a board of this virtual cluster (see $STATE/boards)"
 }
 
+memory_root() {  # the memory controller's folder for this cluster: cgroup v1's memory hierarchy, or v2's
+    if [ -d /sys/fs/cgroup/memory ] && [ -f /sys/fs/cgroup/memory/memory.limit_in_bytes ]; then
+        echo "/sys/fs/cgroup/memory/$GROUP"
+    elif grep -qw memory /sys/fs/cgroup/cgroup.controllers 2>/dev/null; then
+        echo "/sys/fs/cgroup/$GROUP"
+    fi
+}
+
 kill_board() {  # every process of board N (its cgroup's), SIGKILL, until none is left (or 10 s)
     local procs pid
     procs=$(cgroup_root)/b$1/cgroup.procs
@@ -97,12 +109,13 @@ kill_board() {  # every process of board N (its cgroup's), SIGKILL, until none i
 }
 
 down() {  # everything up made, whatever of it is there
-    local n dir cg
-    cg=$(cgroup_root)
+    local n dir cg mem
+    cg=$(cgroup_root) mem=$(memory_root)
     if [ -f "$STATE/boards" ]; then
         while read -r n _; do
             kill_board "$n"
             [ -d "$cg/b$n" ] && rmdir "$cg/b$n" 2> /dev/null || true
+            [ -n "$mem" ] && [ -d "$mem/b$n" ] && rmdir "$mem/b$n" 2> /dev/null || true
             umount "$STATE/b$n/uts" 2> /dev/null || true
             ip netns del "$NAME-b$n" 2> /dev/null || true
             ip link del "$NAME-v$n" 2> /dev/null || true
@@ -113,6 +126,10 @@ down() {  # everything up made, whatever of it is there
         n=${dir##*/b}; kill_board "$n"; rmdir "$dir" 2> /dev/null || true
     done
     [ -n "$cg" ] && [ -d "$cg" ] && rmdir "$cg" 2> /dev/null || true
+    if [ -n "$mem" ] && [ "$mem" != "$cg" ]; then
+        for dir in "$mem"/b*; do [ -d "$dir" ] && rmdir "$dir" 2> /dev/null || true; done
+        [ -d "$mem" ] && rmdir "$mem" 2> /dev/null || true
+    fi
     for n in $(ip netns list 2> /dev/null | awk -v name="$NAME" '$1 ~ "^" name "-b[0-9]+$" {print $1}'); do ip netns del "$n" 2> /dev/null || true; done
     for dir in "$STATE"/b*; do umount "$dir/uts" 2> /dev/null || true; done
     ip link del "$BRIDGE" 2> /dev/null || true
@@ -123,7 +140,8 @@ down() {  # everything up made, whatever of it is there
     rm -rf "$STATE"
 }
 
-quota_and_link() {  # "QUOTA LINK_MBPS" of a board profile against this machine's (LINK_MBPS: "" when none)
+quota_and_link() {  # "QUOTA MEMORY_MB LINK_MBPS" of a board profile against this machine's (LINK_MBPS: "" when
+    # none; MEMORY_MB: what the board leaves edgefed, its memory less its system's)
     "$python" - "$1" "$machine" <<'PY'
 import sys
 from edgefed import hwprofile
@@ -133,7 +151,7 @@ try:
     share = here.step_seconds("logreg", 20, 610) / board.step_seconds("logreg", 20, 610)
 except EdgefedError as exc:
     sys.exit(f"virtual-cluster.sh: {exc}")
-print(f"{min(share, 1.0):.4f} {board.machine.get('link_mbps', '')}")
+print(f"{min(share, 1.0):.4f} {int(board.available_mb)} {board.machine.get('link_mbps', '')}")
 PY
 }
 
@@ -177,22 +195,22 @@ EOF
     ip link add "$BRIDGE" type bridge
     ip addr add "$SUBNET.1/24" dev "$BRIDGE"
     ip link set "$BRIDGE" up
-    local cg host profile load share link address quota period core dir sshds=()
-    cg=$(cgroup_root)
-    mkdir -p "$cg"
-    if [ -f "$cg/cgroup.subtree_control" ]; then  # cgroup v2: the cpu controller for the boards' groups
-        echo +cpu > "$(dirname "$cg")/cgroup.subtree_control" 2> /dev/null || true
-        echo +cpu > "$cg/cgroup.subtree_control"
+    local cg mem host profile load share memory link address quota period core dir join sshds=()
+    cg=$(cgroup_root) mem=$(memory_root)
+    mkdir -p "$cg" "$mem"
+    if [ -f "$cg/cgroup.subtree_control" ]; then  # cgroup v2: the cpu and memory controllers for the boards' groups
+        echo "+cpu +memory" > "$(dirname "$cg")/cgroup.subtree_control" 2> /dev/null || true
+        echo "+cpu +memory" > "$cg/cgroup.subtree_control"
     fi
     { read -r host _ _ <<< "${lines[0]}"; echo "$SUBNET.1  coordinator  0.0  # the head: this machine ($(hostname)), for $host"; } > "$virtual.tmp"
     : > "$STATE/boards"
     for n in $(seq 1 $(( ${#lines[@]} - 1 ))); do
         read -r host profile load <<< "${lines[$n]}"
-        read -r share link <<< "${shares[$((n - 1))]}"
+        read -r share memory link <<< "${shares[$((n - 1))]}"
         address="$SUBNET.$(( n + 1 ))"
         dir="$STATE/b$n"
         mkdir -p "$dir"
-        echo "$n $host $address $profile $share ${link:--}" >> "$STATE/boards"
+        echo "$n $host $address $profile $share ${link:--} $memory" >> "$STATE/boards"
         ip netns add "$NAME-b$n"
         ip link add "$NAME-v$n" type veth peer name eth0 netns "$NAME-b$n"
         ip link set "$NAME-v$n" master "$BRIDGE" up
@@ -216,6 +234,16 @@ EOF
         else
             echo "$quota $period" > "$cg/b$n/cpu.max"
         fi
+        mkdir -p "$mem/b$n"  # (v2: the same folder as the CPU's)
+        if [ -f "$mem/b$n/memory.limit_in_bytes" ]; then  # v1; with swap accounting, swap counted in
+            echo $(( memory * 1024 * 1024 )) > "$mem/b$n/memory.limit_in_bytes"
+            [ ! -f "$mem/b$n/memory.memsw.limit_in_bytes" ] || echo $(( memory * 1024 * 1024 )) > "$mem/b$n/memory.memsw.limit_in_bytes"
+        else
+            echo $(( memory * 1024 * 1024 )) > "$mem/b$n/memory.max"
+            [ ! -f "$mem/b$n/memory.swap.max" ] || echo 0 > "$mem/b$n/memory.swap.max"
+        fi
+        join="echo \$\$ > '$cg/b$n/cgroup.procs'"
+        [ "$mem" = "$cg" ] || join="$join && echo \$\$ > '$mem/b$n/cgroup.procs'"
         core=$(( (n - 1) % $(nproc) ))  # one core, as the share is of one: the board's lanes see one
         ssh-keygen -q -t ed25519 -N "" -C "edgefed-virtual $host" -f "$dir/host_key"
         echo "$address $(cut -d' ' -f1,2 "$dir/host_key.pub")" >> "$STATE/known_hosts"
@@ -235,11 +263,11 @@ EOF
         # the board's first process joins its cgroup, then becomes its sshd: all it starts inherit the share.
         # nsenter, not ip netns exec, which mounts a /sys of its own: the board's processes see their cgroup
         # (a CPU competitor takes its load of the board's share, not of a core)
-        setsid sh -c "echo \$\$ > '$cg/b$n/cgroup.procs' && exec taskset -c $core nsenter --net=/run/netns/$NAME-b$n \
+        setsid sh -c "$join && exec taskset -c $core nsenter --net=/run/netns/$NAME-b$n \
 --uts='$dir/uts' '$SSHD' -D -f '$dir/sshd_config' -E '$dir/sshd.log'" < /dev/null > /dev/null 2>&1 &
         sshds+=($!)
         disown  # (its end is the board's, not this script's to report)
-        echo "$address  $profile  $load  # $host: $(awk "BEGIN {printf \"%.0f\", $share * 100}") % of a core$([ -n "$link" ] && echo ", link $link Mbit/s")" >> "$virtual.tmp"
+        echo "$address  $profile  $load  # $host: $(awk "BEGIN {printf \"%.0f\", $share * 100}") % of a core, $memory MB$([ -n "$link" ] && echo ", link $link Mbit/s")" >> "$virtual.tmp"
     done
     for n in $(seq 1 $(( ${#lines[@]} - 1 ))); do  # every sshd answering before the cluster is said to be up
         address="$SUBNET.$(( n + 1 ))"

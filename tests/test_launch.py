@@ -223,6 +223,20 @@ def test_a_board_that_does_not_answer_or_went_silent_is_left_out(tmp_path):
                      "launch: leaving out pi-c (rank 3): it does not answer over SSH"]
     args = launcher._args(tmp_path / "status.json")
     assert args[args.index("--set") + 1] == 'device.boards=["pi4b"]' and "device.contention=[0.5]" in args
+    # a board whose kernel killed a rank for memory during the world is named, and left out
+    kills = {"pi-a": 0, "pi-b": 0, "pi-c": 4}
+    lines.clear()
+    launcher = Launcher(tmp_path / "r.h5", boards=boards, mpiexec=MPIEXEC, on_line=lines.append,
+                        answers=lambda host: True, oom_kills=kills.get)
+    launcher._oom = launcher._count_oom()
+    kills["pi-b"] = 1
+    starved = launcher._ran_out()
+    said = "4096 MB, of which its system takes 220 MB"
+    assert starved == {2: f"pi-b ran out of memory ({said})"}
+    assert launcher._cause(137, None, starved) == f"board pi-b ran out of memory ({said})"
+    launcher._leave_out(None, starved)
+    assert [b.host for b in launcher.boards] == ["head", "pi-a", "pi-c"]
+    assert lines == [f"launch: leaving out pi-b (rank 2): it ran out of memory ({said})"]
 
 
 def test_placement_keys_may_change_on_resume(tmp_path):

@@ -140,7 +140,8 @@ def test_refusals_say_what_is_missing_and_make_nothing(tmp_path):
 def cluster(tmp_path_factory):
     folder = tmp_path_factory.mktemp("virtual")
     (folder / "machine.toml").write_text(MACHINE)
-    (folder / "half.toml").write_text(board_profile(0.5))
+    # the half board's system takes all but 512 MB of its 4 GB: a rank that needs more is killed there
+    (folder / "half.toml").write_text(board_profile(0.5).replace("memory_mb = 4096", "memory_mb = 4096\nsystem_mb = 3584"))
     (folder / "quarter.toml").write_text(board_profile(0.25, link_mbps=100))
     (folder / "boards.txt").write_text(f"head.local coordinator\nvb-half.local {folder / 'half.toml'} 0.0\n"
                                        f"vb-quarter.local {folder / 'quarter.toml'} 0.0\n")
@@ -162,7 +163,7 @@ def assert_nothing_left():
     assert "eftest-b" not in netns and "eftest-br0" not in links and "eftest-v" not in links
     assert str(STATE) not in procs  # no sshd of a board
     assert not STATE.exists()
-    assert not any(Path(f"/sys/fs/cgroup/{v}edgefed-virtual-eftest").exists() for v in ("cpu/", ""))
+    assert not any(Path(f"/sys/fs/cgroup/{v}edgefed-virtual-eftest").exists() for v in ("cpu/", "memory/", ""))
     config = Path.home() / ".ssh" / "config"
     assert not config.exists() or str(STATE) not in config.read_text()
 
@@ -171,9 +172,12 @@ def test_up_writes_the_board_list_with_addresses_shares_and_links(cluster):
     folder, env = cluster
     lines = [line for line in (folder / "virtual.txt").read_text().splitlines() if line.strip()]
     assert lines[0].startswith("10.232.0.1  coordinator  0.0  # the head: this machine")
-    assert lines[1] == f"10.232.0.2  {folder / 'half.toml'}  0.0  # vb-half.local: 50 % of a core"
+    assert lines[1] == f"10.232.0.2  {folder / 'half.toml'}  0.0  # vb-half.local: 50 % of a core, 512 MB"
     assert lines[2] == (f"10.232.0.3  {folder / 'quarter.toml'}  0.0  "
-                        "# vb-quarter.local: 25 % of a core, link 100 Mbit/s")
+                        "# vb-quarter.local: 25 % of a core, 4096 MB, link 100 Mbit/s")
+    memory = [Path(f"/sys/fs/cgroup/{v}edgefed-virtual-eftest/b1/{f}") for v, f in (("memory/", "memory.limit_in_bytes"),
+                                                                                    ("", "memory.max"))]
+    assert [int(p.read_text()) for p in memory if p.exists()] == [512 * 2 ** 20]  # what the board leaves edgefed
     group = Path("/sys/fs/cgroup/cpu/edgefed-virtual-eftest/b2")
     if group.exists():  # a quarter of a core: 2 ms in every 8 ms
         assert (group / "cpu.cfs_quota_us").read_text().strip() == "2000"
@@ -232,6 +236,38 @@ def test_a_trace_recorded_on_the_boards_names_them_and_the_simulator_replays_it(
         replayed = f["participation/steps"][()]
     for k, f in enumerate(recorded.fractions):  # each device's steps: its board's recorded fractions of K
         assert set(replayed[:, k]) <= set(np.floor(f * 20000 + 0.5).astype(int)), (replayed, f)
+
+
+HUNGRY = """rounds = 3
+[data]
+clients = 2
+[train]
+clients_per_round = "all"
+local_steps = 5
+[[fault]]
+device = 0
+round = 2
+kind = "memory"
+mb = 600
+seconds = 0.2
+"""
+
+
+def test_a_board_that_runs_out_of_memory_is_named_and_the_run_goes_on_without_it(cluster):
+    """Device 0 (on the half board, whose memory cgroup leaves edgefed 512 MB) takes 600 MB more in round 2: the
+    kernel kills its rank there as on a real board; the launcher names the board and its memory (not "stopped
+    answering"), and the world starts again without it (the quarter board holds 4 GB: the device runs there)."""
+    folder, env = cluster
+    config = folder / "hungry.toml"
+    config.write_text(HUNGRY)
+    log = folder / "hungry.h5"
+    done = subprocess.run(["bash", str(PI_CLUSTER), "run", str(folder / "virtual.txt"), str(config), "--out",
+                           str(log), "--quiet"], capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    said = "10.232.0.2 ran out of memory (4096 MB, of which its system takes 3584 MB)"  # (the list's host)
+    assert f"launch: leaving out 10.232.0.2 (rank 1): it ran out of memory" in done.stdout + done.stderr
+    restarts = [line for line in summary_lines(Run.read(log)) if line.startswith("launch restart")]
+    assert len(restarts) == 1 and f"board {said}" in restarts[0] and "ranks 3 -> 2" in restarts[0], restarts
 
 
 DEADLINE = """rounds = 8

@@ -218,8 +218,10 @@ class FaultConfig:
     device: int
     round: int
     kind: str = "stall"  # "stall": sleep `seconds` (a hung device); "raise": fail with an error;
-    # "slow_link": the device's report takes `seconds` longer to reach the coordinator
+    # "slow_link": the device's report takes `seconds` longer to reach the coordinator; "memory": its process
+    # takes `mb` more of memory for `seconds` (a board that runs out of memory: the kernel kills the rank)
     seconds: float = 0.0
+    mb: float = 0.0
 
 
 @dataclass(frozen=True)

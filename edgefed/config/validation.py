@@ -45,7 +45,7 @@ LR_SCHEDULES = ("constant", "staircase")
 SAMPLE_LAWS = ("lognormal", "pareto")
 PARTICIPATION_MODES = ("full", "trace", "deadline", "async")
 ASYNC_ALGORITHMS = ("fedavg", "fedprox")
-FAULT_KINDS = ("stall", "raise", "slow_link")
+FAULT_KINDS = ("stall", "raise", "slow_link", "memory")
 CLOCKS = ("measured", "simulated")
 DEADLINE_COVERS = ("compute", "round")
 DEFAULT_QUANTILE = 0.8
@@ -107,6 +107,9 @@ def validate(cfg: Config) -> Config:
             raise ConfigError(f"config: fault[{i}].round = {fault.round} is not a round (1..{cfg.rounds})")
         if not (fault.seconds >= 0 and math.isfinite(fault.seconds)):
             raise ConfigError(f"config: fault[{i}].seconds = {fault.seconds} must be a finite number >= 0")
+        if not (fault.mb >= 0 and math.isfinite(fault.mb)) or (fault.mb > 0) != (fault.kind == "memory"):
+            raise ConfigError(f"config: fault[{i}].mb = {fault.mb}: the memory a kind = \"memory\" fault takes, a "
+                              "finite number > 0 there and nowhere else")
     if cfg.log.every is not None:
         _positive(cfg.log.every, "log.every", "every = 10")
     _positive(cfg.log.trajectory_mb, "log.trajectory_mb", "trajectory_mb = 100")

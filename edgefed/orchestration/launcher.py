@@ -15,6 +15,7 @@ import ctypes
 import datetime
 import json
 import os
+import shlex
 import shutil
 import signal
 import subprocess
@@ -26,6 +27,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
+from edgefed import hwprofile
 from edgefed.errors import EXIT_BAD_INPUT, EXIT_INTERRUPTED, EXIT_RANK_LOST, EdgefedError
 from edgefed.runlog import completed_rounds, run_status
 from edgefed.runtime.mpi.comm import local_mpiexec
@@ -106,6 +108,34 @@ def ssh_answers(host: str) -> bool:
         return False
 
 
+# How many processes the kernel's OOM killer ended on a board: its memory cgroup's count where that cgroup has
+# a limit (a virtual board's, launch/virtual-cluster.sh), else the machine's (/proc/vmstat: a real board).
+OOM_PROBE = r"""
+p=$(awk -F: '$2 ~ /(^|,)memory(,|$)/ {m = $3} $2 == "" {u = $3} END {print (m != "" ? m : u)}' /proc/self/cgroup)
+limit=max; kills=
+if [ -f "/sys/fs/cgroup/memory$p/memory.limit_in_bytes" ]; then
+    limit=$(cat "/sys/fs/cgroup/memory$p/memory.limit_in_bytes")
+    [ "$limit" -lt 4611686018427387904 ] 2> /dev/null || limit=max
+    kills=$(awk '$1 == "oom_kill" {print $2}' "/sys/fs/cgroup/memory$p/memory.oom_control")
+elif [ -f "/sys/fs/cgroup$p/memory.max" ]; then
+    limit=$(cat "/sys/fs/cgroup$p/memory.max")
+    kills=$(awk '$1 == "oom_kill" {print $2}' "/sys/fs/cgroup$p/memory.events")
+fi
+[ "$limit" != max ] && [ -n "$kills" ] || kills=$(awk '$1 == "oom_kill" {print $2}' /proc/vmstat)
+echo "${kills:-0}"
+"""
+
+
+def ssh_oom_kills(host: str) -> int | None:
+    """The OOM kills a board's kernel has counted for it (OOM_PROBE), over SSH; None when it does not say."""
+    try:
+        done = subprocess.run(["ssh", "-o", "BatchMode=yes", "-o", "ConnectTimeout=5", host, "sh", "-c",
+                               shlex.quote(OOM_PROBE)], capture_output=True, text=True, timeout=15)
+        return int(done.stdout.split()[-1]) if done.returncode == 0 else None
+    except (OSError, subprocess.TimeoutExpired, ValueError, IndexError):
+        return None
+
+
 def _toml_list(values, quote: bool) -> str:
     return "[" + ", ".join(json.dumps(v) if quote else repr(v) for v in values) + "]"
 
@@ -134,7 +164,7 @@ class Launcher:
     def __init__(self, log: Path, config: str | None = None, overrides=(), *, force: bool = False,
                  ranks: int | None = None, boards: list[Board] | None = None, placement: dict | None = None,
                  restarts: int = 3, mpiexec: str | None = None, mpiexec_args=(), quiet: bool = False,
-                 resume: bool = False, on_line=print, answers=ssh_answers):
+                 resume: bool = False, on_line=print, answers=ssh_answers, oom_kills=ssh_oom_kills):
         """config, overrides, force: the first world's `edgefed run` (a restart resumes the log, with the same
         overrides). placement: the config's per-rank lists ({"device.boards": [...], ...}), kept in step
         when a rank is left out."""
@@ -145,7 +175,8 @@ class Launcher:
         self._moved: list[str] = []  # placement overrides after ranks were left out
         self.mpiexec, self.mpiexec_args = find_mpiexec(mpiexec), list(mpiexec_args)
         self.flavour = mpi_flavour(self.mpiexec)
-        self.quiet, self.resume, self.say, self.answers = quiet, resume, on_line, answers
+        self.quiet, self.resume, self.say, self.answers, self.oom_kills = quiet, resume, on_line, answers, oom_kills
+        self._oom = {}  # board host -> its OOM kills before the world started
         self.id = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%S.%f")
         self.records: list[dict] = []
         self.child: subprocess.Popen | None = None
@@ -249,6 +280,7 @@ class Launcher:
     def _loop(self, folder: Path) -> int:
         while True:
             started = time.monotonic()
+            self._oom = self._count_oom()
             code, lost = self._world(folder)
             if self.stopping:
                 if self._timer is not None:
@@ -260,13 +292,14 @@ class Launcher:
                 return 0
             if code == EXIT_BAD_INPUT:
                 return code  # bad input: the same world would fail the same way
-            cause = self._cause(code, lost)
+            starved = self._ran_out()
+            cause = self._cause(code, lost, starved)
             if self.restarts_left <= 0:
                 self.say(f"launch: the world died ({cause}) and no restart is left; the log {self.log} holds "
                          f"every completed round (--resume continues it)")
                 return code if code > 0 else 128 - code  # a signal: as a shell reports it
             before = self.ranks
-            self._leave_out(lost)
+            self._leave_out(lost, starved)
             if self.ranks < 1:
                 self.say(f"launch: the world died ({cause}) and no rank is left to run it")
                 return code if code > 0 else 128 - code
@@ -290,7 +323,29 @@ class Launcher:
         self._moved = [f"{key}={_toml_list(values, key == 'device.boards') if values else '[]'}"
                        for key, values in self.placement.items()]
 
-    def _cause(self, code: int, lost: dict | None) -> str:
+    def _count_oom(self) -> dict:
+        """Each board's OOM kills so far (the head node's too: a rank runs there as well)."""
+        if self.boards is None:
+            return {}
+        with ThreadPoolExecutor(max_workers=8) as pool:
+            return dict(zip([b.host for b in self.boards[1:]], pool.map(self.oom_kills, [b.host for b in self.boards[1:]])))
+
+    def _ran_out(self) -> dict[int, str]:
+        """{rank: "HOST ran out of memory (N MB)"} of the boards whose kernel killed a process for memory
+        during the world (a rank killed that way looks like one that stopped answering)."""
+        if not self._oom:
+            return {}
+        after = self._count_oom()
+        out = {}
+        for rank, board in enumerate(self.boards[1:], 1):
+            before, now = self._oom.get(board.host), after.get(board.host)
+            if before is not None and now is not None and now > before:
+                out[rank] = f"{board.host} ran out of memory ({_memory_mb(board.profile)})"
+        return out
+
+    def _cause(self, code: int, lost: dict | None, starved: dict | None = None) -> str:
+        if starved:
+            return "; ".join(f"board {text}" for text in starved.values())
         if lost is not None:
             host = f" on {lost['host']}" if lost.get("host") else ""
             return f"rank {lost['rank']}{host} stopped answering for {lost['silent_s']:.1f} s"
@@ -299,20 +354,34 @@ class Launcher:
         return f"exit code {code}" + (" (a rank was lost)" if code == EXIT_RANK_LOST else "")
 
 
-    def _leave_out(self, lost: dict | None) -> None:
+    def _leave_out(self, lost: dict | None, starved: dict | None = None) -> None:
         """The next world: without the rank found silent; with a board list, without every board that does
-        not answer either (the head node, line 1, is this machine)."""
+        not answer either, or whose kernel killed a rank for memory (the same world would run out again; the
+        head node, line 1, is this machine)."""
         if self.boards is None:
             if lost is not None:
                 self.ranks -= 1
                 self._move(int(lost["rank"]))
             return
+        starved = starved or {}
         drop = {int(lost["rank"])} if lost is not None and int(lost["rank"]) > 0 else set()
+        drop |= set(starved)
         with ThreadPoolExecutor(max_workers=8) as pool:
             answers = list(pool.map(self.answers, [b.host for b in self.boards[1:]]))
         drop |= {i + 1 for i, ok in enumerate(answers) if not ok}
         for i in sorted(drop):
-            self.say(f"launch: leaving out {self.boards[i].host} (rank {i}): "
-                     + ("it stopped answering" if answers[i - 1] else "it does not answer over SSH"))
+            why = (f"it ran out of memory ({_memory_mb(self.boards[i].profile)})" if i in starved else
+                   "it stopped answering" if answers[i - 1] else "it does not answer over SSH")
+            self.say(f"launch: leaving out {self.boards[i].host} (rank {i}): {why}")
         self.boards = [b for i, b in enumerate(self.boards) if i not in drop]
         self.ranks = len(self.boards) if len(self.boards) > 1 else 0
+
+
+def _memory_mb(profile: str | None) -> str:
+    """A board's memory in words, from its profile ("512 MB, of which its system takes 220 MB")."""
+    try:
+        machine = hwprofile.load_profile(profile).machine
+    except (EdgefedError, TypeError):
+        return "its memory"
+    system = machine.get("system_mb", 0)
+    return f"{machine['memory_mb']} MB" + (f", of which its system takes {system} MB" if system else "")

@@ -516,7 +516,9 @@ class LocalTransport:
             return
         if fault.kind == "raise":
             raise InjectedFault(f"injected fault: device {device_id} raised in round {round_idx} ([[fault]] in the config)")
+        held = np.ones(int(fault.mb * 2 ** 20), np.uint8) if fault.kind == "memory" else None  # (every page touched)
         time.sleep(fault.seconds)
+        del held
 
     # -- evaluation --------------------------------------------------------------------------------------
     def probe(self, round_idx: int, x: np.ndarray, device_ids: np.ndarray) -> np.ndarray:
