@@ -136,6 +136,17 @@ def build_parser() -> argparse.ArgumentParser:
     convert.add_argument("--vocab", metavar="FILE", help="LEAF Sent140: a file of the vocabulary's words, one a line")
     convert.add_argument("--force", action="store_true", help="replace an existing OUT.h5")
     convert.set_defaults(func=cmd_data_convert)
+    shard = data_verbs.add_parser(
+        "shard", help="each device rank's shard of a run's data: the rows of the devices it hosts (rank-R.h5)")
+    shard.add_argument("config", nargs="?", help="the run's config (omit for the built-in default)")
+    world = shard.add_mutually_exclusive_group(required=True)
+    world.add_argument("--boards", metavar="BOARDS", help="the board list the run goes on (rank R: line R + 1)")
+    world.add_argument("-n", "--ranks", type=int, help="the ranks of the run's world (mpiexec -n)")
+    shard.add_argument("--out", required=True, metavar="FOLDER", help="the folder to write rank-1.h5 .. into")
+    shard.add_argument("--set", dest="overrides", action="append", default=[], metavar="TABLE.KEY=VALUE",
+                       help="override a config key, as edgefed run takes it")
+    shard.add_argument("--force", action="store_true", help="replace shards already in FOLDER")
+    shard.set_defaults(func=cmd_data_shard)
 
     sweep = verbs.add_parser("sweep", help="run a grid of experiments (axes x seeds) into a folder, with tables")
     sweep.add_argument("file", help="sweep file (TOML: base, seeds, [set], [axes], [target])")
@@ -323,6 +334,20 @@ def cmd_data_convert(args) -> int:
                    vocab=args.vocab)
     print(f"wrote {args.out}: {what} ({Path(args.out).stat().st_size / 2**20:.1f} MB, "
           f"{time.perf_counter() - start:.1f} s); run it with [data] kind = \"arrays\", path = \"{args.out}\"")
+    return 0
+
+
+def cmd_data_shard(args) -> int:
+    from edgefed.orchestration.datasets import make_shards
+    from edgefed.orchestration.launcher import read_boards
+
+    ranks = len(read_boards(Path(args.boards))) if args.boards else args.ranks
+    if ranks < 2:
+        raise EdgefedError(f"-n {ranks}: a world with device ranks has at least 2 ranks")
+    for rank, path, size in make_shards(args.config, args.overrides, ranks, args.out, args.force):
+        print(f"wrote {path}: rank {rank}'s shard ({size / 2**20:.1f} MB)")
+    print(f"copy rank-R.h5 to board R's folder (the same path on every board), then run with --set "
+          f"data.shards=FOLDER (launch/pi-cluster.sh data BOARDS CONFIG does both)")
     return 0
 
 

@@ -6,7 +6,11 @@
 #   launch/pi-cluster.sh profile BOARDS            # measure every board -> hw_profiles/HOST.toml on the head
 #   launch/pi-cluster.sh run     BOARDS CONFIG [edgefed launch/run options...]   # restarts without lost boards
 #   launch/pi-cluster.sh trace   BOARDS OUT [edgefed trace record options...]    # one trace per board
+#   launch/pi-cluster.sh data    BOARDS CONFIG [FOLDER]  # each board its shard of the config's data, in FOLDER
 #
+# `data` makes each device rank's shard of the run's data on the head (edgefed data shard: the rows of the
+# devices that rank hosts) and copies it over SSH into FOLDER on its board (the same path on every board;
+# default: shards/CONFIG-NAME beside the venv); then `run BOARDS CONFIG --set data.shards=FOLDER` reads them.
 # BOARDS is a board list like launch/hostfile.example (host, profile, contention per line). `run` passes each
 # board's profile as [device] boards and its load as [device] contention (a competitor beside every device
 # the board hosts), so a config with `deadline_s = "auto"` gets per-board deadlines.
@@ -22,7 +26,7 @@
 # machine would otherwise talk through its shared memory and no link between them would matter.
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
-usage() { sed -n '2,9p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
+usage() { sed -n '2,10p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
 [ $# -ge 2 ] || usage
 verb=$1 boards=$2
 shift 2
@@ -116,6 +120,20 @@ trace)
     done
     names=$(IFS=,; echo "${names[*]}") contention=$(IFS=,; echo "${loads[*]}")
     run "${launch[@]}" "$python" -m edgefed trace record --out "$out" --names "$names" --contention "$contention" "$@"
+    ;;
+data)
+    [ $# -ge 1 ] || usage
+    config=$1
+    dest=${2:-$(dirname "$venv")/shards/$(basename "$config" .toml)}
+    case "$dest" in /*) ;; *) echo "pi-cluster.sh: FOLDER $dest must be an absolute path (the same on every board)" >&2; exit 2 ;; esac
+    made=$(mktemp -d)
+    trap 'rm -rf "$mpi_hosts" "$made"' EXIT
+    run "$python" -m edgefed data shard "$config" --boards "$boards" --out "$made" --force
+    for r in $(seq 1 "$n_boards"); do  # rank r runs on line r + 1: hosts[r]
+        run ssh -o BatchMode=yes "${hosts[$r]}" "mkdir -p '$dest' && cat > '$dest/rank-$r.h5.tmp' && mv '$dest/rank-$r.h5.tmp' '$dest/rank-$r.h5'" \
+            < "$made/rank-$r.h5" || { echo "pi-cluster.sh: could not copy rank $r's shard to ${hosts[$r]}" >&2; exit 2; }
+    done
+    echo "each board holds its shard in $dest; run it with: launch/pi-cluster.sh run $boards $config --set data.shards=$dest"
     ;;
 *)
     usage

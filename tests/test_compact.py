@@ -11,6 +11,7 @@ import pytest
 
 from conftest import config_with
 from edgefed.cli import main
+from edgefed.config import to_toml
 from edgefed.errors import EdgefedError
 from edgefed.orchestration import run as runs
 from edgefed.problems.compact import CHUNK_BYTES
@@ -175,3 +176,52 @@ def test_bad_sources_are_one_line_and_write_nothing(tmp_path, capsys, case, mess
     err = capsys.readouterr().err
     assert code == 2 and err.count("\n") == 1 and message in err, err
     assert {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == before
+
+
+def test_device_ranks_read_their_shards_to_the_simulators_bytes_and_refuse_stale_ones(tmp_path):
+    """Three ranks over the loopback world (tests/loopback_mpi.py), each device rank reading its shard of a
+    LEAF folder's converted copy (a shard holds only its devices' rows: four ranks find them missing); a shard
+    of another placement is one line naming the fix."""
+    from loopback_mpi import World
+    from edgefed.orchestration import ranks
+    from edgefed.orchestration.datasets import make_shards
+
+    folder = tmp_path / "plays"
+    write_shakespeare(folder, users=5, samples=4)
+    config = {**SMALL, "data.kind": "leaf", "data.path": str(folder), **CHAR, "data.shards": str(tmp_path / "s")}
+    cfg = config_with(config)
+    runs.run(cfg, tmp_path / "sim.h5")
+    (tmp_path / "c.toml").write_text(to_toml(cfg))
+    made = make_shards(str(tmp_path / "c.toml"), [], 3, str(tmp_path / "s"), False)
+    assert [(rank, path.name) for rank, path, _ in made] == [(1, "rank-1.h5"), (2, "rank-2.h5")]
+    with h5py.File(tmp_path / "s" / "rank-2.h5") as f:  # devices 1 and 3: their rows only, every label
+        assert f["rows_train"][()].tolist() == [4, 5, 6, 7, 12, 13, 14, 15] and f["y_train"].shape == (20,)
+
+    def world(size, path):
+        errors = []
+        mains = {0: lambda comm: ranks.run_coordinator(comm, lambda: (cfg, None, path), False, None,
+                                                       lambda line: None, errors.append)}
+        mains.update({r: ranks.run_device_rank for r in range(1, size)})
+        World(size).run(mains)
+        return errors
+
+    assert world(3, tmp_path / "mpi.h5") == []
+    assert_same_logs(read_run(tmp_path / "sim.h5"), read_run(tmp_path / "mpi.h5"))
+    assert world(4, tmp_path / "four.h5") == ["rank 1: the shard " + str(tmp_path / "s" / "rank-1.h5") + " lacks "
+                                              "device 3's rows, which this world places on its rank (the boards' "
+                                              "placement changed: a board left out?); make the boards' shards "
+                                              "again: launch/pi-cluster.sh data BOARDS CONFIG; rank 2: the shard "
+                                              + str(tmp_path / "s" / "rank-2.h5") + " lacks device 4's rows, which "
+                                              "this world places on its rank (the boards' placement changed: a board "
+                                              "left out?); make the boards' shards again: launch/pi-cluster.sh data "
+                                              "BOARDS CONFIG; rank 3: config: data.shards: this board has no shard "
+                                              + str(tmp_path / "s" / "rank-3.h5") + " of " + str(folder)
+                                              + "; make and copy the boards' shards with launch/pi-cluster.sh data "
+                                              "BOARDS CONFIG"]
+    assert not (tmp_path / "four.h5").exists()
+    other = tmp_path / "other"  # shards of other data at the config's shards path
+    write_shakespeare(other, users=5, samples=5)
+    (tmp_path / "o.toml").write_text(to_toml(config_with({**config, "data.path": str(other)})))
+    make_shards(str(tmp_path / "o.toml"), [], 3, str(tmp_path / "s"), True)
+    errors = world(3, tmp_path / "stale.h5")
+    assert len(errors) == 1 and errors[0].count("was made from other data than the coordinator's data.path") == 2

@@ -30,8 +30,8 @@ def load_config(path: str | Path | None = None, overrides: typing.Sequence[str] 
 
 # every key whose value names a file or folder (some of their values are names instead: a shipped board
 # profile, the built-in traces); one rule for all: relative to the file that names it (docs/config.md)
-PATH_KEYS = ("data.path", "data.vocab", "model.module", "model.weights", "device.profile", "device.boards",
-             "participation.trace", "log.path")
+PATH_KEYS = ("data.path", "data.vocab", "data.shards", "model.module", "model.weights", "device.profile",
+             "device.boards", "participation.trace", "log.path")
 
 
 def files_read(cfg) -> list[tuple[str, str]]:

@@ -39,6 +39,8 @@ class DataConfig:
     cache_mb: float = 1024.0  # the built devices' data a process keeps (least recently used goes first)
     vocab_size: int = 10_000  # LEAF Sent140: the training set's most frequent words given ids
     vocab: str | None = None  # LEAF Sent140: a text file of the vocabulary's words, one a line (instead)
+    shards: str | None = None  # under MPI: a folder (the same path on every board) of rank-R.h5, each device
+    # rank's shard of data.path (launch/pi-cluster.sh data makes them): a device rank reads its own
 
 
 @dataclass(frozen=True)

@@ -416,6 +416,10 @@ def _validate_data(d: DataConfig) -> DataConfig:
         _positive(d.clients, "data.clients", "clients = 30")
     _positive(d.min_partition_size, "data.min_partition_size", "min_partition_size = 10")
     _positive(d.vocab_size, "data.vocab_size", "vocab_size = 10000")
+    if d.shards is not None and d.kind not in ("arrays", "leaf"):
+        convert = f"convert it (edgefed data convert {d.path} DATA.h5) and give " if d.path else "give "
+        raise ConfigError(f"config: data.shards are a compact arrays file's, not kind = {d.kind!r}'s; {convert}"
+                          'kind = "arrays", path = DATA.h5')
     if d.kind != "leaf" and (d.vocab is not None or d.vocab_size != DataConfig.vocab_size):
         raise ConfigError(f"config: data.vocab{'' if d.vocab is not None else '_size'} applies to LEAF Sent140 "
                           f"(kind = \"leaf\"), not {d.kind!r}; remove it")

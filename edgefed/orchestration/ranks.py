@@ -23,6 +23,7 @@ from edgefed.algorithms import Algorithm, build_algorithm
 from edgefed.errors import (EXIT_BAD_INPUT, EXIT_INTERNAL, EXIT_INTERRUPTED, EXIT_RANK_LOST, ConfigError, EdgefedError,
                             Interrupted, RankLost, internal_error)
 from edgefed.orchestration import run as run_mod
+from edgefed.problems.shard import check_shard, identity, shard_name
 from edgefed.orchestration.timing import timing_for
 from edgefed.runlog import discard_stub, let_go
 from edgefed.runtime.mpi import protocol
@@ -117,7 +118,11 @@ def _coordinate(comm, resolve, force: bool, on_round, on_info, on_error, launch,
         _complete(send_setup(comm, {"error": f"{type(exc).__name__}: {exc}"}))
         raise
     # the weights the run starts from, so that model.weights is read on this board alone
-    sent = send_setup(comm, {"config": config_mod.to_toml(setup.cfg), "owners": owners, "weights": setup.weights})
+    # and what the data is (the shards the device ranks may read must be of the same)
+    source = getattr(setup.problem, "source", None)  # (a dataset file's)
+    data = identity(source) if hasattr(source, "x_dtype") else None
+    sent = send_setup(comm, {"config": config_mod.to_toml(setup.cfg), "owners": owners, "weights": setup.weights,
+                             "data": data})
     setup = dataclasses.replace(setup, weights=None)
     try:
         reports = gather_setup(comm, config_mod.rank_timeout(setup.cfg),
@@ -211,8 +216,11 @@ def _build_devices(cfg, info, rank: int, machines):
     failure is (its line, whether it is an internal error)."""
     failure, transport, problem, model, warm = None, None, None, None, (0, 0.0)
     try:
-        problem, model = run_mod.problem_and_model(cfg, start=info["weights"], convert=False)
+        shard = Path(cfg.data.shards) / shard_name(rank) if cfg.data.shards else None
+        problem, model = run_mod.problem_and_model(cfg, start=info["weights"], convert=False, shard=shard)
         own = np.flatnonzero(info["owners"] == rank)
+        if shard is not None:
+            check_shard(problem, own, info["data"])
         algorithm = build_algorithm(cfg)
         cores, loads = rank_lanes(cfg, rank, machines)
         run_mod.check_rank_memory(cfg, algorithm, problem, model, own, len(cores or (None,)))

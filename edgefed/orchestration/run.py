@@ -137,15 +137,17 @@ def problem_key(cfg: Config) -> tuple:
     return cfg.data, cfg.seed, cfg.model.dtype, cfg.model.loss, first_spatial(cfg.model), tokens, builtin
 
 
-def problem_and_model(cfg: Config, problems: dict | None = None, start: dict | None = None, convert: bool = True):
+def problem_and_model(cfg: Config, problems: dict | None = None, start: dict | None = None, convert: bool = True,
+                      shard=None):
     """The problem a config describes and the model that trains on it (every process builds them alike);
     problems: built problems by problem_key, taken from and added to (a sweep's plan); start: the state_dict
     the run starts from when model.weights is set (start_weights), read from the file when not given;
-    convert: whether this process may convert a LEAF folder (a device rank reads its coordinator's copy)."""
+    convert: whether this process may convert a LEAF folder (a device rank reads its coordinator's copy);
+    shard: a device rank's shard of the data, read instead of data.path."""
     key = problem_key(cfg)
     problem = None if problems is None else problems.get(key)
     if problem is None:
-        problem = build_problem(*key, convert=convert)
+        problem = build_problem(*key, convert=convert, shard=shard)
     if problems is not None:
         problems[key] = problem
     model = build_model(cfg.model, problem, cfg.seed, memory_limit(), minibatch_rows(cfg, problem))

@@ -37,10 +37,16 @@ class ArraysSource(Source):
         self.x_scale = None
         self.note, self.title = "", None
         self.ranges = {}
+        self.shard_of, self.shard_rows = None, {}  # a shard (shard.py): the whole's identity, the rows it holds
         if path.suffix in (".h5", ".hdf5"):
             arrays = self._open_h5(path)
         else:
             arrays = self._open_npz(path)
+        self.format = self._h5.attrs.get("format") if self._h5 is not None else None
+        if self.format == FORMAT and "rows_train" in self._h5:
+            self.shard_of = str(self._h5.attrs.get("shard_of", ""))
+            self.shard_rows = {part: self._h5[f"rows_{part}"][()] for part in ("train", "test")
+                               if f"rows_{part}" in self._h5}
         self._x = {"train": arrays["x_train"], "test": arrays.get("x_test")}
         missing = [k for k in ("x_train", "y_train") if arrays.get(k) is None]
         if missing:
@@ -65,7 +71,7 @@ class ArraysSource(Source):
                        and f"device_rows_{part}" in self._h5}
         device = None if arrays.get("device_train") is None or "train" in self.ranges else np.asarray(
             arrays["device_train"][()])
-        n = x_train.shape[0]
+        n = x_train.shape[0] if self.shard_of is None else y_train.shape[0]  # (a shard: some rows' samples)
         for key, value in (("y_train", y_train), ("device_train", device)):
             if value is not None and value.shape[:1] != (n,):
                 raise ConfigError(f"{path}: {key} has {value.shape[0] if value.ndim else 0} entries but x_train has "
@@ -74,7 +80,7 @@ class ArraysSource(Source):
             if tuple(x_test.shape[1:]) != tuple(x_train.shape[1:]):
                 raise ConfigError(f"{path}: x_test samples are {tuple(x_test.shape[1:])} but x_train's are "
                                   f"{tuple(x_train.shape[1:])}; give both the same shape")
-            if y_test.shape[:1] != (x_test.shape[0],):
+            if self.shard_of is None and y_test.shape[:1] != (x_test.shape[0],):
                 raise ConfigError(f"{path}: y_test has {y_test.shape[0] if y_test.ndim else 0} entries but x_test has "
                                   f"{x_test.shape[0]} samples; give one per sample")
         if device is not None:
@@ -87,6 +93,7 @@ class ArraysSource(Source):
                                                              for u in arrays["users"][()])
         super().__init__(name or str(path), tuple(int(s) for s in x_train.shape[1:]), y_train, y_test, device,
                          device_test, names)
+        self.x_dtype = x_train.dtype
         self.finite_checked = all(x is None or x.dtype.kind in "iub" for x in (x_train, x_test))  # no NaN in ints
         self.integer = all(x is None or x.dtype.kind in "iu" for x in (x_train, x_test))
         self.random_access = self._h5 is not None or isinstance(x_train, np.memmap)
@@ -105,8 +112,10 @@ class ArraysSource(Source):
         if "classes" in attrs:
             self.n_classes = int(attrs["classes"])
         task = attrs.get("text_task")
-        if task is not None and "token_ids" in attrs:  # ids the conversion made: in [0, token_ids)
-            self.text = (f"LEAF {str(task).capitalize()}", int(attrs["token_ids"]))
+        if "token_ids" in attrs:  # ids the conversion (or the shard's maker) found: in [0, token_ids)
+            self.text = (f"LEAF {str(task).capitalize()}" if task is not None else "x_train", int(attrs["token_ids"]))
+        if "standard_shift" in attrs:  # a shard: the whole training set's statistics, which it cannot scan
+            self.stats = (np.asarray(attrs["standard_shift"], np.float64), np.asarray(attrs["standard_scale"], np.float64))
 
     def _open_h5(self, path: Path) -> dict:
         import h5py
@@ -160,6 +169,14 @@ class ArraysSource(Source):
         x = self._x[part]
         if self._h5 is None:
             return np.asarray(x[rows])
+        if self.shard_of is not None:  # the shard's own rows of these rows of the whole
+            held = self.shard_rows[part]  # (searched in its own type: no copy of it the size of the shard)
+            beyond = rows.size and (not held.size or rows[-1] > held[-1])  # (before the cast could wrap it)
+            at = np.minimum(np.searchsorted(held, rows.astype(held.dtype)), max(held.size - 1, 0))
+            if rows.size and (beyond or not np.array_equal(held[at], rows)):
+                raise ProblemFileError(f"{self.path} holds no x_{part} row {int(rows[~np.isin(rows, held)][0])}: a "
+                                       "device this shard was not made for; make the boards' shards again")
+            rows = at
         out = np.empty((rows.size, *x.shape[1:]), x.dtype)
         if self.x_scale is not None:  # numbers stored as k / x_scale: their float64 values, to the bit
             return self._read_into(x, rows, out).astype(np.float64) / self.x_scale
@@ -205,7 +222,11 @@ def _map_member(path: Path, member: str):
 
 
 def arrays_problem(cfg, seed: int, dtype, loss: str, spatial: int = 0, tokens: int | None = None,
-                   builtin: str | None = None) -> PoolProblem:
+                   builtin: str | None = None, shard=None) -> PoolProblem:
+    if shard is not None:  # a device rank's shard of data.path (shard.py)
+        source = ArraysSource(_shard_file(shard, cfg.path), name=str(cfg.path))
+        return PoolProblem(cfg, seed, dtype, source, loss, source.title or Path(cfg.path).name, spatial, tokens,
+                           builtin)
     path = Path(cfg.path)
     if not path.is_file():
         raise ConfigError(f"config: data.path = {cfg.path!r} is not a file; give the .npz or .h5 file of your "
@@ -214,3 +235,11 @@ def arrays_problem(cfg, seed: int, dtype, loss: str, spatial: int = 0, tokens: i
         raise ConfigError(f"config: data.path = {cfg.path!r}: an arrays file ends in .npz or .h5")
     source = ArraysSource(path)
     return PoolProblem(cfg, seed, dtype, source, loss, source.title or path.name, spatial, tokens, builtin)
+
+
+def _shard_file(shard, path) -> Path:
+    shard = Path(shard)
+    if not shard.is_file():
+        raise ConfigError(f"config: data.shards: this board has no shard {shard} of {path}; make and copy the boards' "
+                          "shards with launch/pi-cluster.sh data BOARDS CONFIG")
+    return shard

@@ -425,8 +425,14 @@ def cached(folder: Path, vocab_size: int, vocab: str | None, convert: bool = Tru
 
 
 def leaf_problem(cfg, seed: int, dtype, loss: str, spatial: int = 0, tokens: int | None = None,
-                 builtin: str | None = None, convert: bool = True) -> PoolProblem:
+                 builtin: str | None = None, convert: bool = True, shard=None) -> PoolProblem:
     folder = Path(cfg.path)
+    if shard is not None:  # a device rank's shard of the folder's converted copy (shard.py)
+        from edgefed.problems.arrays import _shard_file
+
+        source = ArraysSource(_shard_file(shard, folder), name=str(folder))
+        return PoolProblem(cfg, seed, dtype, source, loss, f"LEAF {folder.name}, {source.note}", spatial, tokens,
+                           builtin)
     if not folder.is_dir():
         raise ConfigError(f"config: data.path = {cfg.path!r} is not a folder; give a LEAF data folder (with train/ "
                           "and test/ of *.json files)")

@@ -46,6 +46,7 @@ class Source:
     n_classes = None  # fixed by the dataset (CIFAR); None: data.classes, else the largest label + 1
     ranges = {}  # part -> (N, 2) each device's rows [start, stop) (a compact file's natural partition)
     random_access = False  # a device's rows are read alone at little cost (else every hosted device at once)
+    stats = None  # (shift, scale) per channel of normalize = "standard", when the source holds them (a shard)
 
     def __post_init__(self):
         if not all(self.sample_shape):  # (a shape with a 0 in it: nothing for a model to read)
@@ -284,6 +285,8 @@ class PoolProblem:
         scan = not self.source.finite_checked
         if how != "standard" and not scan:
             return (None, 255.0) if how == "unit" else (None, None)
+        if how == "standard" and self.source.stats is not None and self.source.stats[0].size == self.channels:
+            return tuple(v.reshape(self.channels, 1) for v in self.source.stats)
         channels, per = self.channels, self.n_features // self.channels
         count, mean, m2 = 0, np.zeros(channels), np.zeros(channels)
         for part in ("train", "test") if scan else ("train",):
