@@ -325,8 +325,8 @@ MPI_COPIES = 3  # a round's report vectors under mpiexec, in the process that ho
 
 def model_bytes(cfg: Config, algorithm: Algorithm, problem, model, lanes: int, hosted: int | None = None,
                 distributed: bool = False) -> int:
-    """What a run's model costs beyond the one built (which the process holds already): a model for each further
-    lane and one for evaluation, a round's report vectors (a row per selected device this process holds, and
+    """What a run's model costs beyond the one built (its parameters, which the process holds already): the
+    workspaces of a model for each lane and of one for evaluation where it runs apart, a round's report vectors (a row per selected device this process holds, and
     its residual with error feedback; MPI_COPIES under mpiexec) and the server's vectors (x, its update and sum,
     the algorithm's). hosted: the devices of a device rank (None: every device, the coordinator's view)."""
     n = problem.n_devices
@@ -336,7 +336,8 @@ def model_bytes(cfg: Config, algorithm: Algorithm, problem, model, lanes: int, h
     rows *= (2 if cfg.compress.error_feedback else 1) * (MPI_COPIES if distributed else 1)
     server = (4 if hosted is None else 1) + 2 * len(algorithm.server_vectors)  # a device rank: the broadcast
     vectors = (rows + server) * model.dim * np.dtype(model.dtype).itemsize
-    return lanes * model.memory_bytes(minibatch_rows(cfg, problem)) + vectors
+    models = lanes + (1 if lanes and evaluates_apart(cfg) else 0)  # (workspaces are made when first used)
+    return models * model.memory_bytes(minibatch_rows(cfg, problem)) + vectors
 
 
 def touched_rows(cfg: Config, n: int) -> int:
@@ -688,7 +689,12 @@ def local_transport(cfg: Config, algorithm: Algorithm, problem, model, device_id
                           report_losses=POLICY_CLASSES[cfg.selection.policy].reads_losses,
                           privacy=cfg.privacy if cfg.privacy.mechanism == "distributed" else None,
                           evaluated=evaluation_sample(cfg.seed, problem.n_devices, cfg.log.eval_devices),
-                          cache_mb=cfg.data.cache_mb)
+                          cache_mb=cfg.data.cache_mb, eval_apart=evaluates_apart(cfg))
+
+
+def evaluates_apart(cfg: Config) -> bool:
+    """Whether evaluation may overlap a worker still computing (so it needs a model of its own)."""
+    return cfg.participation.mode in ("deadline", "async") or cfg.participation.overselect > 0
 
 
 def usable_cores() -> list[int]:

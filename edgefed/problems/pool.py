@@ -343,8 +343,9 @@ class PoolProblem:
         for k in device_ids:
             arrays = []
             for part, rows_k in (("train", self.train_rows[k]), ("test", self.test_rows[k])):
-                rows, values = read[part]
-                arrays.append(np.ascontiguousarray(values[np.searchsorted(rows, rows_k)]))
+                rows, values = read[part]  # (one device read alone: its rows are all that was read, as they are)
+                arrays.append(values if rows.size == rows_k.size else
+                              np.ascontiguousarray(values[np.searchsorted(rows, rows_k)]))
             self._cache[int(k)] = ClassificationData(arrays[0], self._labels(self.y_train, self.train_rows[k]),
                                                      arrays[1], self._labels(self.y_test, self.test_rows[k]))
 

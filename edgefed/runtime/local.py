@@ -217,7 +217,8 @@ class LocalTransport:
     def __init__(self, problem, model, algorithm, seed: int, batch_size: int | None, device_ids=None,
                  faults=(), contention=(), cores=None, uplink: compression.Codec = compression.Codec(),
                  links: np.ndarray | None = None, secagg=None, scheme: str = "B", report_losses: bool = False,
-                 privacy=None, evaluated: np.ndarray | None = None, cache_mb: float = 1024.0):
+                 privacy=None, evaluated: np.ndarray | None = None, cache_mb: float = 1024.0,
+                 eval_apart: bool = True):
         """cores: the cores this process's lanes are pinned to, one lane each (None: one unpinned lane;
         with contention, a lane on core 0); uplink: how reports are compressed; links: each device's
         shaped link in megabits per second (index: device id; None: not shaped); secagg: the [secagg] table
@@ -225,9 +226,11 @@ class LocalTransport:
         a selection policy reads what the steps say of their losses (a model that pays for them, torch, then
         computes them); privacy: the [privacy] table when the devices add the noise (mechanism "distributed");
         evaluated: the devices the metrics are taken on ([log] eval_devices; None: every device); cache_mb: the
-        built devices' data this process keeps ([data] cache_mb)."""
+        built devices' data this process keeps ([data] cache_mb); eval_apart: evaluation may run while a late
+        worker still computes (deadlines, asynchrony, over-selection), so it gets a model of its own (else it
+        shares the first lane's: the memory of a model's workspaces, tens of MB on a board)."""
         self.problem, self.model, self.algorithm = problem, model, algorithm
-        self.eval_model = model.clone()  # evaluation may run while a late worker still computes
+        self.eval_model = model.clone() if eval_apart else model
         self.seed, self.batch_size = seed, batch_size
         n = problem.n_devices
         self.device_ids = np.arange(n) if device_ids is None else np.asarray(device_ids, dtype=np.int64)
