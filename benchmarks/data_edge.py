@@ -1,7 +1,7 @@
 """Data at the edge: the memory of every rank and the start-up of McMahan's Shakespeare on the 38 plays, two
 checkouts side by side in one run, then the conversions.
 
-    python tools/leaf_shakespeare.py ../shared/data/shakespeare /tmp/plays
+    python tools/leaf_shakespeare.py PLAYS/ /tmp/plays
     git worktree add /tmp/before <commit>
     python benchmarks/data_edge.py /tmp/plays --before /tmp/before [--femnist /tmp/femnist]
 

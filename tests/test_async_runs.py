@@ -22,7 +22,7 @@ measured = true
 [machine]
 arch = "any"
 cores = 1
-memory_mb = 512
+memory_mb = 8192  # (the plan holds each rank to it: this process stands in for a rank)
 [recommend]
 [[speed]]
 model = "quadratic"
