@@ -81,3 +81,17 @@ def check_folder(folder, names, *, force: bool, inputs=(), flag: str) -> Path:
     for name in names:
         check_output(folder / name, force=force, inputs=inputs, flag=flag, example=name)
     return writable(folder / "x", flag).parent
+
+
+def remove_stale_copies(path: Path) -> None:
+    """Half-written copies of path that a killed process left beside it (".NAME.PID.tmp", PID gone): every
+    file edgefed writes whole is written so, then swapped in."""
+    for tmp in path.parent.glob(f".{path.name}.*.tmp"):
+        pid = tmp.name[len(path.name) + 2:-4]
+        if pid.isdigit() and int(pid) != os.getpid():
+            try:
+                os.kill(int(pid), 0)
+            except ProcessLookupError:
+                tmp.unlink(missing_ok=True)
+            except PermissionError:
+                pass

@@ -42,6 +42,7 @@ except ImportError:  # pragma: no cover - Windows
 from edgefed import __version__, holds
 from edgefed.algorithms.base import DeviceRows, nonzero_rows
 from edgefed.errors import ResourceError, RunLogError
+from edgefed.outputs import remove_stale_copies
 from edgefed.errors import reading as errors_reading
 from edgefed.memory import size_text  # noqa: F401 - re-exported for readers of logs
 
@@ -143,19 +144,6 @@ def _read_restarts(f: h5py.File) -> tuple:
     return restart_records(f["launch/restarts"][()]) if "launch/restarts" in f else ()
 
 
-def _remove_stale_copies(path: Path) -> None:
-    """Half-written copies of the log that a killed process left beside it (".NAME.PID.tmp", PID gone)."""
-    for tmp in path.parent.glob(f".{path.name}.*.tmp"):
-        pid = tmp.name[len(path.name) + 2:-4]
-        if pid.isdigit() and int(pid) != os.getpid():
-            try:
-                os.kill(int(pid), 0)
-            except ProcessLookupError:
-                tmp.unlink(missing_ok=True)
-            except PermissionError:
-                pass
-
-
 def exists_error(path: Path) -> RunLogError:
     return RunLogError(f"run log {path} already exists; use --resume {path} to continue it, --force to replace it, "
                        "or another --out")
@@ -174,7 +162,8 @@ def hold(path: Path, resume_point: "ResumePoint | None" = None) -> None:
         again = f"edgefed run --resume {path}" if resume_point is not None else "run it again"
         raise RunLogError(f"run log {path} is being written by {holder}, which is still running; let it finish (or "
                           f"stop it), then {again}")
-    if resume_point is not None and max(completed_rounds(path), 0) != resume_point.rounds_done:
+    done = completed_rounds(path)  # (-1: none, or the log unreadable this moment: its reading will say)
+    if resume_point is not None and done >= 0 and done != resume_point.rounds_done:
         holds.let_go(path)
         raise RunLogError(f"run log {path} gained rounds while --resume read it (its run ended just now); "
                           f"edgefed run --resume {path} again")
@@ -207,7 +196,7 @@ def _swap_in(path: Path, fill, claim: bool = False) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise RunLogError(f"cannot create the folder of run log {path} ({exc}); choose another --out") from None
-    _remove_stale_copies(path)
+    remove_stale_copies(path)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
         with h5py.File(tmp, "w", libver=LIBVER) as f:

@@ -130,6 +130,9 @@ data)
     trap 'rm -rf "$mpi_hosts" "$made"' EXIT
     run "$python" -m edgefed data shard "$config" --boards "$boards" --out "$made" --force
     for r in $(seq 1 "$n_boards"); do  # rank r runs on line r + 1: hosts[r]
+        if [ "${DRY_RUN:-0}" = 1 ]; then
+            printf '%q ' ssh -o BatchMode=yes "${hosts[$r]}" "cat > '$dest/rank-$r.h5'"; echo "< $made/rank-$r.h5"; continue
+        fi
         run ssh -o BatchMode=yes "${hosts[$r]}" "mkdir -p '$dest' && cat > '$dest/rank-$r.h5.tmp' && mv '$dest/rank-$r.h5.tmp' '$dest/rank-$r.h5'" \
             < "$made/rank-$r.h5" || { echo "pi-cluster.sh: could not copy rank $r's shard to ${hosts[$r]}" >&2; exit 2; }
     done

@@ -19,8 +19,9 @@
 # once (`edgefed profile`, cached in ~/.cache/edgefed/this-machine.toml, or EDGEFED_MACHINE_PROFILE). Where
 # the board's profile names a link speed ([machine] link_mbps) its link is shaped to it (tc tbf, both ways).
 # Its memory: the same processes run in a memory cgroup limited to what the real board leaves edgefed (the
-# profile's memory_mb less its system_mb, swap included), so a rank that would not fit the board is killed
-# here by the kernel's OOM killer as it would be there (the launcher then names the board and its memory).
+# profile's memory_mb less its system_mb, and swap within it where the kernel counts swap), so a rank that
+# would not fit the board is killed here by the kernel's OOM killer as it would be there (the launcher then
+# names the board and its memory).
 # VIRTUAL is then the same board list with the boards' addresses, for launch/pi-cluster.sh and edgefed
 # launch --boards, and VIRTUAL.env the launcher's settings pi-cluster.sh reads beside it (MPI over TCP).
 # Run as root. STATE: /run/edgefed-virtual.

@@ -94,6 +94,26 @@ def test_sent140_keeps_its_vocabulary_and_femnist_numbers_are_stored_exactly(tmp
              **{"model.kind": "logreg", "train.clients_per_round": 1})
 
 
+def test_numbers_are_stored_in_the_narrowest_kind_that_holds_every_block(tmp_path):
+    """uint8, k/255 as uint8, float32 and float64 do not hold one another: a block that the kind stored so far
+    cannot take moves every row to one that holds both (to the bit)."""
+    from edgefed.problems.compact import CompactWriter
+
+    for blocks, kind, scale in (([[0, 1, 1]], [[7 / 255, 0, 1]]), "uint8", 255.0), \
+                               (([[2, 3, 4]], [[0.5, 0.25, 1]]), "float32", None), \
+                               (([[2, 3, 4]], [[7 / 255, 0, 1]]), "float64", None), \
+                               (([[0.5, 0.25, 1]], [[7 / 255, 1, 0]]), "float64", None):
+        writer = CompactWriter(tmp_path / f"{kind}.h5", (3,))
+        for block in blocks:
+            writer.add("train", np.array(block, np.float64), np.zeros(1, np.int64))
+        writer.finish({})
+        with h5py.File(writer.path) as f:
+            x, got = f["x_train"][()], f.attrs.get("x_scale")
+        assert (x.dtype.name, got) == (kind, scale)
+        values = x.astype(np.float64) / (scale or 1)
+        assert values.tobytes() == np.array(blocks, np.float64).reshape(-1, 3).tobytes()
+
+
 @pytest.mark.parametrize("kind", ["npz", "cifar10", "cifar100", "mnist"])
 def test_arrays_cifar_and_idx_files_convert_to_the_same_bits(tmp_path, kind):
     g = np.random.default_rng(3)
@@ -127,7 +147,7 @@ def test_a_leaf_folder_is_converted_once_and_again_when_it_changes(tmp_path, cap
     folder = tmp_path / "plays"
     write_shakespeare(folder, users=3, samples=4)
     path, said = cached(folder, 10_000, None)
-    assert path == cache_places(folder, path.stem.split("-")[-1])[0] and path.parent == folder / ".edgefed"
+    assert path == cache_places(folder, path.stem[len("leaf-"):])[0] and path.parent == folder / ".edgefed"
     assert said.startswith(f"LEAF folder {folder}: converted once (")
     assert cached(folder, 10_000, None) == (path, None)  # read, not converted again
     other = tmp_path / "other"
@@ -209,11 +229,13 @@ def test_device_ranks_read_their_shards_to_the_simulators_bytes_and_refuse_stale
     assert_same_logs(read_run(tmp_path / "sim.h5"), read_run(tmp_path / "mpi.h5"))
     assert world(4, tmp_path / "four.h5") == ["rank 1: the shard " + str(tmp_path / "s" / "rank-1.h5") + " lacks "
                                               "device 3's rows, which this world places on its rank (the boards' "
-                                              "placement changed: a board left out?); make the boards' shards "
+                                              "placement or the partition changed since: a board left out?); make "
+                                              "the boards' shards "
                                               "again: launch/pi-cluster.sh data BOARDS CONFIG; rank 2: the shard "
                                               + str(tmp_path / "s" / "rank-2.h5") + " lacks device 4's rows, which "
-                                              "this world places on its rank (the boards' placement changed: a board "
-                                              "left out?); make the boards' shards again: launch/pi-cluster.sh data "
+                                              "this world places on its rank (the boards' placement or the partition "
+                                              "changed since: a board left out?); make the boards' shards again: "
+                                              "launch/pi-cluster.sh data "
                                               "BOARDS CONFIG; rank 3: config: data.shards: this board has no shard "
                                               + str(tmp_path / "s" / "rank-3.h5") + " of " + str(folder)
                                               + "; make and copy the boards' shards with launch/pi-cluster.sh data "

@@ -102,9 +102,9 @@ def test_every_path_in_a_config_is_relative_to_the_file_that_names_it(tmp_path, 
         raw = {"participation": {"trace": trace}}
         absolute_paths(raw, cfg_file.parent, str(cfg_file))
         assert raw["participation"]["trace"] == trace
-    raw = {"participation": {"trace": ["t.csv#cpu0", "cpu90"]}}
+    raw = {"participation": {"trace": ["t.csv#cpu0", "cpu90", "builtin#cpu30"]}}
     absolute_paths(raw, cfg_file.parent, str(cfg_file))
-    assert raw["participation"]["trace"] == [f"{exp}/t.csv#cpu0", "cpu90"]
+    assert raw["participation"]["trace"] == [f"{exp}/t.csv#cpu0", "cpu90", "builtin#cpu30"]
     cfg = load_config(None, ['data.kind="leaf"', 'data.path="exp"', 'data.vocab="exp/data/words.txt"',
                              'model.kind="sequential"', 'model.layers=[{type = "embedding", num = 9, dim = 2}, '
                              '{type = "flatten"}, {type = "dense", out = 2}]'])  # --set: the working folder

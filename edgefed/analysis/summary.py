@@ -86,8 +86,8 @@ def _memory_lines(attrs) -> list[str]:
     board = np.asarray(attrs.get("rank_board_memory_mb", np.full(estimate.size, np.nan)), np.float64)
     cells = []
     for r in range(estimate.size):
-        got = "not measured (the run did not finish)" if r >= peak.size or math.isnan(peak[r]) else \
-            f"peak {peak[r]:.0f} MB"
+        got = "peak not known (the run did not complete, or the rank never reported)" if r >= peak.size or \
+            math.isnan(peak[r]) else f"peak {peak[r]:.0f} MB"
         fits = "" if r >= board.size or math.isnan(board[r]) else f", its board leaves {board[r]:.0f} MB"
         cells.append(f"rank {r} {got} (estimated {estimate[r]:.0f} MB{fits})")
     return [f"memory: {'; '.join(cells)}"]

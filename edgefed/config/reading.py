@@ -60,9 +60,9 @@ def absolute_value(key: str, value, base: Path, source: str | None = None):
             return [absolute_value(key, v, base, source) for v in value]
         return value if not isinstance(value, str) or not names_a_file(value) else _absolute(key, value, base, source)
     if key == "participation.trace":
-        if isinstance(value, list):  # trace names, a file's as FILE#name
+        if isinstance(value, list):  # trace names, a file's as FILE#name (builtin#name: the built-in file's)
             return [f"{_absolute(key, v.rpartition('#')[0], base, source)}#{v.rpartition('#')[2]}"
-                    if isinstance(v, str) and "#" in v else v for v in value]
+                    if isinstance(v, str) and "#" in v and v.rpartition("#")[0] != "builtin" else v for v in value]
         if not isinstance(value, str) or value == "builtin" or value.startswith("builtin:"):
             return value
         file, colon, first = value.rpartition(":")  # FILE:k, the first k of its traces
@@ -76,7 +76,8 @@ def _absolute(key: str, value, base: Path, source: str | None):
         return value
     path = absolute_path(value, base)
     here = Path.cwd() / value
-    if source is not None and not Path(path).exists() and here.exists() and base.resolve() != Path.cwd().resolve():
+    if (source is not None and key != "log.path" and not Path(path).exists() and here.exists()  # (an output may
+            and base.resolve() != Path.cwd().resolve()):  # exist anywhere: only inputs are looked for)
         fix = os.path.relpath(here.resolve(), base.resolve())
         raise ConfigError(f"config: {key} = {value!r} is not at {path}: a path in a config file is relative to that "
                           f"file ({source}); write {fix!r} for the working folder's {value}, or an absolute path")

@@ -221,6 +221,7 @@ class Launcher:
         self.child = subprocess.Popen(command, start_new_session=True, preexec_fn=_die_with_parent)
         code = self._wait_world()
         self._kill_group(signal.SIGKILL)  # a stopped or orphaned rank must not outlive its world
+        self._reaped()
         lost = None
         if status.exists():
             try:
@@ -246,6 +247,17 @@ class Launcher:
                 self._kill_group(signal.SIGKILL)
                 self.child.wait()
                 return 0
+
+    def _reaped(self, timeout_s: float = 10.0) -> None:
+        """Until no process of the world is left (its rank 0 lets go of the log only as it ends: the next
+        world's --resume must not find it still held)."""
+        end = time.monotonic() + timeout_s
+        while self.child is not None and time.monotonic() < end:
+            try:
+                os.killpg(self.child.pid, 0)
+            except (ProcessLookupError, PermissionError):
+                return
+            time.sleep(0.05)
 
     def _kill_group(self, sig) -> None:
         if self.child is not None:
@@ -324,7 +336,7 @@ class Launcher:
                        for key, values in self.placement.items()]
 
     def _count_oom(self) -> dict:
-        """Each board's OOM kills so far (the head node's too: a rank runs there as well)."""
+        """Each board's OOM kills so far (the boards after the head node: the head is this machine)."""
         if self.boards is None:
             return {}
         with ThreadPoolExecutor(max_workers=8) as pool:

@@ -23,7 +23,7 @@ from edgefed.algorithms import Algorithm, build_algorithm
 from edgefed.errors import (EXIT_BAD_INPUT, EXIT_INTERNAL, EXIT_INTERRUPTED, EXIT_RANK_LOST, ConfigError, EdgefedError,
                             Interrupted, RankLost, internal_error)
 from edgefed.orchestration import run as run_mod
-from edgefed.problems.shard import check_shard, identity, shard_name
+from edgefed.problems.shard import check_made_from, check_shard, identity, shard_name
 from edgefed.orchestration.timing import timing_for
 from edgefed.runlog import discard_stub, let_go
 from edgefed.runtime.mpi import protocol
@@ -110,6 +110,8 @@ def _coordinate(comm, resolve, force: bool, on_round, on_info, on_error, launch,
             check_device_ranks(setup.cfg, comm.Get_size() - 1)
             setup = timing_for(setup, owners, on_info, point, distributed=True)
             plan_ranks(setup, owners, machines)
+            # what the data is, when device ranks read shards of it (which must be of the same)
+            data = identity(setup.problem.source) if setup.cfg.data.shards else None
     except EdgefedError as exc:
         _complete(send_setup(comm, {"error": str(exc)}))
         on_error(str(exc))
@@ -118,9 +120,6 @@ def _coordinate(comm, resolve, force: bool, on_round, on_info, on_error, launch,
         _complete(send_setup(comm, {"error": f"{type(exc).__name__}: {exc}"}))
         raise
     # the weights the run starts from, so that model.weights is read on this board alone
-    # and what the data is (the shards the device ranks may read must be of the same)
-    source = getattr(setup.problem, "source", None)  # (a dataset file's)
-    data = identity(source) if hasattr(source, "x_dtype") else None
     sent = send_setup(comm, {"config": config_mod.to_toml(setup.cfg), "owners": owners, "weights": setup.weights,
                              "data": data})
     setup = dataclasses.replace(setup, weights=None)
@@ -128,6 +127,7 @@ def _coordinate(comm, resolve, force: bool, on_round, on_info, on_error, launch,
         reports = gather_setup(comm, config_mod.rank_timeout(setup.cfg),
                                {rank: host for rank, (host, _) in enumerate(machines)})
         _complete(sent)  # every rank reported, so every rank took its setup
+        sent = None  # (its buffer: the weights a run starts from, among the rest)
     except RankLost as exc:  # hung while building its devices: the stub is there to resume
         if launch is not None and launch.status is not None:
             _say_lost(launch.status, exc)
@@ -191,23 +191,22 @@ def rank_lanes(cfg, rank: int, machines) -> tuple[list[int] | None, tuple]:
 
 
 def plan_ranks(setup, owners: np.ndarray, machines) -> None:
-    """Each device rank's memory estimate, into the log's header, and held to its board's memory (the
-    [device] boards, or the profile every board has) before the world builds anything."""
+    """Each device rank's memory estimate, into the log's header, and held to its board's memory ([device]
+    boards) before the world builds anything."""
     cfg = setup.cfg
     needs = {}
     for rank in range(1, len(machines)):
         cores, _ = rank_lanes(cfg, rank, machines)
         needs[rank] = run_mod.rank_memory(cfg, setup.algorithm, setup.problem, setup.model,
                                           np.flatnonzero(owners == rank), len(cores or (None,)))
-    boards = ({rank: cfg.device.boards[rank - 1] for rank in needs} if cfg.device.boards else
-              {rank: cfg.device.profile for rank in needs} if cfg.device.profile else {})
+    # ([device] profile alone may time a workstation's ranks as boards: only a board list names real boards)
+    boards = {rank: hwprofile.load_profile(cfg.device.boards[rank - 1]) for rank in needs} if cfg.device.boards else {}
     run_mod.check_boards(needs, boards)
     attrs = setup.header.attrs
     attrs["rank_memory_estimate_mb"] = np.concatenate([attrs["rank_memory_estimate_mb"][:1],
                                                        [needs[r][0] / 2 ** 20 for r in sorted(needs)]])
     if boards:  # what each rank's board leaves it (rank 0's: none named)
-        attrs["rank_board_memory_mb"] = np.array([np.nan] + [hwprofile.load_profile(boards[r]).available_mb
-                                                             for r in sorted(needs)])
+        attrs["rank_board_memory_mb"] = np.array([np.nan] + [boards[r].available_mb for r in sorted(needs)])
 
 
 def _build_devices(cfg, info, rank: int, machines):
@@ -217,10 +216,12 @@ def _build_devices(cfg, info, rank: int, machines):
     failure, transport, problem, model, warm = None, None, None, None, (0, 0.0)
     try:
         shard = Path(cfg.data.shards) / shard_name(rank) if cfg.data.shards else None
-        problem, model = run_mod.problem_and_model(cfg, start=info["weights"], convert=False, shard=shard)
+        if shard is not None:  # (of other data: said before anything is built from it)
+            check_made_from(shard, cfg.data.path, info["data"])
+        problem, model = run_mod.problem_and_model(cfg, start=info.pop("weights"), convert=False, shard=shard)
         own = np.flatnonzero(info["owners"] == rank)
         if shard is not None:
-            check_shard(problem, own, info["data"])
+            check_shard(problem, own)
         algorithm = build_algorithm(cfg)
         cores, loads = rank_lanes(cfg, rank, machines)
         run_mod.check_rank_memory(cfg, algorithm, problem, model, own, len(cores or (None,)))

@@ -261,8 +261,8 @@ RANK_DEVICE_BYTES = 100  # what a device rank keeps per device of the federation
 
 
 def memory_need(cfg: Config, n: int, data_bytes: int = 0, state_bytes: int = 0, state_what: str = "",
-                device_bytes: int = PER_DEVICE_BYTES, model_bytes: int = 0) -> tuple[int, list[str]]:
-    """(bytes, their parts in words) a process needs: this process as it stands (the runtime, the problem) and
+                device_bytes: int = PER_DEVICE_BYTES, model_bytes: int = 0) -> tuple[int, list[str], int]:
+    """(bytes, their parts in words, of them the runtime's) a process needs: this process as it stands (the runtime, the problem) and
     its kernels, the model's further buffers, N devices' bookkeeping at device_bytes each, the devices' data it
     may hold (data_held), the devices' vectors."""
     runtime = psutil.Process().memory_info().rss + KERNEL_BYTES
@@ -272,18 +272,17 @@ def memory_need(cfg: Config, n: int, data_bytes: int = 0, state_bytes: int = 0, 
     parts += [f"{size_text(per_device)} for {n:,} devices' bookkeeping"]
     parts += [f"{size_text(data_bytes)} of their data (up to data.cache_mb)"] if data_bytes else []
     parts += [f"{size_text(state_bytes)} {state_what}"] if state_bytes else []
-    return runtime + model_bytes + per_device + data_bytes + state_bytes, parts
+    return runtime + model_bytes + per_device + data_bytes + state_bytes, parts, runtime
 
 
 def check_memory(cfg: Config, n: int, data_bytes: int = 0, state_bytes: int = 0, state_what: str = "",
                  device_bytes: int = PER_DEVICE_BYTES, model_bytes: int = 0) -> int:
     """Refuse, before anything large is built, a run whose estimate (memory_need) exceeds what this process may
     use; one line with the estimate, the limit and what would fit. Returns the estimate."""
-    need, parts = memory_need(cfg, n, data_bytes, state_bytes, state_what, device_bytes, model_bytes)
+    need, parts, runtime = memory_need(cfg, n, data_bytes, state_bytes, state_what, device_bytes, model_bytes)
     limit, what = memory_limit()
     if need <= limit:
         return need
-    runtime = psutil.Process().memory_info().rss + KERNEL_BYTES
     if runtime + model_bytes + data_bytes >= limit:  # no number of devices fits: the model is what is too large
         raise ResourceError(f"this run needs about {size_text(need)} of memory ({', '.join(parts)}) but {what} is "
                             f"{size_text(limit)}; use a smaller model, smaller minibatches (train.batch_size), fewer "
@@ -379,7 +378,7 @@ def _rank_terms(cfg: Config, algorithm: Algorithm, problem, model, own: np.ndarr
 def rank_memory(cfg: Config, algorithm: Algorithm, problem, model, own: np.ndarray, lanes: int) -> tuple[int, list]:
     """A device rank's estimate (memory_need): what rank 0 holds a board to before the world builds anything
     (this process stands in for the rank's runtime: the same software and problem)."""
-    return memory_need(*_rank_terms(cfg, algorithm, problem, model, own, lanes))
+    return memory_need(*_rank_terms(cfg, algorithm, problem, model, own, lanes))[:2]
 
 
 def check_rank_memory(cfg: Config, algorithm: Algorithm, problem, model, own: np.ndarray, lanes: int) -> int:
@@ -387,13 +386,13 @@ def check_rank_memory(cfg: Config, algorithm: Algorithm, problem, model, own: np
     return check_memory(*_rank_terms(cfg, algorithm, problem, model, own, lanes))
 
 
-def check_boards(needs: dict[int, tuple[int, list]], boards: dict[int, str]) -> None:
+def check_boards(needs: dict[int, tuple[int, list]], boards: dict) -> None:
     """Each device rank's estimate against its board's memory less what the board's own system takes
     (hwprofile: machine.system_mb): a rank that cannot fit its board is refused before the world builds
     anything, in one line naming the board."""
-    for rank, name in sorted(boards.items()):
-        board = hwprofile.load_profile(name)
+    for rank, board in sorted(boards.items()):  # (rank -> its board's hwprofile.Profile)
         need, parts = needs[rank]
+        name = Path(board.source).stem
         if need > board.available_mb * 2 ** 20:
             memory, system = board.machine["memory_mb"], board.machine.get("system_mb", 0)
             raise ResourceError(
@@ -817,6 +816,7 @@ def run(cfg: Config, log_path: Path, *, resume_point=None, force: bool = False, 
     """One run in this process (the simulator)."""
     try:
         setup = prepare(cfg, log_path, resume_point=resume_point, force=force, on_info=on_info, launch=launch)
+        setup = dataclasses.replace(setup, weights=None)  # (the model holds them: for device ranks only)
         with released_on_failure(log_path, setup.stub):
             setup = timing_for(setup, None, on_info, resume_point)
             transport = local_transport(setup.cfg, setup.algorithm, setup.problem, setup.model)

@@ -423,7 +423,8 @@ def _blame(sweep: Sweep, job: Job, exc: EdgefedError) -> str:
 
 def run_sweep(path: Path, folder: Path, jobs: int = 1, on_line=print, live: bool = False) -> int:
     """Run the sweep into folder; 0 if every run completed, 1 if any failed. Every run still to run is planned
-    first: a run that cannot run ends the sweep before any runs (exit 2), with nothing written."""
+    first: a run that cannot run ends the sweep before any runs (exit 2), with nothing written (but a LEAF
+    folder's converted copy, which its runs read)."""
     comm = world()
     sweep = read_sweep(path, on_line if comm is None or comm.Get_rank() == 0 else None)
     rank, size = (0, 1) if comm is None else (comm.Get_rank(), comm.Get_size())

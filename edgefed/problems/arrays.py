@@ -35,7 +35,7 @@ class ArraysSource(Source):
         self.path = path
         self._h5 = None
         self.x_scale = None
-        self.note, self.title = "", None
+        self.note, self.title, self.made = "", None, ""
         self.ranges = {}
         self.shard_of, self.shard_rows = None, {}  # a shard (shard.py): the whole's identity, the rows it holds
         if path.suffix in (".h5", ".hdf5"):
@@ -47,11 +47,11 @@ class ArraysSource(Source):
             self.shard_of = str(self._h5.attrs.get("shard_of", ""))
             self.shard_rows = {part: self._h5[f"rows_{part}"][()] for part in ("train", "test")
                                if f"rows_{part}" in self._h5}
-        self._x = {"train": arrays["x_train"], "test": arrays.get("x_test")}
         missing = [k for k in ("x_train", "y_train") if arrays.get(k) is None]
         if missing:
             raise ConfigError(f"{path} has no {missing[0]!r}; an arrays file holds x_train and y_train (and optionally "
                               "x_test, y_test, device_train)")
+        self._x = {"train": arrays["x_train"], "test": arrays.get("x_test")}
         if (arrays.get("x_test") is None) != (arrays.get("y_test") is None):
             have, lack = ("x_test", "y_test") if arrays.get("x_test") is not None else ("y_test", "x_test")
             raise ConfigError(f"{path} has {have} but no {lack}; give both or neither")
@@ -88,7 +88,13 @@ class ArraysSource(Source):
                 raise ConfigError(f"{path}: device_train must hold device ids (integers >= 0)")
             device = device.astype(np.int64)
         device_test = None if arrays.get("device_test") is None or "test" in self.ranges else np.asarray(
-            arrays["device_test"][()], np.int64)
+            arrays["device_test"][()])
+        if device_test is not None:
+            if (device is None and "train" not in self.ranges) or device_test.dtype.kind not in "iu" or (device_test.size and device_test.min() < 0) \
+                    or device_test.shape[:1] != (0 if y_test is None else y_test.shape[0],):
+                raise ConfigError(f"{path}: device_test must hold, beside device_train, each test sample's device id "
+                                  "(integers >= 0, one per x_test row)")
+            device_test = device_test.astype(np.int64)
         names = () if arrays.get("users") is None else tuple(u.decode() if isinstance(u, bytes) else str(u)
                                                              for u in arrays["users"][()])
         super().__init__(name or str(path), tuple(int(s) for s in x_train.shape[1:]), y_train, y_test, device,
@@ -108,6 +114,7 @@ class ArraysSource(Source):
             self.integer = False
         self.finite_checked = True  # (the conversion refused NaN and infinity)
         self.note = str(attrs.get("note", ""))
+        self.made = str(attrs.get("made", ""))
         self.title = str(attrs["title"]) if "title" in attrs else None
         if "classes" in attrs:
             self.n_classes = int(attrs["classes"])
@@ -224,7 +231,7 @@ def _map_member(path: Path, member: str):
 def arrays_problem(cfg, seed: int, dtype, loss: str, spatial: int = 0, tokens: int | None = None,
                    builtin: str | None = None, shard=None) -> PoolProblem:
     if shard is not None:  # a device rank's shard of data.path (shard.py)
-        source = ArraysSource(_shard_file(shard, cfg.path), name=str(cfg.path))
+        source = ArraysSource(shard_file(shard, cfg.path), name=str(cfg.path))
         return PoolProblem(cfg, seed, dtype, source, loss, source.title or Path(cfg.path).name, spatial, tokens,
                            builtin)
     path = Path(cfg.path)
@@ -237,7 +244,7 @@ def arrays_problem(cfg, seed: int, dtype, loss: str, spatial: int = 0, tokens: i
     return PoolProblem(cfg, seed, dtype, source, loss, source.title or path.name, spatial, tokens, builtin)
 
 
-def _shard_file(shard, path) -> Path:
+def shard_file(shard, path) -> Path:
     shard = Path(shard)
     if not shard.is_file():
         raise ConfigError(f"config: data.shards: this board has no shard {shard} of {path}; make and copy the boards' "

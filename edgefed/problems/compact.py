@@ -14,13 +14,15 @@ read only its own devices and to run as a run on the source would:
   `title` (how a run describes it), and the defaults of its kind: `partition`, `normalize`, `classes`,
   `text_task` and `token_ids` (the ids an embedding over the samples needs: no scan of them at start-up).
 
-The file is written beside its path and swapped in whole; a conversion that fails leaves nothing.
+The file is written beside its path and swapped in whole: a conversion that fails leaves nothing, one that is
+killed a copy named after its process, which the next conversion beside it removes.
 """
 
 from __future__ import annotations
 
 import functools
 import os
+import uuid
 from pathlib import Path
 
 import h5py
@@ -36,7 +38,7 @@ PARTS = ("train", "test")
 
 def smallest_int(low: int, high: int) -> np.dtype:
     """The smallest integer type holding [low, high]."""
-    for dtype in (np.uint8, np.uint16, np.uint32) if low >= 0 else ():
+    for dtype in (np.uint8, np.uint16, np.uint32, np.uint64) if low >= 0 else ():
         if high <= np.iinfo(dtype).max:
             return np.dtype(dtype)
     for dtype in (np.int8, np.int16, np.int32, np.int64):
@@ -45,23 +47,32 @@ def smallest_int(low: int, high: int) -> np.dtype:
     return np.dtype(np.int64)
 
 
-# how numbers are stored, narrowest first: the first that gives every value back to the bit
+# how numbers are stored, narrowest first (not nested: uint8/255 holds k/255, uint8 and float32 do not)
 NUMBERS = ("uint8", "uint8/255", "float32", "float64")
+
+
+def exact(values: np.ndarray, kind: str) -> bool:
+    """Whether NUMBERS kind gives every one of these float64 values back to the bit."""
+    if not values.size or kind == "float64":
+        return True
+    with np.errstate(invalid="ignore", over="ignore"):
+        if kind == "uint8":
+            return bool(values.min() >= 0 and values.max() <= 255 and np.array_equal(np.round(values), values))
+        if kind == "uint8/255":
+            return bool(values.min() >= 0 and values.max() <= 1 and np.array_equal(np.round(values * 255) / 255, values))
+        return bool(np.array_equal(values.astype(np.float32).astype(np.float64), values))
 
 
 def numbers_kind(values: np.ndarray) -> str:
     """The narrowest of NUMBERS that holds these float64 values exactly."""
-    if not values.size:
-        return NUMBERS[0]
-    with np.errstate(invalid="ignore", over="ignore"):
-        if values.min() >= 0 and values.max() <= 255 and np.array_equal(np.round(values), values):
-            return "uint8"
-        k = np.round(values * 255)
-        if values.min() >= 0 and values.max() <= 1 and np.array_equal(k / 255, values):
-            return "uint8/255"
-        if np.array_equal(values.astype(np.float32).astype(np.float64), values):
-            return "float32"
-    return "float64"
+    return next(kind for kind in NUMBERS if exact(values, kind))
+
+
+# which kinds hold everything a kind holds, given the largest value stored so far
+def _holds(old: str, new: str, high: float) -> bool:
+    if old == new or new == "float64":
+        return True
+    return {("uint8", "float32"): True, ("uint8", "uint8/255"): high <= 1}.get((old, new), False)
 
 
 def stored(values: np.ndarray, kind: str) -> np.ndarray:
@@ -93,7 +104,7 @@ class CompactWriter:
         self.rows = {part: 0 for part in PARTS}
         self._y = {part: [] for part in PARTS}
         self._ranges = {part: {} for part in PARTS}  # key -> [start, stop)
-        self._scattered = {part: False for part in PARTS}
+        self._high = 0.0  # the largest number stored so far
 
     def _dataset(self, part: str, dtype: np.dtype):
         name = f"x_{part}"
@@ -110,10 +121,12 @@ class CompactWriter:
         n = int(x.shape[0])
         if self.kind == "ids":
             block = x.astype(self.x_dtype)
-        else:
-            kind = numbers_kind(x)
-            if self.kind is None or NUMBERS.index(kind) > NUMBERS.index(self.kind):
+        else:  # the narrowest kind that holds this block and what is stored already
+            kind = next(k for k in NUMBERS if exact(x, k) and (self.kind is None or _holds(self.kind, k, self._high)))
+            if self.kind is not None and kind != self.kind:
                 self._widen(kind)
+            self.kind = kind
+            self._high = max(self._high, float(x.max(initial=0.0)))
             block = stored(x, self.kind)
         ds = self._dataset(part, block.dtype)
         start = self.rows[part]
@@ -125,36 +138,31 @@ class CompactWriter:
         if key is not None:
             ranges = self._ranges[part]
             if key in ranges and ranges[key][1] != start:
-                self._scattered[part] = True
+                raise RuntimeError(f"rows of {key!r} added apart")  # (a device's rows are one run: callers add them so)
             ranges.setdefault(key, [start, start])[1] = start + n
 
     def _widen(self, kind: str) -> None:
-        """Numbers stored so far rewritten in the wider kind (a chunk at a time)."""
-        old, self.kind = self.kind, kind
-        for name in list(self._x):
-            ds = self._x.pop(name)
-            data = self._f.create_dataset(f"{name}.wide", ds.shape, dtype=stored(np.zeros(1), kind).dtype,
-                                          maxshape=(None, *self.sample_shape), chunks=ds.chunks)
-            step = ds.chunks[0] * 16
-            for first in range(0, ds.shape[0], step):
-                data[first:first + step] = stored(_as_float64(ds[first:first + step], old), kind)
-            del self._f[name]
-            self._f.move(f"{name}.wide", name)
-            self._x[name] = self._f[name]
+        """Numbers stored so far rewritten in the wider kind."""
+        old = self.kind
+        self._rewrite(stored(np.zeros(1), kind).dtype, lambda block: stored(_as_float64(block, old), kind))
 
     def remap(self, table: np.ndarray) -> None:
         """Ids rewritten through table (id -> new id), in the smallest type that holds the new ids: Sent140's
         words, counted while written, given their ids once the vocabulary is known."""
         self.x_dtype = smallest_int(0, int(table.max(initial=0)))
+        self._rewrite(self.x_dtype, lambda block: table[block])
+
+    def _rewrite(self, dtype, convert) -> None:
+        """Every sample written so far as convert(block) in dtype, a few chunks at a time."""
         for name in list(self._x):
             ds = self._x.pop(name)
-            data = self._f.create_dataset(f"{name}.ids", ds.shape, dtype=self.x_dtype,
-                                          maxshape=(None, *self.sample_shape), chunks=ds.chunks)
+            data = self._f.create_dataset(f"{name}.new", ds.shape, dtype=dtype, maxshape=(None, *self.sample_shape),
+                                          chunks=ds.chunks)
             step = ds.chunks[0] * 16
             for first in range(0, ds.shape[0], step):
-                data[first:first + step] = table[ds[first:first + step]]
+                data[first:first + step] = convert(ds[first:first + step])
             del self._f[name]
-            self._f.move(f"{name}.ids", name)
+            self._f.move(f"{name}.new", name)
             self._x[name] = self._f[name]
 
     def labels(self, part: str) -> np.ndarray:
@@ -182,14 +190,13 @@ class CompactWriter:
                     ranges[k] = (lo, hi)
                     device[lo:hi] = k
                 f.create_dataset(f"device_{part}", data=device, chunks=True)
-                if not self._scattered[part]:
-                    f.create_dataset(f"device_rows_{part}", data=ranges)
+                f.create_dataset(f"device_rows_{part}", data=ranges)
         ids = np.unique(devices["train"]) if devices and "train" in devices else None
         for part, values in (devices or {}).items():  # an arrays file's own: ranges where each device's rows run
             values = np.asarray(values)
             f.create_dataset(f"device_{part}", data=values.astype(smallest_int(0, int(values.max(initial=0)))),
                              chunks=True)
-            table = _runs(values, ids)
+            table = None if ids is None else _runs(values, ids)
             if table is not None:
                 f.create_dataset(f"device_rows_{part}", data=table)
         if keys is not None:
@@ -197,6 +204,7 @@ class CompactWriter:
         if vocabulary is not None:
             f.create_dataset("vocabulary", data=np.asarray(list(vocabulary), dtype=h5py.string_dtype()))
         f.attrs["format"], f.attrs["format_version"] = FORMAT, FORMAT_VERSION
+        f.attrs["made"] = uuid.uuid4().hex  # which making of the file (its shards must be of the same)
         if self.kind == "uint8/255":
             f.attrs["x_scale"] = 255.0
         if self.kind not in (None, "ids"):

@@ -4,7 +4,8 @@ The source's kind is told by what it is: an arrays file (`.npz`, `.h5`), a LEAF 
 python folder (`data_batch_1`, or CIFAR-100's `train` and `test`), or a folder of MNIST or EMNIST IDX files.
 A run on the converted file (`[data] kind = "arrays"`, `path` = the file) writes the bits a run on the source
 writes: the same samples, labels, devices and vocabulary in the same order, and the source kind's defaults
-(its natural model, partition, normalization and classes) stored as the file's own. Nothing is read whole:
+(its natural model, partition, normalization and classes) stored as the file's own. (MNIST's and EMNIST's
+own problem describes itself in other words, and only it sizes devices by `samples = "pareto"`.) Nothing is read whole:
 LEAF's JSON is streamed a user at a time, an arrays file and IDX images a block of rows at a time, CIFAR a
 batch (30 MB) at a time.
 """
@@ -124,11 +125,11 @@ def _cifar(source: Path, out: Path, kind: str, split: str | None) -> str:
         for part in ("train", "test"):
             paths, starts = src.paths[part]
             y = src.y_train if part == "train" else src.y_test
-            for i, path in enumerate(paths):
+            for i in range(len(paths)):
                 rows = np.arange(starts[i], starts[i + 1])
                 writer.add(part, src.read(part, rows), y[rows])
         title = "CIFAR-10" if kind == "cifar10" else f"CIFAR-100 ({split})"
-        writer.finish({"source": f"the {title} folder {source}", "title": title, "note": title,
+        writer.finish({"source": f"the {title} folder {source}", "title": title, "note": title, "x_numbers": True,
                        "normalize": "unit", "classes": src.n_classes, "model": "cnn"}, has_test=True)
     except BaseException:
         writer.discard()
@@ -167,7 +168,7 @@ def _idx(source: Path, out: Path, kind: str, split: str | None, holdout: int) ->
                 chunk = rows[first:first + step]
                 pixels = idx.read_image_rows(images, chunk, kind == "emnist")
                 writer.add(part, pixels.reshape(-1, 1, height, width), y[chunk])
-        writer.finish({"source": f"the {name} IDX files in {source}", "title": name, "note": name,
+        writer.finish({"source": f"the {name} IDX files in {source}", "title": name, "note": name, "x_numbers": True,
                        "normalize": "unit", "classes": classes, "model": "mlp" if kind == "mnist" else "cnn"},
                       has_test=True)
     except BaseException:

@@ -26,8 +26,9 @@ from pathlib import Path
 import numpy as np
 
 from edgefed.errors import ConfigError, ProblemFileError
+from edgefed.outputs import remove_stale_copies
 from edgefed.problems.compact import FORMAT_VERSION, CompactWriter
-from edgefed.problems.arrays import ArraysSource
+from edgefed.problems.arrays import ArraysSource, shard_file
 from edgefed.problems.pool import PoolProblem
 from edgefed.problems.text import ALL_LETTERS, PAD, TEXT_FIELD, UNKNOWN, WORDS, Vocabulary, letter_ids, task_of
 from edgefed.problems.text import tokens as words_of
@@ -183,6 +184,7 @@ class _Conversion:
         self.writer = None
         self.devices, self.empty, self.seen_test = [], set(), set()
         self.word_ids, self.words, self.counts = {}, [], []  # Sent140: each distinct word's provisional id
+        self.chosen = None if vocab is None else _vocabulary(vocab)  # (a bad file said before the folder is read)
 
     def run(self) -> str:
         try:
@@ -190,8 +192,11 @@ class _Conversion:
                 for path in self.files[part]:
                     users = _users(path)
                     self._listed(path, part, users)
+                    first = len(self.devices)
                     for user, record in _records(path, users):
                         self._user(path, part, user, record)
+                    order = {u: i for i, u in enumerate(users)}  # a file's devices in its users' order (its
+                    self.devices[first:] = sorted(self.devices[first:], key=order.get)  # user_data may differ)
             if not self.devices:
                 raise ConfigError(f"config: data.path = {str(self.folder)!r}: train/ has no users with samples; give "
                                   "a LEAF data folder with users' samples")
@@ -284,7 +289,7 @@ class _Conversion:
     def _finish(self) -> str:
         users = len(self.devices) + len(self.empty)
         note = f"{users} users, {len(self.empty)} without samples skipped" if self.empty else f"{users} users"
-        attrs = {"partition": "natural", "text_task": self.task}
+        attrs = {"partition": "natural", "text_task": self.task, "model": None if self.task else "cnn"}
         vocabulary = None
         if self.task == "shakespeare":
             attrs["classes"] = attrs["token_ids"] = len(ALL_LETTERS)
@@ -293,7 +298,7 @@ class _Conversion:
         elif self.task == "sent140":
             attrs["classes"] = 2
             counts = Counter({w: c for w, c in zip(self.words, self.counts) if c})
-            chosen = Vocabulary.from_counts(counts, self.vocab_size) if self.vocab is None else _vocabulary(self.vocab)
+            chosen = Vocabulary.from_counts(counts, self.vocab_size) if self.chosen is None else self.chosen
             table = np.full(len(self.words) + 2, UNKNOWN, np.int64)
             table[PAD] = PAD
             for word, k in self.word_ids.items():
@@ -372,16 +377,19 @@ CONVERTER = 1  # bumped when the conversion writes other bytes for the same fold
 
 
 def cache_key(folder: Path, vocab_size: int, vocab: str | None) -> str:
-    """What a folder's conversion depends on: its files' names, sizes and times, and Sent140's vocabulary."""
-    stamp = [FORMAT_VERSION, CONVERTER, vocab_size]
+    """What a folder's conversion depends on: its files' names, sizes and times, then (apart, so that copies
+    for other vocabularies of the same files are kept) Sent140's vocabulary."""
+    files = [FORMAT_VERSION, CONVERTER]
     for part in ("train", "test"):
         for path in sorted((folder / part).glob("*.json")):
             st = path.stat()
-            stamp.append((part, path.name, st.st_size, st.st_mtime_ns))
+            files.append((part, path.name, st.st_size, st.st_mtime_ns))
+    words = [vocab_size]
     if vocab is not None:
         st = Path(vocab).stat()
-        stamp.append((str(Path(vocab).resolve()), st.st_size, st.st_mtime_ns))
-    return hashlib.sha256(repr(stamp).encode()).hexdigest()[:16]
+        words.append((str(Path(vocab).resolve()), st.st_size, st.st_mtime_ns))
+    digest = lambda stamp: hashlib.sha256(repr(stamp).encode()).hexdigest()[:12]  # noqa: E731
+    return f"{digest(files)}-{digest(words)}"
 
 
 def cache_places(folder: Path, key: str) -> list[Path]:
@@ -413,9 +421,10 @@ def cached(folder: Path, vocab_size: int, vocab: str | None, convert: bool = Tru
             probe.unlink()
         except OSError:
             continue
-        for old in place.parent.glob(place.name.replace(key, "*")):
+        remove_stale_copies(place)  # (a conversion killed half-way)
+        for old in place.parent.glob(place.name.replace(key, "*-" + key.split("-")[1])):
             if old != place:
-                old.unlink(missing_ok=True)  # an earlier version of the folder's
+                old.unlink(missing_ok=True)  # an earlier version of the folder's files, this vocabulary's
         convert_leaf(folder, place, vocab_size, vocab)
         return place, (f"LEAF folder {folder}: converted once ({time.perf_counter() - start:.1f} s) to {place}, which "
                        "runs read until its files change")
@@ -428,9 +437,7 @@ def leaf_problem(cfg, seed: int, dtype, loss: str, spatial: int = 0, tokens: int
                  builtin: str | None = None, convert: bool = True, shard=None) -> PoolProblem:
     folder = Path(cfg.path)
     if shard is not None:  # a device rank's shard of the folder's converted copy (shard.py)
-        from edgefed.problems.arrays import _shard_file
-
-        source = ArraysSource(_shard_file(shard, folder), name=str(folder))
+        source = ArraysSource(shard_file(shard, folder), name=str(folder))
         return PoolProblem(cfg, seed, dtype, source, loss, f"LEAF {folder.name}, {source.note}", spatial, tokens,
                            builtin)
     if not folder.is_dir():

@@ -47,6 +47,7 @@ class Source:
     ranges = {}  # part -> (N, 2) each device's rows [start, stop) (a compact file's natural partition)
     random_access = False  # a device's rows are read alone at little cost (else every hosted device at once)
     stats = None  # (shift, scale) per channel of normalize = "standard", when the source holds them (a shard)
+    shard_of = None  # a shard's (shard.py): the identity of the whole it is of
 
     def __post_init__(self):
         if not all(self.sample_shape):  # (a shape with a 0 in it: nothing for a model to read)
@@ -285,7 +286,10 @@ class PoolProblem:
         scan = not self.source.finite_checked
         if how != "standard" and not scan:
             return (None, 255.0) if how == "unit" else (None, None)
-        if how == "standard" and self.source.stats is not None and self.source.stats[0].size == self.channels:
+        if how == "standard" and self.source.shard_of is not None:  # (a shard cannot scan the training set)
+            if self.source.stats is None or self.source.stats[0].size != self.channels:
+                raise ProblemFileError(f"{self.source.path} is a shard made for another normalization (or model "
+                                       "input); make the boards' shards again: launch/pi-cluster.sh data BOARDS CONFIG")
             return tuple(v.reshape(self.channels, 1) for v in self.source.stats)
         channels, per = self.channels, self.n_features // self.channels
         count, mean, m2 = 0, np.zeros(channels), np.zeros(channels)

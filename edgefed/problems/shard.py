@@ -5,8 +5,9 @@ the samples of only the rows that rank's devices hold: `x_train` and `x_test` ho
 `rows_train` and `rows_test` say which rows of the whole they are. A device rank given `[data] shards` reads
 `rank-R.h5` there; its problem is built from the same labels as the coordinator's, so the partition, the
 devices and every bit of the run are those of a run on the whole file. The coordinator sends the whole
-file's identity (`identity`), which the shard must carry, and a rank whose devices' rows its shard lacks (a
-shard of another placement: a board was left out since) is refused in one line.
+file's identity (`identity`), which the shard must carry (checked before anything is built from it), and a
+rank whose devices' rows its shard lacks (a shard of another placement: a board was left out since) is
+refused in one line.
 """
 
 from __future__ import annotations
@@ -32,7 +33,8 @@ def shard_name(rank: int) -> str:
 
 def identity(source) -> str:
     """What a run's devices are built from, as a digest: the labels, the devices' rows, the samples' shape and
-    type (the samples themselves are the rows of these; a shard holds the same for its rows)."""
+    type, and which making of the file it is (a conversion's own mark: the same labels with other samples, the
+    file made again, are not the same)."""
     h = hashlib.sha256()
     for y in (source.y_train, source.y_test):
         h.update(b"-" if y is None else np.ascontiguousarray(y).tobytes())
@@ -41,7 +43,7 @@ def identity(source) -> str:
             h.update(np.ascontiguousarray(source.ranges[part]).tobytes())
     for d in (source.device_train, source.device_test):
         h.update(b"-" if d is None else np.ascontiguousarray(d, np.int64).tobytes())
-    h.update(repr((tuple(source.sample_shape), str(source.x_dtype), source.x_scale)).encode())
+    h.update(repr((tuple(source.sample_shape), str(source.x_dtype), source.x_scale, source.made)).encode())
     return h.hexdigest()[:24]
 
 
@@ -82,7 +84,6 @@ def write_shard(problem, devices: np.ndarray, out: Path) -> int:
                     ds[first:first + block.size] = source._read_into(x, block, np.empty((block.size, *x.shape[1:]),
                                                                                       x.dtype))
             f.attrs["shard_of"] = identity(source)
-            f.attrs["shard_devices"] = np.asarray(devices, np.int64)
             # what a rank would otherwise scan every row for: the training set's statistics, the ids' range
             if problem._shift is not None:
                 f.attrs["standard_shift"], f.attrs["standard_scale"] = problem._shift.ravel(), problem._scale.ravel()
@@ -98,17 +99,30 @@ def write_shard(problem, devices: np.ndarray, out: Path) -> int:
     return out.stat().st_size
 
 
-def check_shard(problem, devices: np.ndarray, whole: str | None) -> None:
-    """A device rank's shard against the coordinator's whole file (its identity, `whole`) and the devices this
-    world places on the rank: one line saying what to make again when it does not fit."""
-    source = problem.source
-    made = source.shard_of
+FIX = "make the boards' shards again: launch/pi-cluster.sh data BOARDS CONFIG"
+
+
+def check_made_from(shard: Path, path, whole: str | None) -> None:
+    """A device rank's shard against the coordinator's data (its identity, `whole`), before anything is built
+    from it."""
+    try:
+        with h5py.File(shard, "r") as f:
+            made = f.attrs.get("shard_of")
+    except OSError:
+        return  # (missing or unreadable: opening it says so, naming it)
     if made is None:
+        raise ProblemFileError(f"{shard} is not a shard (edgefed data shard writes them); {FIX}")
+    if whole is not None and str(made) != whole:
+        raise ProblemFileError(f"the shard {shard} was made from other data than the coordinator's data.path {path} "
+                               f"(another config's, or the data made again since); {FIX}")
+
+
+def check_shard(problem, devices: np.ndarray) -> None:
+    """A device rank's shard against the devices this world places on the rank: one line saying what to make
+    again when it lacks their rows (the boards' placement changed since: a board left out, another seed)."""
+    source = problem.source
+    if source.shard_of is None:
         return
-    fix = "make the boards' shards again: launch/pi-cluster.sh data BOARDS CONFIG"
-    if whole is not None and made != whole:
-        raise ProblemFileError(f"the shard {source.path} was made from other data than the coordinator's data.path "
-                               f"(another config's, or the file changed since); {fix}")
     held_out = source.y_test is None
     for k in devices:  # a device at a time: no array of every row the rank holds (millions, on a Pi)
         for part, parts in (("train", problem.train_rows), ("test", problem.test_rows)):
@@ -125,4 +139,5 @@ def check_shard(problem, devices: np.ndarray, whole: str | None) -> None:
             at = np.minimum(np.searchsorted(held, rows.astype(held.dtype)), max(held.size - 1, 0))
             if rows.size and (beyond or not np.array_equal(held[at], rows)):
                 raise ProblemFileError(f"the shard {source.path} lacks device {int(k)}'s rows, which this world "
-                                       f"places on its rank (the boards' placement changed: a board left out?); {fix}")
+                                       f"places on its rank (the boards' placement or the partition changed since: a "
+                                       f"board left out?); {FIX}")
