@@ -346,8 +346,8 @@ def cmd_data_shard(args) -> int:
         raise EdgefedError(f"-n {ranks}: a world with device ranks has at least 2 ranks")
     for rank, path, size in make_shards(args.config, args.overrides, ranks, args.out, args.force):
         print(f"wrote {path}: rank {rank}'s shard ({size / 2**20:.1f} MB)")
-    print(f"copy rank-R.h5 to board R's folder (the same path on every board), then run with --set "
-          f"data.shards=FOLDER (launch/pi-cluster.sh data BOARDS CONFIG does both)")
+    print("copy rank-R.h5 to board R's folder (the same path on every board), then run with --set "
+          "data.shards=FOLDER (launch/pi-cluster.sh data BOARDS CONFIG does both)")
     return 0
 
 

@@ -19,7 +19,8 @@ from edgefed.analysis.logs import Run
 from edgefed.cli import main
 from edgefed.orchestration import run as runs
 from edgefed.orchestration.sweep import run_sweep
-from edgefed.runlog import read_run, size_text
+from edgefed.memory import size_text
+from edgefed.runlog import read_run
 
 TRACE = ["rounds=5", "data.clients=6", "train.clients_per_round=4", "train.local_steps=6", "train.batch_size=10",
          'participation.mode="trace"', 'participation.trace="builtin:8"', 'participation.scheme="C"']
@@ -273,7 +274,7 @@ def test_logs_are_written_in_the_hdf5_1_10_format(tmp_path, monkeypatch):
             opened.append(f.id.get_access_plist().get_libver_bounds())
         return f
 
-    monkeypatch.setattr(runlog.h5py, "File", spy)
+    monkeypatch.setattr(h5py, "File", spy)
     runs.run(config_mod.load_config(None, ["rounds=2", "data.clients=4", "train.clients_per_round=2"]),
              tmp_path / "a.h5")
     v110 = (h5py.h5f.LIBVER_V110, h5py.h5f.LIBVER_V110)
@@ -282,7 +283,7 @@ def test_logs_are_written_in_the_hdf5_1_10_format(tmp_path, monkeypatch):
 
 def test_logs_in_the_newer_format_stay_readable_and_resumable(tmp_path, monkeypatch, capsys):
     cfg = config_mod.load_config(None, ["rounds=3", "data.clients=4", "train.clients_per_round=2"])
-    monkeypatch.setattr(runlog, "LIBVER", "latest")  # as edgefed wrote logs before
+    monkeypatch.setattr(runlog.schema, "LIBVER", "latest")  # as edgefed wrote logs before
     from helpers import run_until
 
     run_until(cfg, tmp_path / "old.h5", 1)

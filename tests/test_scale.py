@@ -111,7 +111,7 @@ def test_a_large_federations_rows_are_deflated_and_read_the_same(tmp_path, monke
 
     cfg = config_with({"data.clients": 12, "rounds": 2, "train.clients_per_round": 4, "train.local_steps": 2})
     runs.run(cfg, tmp_path / "plain.h5")
-    monkeypatch.setattr(runlog, "COMPRESS_FROM", 12)
+    monkeypatch.setattr(runlog.schema, "COMPRESS_FROM", 12)
     runs.run(cfg, tmp_path / "deflated.h5")
     with h5py.File(tmp_path / "deflated.h5") as f, h5py.File(tmp_path / "plain.h5") as g:
         assert f["participation/selected"].compression == "gzip" and g["participation/selected"].compression is None
@@ -166,7 +166,7 @@ def test_sparse_device_state_holds_only_touched_rows_and_resumes_exactly_on_rank
     import h5py
 
     from edgefed.algorithms.base import nonzero_rows
-    from edgefed.runlog import _nonzero_blocks, stored_rows
+    from edgefed.runlog.rows import _nonzero_blocks, stored_rows
     from helpers import run_until
 
     cfg = config_with({"data.clients": 300, "train.clients_per_round": 3, "train.algorithm": "scaffold",

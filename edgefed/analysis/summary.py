@@ -7,7 +7,7 @@ import math
 import numpy as np
 
 from edgefed.analysis.logs import Run
-from edgefed.runlog import size_text
+from edgefed.memory import size_text
 
 DEVICE_ROWS = 1000  # the per-device table lists at most this many devices
 

@@ -27,7 +27,7 @@ from edgefed.engine.asynchronous import AsyncEngine
 from edgefed.engine.rounds import RoundEngine
 from edgefed.errors import ConfigError, EdgefedError, RankLost, ResourceError, RunLogError
 from edgefed.layers import first_spatial, token_ids
-from edgefed.memory import memory_limit, peak_rss
+from edgefed.memory import memory_limit, peak_rss, size_text
 from edgefed.models import FeatureProblem, build_model
 from edgefed.orchestration.weights import read_weights, resumed_weights
 from edgefed.outputs import check_output, writable
@@ -40,7 +40,7 @@ from edgefed.participation.traces import ReplayTrace
 from edgefed.problems import build_problem
 from edgefed.participation.selection import POLICY_CLASSES, build_policy
 from edgefed.runlog import (Column, Header, RunLogWriter, discard_stub, exists_error, hold, let_go, nonfinite_counts,
-                            open_run, read_participation, read_resume_point, read_run, size_text, write_stub)
+                            open_run, read_participation, read_resume_point, read_run, write_stub)
 from edgefed.runtime.local import LocalTransport
 from edgefed.tracefiles import sampled_traces
 

@@ -236,7 +236,7 @@ class PoolProblem:
             takes, more = "the embedding's num", "raise the embedding's num"
         else:  # no key sets a built-in model's vocabulary
             takes = f'the ids model.kind = "{builtin}" takes'
-            more = f'use a layer list (model.kind = "sequential") whose embedding\'s num covers them'
+            more = 'use a layer list (model.kind = "sequential") whose embedding\'s num covers them'
 
         src = self.source
         if not src.integer:
