@@ -1,4 +1,4 @@
-"""Models over flat parameter vectors: `Sequential` (any layer list of edgefed/layers.py, the built-in models
+"""Models over flat parameter vectors: `Sequential` (any layer list of edgefed/layers/, the built-in models
 among them) around the one network kernel, and the quadratic oracle.
 
 The public methods check dtypes and shapes once and own the workspaces, so the kernels below them never
@@ -17,7 +17,7 @@ from edgefed import layers as layer_lib
 from edgefed.kernels import network as net
 from edgefed.kernels.ops import ROWS, SLOTS, Apart, cached, kernel_names, kernels_of, uncached
 from edgefed.kernels.ops import tables as op_tables
-from edgefed.kernels.program import DROPOUT, F_FROZEN, F_IN, F_MODE, F_NIN, F_NOUT, F_NPARAM, F_OUT, F_TYPE, F_WORK
+from edgefed.kernels.program import F_FROZEN, F_NOUT, F_NPARAM, F_TYPE
 from edgefed.kernels import quadratic as _quad
 from edgefed.kernels.sgd import step_terms
 from edgefed.errors import ConfigError
@@ -48,35 +48,6 @@ class GrowingRows:
         return views
 
 
-def feature_prefix(prog: np.ndarray) -> int:
-    """The last operation of the frozen, deterministic prefix whose outputs can stand for the samples: the
-    operations before the first trainable one or the first dropout (whose draws change every step), when one
-    of them has (frozen) parameters; 0 when there is none."""
-    last, frozen = 0, False
-    for i in range(1, prog.shape[0]):
-        row = prog[i]
-        if (row[F_NPARAM] > 0 and not row[F_FROZEN]) or row[F_TYPE] == DROPOUT:
-            break
-        frozen = frozen or row[F_NPARAM] > 0
-        last = i
-    return last if frozen and last < prog.shape[0] - 1 else 0
-
-
-def rest_program(prog: np.ndarray, slopes: np.ndarray, prefix: int) -> tuple[np.ndarray, np.ndarray, int]:
-    """The program after a prefix, and where its activations start in the whole program's: its input row
-    gathers the prefix's outputs (features, in the activations' own layout), and the operations after it run
-    as in the whole program, their regions moved down by that start (the prefix's regions are not kept)."""
-    base = int(prog[prefix, F_OUT])
-    rest = prog[prefix + 1:].copy()
-    rest[:, F_IN] -= base
-    rest[:, F_OUT] -= base
-    rest[:, F_WORK] = np.where(rest[:, F_WORK] > 0, rest[:, F_WORK] - base, 0)  # (a recurrent layer's)
-    head = prog[:1].copy()
-    head[0, F_OUT], head[0, F_NOUT], head[0, F_NIN] = 0, prog[prefix, F_NOUT], prog[prefix, F_NOUT]
-    head[0, F_MODE] = 0  # (no permutation)
-    return np.ascontiguousarray(np.vstack([head, rest])), np.concatenate([slopes[:1], slopes[prefix + 1:]]), base
-
-
 class LocalRun:
     """Workspace of one device's local work in one round: its generator state and minibatch permutation, and
     what its steps report of their losses: the sum of the squared losses of the samples trained on, and how
@@ -88,8 +59,11 @@ class LocalRun:
         self.loss_sq, self.samples = 0.0, 0
 
 
+BUILTIN_INITS = {"logreg": "zeros", "charlstm": "pytorch"}  # a built-in model's own (else glorot)
+
+
 class Sequential:
-    """A layer list (edgefed/layers.py) trained by the network kernel: every classifier and regressor.
+    """A layer list (edgefed/layers/) trained by the network kernel: every classifier and regressor.
 
     The built-in models are named layer lists (`builtin`): logistic regression ("logreg", initialized at
     zero, as FedProx), McMahan et al.'s 2NN ("mlp") and CNN ("cnn"), both Glorot-uniform as in the
@@ -112,11 +86,11 @@ class Sequential:
         # here, when the frozen tensors need it)
         self._start = self._drawn() if start is None and network.frozen else start
         self._whole = None if self._start is None or not network.frozen else self._start.copy()  # x, then frozen
-        self.prefix = feature_prefix(network.prog) if cache_features else 0
+        self.prefix = layer_lib.feature_prefix(network.prog) if cache_features else 0
         self._prog, self._slopes, first = network.prog, network.slopes, 0
         self.n_inputs = self.n_features = int(np.prod(network.input_shape))
         if self.prefix:  # the samples are the prefix's outputs: the program starts after it
-            self._prog, self._slopes, first = rest_program(network.prog, network.slopes, self.prefix)
+            self._prog, self._slopes, first = layer_lib.rest_program(network.prog, network.slopes, self.prefix)
             self.n_features = int(network.prog[self.prefix, F_NOUT])
         # x goes into the whole vector around a call only while the program still has frozen parameters
         self._copies_x = bool(((self._prog[1:, F_NPARAM] > 0) & (self._prog[1:, F_FROZEN] == 1)).any())
@@ -142,8 +116,7 @@ class Sequential:
         layers = layer_lib.builtin_layers(kind, tuple(sample_shape), n_classes, hidden)
         network = layer_lib.build(layers, tuple(sample_shape), n_classes, dtype, name=f'model.kind = "{kind}", layers',
                                   memory=memory, rows=rows)
-        init = {"logreg": "zeros", "charlstm": "pytorch"}.get(kind, "glorot")
-        return cls(network, dtype, seed, init, "cross_entropy", kind)
+        return cls(network, dtype, seed, BUILTIN_INITS.get(kind, "glorot"), "cross_entropy", kind)
 
     @property
     def n_classes(self) -> int:
@@ -440,22 +413,19 @@ def build_model(model, problem, seed: int = 0, memory: tuple[int, str] | None = 
         from edgefed.torchmodel import TorchModel
 
         return TorchModel(model.module, model.factory, problem.sample_shape, problem.n_outputs, dtype, seed, model.loss)
+    layers = layer_lib.model_layers(model, problem.sample_shape, problem.n_outputs)  # (the one entry)
     text = getattr(problem, "text", None)  # (task, vocabulary) of samples the reader made token ids
-    if text is not None and layer_lib.token_ids(model) is None:
+    if text is not None and layers[0]["type"] != "embedding":
         raise ConfigError(f"config: {text[0]} samples are token ids; a layer list must start with an embedding "
                           f'(model.kind = "charlstm", or layers starting with {{type = "embedding", num = {text[1]}, '
                           'dim = 8}), or give a torch module that takes them')
-    if model.kind == "sequential":
-        what = "classes" if model.loss == "cross_entropy" else "target values"
-        note = getattr(problem, "classes_note", "")
-        network = layer_lib.build(model.layers, problem.sample_shape, problem.n_outputs, dtype,
-                                  f"{what} ({note})" if note else what, memory=memory, rows=rows)
-        return Sequential(network, dtype, seed, model.init or "pytorch", model.loss, "sequential", model.cache_features)
-    built = Sequential.builtin(model.kind, problem.sample_shape, problem.n_outputs, dtype, seed, model.hidden, memory,
-                               rows)
-    if model.init is not None:
-        built.init = model.init
-    return built
+    what = "classes" if model.loss == "cross_entropy" else "target values"
+    note = getattr(problem, "classes_note", "")
+    name = "model.layers" if model.kind == "sequential" else f'model.kind = "{model.kind}", layers'
+    network = layer_lib.build(layers, problem.sample_shape, problem.n_outputs, dtype,
+                              f"{what} ({note})" if note else what, name=name, memory=memory, rows=rows)
+    init = model.init or ("pytorch" if model.kind == "sequential" else BUILTIN_INITS.get(model.kind, "glorot"))
+    return Sequential(network, dtype, seed, init, model.loss, model.kind, model.cache_features)
 
 
 MODEL_CALLS = ("oracle_grad", "loss_grad")  # what an algorithm may call beyond local_steps and evaluation

@@ -48,7 +48,7 @@ class ModelConfig:
     kind: str | None = None  # None: the data's natural model; "sequential": the layers below
     dtype: str = "float32"
     hidden: tuple[int, ...] = (200, 200)  # mlp hidden layers (McMahan et al.'s 2NN)
-    layers: tuple[dict, ...] = ()  # sequential: the layer list, tables with a type and its settings (layers.py)
+    layers: tuple[dict, ...] = ()  # sequential: the layer list, tables with a type and its settings (layers/)
     loss: str = "cross_entropy"  # or "mse" (float targets; a sequential model)
     init: str | None = None  # "pytorch", "glorot" or "zeros"; None: pytorch for sequential, the built-ins' own
     module: str | None = None  # torch: the Python file of the user's module (relative to the config file)

@@ -1,7 +1,7 @@
 """A sequential network as data: one compiled kernel per dtype runs any list of layers, every shape a run-time
 value, so a new model made of known layer types compiles nothing new.
 
-A model is a program: one int64 row per operation (program.py's columns) that edgefed/layers.py builds
+A model is a program: one int64 row per operation (program.py's columns) that edgefed/layers/ builds
 once from the layer list, with offsets into the flat parameters and into one sample's activations. Row 0
 gathers the input; the loss reads the last row's output. Activations, deltas and the int32 aux values
 (pooling winners, dropout masks) are (rows, per-sample total) buffers the caller owns, each operation's

@@ -21,7 +21,7 @@ the speed where rows of 4H values map to few cache sets. The gate loops run one 
 row, and exp, the sigmoid and tanh are exponential.py's, so that they vectorize.
 
 Weights are stored transposed against PyTorch's, (in, gates * H), as a dense layer's, so every product
-streams rows; state_dict converts (layers.py).
+streams rows; state_dict converts (layers/).
 
 Arithmetic, the same on every CPU: a pre-activation starts from b_ih + b_hh (a GRU keeps the two parts
 apart, as its n gate needs), then adds the input's terms and the previous state's, each in index order, one
