@@ -197,10 +197,11 @@ def progress_line(s) -> str:
 
 def _resolve(args):
     from edgefed.orchestration import run
+    from edgefed.orchestration.resume import resolve_config
 
     if args.resume and args.out and Path(args.out) != Path(args.resume):
         raise EdgefedError("--resume continues the log in place; drop --out (or make it the same file)")
-    cfg, point = run.resolve_config(args.config, args.overrides, args.resume)
+    cfg, point = resolve_config(args.config, args.overrides, args.resume)
     if args.resume:
         path = Path(args.resume)
     else:
@@ -230,7 +231,7 @@ def _progress(quiet: bool):
 def _launch_context(args):
     import json
 
-    from edgefed.orchestration.run import Launch
+    from edgefed.orchestration.resume import Launch
 
     if args.launch_status is None and args.launch_restarts is None:
         return None

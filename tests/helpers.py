@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from edgefed.orchestration import run as runs
+from edgefed.orchestration.resume import resolve_config
 from edgefed.layers import first_spatial
 from edgefed.problems import build_problem
 from edgefed.runlog import measured, read_run
@@ -52,7 +53,7 @@ def run_until(cfg, path, stop_round: int):
 
     with pytest.raises(KeyboardInterrupt):
         runs.run(cfg, path, on_round=stop)
-    _, point = runs.resolve_config(None, [], str(path))
+    _, point = resolve_config(None, [], str(path))
     assert point.rounds_done == stop_round
     return point
 

@@ -13,6 +13,8 @@ from edgefed.algorithms.fedavg import FedAvg, server_update
 from edgefed.config.schema import Config, LogConfig
 from edgefed.errors import ConfigError, ResourceError
 from edgefed.orchestration import run as runs
+from edgefed.orchestration import budget
+from edgefed.orchestration.header import log_layout
 from edgefed.participation import schemes
 from edgefed.runlog import Header, read_run
 from conftest import config_with
@@ -102,7 +104,7 @@ def test_its_device_memory_is_sized_and_refused_by_its_own_names(toy, tmp_path, 
     lines = []
     runs.run(toy_config(path, rounds=1), tmp_path / "r.h5", on_info=lines.append)
     assert "the toy algorithm memories and counts: 2 x 4 x 2 float64 = 128 B in memory" in lines[1]
-    monkeypatch.setattr(runs.psutil, "virtual_memory", lambda: type("M", (), {"available": 10})())
+    monkeypatch.setattr(budget.psutil, "virtual_memory", lambda: type("M", (), {"available": 10})())
     with pytest.raises(ResourceError, match="the toy algorithm's memories and counts need 128 B"):
         runs.run(toy_config(path, rounds=1), tmp_path / "s.h5")
 
@@ -136,7 +138,7 @@ def test_vector_names_the_log_keeps_for_itself_are_refused():
         algorithm = MomentumWithMemory()
         object.__setattr__(algorithm, "server_vectors", (clash,))
         with pytest.raises(ValueError, match="are taken twice"):
-            Header("", 0, 1, 4, 3, np.float32, np.ones(4), **runs.log_layout(algorithm, _logging(True), 4, 3, np.float32))
+            Header("", 0, 1, 4, 3, np.float32, np.ones(4), **log_layout(algorithm, _logging(True), 4, 3, np.float32))
 
 
 def test_declarations_are_what_the_engine_reads():
@@ -145,7 +147,7 @@ def test_declarations_are_what_the_engine_reads():
     assert scaffold.reports == ("delta_x", "delta_c")
     assert [v.column for v in scaffold.server_vectors] == ["scaffold/c"]
     assert [(v.name, v.delta) for v in scaffold.device_vectors] == [("c_clients", "delta_c")]
-    layout = runs.log_layout(scaffold, _logging(True), 4, 3, np.float32)
+    layout = log_layout(scaffold, _logging(True), 4, 3, np.float32)
     assert [c.path for c in layout["extra_columns"]] == ["scaffold/c", "scaffold/c_clients"]
     assert layout["slots"] == (("c", (3,), np.float32),) and layout["row_states"] == (("c_clients", (4, 3), np.float32),)
-    assert [c.path for c in runs.log_layout(scaffold, _logging(False), 4, 3, np.float32)["extra_columns"]] == ["scaffold/c"]
+    assert [c.path for c in log_layout(scaffold, _logging(False), 4, 3, np.float32)["extra_columns"]] == ["scaffold/c"]

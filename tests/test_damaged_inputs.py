@@ -15,6 +15,7 @@ import pytest
 from edgefed import config as config_mod
 from edgefed.cli import main
 from edgefed.orchestration import run as runs
+from edgefed.orchestration.resume import resolve_config
 from edgefed.runlog import read_run
 
 from helpers import assert_same_logs
@@ -101,7 +102,7 @@ def test_a_full_disk_ends_the_run_with_one_line_and_a_log_that_resumes(tmp_path)
     assert done.returncode == 2, done.stderr
     assert done.stderr.count("\n") == 1 and f"the disk holding run log {part} is full" in done.stderr
     assert f"free space or move the log, then edgefed run --resume {part}" in done.stderr
-    _, point = runs.resolve_config(None, [], str(part))
+    _, point = resolve_config(None, [], str(part))
     assert 0 < point.rounds_done < 300
     assert main(["run", "--resume", str(part), "--quiet"]) == 0
     assert_same_logs(read_run(whole), read_run(part))

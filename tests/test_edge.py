@@ -317,13 +317,14 @@ def test_resuming_a_log_without_a_newer_column_pads_its_completed_rounds(tmp_pat
     import h5py
 
     from edgefed.orchestration import run as runs
+    from edgefed.orchestration.resume import resolve_config
 
     cfg = load_config(None, ["rounds=4", "data.clients=3", "train.clients_per_round=2", "train.local_steps=2"])
     path = tmp_path / "old.h5"
     run_until(cfg, path, 2)
     with h5py.File(path, "r+") as f:
         del f["participation/compiled"]
-    _, point = runs.resolve_config(None, [], str(path))
+    _, point = resolve_config(None, [], str(path))
     runs.run(cfg, path, resume_point=point)
     log = read_run(path)
     assert log["participation/compiled"].shape == log["participation/steps"].shape == (4, 3)

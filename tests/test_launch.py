@@ -19,6 +19,7 @@ from edgefed.analysis.logs import Run
 from edgefed.analysis.summary import summary_lines
 from edgefed.errors import EdgefedError
 from edgefed.orchestration import run as runs
+from edgefed.orchestration.resume import Launch, resolve_config
 from edgefed.orchestration.launcher import Board, Launcher, read_boards, world_command
 from edgefed.runlog import completed_rounds, read_run
 
@@ -244,10 +245,10 @@ def test_placement_keys_may_change_on_resume(tmp_path):
     from helpers import run_until
 
     run_until(cfg, tmp_path / "r.h5", 2)
-    resumed, point = runs.resolve_config(None, ["mpi.rank_timeout_s=5", "mpi.threads_per_rank=2"], str(tmp_path / "r.h5"))
+    resumed, point = resolve_config(None, ["mpi.rank_timeout_s=5", "mpi.threads_per_rank=2"], str(tmp_path / "r.h5"))
     assert (resumed.mpi.rank_timeout_s, resumed.mpi.threads_per_rank, point.rounds_done) == (5, 2, 2)
     with pytest.raises(EdgefedError, match="differs in train.lr_local"):
-        runs.resolve_config(None, ["train.lr_local=0.5"], str(tmp_path / "r.h5"))
+        resolve_config(None, ["train.lr_local=0.5"], str(tmp_path / "r.h5"))
 
 
 def test_restart_records_survive_resumes_and_are_not_repeated(tmp_path):
@@ -258,7 +259,7 @@ def test_restart_records_survive_resumes_and_are_not_repeated(tmp_path):
     first = {"launch": "L1", "round": 2, "time": "t", "cause": "exit code 9", "ranks_before": 3, "ranks_after": 3}
     point = run_until(cfg, path, 2)
     second = dict(first, round=3, cause="rank 2 on pi-b stopped answering", ranks_after=2)
-    runs.run(cfg, path, resume_point=point, launch=runs.Launch(None, (first, second)))
+    runs.run(cfg, path, resume_point=point, launch=Launch(None, (first, second)))
     rows = read_run(path)["launch/restarts"]
     assert [(r["launch"], r["round"], r["ranks_after"]) for r in rows] == [(b"L1", 2, 3), (b"L1", 3, 2)]
 

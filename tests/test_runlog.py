@@ -11,6 +11,7 @@ import pytest
 
 from edgefed import config as config_mod
 from edgefed.orchestration import run as runs
+from edgefed.orchestration.resume import resolve_config
 from edgefed.runlog import open_run, read_run
 from helpers import assert_same_logs, compared, interrupted_then_resumed, run_until
 
@@ -142,7 +143,7 @@ def test_a_resume_that_fails_leaves_a_resumable_log(tmp_path, monkeypatch):
     point = run_until(cfg, part, 5)
     with pytest.raises(RuntimeError):
         runs.run(cfg, part, resume_point=point)
-    _, point = runs.resolve_config(None, [], str(part))  # the log is still resumable, at the same round
+    _, point = resolve_config(None, [], str(part))  # the log is still resumable, at the same round
     assert point.rounds_done == 5
     runs.run(cfg, part, resume_point=point)
     runs.run(cfg, tmp_path / "whole.h5")
@@ -201,7 +202,8 @@ def test_the_stored_trajectory_keeps_within_its_budget_and_says_what_it_stores(t
     always), k the smallest that fits; every set keeps its meaning; the run's first line says which."""
     from edgefed.algorithms import build_algorithm
     from edgefed.config import load_config
-    from edgefed.orchestration.run import log_layout, prepare, trajectory_every
+    from edgefed.orchestration.header import log_layout, trajectory_every
+    from edgefed.orchestration.run import prepare
 
     cfg = load_config(None, ["rounds=100"])  # logistic regression: 610 float32 values, 2.4 KB a round
     layout = log_layout(build_algorithm(cfg), cfg, 30, 610, np.float32)

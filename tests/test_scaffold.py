@@ -7,6 +7,8 @@ from hypothesis import strategies as st
 
 from edgefed import config as config_mod
 from edgefed.orchestration import run as runs
+from edgefed.orchestration import budget
+from edgefed.orchestration.header import log_layout
 from edgefed.algorithms import scaffold
 from edgefed.algorithms.base import LocalTask
 from edgefed.algorithms.scaffold import Scaffold
@@ -261,13 +263,13 @@ def test_controls_that_cannot_fit_are_refused(tmp_path, monkeypatch):
     class Tiny:
         available = 50_000
 
-    monkeypatch.setattr(runs.psutil, "virtual_memory", lambda: Tiny)
-    monkeypatch.setattr(runs, "KERNEL_BYTES", 0)  # (the whole run's estimate, tests/test_scale.py, then passes)
+    monkeypatch.setattr(budget.psutil, "virtual_memory", lambda: Tiny)
+    monkeypatch.setattr(budget, "KERNEL_BYTES", 0)  # (the whole run's estimate, tests/test_scale.py, then passes)
     with pytest.raises(ResourceError, match="SCAFFOLD's controls need 47.7 KB but only 48.8 KB"):
         runs.run(cfg, tmp_path / "r.h5")
     assert not (tmp_path / "r.h5").exists()
     monkeypatch.undo()
-    monkeypatch.setattr(runs.shutil, "disk_usage", lambda p: type("U", (), {"free": 1000})())
+    monkeypatch.setattr(budget.shutil, "disk_usage", lambda p: type("U", (), {"free": 1000})())
     cfg = config_mod.load_config(None, ['train.algorithm="scaffold"', "rounds=2", "log.client_controls=true"])
     with pytest.raises(ResourceError, match="log fewer rounds"):
         runs.run(cfg, tmp_path / "r.h5")
@@ -297,7 +299,7 @@ def test_devices_hold_exactly_the_controls_the_log_tracks(tmp_path, quad_file):
     algorithm = build_algorithm(cfg)
     transport = LocalTransport(problem, model, algorithm, cfg.seed, None)
     header = Header(config_mod.to_toml(cfg), 0, 4, 4, 2, model.dtype, problem.n_train,
-                    **runs.log_layout(algorithm, cfg, 4, 2, model.dtype))
+                    **log_layout(algorithm, cfg, 4, 2, model.dtype))
     log = RunLogWriter.create(tmp_path / "run.h5", header)
     engine = RoundEngine(cfg, algorithm, problem.n_train, transport, log)
     engine.start(model.initial_params())

@@ -7,6 +7,7 @@ import pytest
 
 from edgefed.errors import ConfigError
 from edgefed.orchestration import run as runs
+from edgefed.orchestration import budget
 from edgefed.participation.sampling import evaluation_sample
 from edgefed.rng import Purpose, generator
 from edgefed.runlog import open_run, read_run
@@ -205,11 +206,11 @@ def test_a_device_rank_counts_only_the_vectors_its_devices_can_touch(monkeypatch
                        "compress.uplink": "int8", "compress.error_feedback": True, "data.cache_mb": 1e-6})
     problem, model = runs.problem_and_model(cfg)
     rows = 150 * model.dim * 4  # float32
-    lanes = runs.model_bytes(cfg, build_algorithm(cfg), problem, model, 1, 500, distributed=True)
-    data = runs.data_held(cfg, problem, np.arange(0, 1000, 2))  # (the one device a tiny cache still keeps)
-    runtime = runs.psutil.Process().memory_info().rss + runs.KERNEL_BYTES + 1000 * runs.PER_DEVICE_BYTES + lanes + data
-    monkeypatch.setattr(runs, "memory_limit", lambda: (runtime + rows + 2 ** 20, "the memory available"))
-    runs.check_rank_memory(cfg, build_algorithm(cfg), problem, model, np.arange(0, 1000, 2), 1)  # fits
-    monkeypatch.setattr(runs, "memory_limit", lambda: (runtime + rows - 2 ** 20, "the memory available"))
+    lanes = budget.model_bytes(cfg, build_algorithm(cfg), problem, model, 1, 500, distributed=True)
+    data = budget.data_held(cfg, problem, np.arange(0, 1000, 2))  # (the one device a tiny cache still keeps)
+    runtime = budget.psutil.Process().memory_info().rss + budget.KERNEL_BYTES + 1000 * budget.PER_DEVICE_BYTES + lanes + data
+    monkeypatch.setattr(budget, "memory_limit", lambda: (runtime + rows + 2 ** 20, "the memory available"))
+    budget.check_rank_memory(cfg, build_algorithm(cfg), problem, model, np.arange(0, 1000, 2), 1)  # fits
+    monkeypatch.setattr(budget, "memory_limit", lambda: (runtime + rows - 2 ** 20, "the memory available"))
     with pytest.raises(ResourceError, match="its devices' vectors"):
-        runs.check_rank_memory(cfg, build_algorithm(cfg), problem, model, np.arange(0, 1000, 2), 1)
+        budget.check_rank_memory(cfg, build_algorithm(cfg), problem, model, np.arange(0, 1000, 2), 1)

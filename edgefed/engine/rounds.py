@@ -390,7 +390,8 @@ class RoundEngine:
             self.transport.load_devices({name: state[name] for name in rows})
         for v in algo.device_vectors:
             self._held[state[v.name].ids] = True
-        self.selection.load({name: state[name] for name, _, _ in self.selection.state})
+        slots = self.selection.slots(self.n_train.size, self.cfg.rounds)
+        self.selection.load({name: state[name] for name, _, _ in slots})
         if self.cfg.privacy.adapts:
             self.clip_now = float(state["privacy_clip"][0])
         return self.state

@@ -23,6 +23,8 @@ from edgefed.algorithms import Algorithm, build_algorithm
 from edgefed.errors import (EXIT_BAD_INPUT, EXIT_INTERNAL, EXIT_INTERRUPTED, EXIT_RANK_LOST, ConfigError, EdgefedError,
                             Interrupted, RankLost, internal_error)
 from edgefed.orchestration import run as run_mod
+from edgefed.orchestration.budget import check_boards, check_rank_memory, rank_memory
+from edgefed.orchestration.resume import Launch
 from edgefed.problems.shard import check_made_from, check_shard, identity, shard_name
 from edgefed.orchestration.timing import timing_for
 from edgefed.runlog import discard_stub, let_go
@@ -35,7 +37,7 @@ from edgefed.compression import codecs
 from edgefed.runtime.mpi.protocol import Wire
 
 
-def execute(resolve, force: bool, on_round, on_info, on_error, launch: run_mod.Launch | None = None):
+def execute(resolve, force: bool, on_round, on_info, on_error, launch: Launch | None = None):
     """Run an experiment in this process or, under mpirun, across the ranks.
 
     `resolve()` gives (config, resume point, log path). Returns the RunResult on the process that wrote the
@@ -197,11 +199,11 @@ def plan_ranks(setup, owners: np.ndarray, machines) -> None:
     needs = {}
     for rank in range(1, len(machines)):
         cores, _ = rank_lanes(cfg, rank, machines)
-        needs[rank] = run_mod.rank_memory(cfg, setup.algorithm, setup.problem, setup.model,
+        needs[rank] = rank_memory(cfg, setup.algorithm, setup.problem, setup.model,
                                           np.flatnonzero(owners == rank), len(cores or (None,)))
     # ([device] profile alone may time a workstation's ranks as boards: only a board list names real boards)
     boards = {rank: hwprofile.load_profile(cfg.device.boards[rank - 1]) for rank in needs} if cfg.device.boards else {}
-    run_mod.check_boards(needs, boards)
+    check_boards(needs, boards)
     attrs = setup.header.attrs
     attrs["rank_memory_estimate_mb"] = np.concatenate([attrs["rank_memory_estimate_mb"][:1],
                                                        [needs[r][0] / 2 ** 20 for r in sorted(needs)]])
@@ -224,7 +226,7 @@ def _build_devices(cfg, info, rank: int, machines):
             check_shard(problem, own)
         algorithm = build_algorithm(cfg)
         cores, loads = rank_lanes(cfg, rank, machines)
-        run_mod.check_rank_memory(cfg, algorithm, problem, model, own, len(cores or (None,)))
+        check_rank_memory(cfg, algorithm, problem, model, own, len(cores or (None,)))
         transport = run_mod.local_transport(cfg, algorithm, problem, model, device_ids=own, cores=cores,
                                             contention=loads)
         warm = transport.warmup()

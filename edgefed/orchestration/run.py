@@ -10,14 +10,12 @@ import dataclasses
 import datetime
 import math
 import os
-import shutil
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
-import psutil
 
 from edgefed import compression, hwprofile
 from edgefed import config as config_mod
@@ -25,41 +23,27 @@ from edgefed.algorithms import Algorithm, build_algorithm
 from edgefed.config import Config
 from edgefed.engine.asynchronous import AsyncEngine
 from edgefed.engine.rounds import RoundEngine
-from edgefed.errors import ConfigError, EdgefedError, RankLost, ResourceError, RunLogError
+from edgefed.errors import ConfigError, RankLost
 from edgefed.layers import first_spatial, token_ids
-from edgefed.memory import memory_limit, peak_rss, size_text
+from edgefed.memory import memory_limit, peak_rss
 from edgefed.models import FeatureProblem, build_model
-from edgefed.orchestration.weights import read_weights, resumed_weights
+from edgefed.orchestration.budget import check_device_memory, check_memory, evaluates_apart, minibatch_rows
+from edgefed.orchestration.header import frozen_text, label_counter, log_header, log_layout, trajectory_every
+from edgefed.orchestration.resume import Launch, merged_restarts, same_data, start_weights
+from edgefed.orchestration.weights import read_weights
 from edgefed.outputs import check_output, writable
 from edgefed.orchestration.timing import link_speeds, timing_for
 from edgefed.participation.budgets import local_budgets
-from edgefed.participation.timing import Timing, overselected
+from edgefed.participation.timing import Timing
 from edgefed.participation import asynchrony, privacy
 from edgefed.participation.sampling import evaluation_sample
 from edgefed.participation.traces import ReplayTrace
 from edgefed.problems import build_problem
-from edgefed.participation.selection import POLICY_CLASSES, build_policy
-from edgefed.runlog import (Column, Header, RunLogWriter, discard_stub, exists_error, hold, let_go, nonfinite_counts,
-                            open_run, read_participation, read_resume_point, read_run, write_stub)
+from edgefed.participation.selection import POLICY_CLASSES
+from edgefed.runlog import (Header, RunLogWriter, discard_stub, exists_error, hold, let_go, nonfinite_counts, open_run,
+                            read_participation, write_stub)
 from edgefed.runtime.local import LocalTransport
 from edgefed.tracefiles import sampled_traces
-
-
-@dataclass(frozen=True)
-class Launch:
-    """What `edgefed launch` tells the run it starts: where to say that a rank was lost, and the restarts of
-    this launch so far (each a dict of runlog.RESTART's fields), to be kept in the log."""
-
-    status: Path | None = None
-    restarts: tuple = ()
-
-
-def merged_restarts(logged: tuple, launch: Launch | None) -> tuple:
-    """The log's restarts from earlier launches, then this launch's (it passes all of its own every time)."""
-    if launch is None or not launch.restarts:
-        return tuple(logged)
-    ours = {r["launch"] for r in launch.restarts}
-    return tuple(r for r in logged if r["launch"] not in ours) + tuple(launch.restarts)
 
 
 @dataclass(frozen=True)
@@ -106,29 +90,6 @@ def default_log_path(config_path: str | None) -> Path:
     return path
 
 
-def resolve_config(config_path: str | None, overrides, resume: str | None):
-    """The config to run and, when resuming, the resume point (whose config must match)."""
-    if resume is None:
-        return config_mod.load_config(config_path, overrides), None
-    point = read_resume_point(resume)
-    where = f"the config stored in {resume}"
-    if config_path is None:
-        stored, _ = config_mod.stored_config(point.config_toml, where)
-        for item in overrides:
-            config_mod.apply_override(stored, item)
-            config_mod.absolute_paths(stored, Path.cwd())
-        cfg = config_mod.config_from_dict(stored)
-    else:
-        cfg = config_mod.load_config(config_path, overrides)
-    logged, diffs = config_mod.log_differences(cfg, point.config_toml, where)
-    if diffs:
-        raise RunLogError(
-            f"--resume {resume}: the log belongs to a different config (differs in {', '.join(diffs)}); "
-            "resume with the config it was started with, or start a new run"
-        )
-    return config_mod.with_placement(logged, cfg), point
-
-
 def problem_key(cfg: Config) -> tuple:
     """What a config's problem is built from: configs with one key have one problem."""
     tokens = token_ids(cfg.model)
@@ -163,282 +124,6 @@ def problem_and_model(cfg: Config, problems: dict | None = None, start: dict | N
                           "training (dropout) from PyTorch's one generator per process, so its devices run one at a "
                           "time per process; remove threads_per_rank and use more ranks")
     return problem, model
-
-
-def log_layout(algorithm: Algorithm, cfg: Config, n: int, d: int, dtype) -> dict:
-    """The run-log columns and resume state an algorithm's vectors (and the wire's: error-feedback residuals,
-    the devices' copy of a compressed downlink) add to FedAvg's (Header fields)."""
-    columns = [Column(v.column, (d,), dtype, "stored", v.meaning) for v in algorithm.server_vectors]
-    if cfg.log.client_controls:
-        columns += [Column(v.column, (n, d), dtype, "stored", v.meaning) for v in algorithm.device_vectors]
-    slots = [v.name for v in algorithm.server_vectors]
-    if cfg.compress.downlink != "none":
-        slots += [compression.replica_name(name) for name in ("x", *slots)]
-    if cfg.participation.mode == "async":
-        columns.append(Column("participation/staleness", (n,), np.int32, "round",
-                              "async: tau = t - 1 - v of the device's report in server update t (-1: none)", -1))
-    if cfg.secagg.enabled:
-        columns += [
-            Column("participation/secagg_s", (n,), np.float32, "round",
-                   "secure aggregation: the device's time on keys, shares, masks and reveals, s (NaN: not selected)",
-                   np.nan),
-            Column("participation/secagg_bytes", (n,), np.int64, "round",
-                   "secure aggregation: the protocol's messages the device sent (keys, sealed shares, reveals), "
-                   "bytes; its masked input is bytes_up"),
-            Column("metrics/secagg_clipped", (), np.int64, "round",
-                   "secure aggregation: coordinates the clip cut, summed over the applied devices (masked like "
-                   "their updates: no one device's count is seen)"),
-            Column("metrics/secagg_aborted", (), np.bool_, "round",
-                   "secure aggregation could not unmask the round (too few survivors): nothing was applied")]
-    if cfg.privacy.mechanism == "central":  # (distributed: the devices clip, unseen)
-        columns.append(Column("participation/clipped", (n,), np.bool_, "round",
-                              "differential privacy: the device's contribution a_k Delta_k was longer than "
-                              "privacy.clip and was scaled to it"))
-    if cfg.privacy.adapts:
-        columns.append(Column("metrics/privacy_clip", (), np.float64, "round",
-                              "adaptive clipping: the clip C the round used (Andrew et al.'s quantile estimate)"))
-    if cfg.privacy.mechanism != "none":
-        columns += [
-            Column("metrics/epsilon", (), np.float64, "round+1",
-                   "differential privacy: the epsilon spent after the round, at the log's privacy_delta (RDP "
-                   "accountant, Poisson-sampled Gaussian)", np.nan)]
-    if cfg.selection.policy != "uniform":
-        columns += [
-            Column("participation/candidate", (n,), np.bool_, "round",
-                   f"the selection policy ({cfg.selection.policy}) considered the device for the round"),
-            Column("participation/utility", (n,), np.float64, "round",
-                   "the policy's score of a considered device when it selected (fedcs: predicted seconds; oort: "
-                   "utility; power_of_choice: local loss; NaN: not considered)", np.nan)]
-    rows = [v.name for v in algorithm.device_vectors]
-    if cfg.compress.error_feedback:
-        rows += [compression.residual_name(r) for r in algorithm.reports]
-    policy = build_policy(cfg.selection, cfg.seed, np.zeros(n, np.int64), cfg.rounds)
-    schedule = (("privacy_clip", (1,), np.float64),) if cfg.privacy.adapts else ()
-    if cfg.participation.mode == "async" and cfg.selection.policy != "uniform":  # the tasks in flight, for --resume
-        schedule += (("async_flight", (cfg.asynchronous.concurrency, 5), np.float64),
-                     ("async_counters", (2,), np.int64))
-    return {"extra_columns": tuple(columns),
-            "slots": tuple((name, (d,), dtype) for name in slots) + tuple(policy.state) + schedule,
-            "row_states": tuple((name, (n, d), dtype) for name in rows)}
-
-
-def stored_rounds(rounds: int, every: int) -> int:
-    """Rounds whose model the log stores: 0, every k-th, and the last."""
-    return rounds // every + 1 + (1 if rounds % every else 0)
-
-
-def trajectory_every(cfg: Config, header_layout: dict, d: int, dtype) -> tuple[int, str]:
-    """([log] every as run, what the log stores, in words). Unset, every round is stored unless that would
-    exceed [log] trajectory_mb: then every k-th, k the smallest that fits (round 0 and R always). An async
-    run stores every round: its --resume starts tasks from any of them."""
-    row = np.dtype(dtype).itemsize * d + sum(np.dtype(c.dtype).itemsize * int(np.prod(c.row_shape))
-                                             for c in header_layout["extra_columns"] if c.rows == "stored")
-    budget = cfg.log.trajectory_mb * 1e6
-    every, why = cfg.log.every, ""
-    if every is None:
-        every = 1
-        if cfg.participation.mode == "async":
-            why = " (async: --resume needs them all)"
-        elif stored_rounds(cfg.rounds, 1) * row > budget:
-            cap = max(int(budget // row), 2)
-            every = max(1, -(-cfg.rounds // max(cap - 1, 1)))
-            while every < cfg.rounds and stored_rounds(cfg.rounds, every) > cap:
-                every += 1
-            over = "" if stored_rounds(cfg.rounds, every) * row <= budget else ", over budget: set trajectory_mb"
-            why = f" to keep within [log] trajectory_mb = {cfg.log.trajectory_mb:g}{over}"
-    n = stored_rounds(cfg.rounds, every)
-    what = "every round" if every == 1 else f"every {every} rounds"
-    return every, f"log: the model {what}{why}, {n} of {cfg.rounds + 1} ({size_text(n * row)})"
-
-
-KERNEL_BYTES = 64 * 2 ** 20  # what loading a run's compiled kernels adds to the process (measured: 56-61 MB for
-# each built-in model, LLVM's own state the most of it; benchmarks/RESULTS.md, "Data at the edge")
-PER_DEVICE_BYTES = 700  # what the coordinator keeps per device (weights, sizes, label counts, a round's log rows,
-# the selection's and the clock's arrays): benchmarks/scale.py's peaks grow 0.44 KB a device from 10^5 to
-# 10^6 (637 -> 1028 MB); 700 leaves room for what that slope hides
-RANK_DEVICE_BYTES = 100  # what a device rank keeps per device of the federation (sizes, owners, the command
-# record's per-device fields: about 70 B by their dtypes; not measured apart)
-
-
-def memory_need(cfg: Config, n: int, data_bytes: int = 0, state_bytes: int = 0, state_what: str = "",
-                device_bytes: int = PER_DEVICE_BYTES, model_bytes: int = 0) -> tuple[int, list[str], int]:
-    """(bytes, their parts in words, of them the runtime's) a process needs: this process as it stands (the runtime, the problem) and
-    its kernels, the model's further buffers, N devices' bookkeeping at device_bytes each, the devices' data it
-    may hold (data_held), the devices' vectors."""
-    runtime = psutil.Process().memory_info().rss + KERNEL_BYTES
-    per_device = n * device_bytes
-    parts = [f"{size_text(runtime)} the runtime"]
-    parts += [f"{size_text(model_bytes)} the model's buffers (its lanes' workspaces, a round's updates)"] if model_bytes else []
-    parts += [f"{size_text(per_device)} for {n:,} devices' bookkeeping"]
-    parts += [f"{size_text(data_bytes)} of their data (up to data.cache_mb)"] if data_bytes else []
-    parts += [f"{size_text(state_bytes)} {state_what}"] if state_bytes else []
-    return runtime + model_bytes + per_device + data_bytes + state_bytes, parts, runtime
-
-
-def check_memory(cfg: Config, n: int, data_bytes: int = 0, state_bytes: int = 0, state_what: str = "",
-                 device_bytes: int = PER_DEVICE_BYTES, model_bytes: int = 0) -> int:
-    """Refuse, before anything large is built, a run whose estimate (memory_need) exceeds what this process may
-    use; one line with the estimate, the limit and what would fit. Returns the estimate."""
-    need, parts, runtime = memory_need(cfg, n, data_bytes, state_bytes, state_what, device_bytes, model_bytes)
-    limit, what = memory_limit()
-    if need <= limit:
-        return need
-    if runtime + model_bytes + data_bytes >= limit:  # no number of devices fits: the model is what is too large
-        raise ResourceError(f"this run needs about {size_text(need)} of memory ({', '.join(parts)}) but {what} is "
-                            f"{size_text(limit)}; use a smaller model, smaller minibatches (train.batch_size), fewer "
-                            "devices a round, fewer mpi.threads_per_rank" + (" or a smaller data.cache_mb"
-                                                                             if data_bytes else ""))
-    fit = max(int((limit - runtime - model_bytes - data_bytes) // (device_bytes + state_bytes / max(n, 1))), 0)
-    smaller = ", a smaller data.cache_mb, or log.eval_devices (evaluation builds every device)" if data_bytes else ""
-    raise ResourceError(f"this run needs about {size_text(need)} of memory ({', '.join(parts)}) but {what} is "
-                        f"{size_text(limit)}; about {fit:,} devices would fit in this process: use fewer devices "
-                        f"(data.clients) or fewer per rank (more ranks under mpiexec){smaller}")
-
-
-def data_held(cfg: Config, problem, own: np.ndarray | None = None) -> int:
-    """The most of the devices' data a process hosting `own` (None: every device) holds at once: the devices a
-    run can build there (the rounds' selections and the evaluated ones; every hosted one when all are
-    evaluated), the largest first, up to data.cache_mb and the one device its cache keeps beyond it."""
-    if not hasattr(problem, "device_bytes"):
-        return 0
-    sizes = problem.device_bytes()
-    sizes = sizes if own is None else sizes[own]
-    if not sizes.size:
-        return 0
-    built = sizes.size if cfg.log.eval_devices is None else min(
-        sizes.size, touched_rows(cfg, problem.n_devices) + cfg.log.eval_devices)
-    largest = np.partition(sizes, sizes.size - built)[sizes.size - built:] if built < sizes.size else sizes
-    return int(min(largest.sum(), cfg.data.cache_mb * 2 ** 20 + largest.max()))
-
-
-def minibatch_rows(cfg: Config, problem) -> int:
-    """The most samples one local step holds at once: the minibatch, or the largest device's (a full batch)."""
-    largest = int(np.max(problem.n_train, initial=1))
-    return largest if cfg.train.batch_size == "full" else min(int(cfg.train.batch_size), largest)
-
-
-MPI_COPIES = 3  # a round's report vectors under mpiexec, in the process that holds them: as computed (or
-# decoded), as the wire's records, and MPI's own copy of a large message (measured: the MNIST CNN, 50 devices
-# a round over 2 device ranks, 1.18 GB at rank 0 and 0.78 GB at each device rank, against 0.71 GB in one process)
-
-
-def model_bytes(cfg: Config, algorithm: Algorithm, problem, model, lanes: int, hosted: int | None = None,
-                distributed: bool = False) -> int:
-    """What a run's model costs beyond the one built (its parameters, which the process holds already): the
-    workspaces of a model for each lane and of one for evaluation where it runs apart, a round's report vectors (a row per selected device this process holds, and
-    its residual with error feedback; MPI_COPIES under mpiexec) and the server's vectors (x, its update and sum,
-    the algorithm's). hosted: the devices of a device rank (None: every device, the coordinator's view)."""
-    n = problem.n_devices
-    per_round = (cfg.asynchronous.concurrency if cfg.participation.mode == "async"
-                 else overselected(cfg.clients_per_round_count(n), cfg.participation.overselect, n))
-    rows = min(per_round, n if hosted is None else hosted) * len(algorithm.reports)
-    rows *= (2 if cfg.compress.error_feedback else 1) * (MPI_COPIES if distributed else 1)
-    server = (4 if hosted is None else 1) + 2 * len(algorithm.server_vectors)  # a device rank: the broadcast
-    vectors = (rows + server) * model.dim * np.dtype(model.dtype).itemsize
-    models = lanes + (1 if lanes and evaluates_apart(cfg) else 0)  # (workspaces are made when first used)
-    return models * model.memory_bytes(minibatch_rows(cfg, problem)) + vectors
-
-
-def touched_rows(cfg: Config, n: int) -> int:
-    """The most devices a report can change in a run: rounds x the devices a round selects (a replayed
-    log's or an async run's selections are not counted here: all of them)."""
-    p = cfg.participation
-    replay = p.mode == "trace" and isinstance(p.trace, str) and p.trace.endswith((".h5", ".hdf5"))
-    if replay or p.mode == "async":
-        return n
-    per_round = overselected(cfg.clients_per_round_count(n), cfg.participation.overselect, n)
-    return min(n, cfg.rounds * per_round)
-
-
-def held_rows(algorithm: Algorithm, cfg: Config, n: int) -> int:
-    """The most devices whose vectors a run holds (sparse state): those a report can change, or all of them
-    when they start from anything but zero."""
-    return touched_rows(cfg, n) if algorithm.zero_start else n
-
-
-def residual_bytes(algorithm: Algorithm, cfg: Config, n: int, d: int, dtype) -> int:
-    """Error feedback's residuals: a row per report vector of each device a report changed (zero before)."""
-    if not cfg.compress.error_feedback:
-        return 0
-    return len(algorithm.reports) * touched_rows(cfg, n) * d * np.dtype(dtype).itemsize
-
-
-def _rank_terms(cfg: Config, algorithm: Algorithm, problem, model, own: np.ndarray, lanes: int) -> tuple:
-    """memory_need's terms for a device rank hosting `own` with `lanes` lanes: the devices' data it may hold,
-    the vectors of its devices a run can touch, and its lanes' models."""
-    n = problem.n_devices
-    touched = min(own.size, touched_rows(cfg, n))
-    rows = len(algorithm.device_vectors) * (touched if algorithm.zero_start else own.size)
-    rows += len(algorithm.reports) * touched if cfg.compress.error_feedback else 0
-    state = rows * model.dim * np.dtype(model.dtype).itemsize
-    return (cfg, n, data_held(cfg, problem, own), state, "its devices' vectors", RANK_DEVICE_BYTES,
-            model_bytes(cfg, algorithm, problem, model, lanes, own.size, distributed=True))
-
-
-def rank_memory(cfg: Config, algorithm: Algorithm, problem, model, own: np.ndarray, lanes: int) -> tuple[int, list]:
-    """A device rank's estimate (memory_need): what rank 0 holds a board to before the world builds anything
-    (this process stands in for the rank's runtime: the same software and problem)."""
-    return memory_need(*_rank_terms(cfg, algorithm, problem, model, own, lanes))[:2]
-
-
-def check_rank_memory(cfg: Config, algorithm: Algorithm, problem, model, own: np.ndarray, lanes: int) -> int:
-    """A device rank's estimate before it builds its devices, against what its machine has."""
-    return check_memory(*_rank_terms(cfg, algorithm, problem, model, own, lanes))
-
-
-def check_boards(needs: dict[int, tuple[int, list]], boards: dict) -> None:
-    """Each device rank's estimate against its board's memory less what the board's own system takes
-    (hwprofile: machine.system_mb): a rank that cannot fit its board is refused before the world builds
-    anything, in one line naming the board."""
-    for rank, board in sorted(boards.items()):  # (rank -> its board's hwprofile.Profile)
-        need, parts = needs[rank]
-        name = Path(board.source).stem
-        if need > board.available_mb * 2 ** 20:
-            memory, system = board.machine["memory_mb"], board.machine.get("system_mb", 0)
-            raise ResourceError(
-                f"board {name} (rank {rank}) has {memory} MB, of which its system takes {system} MB: "
-                f"{board.available_mb:.0f} MB for the rank, which needs about {size_text(need)} ({', '.join(parts)}); "
-                "give the rank fewer devices (more boards), a smaller data.cache_mb or train.batch_size, or a "
-                "smaller model")
-
-
-def check_device_memory(algorithm: Algorithm, cfg: Config, problem, model, log_path: Path, on_info,
-                        distributed: bool = False) -> int:
-    """Report what the devices' vectors (SCAFFOLD's controls: a row for each device a run can touch, or all
-    N) and error feedback's residuals can take, and refuse when memory (with the model's lanes and a round's
-    vectors, in one process) or disk cannot hold them. Returns this process's estimate."""
-    vectors = algorithm.device_vectors
-    n, d, dtype = problem.n_devices, model.dim, model.dtype
-    data_bytes = 0 if distributed else data_held(cfg, problem)  # (under mpiexec the device ranks hold it)
-    residuals = residual_bytes(algorithm, cfg, n, d, dtype)
-    held_model = model_bytes(cfg, algorithm, problem, model, 0 if distributed else cfg.mpi.threads_per_rank or 1,
-                             distributed=distributed)  # (under mpiexec the coordinator hosts no device)
-    if not vectors:
-        return check_memory(cfg, n, data_bytes, residuals, "error feedback's residuals", model_bytes=held_model)
-    owner, noun = vectors[0].owner, " and ".join(dict.fromkeys(v.noun for v in vectors))
-    item = np.dtype(dtype).itemsize
-    held = held_rows(algorithm, cfg, n)
-    in_memory = len(vectors) * held * d * item
-    whole = len(vectors) * n * d * item  # what [log] client_controls stores every stored round
-    on_disk = 2 * in_memory + (stored_rounds(cfg.rounds, cfg.log.every) * whole if cfg.log.client_controls else 0)
-    shape = f"{held} x {d}" if len(vectors) == 1 else f"{len(vectors)} x {held} x {d}"
-    touched = "" if held == n else f" (held for the {held:,} of {n:,} devices {cfg.rounds} rounds can touch)"
-    on_info(f"{owner} {noun}: {shape} {np.dtype(dtype).name} = {size_text(in_memory)} in memory, "
-            f"{size_text(on_disk)} in the run log{touched}")
-    available = psutil.virtual_memory().available
-    if in_memory > 0.8 * available:
-        hint = "" if np.dtype(dtype) == np.float32 else 'model.dtype = "float32" halves it, or '
-        raise ResourceError(f"{owner}'s {noun} need {size_text(in_memory)} but only {size_text(available)} of memory "
-                            f"is available; {hint}use fewer devices (data.clients)"
-                            f"{'' if held == n else ', fewer rounds or fewer devices a round'}")
-    need = check_memory(cfg, n, data_bytes, in_memory + residuals,
-                        f"{owner}'s {noun}" + (" and the residuals" if residuals else ""), model_bytes=held_model)
-    free = shutil.disk_usage(log_path.parent if log_path.parent.exists() else Path.cwd()).free
-    if on_disk > free:
-        raise ResourceError(f"the run log would need {size_text(on_disk)} for {owner}'s {noun} but the disk has "
-                            f"{size_text(free)} free; log fewer rounds (log.every), set log.client_controls = false, "
-                            'or use model.dtype = "float32"')
-    return need
 
 
 @dataclass(frozen=True)
@@ -524,44 +209,6 @@ def released_on_failure(log_path: Path, owned: bool):
         raise
 
 
-def _frozen_text(model) -> str:
-    """What of the model trains, when some of it is frozen, and whether its frozen prefix's outputs are cached."""
-    frozen = model.frozen_values.size
-    if not frozen:
-        return ""
-    cached = (f" (the frozen layers' outputs computed once per device: {model.n_features} features a sample)"
-              if model.prefix else "")
-    return f" trained, {frozen:,} frozen{cached}"
-
-
-def start_weights(cfg: Config, log_path: Path, resume_point, on_info) -> dict | None:
-    """The state_dict the run starts from (None: drawn from the seed): model.weights read, or for a resumed run
-    the one its log started from, whatever the file holds now (a warning says when it moved or changed)."""
-    if cfg.model.weights is None:
-        return None
-    if resume_point is None or resume_point.fresh:
-        return read_weights(cfg.model.weights, cfg.model.weights_round)
-    weights, warning = resumed_weights(cfg.model.weights, cfg.model.weights_round, log_path)
-    if warning:
-        on_info(warning)
-    return weights
-
-
-def _same_data(resume_point, n_train: np.ndarray) -> None:
-    """A resumed run must train on the data it started with: the devices' sample counts the log keeps are a
-    fingerprint of the data and its partition (a changed file, or a partition drawn otherwise)."""
-    logged = None if resume_point is None or resume_point.fresh else resume_point.n_train
-    if logged is None or np.array_equal(logged, n_train):
-        return
-    if logged.shape != n_train.shape:
-        raise RunLogError(f"--resume: the log's run had {logged.size} devices but its data now gives {n_train.size}; "
-                          "resume with the data the run started with")
-    k = int(np.flatnonzero(logged != n_train)[0])
-    raise RunLogError(f"--resume: device {k} trained on {int(logged[k])} samples in the log's run but its data now "
-                      f"gives it {int(n_train[k])}: the data file or its partition changed since the run started; "
-                      "resume with the data it started with, or start a new run")
-
-
 def plan(cfg: Config, log_path: Path, problems: dict | None = None) -> Setup:
     """Everything a new run checks before its first round (its files read as far as the run reads them, the
     model against the data, memory, disk, deadlines), with nothing written: what a sweep does for each of its
@@ -576,7 +223,7 @@ def _prepared(cfg: Config, log_path: Path, resume_point, on_info, config_toml: s
         check_memory(cfg, cfg.data.clients)
     weights = start_weights(cfg, log_path, resume_point, on_info)
     problem, model = problem_and_model(cfg, problems, weights)
-    _same_data(resume_point, problem.n_train)
+    same_data(resume_point, problem.n_train)
     cfg = config_mod.with_clients(cfg, problem.n_devices)
     trace = _trace(cfg, problem)
     algorithm = build_algorithm(cfg)
@@ -587,63 +234,13 @@ def _prepared(cfg: Config, log_path: Path, resume_point, on_info, config_toml: s
     cfg = dataclasses.replace(cfg, log=dataclasses.replace(cfg.log, every=every))  # as run; the stored text keeps it unset
     if getattr(problem, "notice", None):
         on_info(problem.notice)
-    on_info(f"{problem.describe()}; model {model.kind}, d = {model.dim} {model.dtype.name}{_frozen_text(model)}; "
+    on_info(f"{problem.describe()}; model {model.kind}, d = {model.dim} {model.dtype.name}{frozen_text(model)}; "
             f"{cfg.train.algorithm}, {cfg.rounds} rounds; {stores}")
     need = check_device_memory(algorithm, cfg, problem, model, log_path, on_info, distributed)
-    attrs = {"problem": problem.describe(), "model": model.kind,
-             "train_objective": "(1/N_r) sum_k f_k" if cfg.train.weighting == "uniform" else "sum_k n_k/n F_k",
-             "rank_memory_estimate_mb": np.array([need / 2 ** 20])}  # (device ranks' added under mpiexec)
-    header = Header(
-        config_toml=config_toml, restarts=restarts,
-        seed=cfg.seed, rounds=cfg.rounds, n_devices=problem.n_devices, dim=model.dim, dtype=model.dtype,
-        n_train=problem.n_train, label_counts=_label_counts(problem), frozen=model.frozen_values,
-        **layout,
-        attrs=attrs,
-    )
-    if hasattr(problem, "sample_shape"):  # what rebuilds the model's layers from the config (edgefed export)
-        header.attrs["sample_shape"] = np.asarray(problem.sample_shape, np.int64)
-        header.attrs["model_outputs"] = int(problem.n_outputs)
-    if getattr(problem, "partition_draws", None) is not None:  # the dirichlet partition: its draws (1: the first)
-        header.attrs["partition_draws"] = int(problem.partition_draws)
-    normalization = problem.input_normalization() if hasattr(problem, "input_normalization") else None
-    if normalization is not None:  # what the model's inputs were: the exported model wants the same
-        header.attrs["input_shift"], header.attrs["input_scale"] = (np.asarray(v, np.float64) for v in normalization)
-    if model.prefix:  # what the devices' samples are
-        header.attrs["features_cached"] = (f"the frozen prefix's outputs ({model.n_features} values a sample: program "
-                                           f"operations 1..{model.prefix}), computed once per device")
-    if model.kind == "torch":  # its bits repeat on this machine and torch build only
-        header.attrs["torch_version"] = str(model.torch.__version__)
-        header.attrs["bits"] = ("repeat on the same machine and torch build; not promised across CPUs (PyTorch's "
-                                "kernels choose their own summation order)")
-    if cfg.secagg.enabled:  # which keys a run used: the test mode's are reproducible from the config
-        header.attrs["secagg_key_source"] = cfg.secagg.key_source
-    if cfg.log.eval_devices is not None:
-        if cfg.log.eval_devices > problem.n_devices:
-            raise ConfigError(f"config: log.eval_devices = {cfg.log.eval_devices} exceeds the {problem.n_devices} "
-                              "devices; lower it, or leave it out to evaluate every device")
-        header.attrs["eval_devices"] = cfg.log.eval_devices
+    header = log_header(cfg, algorithm, problem, model, layout, config_toml, restarts, need)
     if cfg.privacy.mechanism != "none":
         cfg = resolved_privacy(cfg, problem.n_devices, header.attrs, on_info, trace)
     return Setup(cfg, algorithm, problem, model, header, trace, weights=weights)
-
-
-def _label_counts(problem) -> np.ndarray | None:
-    """/devices/label_counts as the log starts: every device's, or (a large generated federation) -1 rows
-    the run fills as it builds each device's data."""
-    if not hasattr(problem, "label_counts"):
-        return None
-    if getattr(problem, "labels_later", False):
-        return np.full((problem.n_devices, problem.n_classes), -1, np.int64)
-    return problem.label_counts()
-
-
-def label_counter(problem, transport):
-    """ids -> their label counts, for a log that fills them as devices are built (None: counted at the start);
-    in one process from the transport's built data, under MPI rank 0 builds the selected devices' itself."""
-    if not getattr(problem, "labels_later", False):
-        return None
-    data = transport.data if isinstance(transport, LocalTransport) else problem.device
-    return lambda ids: np.stack([problem.labels_of(data(int(k))) for k in ids]) if len(ids) else None
 
 
 def resolved_privacy(cfg: Config, n: int, attrs: dict, on_info, trace=None) -> Config:
@@ -689,11 +286,6 @@ def local_transport(cfg: Config, algorithm: Algorithm, problem, model, device_id
                           privacy=cfg.privacy if cfg.privacy.mechanism == "distributed" else None,
                           evaluated=evaluation_sample(cfg.seed, problem.n_devices, cfg.log.eval_devices),
                           cache_mb=cfg.data.cache_mb, eval_apart=evaluates_apart(cfg))
-
-
-def evaluates_apart(cfg: Config) -> bool:
-    """Whether evaluation may overlap a worker still computing (so it needs a model of its own)."""
-    return cfg.participation.mode in ("deadline", "async") or cfg.participation.overselect > 0
 
 
 def usable_cores() -> list[int]:

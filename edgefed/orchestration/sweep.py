@@ -31,6 +31,7 @@ from edgefed import config as config_mod
 from edgefed.analysis.logs import Run
 from edgefed.errors import EXIT_BAD_INPUT, ConfigError, EdgefedError
 from edgefed.orchestration import run as runs
+from edgefed.orchestration.resume import resolve_config
 from edgefed.outputs import check_output
 from edgefed.runtime.mpi.comm import wait, world
 
@@ -241,7 +242,7 @@ def _state(folder: Path, job: Job) -> tuple[str, object]:
     if not path.exists():
         return "new", None
     try:
-        _, point = runs.resolve_config(None, [], str(path))
+        _, point = resolve_config(None, [], str(path))
     except EdgefedError as exc:
         return "failed", f"{exc} (delete {path} to run it afresh)"
     _, diffs = config_mod.log_differences(config_mod.config_from_dict(job.raw), point.config_toml, str(path))

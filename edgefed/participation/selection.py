@@ -97,12 +97,17 @@ class Feedback:
 
 class Uniform:
     name = "uniform"
-    state: tuple = ()
     reads_losses = False  # whether it reads what the devices' steps say of their losses
     reads_speeds = False  # whether it reads the devices' predicted times (View.seconds, work_s)
 
     def __init__(self, seed: int, settings, n_train: np.ndarray, rounds: int):
         self.seed, self.n_train = seed, np.asarray(n_train, np.int64)
+
+    @staticmethod
+    def slots(n: int, rounds: int) -> tuple:
+        """The state a policy keeps for --resume in a federation of n devices over `rounds` rounds, as
+        (name, shape, dtype) slots: known before any policy is built (the log's header declares them)."""
+        return ()
 
     def select(self, view: View) -> Choice:
         chosen = select_devices(self.seed, view.key, view.members, view.count)
@@ -203,11 +208,10 @@ class Oort(Uniform):
         self.history = np.zeros(rounds + 1)  # round r's summed statistical utility of the devices taken
         self.scalars = np.array([s.exploration, math.nan, math.nan, 0.0])  # epsilon, T, pacer delta, last round
 
-    @property
-    def state(self) -> tuple:
-        n, r = self.reward.size, self.history.size
+    @staticmethod
+    def slots(n: int, rounds: int) -> tuple:
         return (("oort_reward", (n,), np.float64), ("oort_last", (n,), np.int64),
-                ("oort_history", (r,), np.float64), ("oort_scalars", (4,), np.float64))
+                ("oort_history", (rounds + 1,), np.float64), ("oort_scalars", (4,), np.float64))
 
     def values(self) -> dict:
         return {"oort_reward": self.reward.copy(), "oort_last": self.last.copy(), "oort_history": self.history.copy(),
