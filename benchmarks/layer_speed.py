@@ -65,7 +65,7 @@ MODELS = {
 def build(name: str, dtype=np.float32):
     shape, classes, batch, k, layers = MODELS[name]
     network = layer_lib.build(layer_lib.check_layers(layers), shape, classes, dtype)
-    return Sequential(network, dtype, seed=0), batch, k
+    return Sequential.seeded(network, dtype, 0), batch, k
 
 
 def data_for(model, n=400):

@@ -70,7 +70,7 @@ def build(name: str) -> Sequential:
         assert model.dim == 819_920, model.dim
         return model
     network = layer_lib.build(layer_lib.check_layers(GRU_LAYERS), (LENGTH,), CLASSES, np.float32)
-    return Sequential(network, np.float32, seed=0, init="pytorch")
+    return Sequential.seeded(network, np.float32, 0, "pytorch")
 
 
 def token_data(n: int, seed: int = 0) -> ClassificationData:
@@ -207,7 +207,7 @@ if layers is None:
     model = Sequential.builtin("charlstm", (length,), classes, np.float32, seed=0)
 else:
     network = layer_lib.build(layer_lib.check_layers(layers), (length,), classes, np.float32)
-    model = Sequential(network, np.float32, seed=0, init="pytorch")
+    model = Sequential.seeded(network, np.float32, 0, "pytorch")
 g = np.random.default_rng(0)
 X = g.integers(0, vocab, (samples, length)).astype(np.float32)
 y = g.integers(0, classes, samples)

@@ -34,7 +34,7 @@ import numpy as np  # noqa: E402
 from edgefed import layers as layer_lib  # noqa: E402
 from edgefed.models import Sequential  # noqa: E402
 from edgefed.problems import ClassificationData  # noqa: E402
-from edgefed.rng import Purpose, kernel_state  # noqa: E402
+from edgefed.rng import Purpose, generator, kernel_state  # noqa: E402
 from edgefed.torchmodel import TorchModel, import_torch  # noqa: E402
 from kernel_speed import paired_times  # noqa: E402 - the same alternating blocks
 
@@ -103,8 +103,8 @@ def table(repeats: int, k: int) -> None:
     lr = 0.01
     for name, (path, factory, shape, classes, batch, layers) in NETWORKS.items():
         data = data_for(shape, classes)
-        tm = TorchModel(path, factory, shape, classes, np.float32, seed=0)
-        seq = Sequential(layer_lib.build(layer_lib.check_layers(layers), shape, classes, np.float32), np.float32, 0)
+        tm = TorchModel(path, factory, shape, classes, np.float32, generator(0, Purpose.INIT))
+        seq = Sequential.seeded(layer_lib.build(layer_lib.check_layers(layers), shape, classes, np.float32), np.float32, 0)
         assert seq.dim == tm.dim, (seq.dim, tm.dim)
         x_t, x_s = tm.initial_params(), seq.initial_params()
         plain = PlainLoop(tm, x_t, data, batch, lr)

@@ -48,11 +48,6 @@ class Speed:
         return f"{self.model}: {self.layers}" if self.model in NAMED else self.model
 
 
-def model_key(model) -> str:
-    """What a profile's speed entry names this model by (a built-in's name, or its layer list)."""
-    return model.profile_key() if hasattr(model, "profile_key") else model.kind
-
-
 @dataclass(frozen=True)
 class Profile:
     name: str

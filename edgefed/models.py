@@ -1,5 +1,5 @@
-"""Models over flat parameter vectors: `Sequential` (any layer list of edgefed/layers/, the built-in models
-among them) around the one network kernel, and the quadratic oracle.
+"""Models over flat parameter vectors, each keeping the contract of model_contract.py: `Sequential` (any layer
+list of edgefed/layers/, the built-in models among them) around the one network kernel, and the quadratic oracle.
 
 The public methods check dtypes and shapes once and own the workspaces, so the kernels below them never
 allocate. `local_steps` continues the caller's generator state, so one round's work may be split into
@@ -7,8 +7,6 @@ chunks (deadline mode) without changing a single draw.
 """
 
 from __future__ import annotations
-
-import threading
 
 import numpy as np
 from numba import typeof
@@ -19,10 +17,12 @@ from edgefed.kernels.ops import ROWS, SLOTS, Apart, cached, kernel_names, kernel
 from edgefed.kernels.ops import tables as op_tables
 from edgefed.kernels.program import F_FROZEN, F_NOUT, F_NPARAM, F_TYPE
 from edgefed.kernels import quadratic as _quad
+from edgefed.model_contract import Classifier, LocalRun, Model
 from edgefed.kernels.sgd import step_terms
 from edgefed.errors import ConfigError
 from edgefed.problems.data import ClassificationData, QuadraticData
 from edgefed.rng import Purpose, generator, kernel_state
+
 
 class GrowingRows:
     """Workspaces of `rows` rows that grow to the largest batch asked for and hand out views of the first b.
@@ -48,21 +48,10 @@ class GrowingRows:
         return views
 
 
-class LocalRun:
-    """Workspace of one device's local work in one round: its generator state and minibatch permutation, and
-    what its steps report of their losses: the sum of the squared losses of the samples trained on, and how
-    many (a sample drawn twice counts twice)."""
-
-    def __init__(self, rng_state: np.ndarray, n_samples: int):
-        self.rng = rng_state
-        self.perm = np.arange(n_samples, dtype=np.int64)
-        self.loss_sq, self.samples = 0.0, 0
-
-
 BUILTIN_INITS = {"logreg": "zeros", "charlstm": "pytorch"}  # a built-in model's own (else glorot)
 
 
-class Sequential:
+class Sequential(Classifier):
     """A layer list (edgefed/layers/) trained by the network kernel: every classifier and regressor.
 
     The built-in models are named layer lists (`builtin`): logistic regression ("logreg", initialized at
@@ -73,20 +62,21 @@ class Sequential:
     (n, width) in the model dtype (mse).
     """
 
-    def __init__(self, network: layer_lib.Network, dtype, seed: int, init: str = "pytorch",
-                 loss: str = "cross_entropy", kind: str = "sequential", cache_features: bool = True,
-                 start: np.ndarray | None = None):
-        self.network, self.dtype, self.seed, self.init, self.loss, self.kind = network, np.dtype(dtype), seed, init, loss, kind
+    def __init__(self, network: layer_lib.Network, dtype, start: np.ndarray, loss: str = "cross_entropy",
+                 kind: str = "sequential", cache_features: bool = True):
+        """start: the whole vector a run starts from, x_0 then the frozen tensors (layers.initial_params: drawn
+        from the run's stream; load_weights replaces it)."""
+        self.network, self.dtype, self.loss, self.kind = network, np.dtype(dtype), loss, kind
         self.cache_features = cache_features
         self.dim = network.trainable  # x: the trainable parameters, the whole vector's first
         self.n_outputs = network.out_width
         self._loss_kind = net.CROSS_ENTROPY if loss == "cross_entropy" else net.MSE
+        first_layer = network.layers[0] if network.layers else {}
         dt = self.dtype
-        # the whole vector a run starts from ([model] weights, or a clone's); None: drawn from the seed (once,
-        # here, when the frozen tensors need it)
-        self._start = self._drawn() if start is None and network.frozen else start
-        self._whole = None if self._start is None or not network.frozen else self._start.copy()  # x, then frozen
+        self._start = start
+        self._whole = start.copy() if network.frozen else None  # x, then the frozen tensors the program reads
         self.prefix = layer_lib.feature_prefix(network.prog) if cache_features else 0
+        self.vocabulary = int(first_layer["num"]) if first_layer.get("type") == "embedding" and not self.prefix else 0
         self._prog, self._slopes, first = network.prog, network.slopes, 0
         self.n_inputs = self.n_features = int(np.prod(network.input_shape))
         if self.prefix:  # the samples are the prefix's outputs: the program starts after it
@@ -112,11 +102,18 @@ class Sequential:
     def builtin(cls, kind: str, sample_shape: tuple, n_classes: int, dtype, seed: int = 0, hidden=(200, 200),
                 memory=None, rows: int = 1):
         """A built-in model ("logreg", "mlp" with these hidden widths, "cnn", "charlstm") for samples of this
-        shape (memory, rows: as layers.build takes them)."""
+        shape, its values drawn from seed's INIT stream (memory, rows: as layers.build takes them)."""
         layers = layer_lib.builtin_layers(kind, tuple(sample_shape), n_classes, hidden)
         network = layer_lib.build(layers, tuple(sample_shape), n_classes, dtype, name=f'model.kind = "{kind}", layers',
                                   memory=memory, rows=rows)
-        return cls(network, dtype, seed, BUILTIN_INITS.get(kind, "glorot"), "cross_entropy", kind)
+        return cls.seeded(network, dtype, seed, BUILTIN_INITS.get(kind, "glorot"), kind=kind)
+
+    @classmethod
+    def seeded(cls, network: layer_lib.Network, dtype, seed: int, init: str = "pytorch", **settings) -> Sequential:
+        """A model of this network starting from an init scheme's draw from the (seed, INIT) stream (settings:
+        the constructor's loss, kind, cache_features)."""
+        return cls(network, dtype, layer_lib.initial_params(network, init, generator(seed, Purpose.INIT), dtype),
+                   **settings)
 
     @property
     def n_classes(self) -> int:
@@ -134,12 +131,15 @@ class Sequential:
         """What a board profile's speed entry names this model by: a built-in's name, else its layer list."""
         return self.kind if self.kind != "sequential" else f"sequential: {self.network.signature()}"
 
-    def _drawn(self) -> np.ndarray:
-        return layer_lib.initial_params(self.network, self.init, generator(self.seed, Purpose.INIT), self.dtype)
+    def log_attrs(self) -> dict:
+        if not self.prefix:
+            return {}
+        return {"features_cached": f"the frozen prefix's outputs ({self.n_features} values a sample: program "
+                                   f"operations 1..{self.prefix}), computed once per device"}
 
     def initial_params(self) -> np.ndarray:
-        """x_0: the trainable parameters, loaded (load_weights) or drawn from the seed."""
-        return (self._drawn() if self._start is None else self._start)[:self.dim].copy()
+        """x_0: the trainable parameters, loaded (load_weights) or drawn."""
+        return self._start[:self.dim].copy()
 
     def load_weights(self, weights: dict, source: str) -> None:
         """Start from a state_dict (the printed module's names and shapes: what `edgefed export --weights`
@@ -159,8 +159,7 @@ class Sequential:
 
     def clone(self) -> "Sequential":
         """The same model with its own workspaces (for a second thread)."""
-        return Sequential(self.network, self.dtype, self.seed, self.init, self.loss, self.kind, self.cache_features,
-                          self._start)
+        return Sequential(self.network, self.dtype, self._start, self.loss, self.kind, self.cache_features)
 
     def state_dict(self, params: np.ndarray) -> dict[str, np.ndarray]:
         return layer_lib.state_dict(self.network, self.whole(params))
@@ -329,38 +328,10 @@ class Sequential:
         return self.loss_correct(params, data.X_train, data.y_train)[0] / data.n_train
 
 
-class FeatureProblem:
-    """A problem whose devices' samples are a model's frozen prefix's outputs (Sequential.features), computed
-    once when a device's data is built, in every process alike: the model's local steps and evaluation then
-    run only its trainable rest. Everything else is the problem's own."""
-
-    def __init__(self, problem, model: Sequential):
-        self._problem, self._model = problem, model
-        self._lock = threading.Lock()  # lanes build devices from their threads: one extractor's workspaces
-        self._extractor = None
-
-    def __getattr__(self, name):
-        return getattr(self._problem, name)
-
-    def device(self, device_id: int) -> ClassificationData:
-        data = self._problem.device(device_id)
-        with self._lock:
-            if self._extractor is None:
-                self._extractor = self._model.clone()
-            return ClassificationData(self._extractor.features(data.X_train), data.y_train,
-                                      self._extractor.features(data.X_test), data.y_test)
-
-    def device_bytes(self) -> np.ndarray:
-        """(N,) each built device's data: the samples as features (the raw ones are dropped once passed through)."""
-        raw = self._problem.device_bytes()
-        return (raw * (self._model.n_features / max(int(np.prod(self._model.network.input_shape)), 1))).astype(np.int64)
-
-
-class Quadratic:
+class Quadratic(Model):
     """The quadratic oracle; the model is x itself (d = the problem's dimension)."""
 
     kind = "quadratic"
-    prefix = 0  # (no layers, none frozen)
 
     def __init__(self, dim: int, x0: np.ndarray, dtype: np.dtype):
         self.dim, self.dtype = dim, np.dtype(dtype)
@@ -375,6 +346,9 @@ class Quadratic:
 
     def memory_bytes(self, rows: int) -> int:
         return 0  # its oracle works in place, on the problem's arrays
+
+    def compile_kernels(self, data, on_compile=None) -> None:
+        pass  # (its kernels compile, or load, at their first call)
 
     def clone(self) -> "Quadratic":
         return Quadratic(self.dim, self._x0, self.dtype)
@@ -409,10 +383,11 @@ def build_model(model, problem, seed: int = 0, memory: tuple[int, str] | None = 
     dtype = np.dtype(model.dtype)
     if model.kind == "quadratic":
         return Quadratic(problem.dim, problem.x0, dtype)
+    init = generator(seed, Purpose.INIT)  # (the model's initial values: its one draw from the stream)
     if model.kind == "torch":
         from edgefed.torchmodel import TorchModel
 
-        return TorchModel(model.module, model.factory, problem.sample_shape, problem.n_outputs, dtype, seed, model.loss)
+        return TorchModel(model.module, model.factory, problem.sample_shape, problem.n_outputs, dtype, init, model.loss)
     layers = layer_lib.model_layers(model, problem.sample_shape, problem.n_outputs)  # (the one entry)
     text = getattr(problem, "text", None)  # (task, vocabulary) of samples the reader made token ids
     if text is not None and layers[0]["type"] != "embedding":
@@ -424,8 +399,9 @@ def build_model(model, problem, seed: int = 0, memory: tuple[int, str] | None = 
     name = "model.layers" if model.kind == "sequential" else f'model.kind = "{model.kind}", layers'
     network = layer_lib.build(layers, problem.sample_shape, problem.n_outputs, dtype,
                               f"{what} ({note})" if note else what, name=name, memory=memory, rows=rows)
-    init = model.init or ("pytorch" if model.kind == "sequential" else BUILTIN_INITS.get(model.kind, "glorot"))
-    return Sequential(network, dtype, seed, init, model.loss, model.kind, model.cache_features)
+    scheme = model.init or ("pytorch" if model.kind == "sequential" else BUILTIN_INITS.get(model.kind, "glorot"))
+    return Sequential(network, dtype, layer_lib.initial_params(network, scheme, init, dtype), model.loss, model.kind,
+                      model.cache_features)
 
 
 MODEL_CALLS = ("oracle_grad", "loss_grad")  # what an algorithm may call beyond local_steps and evaluation
@@ -438,8 +414,7 @@ def warm_model(model, data, batch_size, calls=MODEL_CALLS, on_compile=None) -> N
     if isinstance(data, ClassificationData):  # a few rows reach every kernel: a device of 50,000 would cost seconds
         few = 2 * (batch_size or 16)
         data = ClassificationData(data.X_train[:few], data.y_train[:few], data.X_test[:few], data.y_test[:few])
-    if hasattr(model, "compile_kernels"):
-        model.compile_kernels(data, on_compile)
+    model.compile_kernels(data, on_compile)
     x = model.initial_params()
     y, grad = x.copy(), np.zeros_like(x)
     run = model.begin(data, kernel_state(0, Purpose.LOCAL, 0, 0))

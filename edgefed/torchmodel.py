@@ -30,7 +30,7 @@ import numpy as np
 from edgefed.errors import ConfigError
 from edgefed.kernels.random import draw_batch
 from edgefed.layers import check_state
-from edgefed.rng import Purpose, generator
+from edgefed.model_contract import Classifier
 
 EVAL_CHUNK = 64
 _MODULES = {}  # path -> the loaded module file (clones and ranks' second models reuse it)
@@ -73,6 +73,13 @@ def _load(path: str):
     return _MODULES[path]
 
 
+def _replayed(state: dict) -> np.random.Generator:
+    """A generator at a saved state of another's."""
+    bits = getattr(np.random, state["bit_generator"])()
+    bits.state = state
+    return np.random.Generator(bits)
+
+
 class TorchRun:
     """One device's local work in one round: its minibatch generator and permutation (as every model's), and
     the torch generator state of the module's own randomness."""
@@ -107,18 +114,19 @@ def _first_line(exc: BaseException) -> str:
     return text.splitlines()[0] if text else "(no message)"
 
 
-class TorchModel:
-    """A user's torch.nn.Module behind edgefed's model interface (see the module's docstring)."""
+class TorchModel(Classifier):
+    """A user's torch.nn.Module behind edgefed's model contract (models.Classifier; see the module's docstring).
+    init: the run's (seed, INIT) stream, whose first draw seeds torch while the factory builds the module."""
 
     kind = "torch"
-    prefix = 0  # (no feature cache: the module is run whole)
     EVAL_CHUNK = EVAL_CHUNK
     report_losses = False  # fill run.loss_sq (a selection policy reads them): off, a step costs nothing more
 
-    def __init__(self, path: str, factory: str, sample_shape: tuple, n_outputs: int, dtype, seed: int,
-                 loss: str = "cross_entropy"):
+    def __init__(self, path: str, factory: str, sample_shape: tuple, n_outputs: int, dtype,
+                 init: np.random.Generator, loss: str = "cross_entropy"):
         torch = self.torch = import_torch()
-        self.path, self.factory, self.seed, self.loss = path, factory, seed, loss
+        self.path, self.factory, self.loss = path, factory, loss
+        self._init_stream = init.bit_generator.state  # (a clone's module is built from the same draw)
         self.sample_shape, self.n_outputs = tuple(int(s) for s in sample_shape), int(n_outputs)
         self.n_features = int(np.prod(self.sample_shape))
         self.dtype = np.dtype(dtype)
@@ -129,7 +137,7 @@ class TorchModel:
             raise ConfigError(f"config: model.factory = {factory!r} is not a function in {path}; name the function "
                               "that returns your nn.Module, called as factory(input_shape, n_classes)")
         with torch.random.fork_rng(devices=[]):  # its initialization from the run's (seed, INIT) stream
-            torch.manual_seed(int(generator(seed, Purpose.INIT).integers(2**62)))
+            torch.manual_seed(int(init.integers(2**62)))
             try:
                 module = build(self.sample_shape, self.n_outputs)
             except Exception as exc:  # noqa: BLE001 - the user's factory: its error, in one line
@@ -242,6 +250,14 @@ class TorchModel:
         return self.draws
 
     # -- edgefed's model interface ------------------------------------------------------------------------
+    def log_attrs(self) -> dict:
+        return {"torch_version": str(self.torch.__version__),  # its bits repeat on this machine and torch build only
+                "bits": "repeat on the same machine and torch build; not promised across CPUs (PyTorch's kernels "
+                        "choose their own summation order)"}
+
+    def compile_kernels(self, data, on_compile=None) -> None:
+        pass  # (torch's own kernels: nothing of edgefed's to compile)
+
     def profile_key(self) -> str:
         """A board profile's key: the module file, its factory and the input shape."""
         shape = "x".join(map(str, self.sample_shape))
@@ -290,7 +306,8 @@ class TorchModel:
 
     def clone(self) -> "TorchModel":
         """Its own module (and workspaces), for a second thread: evaluation while a late worker computes."""
-        twin = TorchModel(self.path, self.factory, self.sample_shape, self.n_outputs, self.dtype, self.seed, self.loss)
+        twin = TorchModel(self.path, self.factory, self.sample_shape, self.n_outputs, self.dtype,
+                          _replayed(self._init_stream), self.loss)
         twin.set_frozen(self.frozen_values)
         twin._init = self._init
         return twin

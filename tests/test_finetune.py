@@ -61,7 +61,7 @@ def trained(tmp_path_factory):
 # -- the layer list -------------------------------------------------------------------------------------------
 def small(layers, cache=True, dtype=np.float64):
     network = layer_lib.build(layer_lib.check_layers(layers), (1, 6, 6), 3, dtype)
-    return Sequential(network, dtype, seed=2, cache_features=cache)
+    return Sequential.seeded(network, dtype, 2, cache_features=cache)
 
 
 LAYERS = [{"type": "conv2d", "out": 3, "kernel": 3, "trainable": False}, {"type": "relu"}, {"type": "flatten"},

@@ -59,7 +59,7 @@ N_CLASSES = 3
 def model_for(shape, layers, dtype, loss="cross_entropy", width=N_CLASSES):
     checked = layer_lib.check_layers(list(layers) + [{"type": "dense", "out": width}])
     network = layer_lib.build(checked, shape, width, dtype)
-    return Sequential(network, dtype, seed=3, init="pytorch", loss=loss)
+    return Sequential.seeded(network, dtype, 3, "pytorch", loss=loss)
 
 
 def samples(model, n, seed=0, loss="cross_entropy"):

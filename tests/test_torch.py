@@ -20,7 +20,7 @@ from edgefed.kernels.sgd import step_terms  # noqa: E402
 from edgefed.orchestration import run as runs  # noqa: E402
 from edgefed.orchestration.profiling import speed_entry  # noqa: E402
 from edgefed.problems import ClassificationData  # noqa: E402
-from edgefed.rng import Purpose, kernel_state  # noqa: E402
+from edgefed.rng import Purpose, generator, kernel_state  # noqa: E402
 from edgefed.runlog import read_run  # noqa: E402
 from edgefed.torchmodel import TorchModel, _load  # noqa: E402
 from helpers import assert_same_logs, interrupted_then_resumed  # noqa: E402
@@ -31,7 +31,7 @@ FLOWER = str(Path(__file__).parent.parent / "examples" / "flower_quickstart.py")
 
 
 def model_of(factory, shape=(6,), classes=3, dtype=np.float64):
-    return TorchModel(MODULES, factory, shape, classes, dtype, seed=0)
+    return TorchModel(MODULES, factory, shape, classes, dtype, generator(0, Purpose.INIT))
 
 
 def samples(shape=(6,), classes=3, n=20, seed=0, dtype=np.float64):
@@ -72,7 +72,7 @@ def test_one_full_batch_step_is_x_minus_lr_grad_by_torch_autograd(algorithm):
 
 @pytest.mark.parametrize("loss", ["cross_entropy", "mse"])
 def test_reporting_the_losses_for_oort_moves_no_bit_of_the_step(loss):
-    model = TorchModel(MODULES, "linear", (6,), 3, np.float64, seed=0, loss=loss)
+    model = TorchModel(MODULES, "linear", (6,), 3, np.float64, generator(0, Purpose.INIT), loss=loss)
     data = samples()
     if loss == "mse":
         data = dataclasses.replace(data, y_train=np.eye(3)[data.y_train], y_test=np.eye(3)[data.y_test])
@@ -187,7 +187,7 @@ def test_mpiexec_with_two_ranks_writes_the_simulators_log_with_dropout(tmp_path)
 
 
 def test_mse_step_and_loss_are_torchs(tmp_path):
-    model = TorchModel(MODULES, "linear", (6,), 2, np.float64, seed=0, loss="mse")
+    model = TorchModel(MODULES, "linear", (6,), 2, np.float64, generator(0, Purpose.INIT), loss="mse")
     g = np.random.default_rng(3)
     X, Y = g.normal(size=(12, 6)), g.normal(size=(12, 2))
     data = ClassificationData(X, Y, X[:3].copy(), Y[:3].copy())

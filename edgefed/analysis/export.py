@@ -72,9 +72,11 @@ def network_of(run: Run):
     shape = tuple(int(v) for v in run.attrs["sample_shape"])
     outputs = int(run.attrs["model_outputs"])
     if kind == "torch":
+        from edgefed.rng import Purpose, generator
         from edgefed.torchmodel import TorchModel
 
-        return TorchModel(cfg.model.module, cfg.model.factory, shape, outputs, cfg.model.dtype, cfg.seed, cfg.model.loss)
+        return TorchModel(cfg.model.module, cfg.model.factory, shape, outputs, cfg.model.dtype,
+                          generator(cfg.seed, Purpose.INIT), cfg.model.loss)
     layers = (cfg.model.layers if kind == "sequential"
               else layer_lib.builtin_layers(kind, shape, outputs, cfg.model.hidden))
     return layer_lib.build(layers, shape, outputs, cfg.model.dtype)

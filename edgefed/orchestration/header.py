@@ -123,13 +123,7 @@ def log_header(cfg: Config, algorithm: Algorithm, problem, model, layout: dict, 
     normalization = problem.input_normalization() if hasattr(problem, "input_normalization") else None
     if normalization is not None:  # what the model's inputs were: the exported model wants the same
         attrs["input_shift"], attrs["input_scale"] = (np.asarray(v, np.float64) for v in normalization)
-    if model.prefix:  # what the devices' samples are
-        attrs["features_cached"] = (f"the frozen prefix's outputs ({model.n_features} values a sample: program "
-                                    f"operations 1..{model.prefix}), computed once per device")
-    if model.kind == "torch":  # its bits repeat on this machine and torch build only
-        attrs["torch_version"] = str(model.torch.__version__)
-        attrs["bits"] = ("repeat on the same machine and torch build; not promised across CPUs (PyTorch's "
-                         "kernels choose their own summation order)")
+    attrs.update(model.log_attrs())  # (what its samples are; what its bits repeat on)
     if cfg.secagg.enabled:  # which keys a run used: the test mode's are reproducible from the config
         attrs["secagg_key_source"] = cfg.secagg.key_source
     if cfg.log.eval_devices is not None:

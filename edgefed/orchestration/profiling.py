@@ -80,8 +80,7 @@ def build(spec: str, dtype: str = "float32", n: int = 200):
     else:
         shape = (60,) if spec == "logreg" else (1, 28, 28)
         model = Sequential.builtin(spec, shape, 10, dt)
-    first = model.network.layers[0] if hasattr(model, "network") else {}
-    X = _random_samples(g, model, n, model.n_features, first.get("type") == "embedding" and not model.prefix)
+    X = _random_samples(g, model, n, model.n_features, model.vocabulary)
     if model.has_accuracy:
         y = g.integers(0, model.n_outputs, n).astype(np.int64)
     else:
@@ -98,10 +97,10 @@ def _config_model(spec: str, dtype: str):
     return problem_and_model(dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, dtype=dtype)))[1]
 
 
-def _random_samples(g, model, n: int, width: int, token_ids: bool) -> np.ndarray:
-    """n random samples of width values in the model dtype: token ids of its embedding, else in [0, 1)."""
-    if token_ids:
-        return g.integers(0, model.network.layers[0]["num"], (n, width)).astype(model.dtype)
+def _random_samples(g, model, n: int, width: int, vocabulary: int) -> np.ndarray:
+    """n random samples of width values in the model dtype: token ids below vocabulary (0: values in [0, 1))."""
+    if vocabulary:
+        return g.integers(0, vocabulary, (n, width)).astype(model.dtype)
     return g.random((n, width)).astype(model.dtype)
 
 
@@ -110,7 +109,7 @@ def speed_entry(model, batch: int, steps_per_s: float, prefix_samples_per_s: flo
     frozen prefix's outputs are its samples, with that prefix's speed (prefix_samples_per_second)."""
     entry = {"model": model.kind, "params": model.dim, "batch": batch, "steps_per_s": float(f"{steps_per_s:.4g}")}
     if model.kind in hwprofile.NAMED:
-        entry["layers"] = hwprofile.model_key(model).split(": ", 1)[1]
+        entry["layers"] = model.profile_key().split(": ", 1)[1]
     if prefix_samples_per_s is not None:
         entry["prefix_samples_per_s"] = float(f"{prefix_samples_per_s:.4g}")
     return entry
@@ -119,8 +118,9 @@ def speed_entry(model, batch: int, steps_per_s: float, prefix_samples_per_s: flo
 def prefix_samples_per_second(model, min_time_s: float = 0.3) -> float:
     """Samples a second through a model's frozen prefix (the one-off pass when a device's data is built)."""
     n = 4 * model.network.eval_chunk
+    first = model.network.layers[0]  # (the prefix's own inputs)
     X = _random_samples(np.random.default_rng(0), model, n, model.n_inputs,
-                        model.network.layers[0]["type"] == "embedding")
+                        first["num"] if first["type"] == "embedding" else 0)
     model.features(X[:1])
     samples, t0 = 0, time.perf_counter()
     while time.perf_counter() - t0 < min_time_s or not samples:
@@ -318,7 +318,7 @@ def mpi_collectives(comm, specs=tuple(BENCH_MODELS), repeats: int = 20) -> list[
             else:
                 wait(comm.Isend(buf, dest=0, tag=7))
             gather.append(time.perf_counter() - t)
-        out.append({"model": hwprofile.model_key(model), "params": dim, "bytes": dim * 4,
+        out.append({"model": model.profile_key(), "params": dim, "bytes": dim * 4,
                     "bcast_ms": round(float(np.median(bcast)) * 1e3, 3),
                     "gather_ms": round(float(np.median(gather)) * 1e3, 3)})
     return out

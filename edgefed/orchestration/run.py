@@ -26,7 +26,7 @@ from edgefed.engine.rounds import RoundEngine
 from edgefed.errors import ConfigError, RankLost
 from edgefed.layers import first_spatial, token_ids
 from edgefed.memory import memory_limit, peak_rss
-from edgefed.models import FeatureProblem, build_model
+from edgefed.models import build_model
 from edgefed.orchestration.budget import check_device_memory, check_memory, evaluates_apart, minibatch_rows
 from edgefed.orchestration.header import frozen_text, label_counter, log_header, log_layout, trajectory_every
 from edgefed.orchestration.resume import Launch, merged_restarts, same_data, start_weights
@@ -39,6 +39,7 @@ from edgefed.participation import asynchrony, privacy
 from edgefed.participation.sampling import evaluation_sample
 from edgefed.participation.traces import ReplayTrace
 from edgefed.problems import build_problem
+from edgefed.problems.features import FeatureProblem
 from edgefed.participation.selection import POLICY_CLASSES
 from edgefed.runlog import (Header, RunLogWriter, discard_stub, exists_error, hold, let_go, nonfinite_counts, open_run,
                             read_participation, write_stub)
@@ -119,7 +120,7 @@ def problem_and_model(cfg: Config, problems: dict | None = None, start: dict | N
     if model.prefix:  # the samples pass the frozen prefix once, when a device's data is built
         problem = FeatureProblem(problem, model)
     threads = cfg.mpi.threads_per_rank or 1
-    if threads > 1 and getattr(model, "one_lane", False):
+    if threads > 1 and model.one_lane:
         raise ConfigError(f"config: mpi.threads_per_rank = {threads}, but model.module draws random numbers in "
                           "training (dropout) from PyTorch's one generator per process, so its devices run one at a "
                           "time per process; remove threads_per_rank and use more ranks")

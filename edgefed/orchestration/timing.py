@@ -34,13 +34,13 @@ def _board_step_seconds(setup, names) -> tuple[np.ndarray, dict]:
     cfg, model, problem = setup.cfg, setup.model, setup.problem
     profiles = {name: hwprofile.load_profile(name) for name in dict.fromkeys(names)}
     batches = problem.n_train if cfg.train.batch_size == "full" else np.minimum(cfg.train.batch_size, problem.n_train)
-    key = hwprofile.model_key(model)
+    key = model.profile_key()
     return np.array([profiles[names[k]].step_seconds(key, int(batches[k]), model.dim)
                      for k in range(problem.n_devices)]), profiles
 
 
 def _comm_seconds(setup, names, profiles) -> np.ndarray:
-    seconds = [profiles[name].comm_seconds(hwprofile.model_key(setup.model), setup.model.dim) for name in names]
+    seconds = [profiles[name].comm_seconds(setup.model.profile_key(), setup.model.dim) for name in names]
     return np.array([np.nan if s is None else s for s in seconds])
 
 
@@ -64,7 +64,7 @@ def timing_for(setup, owners: np.ndarray | None = None, on_info=None, resume_poi
     cfg, p, n = setup.cfg, setup.cfg.participation, setup.problem.n_devices
     attrs = {} if resume_point is None else resume_point.attrs
     names = board_names(cfg, n, owners)
-    key = hwprofile.model_key(setup.model)
+    key = setup.model.profile_key()
     untimed = None  # a profile the run names that does not time its model
     if names is not None:
         untimed = next((prof for prof in map(hwprofile.load_profile, dict.fromkeys(names)) if not prof.times(key)),

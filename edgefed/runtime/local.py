@@ -248,15 +248,14 @@ class LocalTransport:
         if cores is None and self.contention:
             cores = (min(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 0,)
         cores = (None,) if not cores else tuple(cores)
-        if getattr(model, "one_lane", False):  # e.g. a torch module drawing from torch's process-wide generator
+        if model.one_lane:  # e.g. a torch module drawing from torch's process-wide generator
             cores = cores[:1]
         if self.contention:
             pin(cores[0])  # competitors start before any priority drop, on their lanes' cores
         self.lanes = [Lane(core, model if i == 0 else model.clone(), BoardReadings(core),
                            Competitor(core) if self.contention else None) for i, core in enumerate(cores)]
         for lane in self.lanes:
-            if hasattr(lane.model, "report_losses"):
-                lane.model.report_losses = report_losses
+            lane.model.report_losses = report_losses
         self._pool = None  # the lanes' threads, when there are several or competitors to yield to
         self._dispatch = None  # the thread a device rank's round runs on while its main thread serves MPI
         self._stop = threading.Event()  # set: the coordinator needs no more of this round's work
