@@ -376,18 +376,29 @@ class Quadratic(Model):
         return self.loss_grad(params, data, np.empty_like(params))
 
 
-def build_model(model, problem, seed: int = 0, memory: tuple[int, str] | None = None, rows: int = 1):
-    """The model a validated [model] table names (kind, layers, loss, init, dtype), sized by the problem.
-    A bad layer list is a ConfigError naming the layer; one that would not fit in memory (bytes, what sets
-    them) for minibatches of `rows` samples a ResourceError, before its buffers are allocated."""
+def minibatch_rows(batch_size, n_train: np.ndarray) -> int:
+    """The most samples one local step holds at once: the minibatch, or the largest device's (a full batch)."""
+    largest = int(np.max(n_train, initial=1))
+    return largest if batch_size == "full" else min(int(batch_size), largest)
+
+
+def build_model(model, problem, init: np.random.Generator, memory: tuple[int, str] | None = None,
+                batch_size="full"):
+    """The model a validated [model] table names (kind, layers, loss, init, dtype), sized by the problem, its
+    initial values drawn from `init` (the run's (seed, INIT) stream). A bad layer list is a ConfigError naming
+    the layer; one that would not fit in memory (bytes, what sets them) for minibatches of train.batch_size a
+    ResourceError, before its buffers are allocated."""
     dtype = np.dtype(model.dtype)
+    if model.kind not in ("quadratic", "torch"):
+        return _sequential(model, problem, init, dtype, memory, minibatch_rows(batch_size, problem.n_train))
     if model.kind == "quadratic":
         return Quadratic(problem.dim, problem.x0, dtype)
-    init = generator(seed, Purpose.INIT)  # (the model's initial values: its one draw from the stream)
-    if model.kind == "torch":
-        from edgefed.torchmodel import TorchModel
+    from edgefed.torchmodel import TorchModel
 
-        return TorchModel(model.module, model.factory, problem.sample_shape, problem.n_outputs, dtype, init, model.loss)
+    return TorchModel(model.module, model.factory, problem.sample_shape, problem.n_outputs, dtype, init, model.loss)
+
+
+def _sequential(model, problem, init: np.random.Generator, dtype, memory, rows: int) -> Sequential:
     layers = layer_lib.model_layers(model, problem.sample_shape, problem.n_outputs)  # (the one entry)
     text = getattr(problem, "text", None)  # (task, vocabulary) of samples the reader made token ids
     if text is not None and layers[0]["type"] != "embedding":
@@ -400,8 +411,8 @@ def build_model(model, problem, seed: int = 0, memory: tuple[int, str] | None = 
     network = layer_lib.build(layers, problem.sample_shape, problem.n_outputs, dtype,
                               f"{what} ({note})" if note else what, name=name, memory=memory, rows=rows)
     scheme = model.init or ("pytorch" if model.kind == "sequential" else BUILTIN_INITS.get(model.kind, "glorot"))
-    return Sequential(network, dtype, layer_lib.initial_params(network, scheme, init, dtype), model.loss, model.kind,
-                      model.cache_features)
+    start = layer_lib.initial_params(network, scheme, init, dtype)
+    return Sequential(network, dtype, start, model.loss, model.kind, model.cache_features)
 
 
 MODEL_CALLS = ("oracle_grad", "loss_grad")  # what an algorithm may call beyond local_steps and evaluation

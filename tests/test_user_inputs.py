@@ -15,6 +15,7 @@ import pytest
 from edgefed import config as config_mod
 from edgefed.cli import main
 from edgefed.orchestration import run as runs
+from edgefed.models import minibatch_rows
 from edgefed.orchestration import budget
 from edgefed.runlog import read_run
 
@@ -159,7 +160,7 @@ def test_the_runs_estimate_counts_the_models_lanes_and_a_rounds_vectors(monkeypa
     cfg = config_mod.load_config("examples/digits-cnn.toml", TINY + ["mpi.threads_per_rank=2"])
     problem, model = runs.problem_and_model(cfg)
     extra = budget.model_bytes(cfg, runs.build_algorithm(cfg), problem, model, 2)
-    one = model.memory_bytes(budget.minibatch_rows(cfg, problem))
+    one = model.memory_bytes(minibatch_rows(cfg.train.batch_size, problem.n_train))
     assert extra >= 2 * one + (2 + 4) * model.dim * 4  # two lanes, two reports and the server's vectors
     runtime = budget.psutil.Process().memory_info().rss + budget.KERNEL_BYTES
     monkeypatch.setattr(budget, "memory_limit", lambda: (runtime + extra // 2, "the memory available"))

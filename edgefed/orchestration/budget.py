@@ -14,6 +14,7 @@ from edgefed.algorithms import Algorithm
 from edgefed.config import Config
 from edgefed.errors import ResourceError
 from edgefed.memory import memory_limit, size_text
+from edgefed.models import minibatch_rows
 from edgefed.orchestration.header import stored_rounds
 from edgefed.participation.timing import overselected
 
@@ -78,12 +79,6 @@ def data_held(cfg: Config, problem, own: np.ndarray | None = None) -> int:
     return int(min(largest.sum(), cfg.data.cache_mb * 2 ** 20 + largest.max()))
 
 
-def minibatch_rows(cfg: Config, problem) -> int:
-    """The most samples one local step holds at once: the minibatch, or the largest device's (a full batch)."""
-    largest = int(np.max(problem.n_train, initial=1))
-    return largest if cfg.train.batch_size == "full" else min(int(cfg.train.batch_size), largest)
-
-
 MPI_COPIES = 3  # a round's report vectors under mpiexec, in the process that holds them: as computed (or
 # decoded), as the wire's records, and MPI's own copy of a large message (measured: the MNIST CNN, 50 devices
 # a round over 2 device ranks, 1.18 GB at rank 0 and 0.78 GB at each device rank, against 0.71 GB in one process)
@@ -103,7 +98,7 @@ def model_bytes(cfg: Config, algorithm: Algorithm, problem, model, lanes: int, h
     server = (4 if hosted is None else 1) + 2 * len(algorithm.server_vectors)  # a device rank: the broadcast
     vectors = (rows + server) * model.dim * np.dtype(model.dtype).itemsize
     models = lanes + (1 if lanes and evaluates_apart(cfg) else 0)  # (workspaces are made when first used)
-    return models * model.memory_bytes(minibatch_rows(cfg, problem)) + vectors
+    return models * model.memory_bytes(minibatch_rows(cfg.train.batch_size, problem.n_train)) + vectors
 
 
 def touched_rows(cfg: Config, n: int) -> int:

@@ -100,14 +100,12 @@ def trajectory_every(cfg: Config, header_layout: dict, d: int, dtype) -> tuple[i
     return every, f"log: the model {what}{why}, {n} of {cfg.rounds + 1} ({size_text(n * row)})"
 
 
-def log_header(cfg: Config, algorithm: Algorithm, problem, model, layout: dict, config_toml: str, restarts: tuple,
-               need: int) -> Header:
+def log_header(cfg: Config, algorithm: Algorithm, problem, model, layout: dict, config_toml: str,
+               restarts: tuple) -> Header:
     """The log's header as the run starts: the config as run, the federation, the model and what its devices'
-    samples are, the columns and state the run's algorithm and policies add (layout), and this process's memory
-    estimate (need, bytes; the device ranks' are added under mpiexec)."""
+    samples are, and the columns and state the run's algorithm and policies add (layout)."""
     attrs = {"problem": problem.describe(), "model": model.kind,
-             "train_objective": "(1/N_r) sum_k f_k" if cfg.train.weighting == "uniform" else "sum_k n_k/n F_k",
-             "rank_memory_estimate_mb": np.array([need / 2 ** 20])}
+             "train_objective": "(1/N_r) sum_k f_k" if cfg.train.weighting == "uniform" else "sum_k n_k/n F_k"}
     header = Header(
         config_toml=config_toml, restarts=restarts,
         seed=cfg.seed, rounds=cfg.rounds, n_devices=problem.n_devices, dim=model.dim, dtype=model.dtype,

@@ -27,10 +27,9 @@ from edgefed.errors import ConfigError, RankLost
 from edgefed.layers import first_spatial, token_ids
 from edgefed.memory import memory_limit, peak_rss
 from edgefed.models import build_model
-from edgefed.orchestration.budget import check_device_memory, check_memory, evaluates_apart, minibatch_rows
+from edgefed.orchestration.budget import check_device_memory, check_memory, evaluates_apart
 from edgefed.orchestration.header import frozen_text, label_counter, log_header, log_layout, trajectory_every
 from edgefed.orchestration.resume import Launch, merged_restarts, same_data, start_weights
-from edgefed.orchestration.weights import read_weights
 from edgefed.outputs import check_output, writable
 from edgefed.orchestration.timing import link_speeds, timing_for
 from edgefed.participation.budgets import local_budgets
@@ -39,6 +38,7 @@ from edgefed.participation import asynchrony, privacy
 from edgefed.participation.sampling import evaluation_sample
 from edgefed.participation.traces import ReplayTrace
 from edgefed.problems import build_problem
+from edgefed.rng import Purpose, generator
 from edgefed.problems.features import FeatureProblem
 from edgefed.participation.selection import POLICY_CLASSES
 from edgefed.runlog import (Header, RunLogWriter, discard_stub, exists_error, hold, let_go, nonfinite_counts, open_run,
@@ -103,19 +103,28 @@ def problem_and_model(cfg: Config, problems: dict | None = None, start: dict | N
                       shard=None):
     """The problem a config describes and the model that trains on it (every process builds them alike);
     problems: built problems by problem_key, taken from and added to (a sweep's plan); start: the state_dict
-    the run starts from when model.weights is set (start_weights), read from the file when not given;
+    the run starts from when model.weights is set (start_weights; None: the seed's draw, as for a model's
+    speed or size);
     convert: whether this process may convert a LEAF folder (a device rank reads its coordinator's copy);
     shard: a device rank's shard of the data, read instead of data.path."""
+    return with_model(cfg, shared_problem(cfg, problems, convert, shard), start)
+
+
+def shared_problem(cfg: Config, problems: dict | None = None, convert: bool = True, shard=None):
+    """The problem a config describes (problems, convert, shard: as problem_and_model takes them)."""
     key = problem_key(cfg)
     problem = None if problems is None else problems.get(key)
     if problem is None:
         problem = build_problem(*key, convert=convert, shard=shard)
     if problems is not None:
         problems[key] = problem
-    model = build_model(cfg.model, problem, cfg.seed, memory_limit(), minibatch_rows(cfg, problem))
-    if cfg.model.weights is not None:
-        if start is None:
-            start = read_weights(cfg.model.weights, cfg.model.weights_round)
+    return problem
+
+
+def with_model(cfg: Config, problem, start: dict | None = None):
+    """(the problem as the model sees it, the model): its samples through a frozen prefix when it has one."""
+    model = build_model(cfg.model, problem, generator(cfg.seed, Purpose.INIT), memory_limit(), cfg.train.batch_size)
+    if start is not None:
         model.load_weights(start, f"config: model.weights = {cfg.model.weights!r}")
     if model.prefix:  # the samples pass the frozen prefix once, when a device's data is built
         problem = FeatureProblem(problem, model)
@@ -222,9 +231,10 @@ def _prepared(cfg: Config, log_path: Path, resume_point, on_info, config_toml: s
               problems: dict | None = None, distributed: bool = False) -> Setup:
     if cfg.data.kind == "synthetic" and cfg.data.clients:  # N is known before its sizes are drawn (minutes at 10^7)
         check_memory(cfg, cfg.data.clients)
-    weights = start_weights(cfg, log_path, resume_point, on_info)
-    problem, model = problem_and_model(cfg, problems, weights)
+    problem = shared_problem(cfg, problems)
     same_data(resume_point, problem.n_train)
+    weights = start_weights(cfg, log_path, resume_point, on_info)
+    problem, model = with_model(cfg, problem, weights)
     cfg = config_mod.with_clients(cfg, problem.n_devices)
     trace = _trace(cfg, problem)
     algorithm = build_algorithm(cfg)
@@ -237,37 +247,13 @@ def _prepared(cfg: Config, log_path: Path, resume_point, on_info, config_toml: s
         on_info(problem.notice)
     on_info(f"{problem.describe()}; model {model.kind}, d = {model.dim} {model.dtype.name}{frozen_text(model)}; "
             f"{cfg.train.algorithm}, {cfg.rounds} rounds; {stores}")
+    header = log_header(cfg, algorithm, problem, model, layout, config_toml, restarts)
     need = check_device_memory(algorithm, cfg, problem, model, log_path, on_info, distributed)
-    header = log_header(cfg, algorithm, problem, model, layout, config_toml, restarts, need)
+    header.attrs["rank_memory_estimate_mb"] = np.array([need / 2 ** 20])  # (device ranks' added under mpiexec)
     if cfg.privacy.mechanism != "none":
-        cfg = resolved_privacy(cfg, problem.n_devices, header.attrs, on_info, trace)
+        cfg = privacy.settled(cfg, problem.n_devices, header.attrs, on_info,
+                              trace.selected if isinstance(trace, ReplayTrace) else None)
     return Setup(cfg, algorithm, problem, model, header, trace, weights=weights)
-
-
-def resolved_privacy(cfg: Config, n: int, attrs: dict, on_info, trace=None) -> Config:
-    """The config as run with z and delta settled (z solved for an epsilon target over the planned rounds),
-    and the log's attributes that say what the run's epsilon means."""
-    d = cfg.privacy
-    privacy.available()
-    q = privacy.sampling_rate(cfg, n, trace.selected if isinstance(trace, ReplayTrace) else None)
-    delta = privacy.default_delta(n) if d.delta is None else d.delta
-    z = d.noise_multiplier if d.epsilon is None else privacy.noise_for(d.epsilon, delta, q, cfg.rounds)
-    attrs.update(privacy_mechanism=d.mechanism, privacy_noise_multiplier=float(z), privacy_clip=float(d.clip),
-                 privacy_delta=float(delta), privacy_sampling_rate=float(q), privacy_noise_source=d.noise_source)
-    sigma_b = d.quantile_noise
-    if d.adapts:  # the count of unclipped updates is released too: its noise shares the budget
-        reports = cfg.asynchronous.buffer if cfg.participation.mode == "async" else cfg.clients_per_round_count(n)
-        sigma_b = reports / 20.0 if sigma_b is None else sigma_b
-        if not math.isfinite(privacy.update_noise(z, sigma_b)):
-            raise ConfigError(f"config: privacy.adaptive_clip needs the count's noise 2 sigma_b above z = {z:.4g}, but "
-                              f"sigma_b = {sigma_b:g}; raise privacy.quantile_noise or select more devices a round")
-        attrs.update(privacy_quantile_noise=float(sigma_b), privacy_update_noise=privacy.update_noise(z, sigma_b))
-    target = "" if d.epsilon is None else f" (for epsilon {d.epsilon:g} over {cfg.rounds} rounds)"
-    on_info(f"privacy: {d.mechanism} noise, z = {z:.4g}{target}, clip C = {d.clip:g}, delta = {delta:.3g}, "
-            f"q = {'M' if cfg.participation.mode == 'async' else 'S'}/N = {q:.3g}")
-    # as run: z in place of the target (the ranks are sent this config; the log keeps the one given)
-    return dataclasses.replace(cfg, privacy=dataclasses.replace(d, noise_multiplier=float(z), epsilon=None,
-                                                                delta=float(delta), quantile_noise=sigma_b))
 
 
 def local_transport(cfg: Config, algorithm: Algorithm, problem, model, device_ids=None, cores=None,

@@ -10,6 +10,7 @@ most C whatever its steps, and the noise is z times that sensitivity.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import os
@@ -143,3 +144,30 @@ def noise_for(epsilon: float, delta: float, q: float, rounds: int) -> float:
     dp = _accounting()
     return float(dp.calibrate_dp_mechanism(dp.rdp.RdpAccountant, lambda z: _event(q, z, rounds), epsilon, delta,
                                            dp.LowerEndpointAndGuess(1e-3, 1.0)))
+
+
+def settled(cfg, n: int, attrs: dict, on_info, recorded: np.ndarray | None = None):
+    """The config as run with z and delta settled (z solved for an epsilon target over the planned rounds),
+    and the log's attributes that say what the run's epsilon means (recorded: a replayed log's selections,
+    whose rate q is the one that was run)."""
+    d = cfg.privacy
+    available()
+    q = sampling_rate(cfg, n, recorded)
+    delta = default_delta(n) if d.delta is None else d.delta
+    z = d.noise_multiplier if d.epsilon is None else noise_for(d.epsilon, delta, q, cfg.rounds)
+    attrs.update(privacy_mechanism=d.mechanism, privacy_noise_multiplier=float(z), privacy_clip=float(d.clip),
+                 privacy_delta=float(delta), privacy_sampling_rate=float(q), privacy_noise_source=d.noise_source)
+    sigma_b = d.quantile_noise
+    if d.adapts:  # the count of unclipped updates is released too: its noise shares the budget
+        reports = cfg.asynchronous.buffer if cfg.participation.mode == "async" else cfg.clients_per_round_count(n)
+        sigma_b = reports / 20.0 if sigma_b is None else sigma_b
+        if not math.isfinite(update_noise(z, sigma_b)):
+            raise ConfigError(f"config: privacy.adaptive_clip needs the count's noise 2 sigma_b above z = {z:.4g}, but "
+                              f"sigma_b = {sigma_b:g}; raise privacy.quantile_noise or select more devices a round")
+        attrs.update(privacy_quantile_noise=float(sigma_b), privacy_update_noise=update_noise(z, sigma_b))
+    target = "" if d.epsilon is None else f" (for epsilon {d.epsilon:g} over {cfg.rounds} rounds)"
+    on_info(f"privacy: {d.mechanism} noise, z = {z:.4g}{target}, clip C = {d.clip:g}, delta = {delta:.3g}, "
+            f"q = {'M' if cfg.participation.mode == 'async' else 'S'}/N = {q:.3g}")
+    # as run: z in place of the target (the ranks are sent this config; the log keeps the one given)
+    return dataclasses.replace(cfg, privacy=dataclasses.replace(d, noise_multiplier=float(z), epsilon=None,
+                                                                delta=float(delta), quantile_noise=sigma_b))
