@@ -178,8 +178,18 @@ def test_dynamics_validation():
                                                   "depart": [{"device": 1, "round": 3}]}})
     with pytest.raises(ConfigError, match="policy = 'keep' is not known"):
         config_mod.config_from_dict({"dynamics": {"depart": [{"device": 1, "round": 3, "policy": "keep"}]}})
-    dyn = Dynamics(config_mod.DynamicsConfig(), 3)
-    assert dyn.active(0).all() and dyn.shift_round(50) == 0 and dyn.boost(np.arange(3), 4).tolist() == [1, 1, 1]
+    none = Dynamics(config_mod.DynamicsConfig(), 3).at(50)
+    assert none.active.all() and none.shift_round == 0 and none.boost(np.arange(3)).tolist() == [1, 1, 1]
+    # a round's membership by hand: device 1 arrives in round 3 (fast-reboot, b = 3), device 2 departs in round
+    # 4 but stays in the objective, silent
+    dyn = Dynamics(config_mod.config_from_dict({"dynamics": {
+        "fast_reboot": True, "arrive": [{"device": 1, "round": 3}],
+        "depart": [{"device": 2, "round": 4, "policy": "include"}]}}).dynamics, 3)
+    at3, at4 = dyn.at(3), dyn.at(4)
+    assert at3.shifts and at3.arriving.tolist() == [1] and at3.shift_round == 2 and not dyn.at(2).active[1]
+    assert at3.boost(np.array([2, 1])).tolist() == [1.0, 3.0]  # 1 + (b - 1) / (3 - 3 + 1)^2
+    assert at4.boost(np.array([1])).tolist() == [1.5] and not at4.shifts and at4.arriving.size == 0
+    assert at4.active.tolist() == [True, True, True] and at4.silent.tolist() == [False, False, True]
 
 
 def test_trace_record_and_show(tmp_path):

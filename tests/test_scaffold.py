@@ -285,6 +285,7 @@ def test_devices_hold_exactly_the_controls_the_log_tracks(tmp_path, quad_file):
     from edgefed.algorithms import build_algorithm
     from edgefed.engine.rounds import RoundEngine
     from edgefed.models import build_model
+    from edgefed.rng import Purpose, generator
     from edgefed.runlog import Header, RunLogWriter
     from edgefed.runtime.local import LocalTransport
 
@@ -295,7 +296,7 @@ def test_devices_hold_exactly_the_controls_the_log_tracks(tmp_path, quad_file):
                                         "train.lr_local=0.5", "rounds=4", 'scaffold.init="gradient"'])
     cfg = config_mod.with_clients(cfg, 4)
     problem = problem_of(cfg)
-    model = build_model(cfg.model, problem)
+    model = build_model(cfg.model, problem, generator(cfg.seed, Purpose.INIT))
     algorithm = build_algorithm(cfg)
     transport = LocalTransport(problem, model, algorithm, cfg.seed, None)
     header = Header(config_mod.to_toml(cfg), 0, 4, 4, 2, model.dtype, problem.n_train,

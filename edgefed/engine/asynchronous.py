@@ -171,15 +171,10 @@ class AsyncEngine(RoundEngine):
         coeffs = np.where(nonfinite, 0.0, buffer_coefficients(staleness, a.buffer, a.staleness, a.staleness_exponent))
         reported = (coeffs != 0.0) & (res.steps > 0)
         coeffs[~reported] = 0.0
-        vectors, extra = res.vectors, {}
-        if self.accountant is not None:  # central: w(tau_k) Delta_k clipped to C, a_k = M p_k (docs/design.md 2.19)
-            vectors, extra = self._clipped(ids, res.vectors, coeffs, reported, a.buffer, round_idx)
-        self.state = self._declared(self.algorithm.server_update(
-            self.state, RoundReports(ids, vectors, coeffs, reported, t.lr_global, int(self.active.sum()))),
-            "server_update")
-        if self.accountant is not None:
-            self.state = self._noised(a.buffer, round_idx)
-            extra["metrics/epsilon"] = self.accountant.epsilon(round_idx)
+        reports = RoundReports(ids, res.vectors, coeffs, reported, t.lr_global, int(self.active.sum()))
+        # central privacy: w(tau_k) Delta_k clipped to C, a_k = M p_k (docs/design.md 2.19)
+        state, extra = self.privacy.server_update(self.algorithm, self.state, reports, a.buffer, round_idx)
+        self.state = self._declared(state, "server_update")
         self.versions[round_idx] = self.state
         self._learn(round_idx, ids, res, reported)
         for v in [v for v in self.versions if v < round_idx - self.window]:

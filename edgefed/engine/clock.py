@@ -14,18 +14,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from edgefed.participation.timing import (History, Timing, first_to_finish, forward_pass_s, quantile_deadline, steps_by,
-                                          steps_within)
+from edgefed.participation.timing import (Forecast, History, RoundDeadlines, Timing, due_s, first_to_finish,
+                                          forward_pass_s, round_deadlines, steps_by)
 from edgefed.transport import LocalResults, RoundPlan
-
-
-@dataclass(frozen=True)
-class RoundDeadlines:
-    """What the deadline policy decided for the selected devices of a round (None: no deadline)."""
-
-    due_s: np.ndarray | None  # the policy's deadline, by which each report is due
-    compute_s: np.ndarray | None  # what each device may compute for (less its links with covers = "round")
-    steps: np.ndarray | None  # with a simulated clock: the steps that fit, instead of a wall-clock race
 
 
 @dataclass(frozen=True)
@@ -51,25 +42,14 @@ class RoundClock:
         return self.timing.clock == "simulated"
 
     # -- before the round -------------------------------------------------------------------------------
-    def forecast(self, ids: np.ndarray, budgets: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """(each device's predicted seconds for its K_k steps, and for its round: those plus its links), from
-        its measured history, else its profile (NaN: no speed known)."""
+    def forecast(self, ids: np.ndarray, budgets: np.ndarray) -> Forecast:
+        """What these devices' measured histories, else their profiles, predict of their K_k steps and links."""
         t = self.timing
         work = budgets * self.history.step_s(ids, None if t.boards is None else t.boards.step_s[ids])
-        return work, work + self.history.comm(ids, t.link_prior(ids))
+        return Forecast(work, self.history.comm(ids, t.link_prior(ids)))
 
-    def _links(self, ids: np.ndarray):
-        return self.history.comm(ids, self.timing.link_prior(ids)) if self.timing.covers == "round" else 0.0
-
-    def _due(self, ids: np.ndarray, budgets: np.ndarray, among: np.ndarray | None) -> np.ndarray:
-        t = self.timing
-        if t.quantile is None:
-            return t.deadlines[ids]
-        # adaptive: about a share q of the selected devices (or of those a selection policy fitted into the
-        # deadline) can finish their K_k steps (and, with covers = "round", get their reports in)
-        basis, k = (ids, budgets) if among is None else (among, self.budgets[among])
-        predicted = self.forecast(basis, k)[0] + self._links(basis)
-        return np.full(ids.size, quantile_deadline(predicted, t.quantile))
+    def _forecast_if(self, needed: bool, ids: np.ndarray, budgets: np.ndarray) -> Forecast | None:
+        return self.forecast(ids, budgets) if needed else None
 
     def windows(self, ids: np.ndarray, budgets: np.ndarray) -> np.ndarray:
         """The seconds of local work each device's deadline leaves it, were these devices the round's (NaN:
@@ -77,19 +57,19 @@ class RoundClock:
         t = self.timing
         if self.mode not in ("deadline", "async") or (t.deadlines is None and t.quantile is None):
             return np.full(ids.size, np.nan)  # no deadline (an async task's is fixed when it has one)
-        return self._due(ids, budgets, None) - self._links(ids)
+        own = self._forecast_if(t.quantile is not None or t.needs_links(), ids, budgets)
+        return due_s(t, ids, own) - (own.links_s if t.needs_links() else 0.0)
 
     def deadlines(self, ids: np.ndarray, budgets: np.ndarray, among: np.ndarray | None = None) -> RoundDeadlines:
+        """The round's deadlines from one forecast of the selected devices (and of `among`, the devices a
+        selection policy fitted into the deadline, which an adaptive deadline is set among)."""
         t = self.timing
         if self.mode != "deadline":
             return RoundDeadlines(None, None, None)
-        due = self._due(ids, budgets, among)
-        compute = due - self._links(ids)
-        if self.simulated:
-            return RoundDeadlines(due, None, steps_within(budgets, t.boards.step_s[ids], compute))
-        if not np.isfinite(compute).any():
-            return RoundDeadlines(due, None, None)  # nothing to predict from yet: the budgets, untimed
-        return RoundDeadlines(due, np.where(np.isfinite(compute), compute, math.inf), None)
+        adaptive = t.quantile is not None
+        own = self._forecast_if((adaptive and among is None) or t.needs_links(), ids, budgets)
+        basis = self._forecast_if(adaptive and among is not None, among, None if among is None else self.budgets[among])
+        return round_deadlines(t, ids, budgets, own, basis, self.simulated)
 
     # -- after it ---------------------------------------------------------------------------------------
     def settle(self, plan: RoundPlan, res: LocalResults) -> Settled:

@@ -1,4 +1,4 @@
-"""The round loop: plan -> local work (behind a transport) -> aggregate -> log.
+"""The round loop: membership -> plan -> local work (behind a transport) -> settle -> weigh -> aggregate -> record.
 
 The engine owns the server state and the order of operations; the transport only carries the local work
 (in this process or across MPI ranks) and never does math on models; the math lives in `algorithms/` and
@@ -16,13 +16,13 @@ from dataclasses import dataclass
 import numpy as np
 
 from edgefed import compression
-from edgefed.algorithms.base import DELTA_X, Algorithm, DeviceRows, RoundReports, ServerState, nonzero_rows
+from edgefed.algorithms.base import Algorithm, DeviceRows, RoundReports, ServerState, nonzero_rows
 from edgefed.config import Config
 from edgefed.engine.clock import RoundClock
 from edgefed.engine.secure import SecureSum
 from edgefed.participation import privacy, schemes
 from edgefed.participation.budgets import local_budgets
-from edgefed.participation.dynamics import Dynamics
+from edgefed.participation.dynamics import Dynamics, Membership
 from edgefed.participation.sampling import evaluation_sample
 from edgefed.participation.selection import Choice, Feedback, View, build_policy
 from edgefed.participation.timing import Timing, overselected
@@ -52,6 +52,16 @@ class RoundSummary:
     note: str = ""  # what else the line should say (a secure aggregation the survivors could not unmask)
 
 
+@dataclass(frozen=True)
+class Weighed:
+    """A round's reports as its rule weighs them, in plan order."""
+
+    nonfinite: np.ndarray  # (S,) bool: the report held a non-finite value: dropped, never averaged in
+    counted: np.ndarray  # (S,) the steps that count: 0 for a late, non-finite or silent report
+    coeffs: np.ndarray  # (S,) p_k applied to Delta x_k (0: nothing applied)
+    reported: np.ndarray  # (S,) bool: the report is applied
+
+
 class RoundEngine:
     def __init__(self, cfg: Config, algorithm: Algorithm, n_train: np.ndarray, transport, log, on_round=None,
                  trace=None, timing: Timing | None = None, count_labels=None):
@@ -67,7 +77,7 @@ class RoundEngine:
         self.log = log
         self.on_round = on_round or (lambda summary: None)
         self.dynamics = Dynamics(cfg.dynamics, self.n_devices)
-        self.active = self.dynamics.active(0)
+        self.members: Membership = self.dynamics.at(0)  # the federation of the round under way
         self._budgets = local_budgets(cfg.train, self.n_train)
         self.timing = timing or Timing()
         self.clock = RoundClock(self.timing, self.n_devices, cfg.participation.mode,
@@ -79,13 +89,9 @@ class RoundEngine:
         self._sizes = np.minimum(self.n_train, self._budgets * self._batch)  # the samples a full round trains on
         self._choice: Choice | None = None  # the round's selection, as the policy made it
         self._probed = None  # (candidates, seconds, those that answered) of the round's loss pass (power of choice)
-        d = cfg.privacy
-        self.clip_now = self._clip_used = d.clip  # the clip C of the next round, and of the one just clipped
-        self.accountant = None  # differential privacy's: epsilon after each round
-        if d.mechanism != "none":
-            recorded = trace.selected if isinstance(trace, ReplayTrace) else None
-            self.accountant = privacy.Accountant(privacy.sampling_rate(cfg, self.n_devices, recorded),
-                                                 d.noise_multiplier, d.delta)
+        # differential privacy around the algorithm's server updates (docs/design.md 2.19)
+        self.privacy = privacy.around_updates(cfg, self.n_devices,
+                                              trace.selected if isinstance(trace, ReplayTrace) else None)
         self.evaluated = evaluation_sample(cfg.seed, self.n_devices, cfg.log.eval_devices)
         self._recorded_quorum = None  # a replay of an over-selected run: the config whose S was its quorum
         if isinstance(trace, ReplayTrace) and trace.overselected:
@@ -100,6 +106,11 @@ class RoundEngine:
         self.replica: ServerState | None = None  # the model the devices hold, with a compressed downlink
         self.secure = None  # secure aggregation's server side, set once the model's size is known (start)
 
+    @property
+    def active(self) -> np.ndarray:
+        """(N,) bool: the devices in the federation (the objective) this round."""
+        return self.members.active
+
     # -- planning ----------------------------------------------------------------------------------------
     def learning_rate(self, round_idx: int, shift_round: int = 0) -> float:
         t = self.cfg.train
@@ -109,7 +120,8 @@ class RoundEngine:
 
     def plan(self, round_idx: int) -> RoundPlan:
         """Who works in round round_idx (the federation's membership already updated) and how much."""
-        lr = self.learning_rate(round_idx, self.dynamics.shift_round(round_idx))
+        members = self.members
+        lr = self.learning_rate(round_idx, members.shift_round)
         p = self.cfg.participation
         self._choice, self._probed = None, None
         if isinstance(self.trace, ReplayTrace):  # the recorded selection, within this run's federation
@@ -132,13 +144,12 @@ class RoundEngine:
         deadlines = self.clock.deadlines(selected, budgets, None if self._choice is None else self._choice.deadline_among)
         if deadlines.steps is not None:  # a simulated deadline: the steps that fit at the device's speed
             steps = deadlines.steps if steps is None else np.minimum(steps, deadlines.steps)
-        silent = self.dynamics.silent(round_idx)[selected]
+        silent = members.silent[selected]
         if silent.any():  # departed but still in the objective: selected, never reporting
             steps = np.where(silent, 0, budgets if steps is None else steps).astype(np.int32)
         prescale = None
         if self.cfg.secagg.enabled:
-            prescale = (schemes.prescales(self.cfg.train.weighting, selected, self.n_train)
-                        * self.dynamics.boost(selected, round_idx))
+            prescale = schemes.prescales(self.cfg.train.weighting, selected, self.n_train) * members.boost(selected)
         return RoundPlan(round_idx, selected, budgets, lr, steps=None if steps is None else np.minimum(steps, budgets),
                          deadline_s=deadlines.compute_s, grace_s=p.grace_s, round_deadline_s=deadlines.due_s,
                          quorum=quorum, by_arrival=quorum is not None and not self.clock.simulated,
@@ -150,7 +161,8 @@ class RoundEngine:
         (measured speeds and links, else their profiles'), the deadline's window, and their losses on demand."""
         work = seconds = None  # a policy that reads no speeds (uniform) costs the round nothing here
         if self.selection.reads_speeds:
-            work, seconds = self.clock.forecast(np.arange(self.n_devices), self._budgets)
+            forecast = self.clock.forecast(np.arange(self.n_devices), self._budgets)
+            work, seconds = forecast.work_s, forecast.round_s
         return View(round_idx, members, count,
                     schemes.objective_weights(self.cfg.train.weighting, members, self.n_train), seconds, work,
                     self._sizes, self._budgets,
@@ -163,7 +175,7 @@ class RoundEngine:
         answers (a departed device that stays in the objective is silent: NaN), counted in the round's bytes
         and clock."""
         t0 = time.perf_counter()
-        answers = ~self.dynamics.silent(round_idx)[ids]
+        answers = ~self.members.silent[ids]
         losses = np.full(ids.size, np.nan)
         if answers.any():
             losses[answers] = self.transport.probe(round_idx, self.state.x, ids[answers])
@@ -191,45 +203,14 @@ class RoundEngine:
             candidate, utility = self.trace.candidate[round_idx - 1], self.trace.utility[round_idx - 1]
         return {"participation/candidate": candidate, "participation/utility": utility}
 
-    # -- differential privacy (docs/design.md 2.19) -----------------------------------------------------
     def _fixed_s(self, plan: RoundPlan) -> int:
         """The round's fixed denominator S: the reports it takes (over-selection's quorum, also in a replay of
-        such a run), so p_k = a_k / S."""
+        such a run), so p_k = a_k / S (differential privacy's, docs/design.md 2.19)."""
         if plan.quorum is not None:
             return plan.quorum
         if self._recorded_quorum is not None:
             return self._recorded_quorum.clients_per_round_count(int(self.active.sum()))
         return plan.device_ids.size
-
-    def _clipped(self, ids: np.ndarray, vectors, coeffs: np.ndarray, reported: np.ndarray, s: int,
-                 round_idx: int):
-        """(the reports with each Delta_k scaled so that a_k Delta_k, a_k = s p_k, is at most C long; the
-        log's columns of who was cut, and with adaptive clipping the C used), the next C adapted."""
-        rows, cut = privacy.clip(vectors[DELTA_X], coeffs * s, self.clip_now)
-        extra = {"participation/clipped": np.zeros(self.n_devices, bool)}
-        extra["participation/clipped"][ids] = cut & reported
-        if self.cfg.privacy.adapts:
-            extra["metrics/privacy_clip"] = self.clip_now
-            self._adapt_clip(int(np.count_nonzero(reported & ~cut)), s, round_idx)
-        return {**vectors, DELTA_X: rows}, extra
-
-    def _noised(self, s: int, round_idx: int) -> ServerState:
-        """x + eta_g / s N(0, z^2 C^2 I): the noise on the clipped sum, drawn in float64 (with adaptive
-        clipping z_Delta instead of z: the count's noise takes its share of the budget)."""
-        d, x = self.cfg.privacy, self.state.x
-        z = privacy.update_noise(d.noise_multiplier, d.quantile_noise) if d.adapts else d.noise_multiplier
-        noise = privacy.gaussian(self.cfg.seed, round_idx, x.size, z * self._clip_used, d.noise_source)
-        return ServerState((x.astype(np.float64) + self.cfg.train.lr_global / s * noise).astype(x.dtype),
-                           self.state.vectors)
-
-    def _adapt_clip(self, unclipped: int, s: int, round_idx: int) -> None:
-        """The next round's C from this round's noised count of unclipped contributions (Andrew et al.)."""
-        d = self.cfg.privacy
-        noise = privacy.gaussian(self.cfg.seed, round_idx, 1, d.quantile_noise, d.noise_source,
-                                 purpose=Purpose.PRIVACY_QUANTILE)[0]
-        self._clip_used = self.clip_now
-        self.clip_now = privacy.next_clip(self.clip_now, unclipped, noise, s, d.target_quantile,
-                                          d.clip_lr)
 
     # -- the wire ----------------------------------------------------------------------------------------
     def down_bytes(self) -> int:
@@ -263,9 +244,9 @@ class RoundEngine:
             row[plan.device_ids] += plan.down_bytes
             return row
         row[self.active] += plan.down_bytes
-        if self.dynamics.shifts_at(plan.round_idx):
+        if self.members.shifts:
             x = self.state.x
-            row[self.dynamics.arriving(plan.round_idx)] = (1 + len(self.algorithm.server_vectors)) * x.size * x.itemsize
+            row[self.members.arriving] = (1 + len(self.algorithm.server_vectors)) * x.size * x.itemsize
         return row
 
     def _probe_bytes(self, up: int) -> np.ndarray:
@@ -367,7 +348,7 @@ class RoundEngine:
         train, test_loss, test_acc = self.metrics(self.transport.evaluate(x0))
         self.log.append({"metrics/train_loss": train, "metrics/test_loss": test_loss,
                          "metrics/test_accuracy": test_acc, "metrics/clock_s": 0.0,
-                         **({} if self.accountant is None else {"metrics/epsilon": 0.0})})
+                         **self.privacy.first_row()})
         self._stage_and_commit(0, None, store=True)
         self.on_round(RoundSummary(0, self.cfg.rounds, train, test_loss, test_acc, 0, int(self.active.sum()), 0, 0.0))
         return self.state
@@ -375,7 +356,7 @@ class RoundEngine:
     def resume(self, state: dict, done: int, prefix: dict | None = None) -> ServerState:
         """Restore the server state (and the devices' vectors) of a resume point; prefix: the log's completed
         rounds, from which the clock and the devices' measured speeds continue."""
-        self.active = self.dynamics.active(done)
+        self.members = self.dynamics.at(done)
         if prefix is not None:
             self.clock.restore(prefix, done)
             self._count_labels(np.flatnonzero(prefix["participation/selected"][:done].any(axis=0)))
@@ -392,14 +373,12 @@ class RoundEngine:
             self._held[state[v.name].ids] = True
         slots = self.selection.slots(self.n_train.size, self.cfg.rounds)
         self.selection.load({name: state[name] for name, _, _ in slots})
-        if self.cfg.privacy.adapts:
-            self.clip_now = float(state["privacy_clip"][0])
+        self.privacy.load({name: state[name] for name, _, _ in self.privacy.slots})
         return self.state
 
     def _extra_slots(self) -> dict:
-        """Resume state an engine keeps beside the server's and the policy's (adaptive clipping's C;
-        FedBuff's schedule)."""
-        return {"privacy_clip": np.array([self.clip_now])} if self.cfg.privacy.adapts else {}
+        """Resume state an engine keeps beside the server's and the policies' (FedBuff's schedule)."""
+        return {}
 
     def _secure_side(self, dim: int) -> None:
         if self.cfg.secagg.enabled:
@@ -428,11 +407,11 @@ class RoundEngine:
         An arriving device first gets fresh vectors (SCAFFOLD: zero, or its full local gradient at x).
         Returns {name: (ids, rows)} of such new rows, which the round's checkpoint writes to the log.
         """
-        self.active = self.dynamics.active(round_idx)
-        if not self.dynamics.shifts_at(round_idx):
+        self.members = self.dynamics.at(round_idx)
+        if not self.members.shifts:
             return None
         rows, sets = {}, None
-        arriving = self.dynamics.arriving(round_idx)
+        arriving = self.members.arriving
         if self.algorithm.device_vectors:
             rows = self._held_rows()
             fresh = self._fresh_rows(self.state.x, arriving) if arriving.size else None
@@ -445,7 +424,6 @@ class RoundEngine:
 
     def round(self, round_idx: int) -> ServerState:
         wall0 = time.perf_counter()
-        t = self.cfg.train
         sets = self._shift(round_idx)
         plan = self.plan(round_idx)
         work0 = time.perf_counter()
@@ -455,75 +433,87 @@ class RoundEngine:
         res = self.transport.local_work(plan, held, downlink)
         worked = time.perf_counter()
         settled = self.clock.settle(plan, res)
+        weighed = self._weigh(plan, res, settled)
+        extra, note = self._aggregate(plan, res, weighed)
+        done = time.perf_counter()
+        # the residuals come to the log for --resume, as the evaluation comes: the bench's traffic, outside
+        # the round's clock and bytes (a deployment's devices would keep them)
+        accepted = plan.device_ids[weighed.reported]
+        residuals = self.transport.residuals(round_idx, accepted) if self.residual_names else {}
+        self.transport.accept(round_idx, accepted)
+        clock = self.clock.advance(round_idx, settled, done - work0, done - worked,
+                                   0.0 if self._probed is None else self._probed[1])
+        self._record(plan, res, settled, weighed, extra, note, clock, sets, residuals, wall0)
+        return self.state
 
-        # A non-finite update is dropped (counted, logged), never averaged in: it weighs as a device that did
-        # nothing, as does a late one (its steps count as 0).
+    def _weigh(self, plan: RoundPlan, res, settled) -> Weighed:
+        """The rule's coefficients of the round's reports. A non-finite update is dropped (counted, logged),
+        never averaged in: it weighs as a device that did nothing, as does a late one (its steps count as 0)."""
         nonfinite = np.zeros(plan.device_ids.size, bool) if res.nonfinite is None else res.nonfinite.copy()
         for values in res.vectors.values():
             nonfinite |= ~np.isfinite(values).all(axis=1)
         late = settled.late
-        counted_steps = np.where(nonfinite | late, 0, settled.steps)
-        active_ids = np.flatnonzero(self.active)
+        counted = np.where(nonfinite | late, 0, settled.steps)
         # Over-selected devices beyond the quorum are surplus, not stragglers: the weights are over the
         # reports the round took (a replay of such a run weighs the same way).
         surplus = plan.quorum is not None or (isinstance(self.trace, ReplayTrace) and self.trace.overselected)
         pool = ~late if surplus else np.ones(late.size, bool)
         coeffs = np.zeros(plan.device_ids.size)
         if pool.any():
-            coeffs[pool] = schemes.coefficients(t.weighting, self.cfg.participation.scheme, plan.device_ids[pool],
-                                                active_ids, self.n_train, counted_steps[pool], plan.budgets[pool])
-        coeffs *= self.dynamics.boost(plan.device_ids, round_idx)  # fast-reboot of arriving devices
-        coeffs[counted_steps == 0] = 0.0  # nothing applied: log 0 (Scheme B's w_k would multiply a zero update)
-        reported = counted_steps > 0
-        vectors, extra = res.vectors, {}
-        central = self.cfg.privacy.mechanism == "central"
-        if central:  # each contribution a_k Delta_k clipped to C (the noise comes after)
-            vectors, extra = self._clipped(plan.device_ids, res.vectors, coeffs, reported, self._fixed_s(plan),
-                                           round_idx)
-        reports = RoundReports(plan.device_ids, vectors, coeffs, reported, t.lr_global, active_ids.size)
-        note = ""
+            coeffs[pool] = schemes.coefficients(self.cfg.train.weighting, self.cfg.participation.scheme,
+                                                plan.device_ids[pool], np.flatnonzero(self.active), self.n_train,
+                                                counted[pool], plan.budgets[pool])
+        coeffs *= self.members.boost(plan.device_ids)  # fast-reboot of arriving devices
+        coeffs[counted == 0] = 0.0  # nothing applied: log 0 (Scheme B's w_k would multiply a zero update)
+        return Weighed(nonfinite, counted, coeffs, counted > 0)
+
+    def _aggregate(self, plan: RoundPlan, res, w: Weighed) -> tuple[dict, str]:
+        """The server update from the weighed reports (through secure aggregation's one sum when it is on,
+        and the run's privacy around the algorithm's update); the policy told what the reports said. Returns
+        the round's further log columns and what its progress line should add."""
+        lr_global, n_federation = self.cfg.train.lr_global, int(np.count_nonzero(self.active))
+        reports = RoundReports(plan.device_ids, res.vectors, w.coeffs, w.reported, lr_global, n_federation)
+        extra, note = {}, ""
         if self.secure is not None:  # the one sum of the survivors' scaled updates, never one of them
-            reports, extra, aborted = self.secure.reports(plan, res, coeffs, reported, counted_steps, t.lr_global,
-                                                          active_ids.size)
+            reports, extra, aborted = self.secure.reports(plan, res, w.coeffs, w.reported, w.counted, lr_global,
+                                                          n_federation)
             if aborted is not None:  # Bonawitz et al.: too few survivors to unmask, the round is abandoned
-                note = (f"secagg aborted: {int(reported.sum())} of {plan.device_ids.size} survived, "
+                note = (f"secagg aborted: {int(w.reported.sum())} of {plan.device_ids.size} survived, "
                         f"threshold {self.secure.setup.threshold}")
-                coeffs[:] = 0.0
-                reported[:] = False
+                w.coeffs[:] = 0.0
+                w.reported[:] = False
             elif extra["metrics/secagg_clipped"]:  # the sum is not the plain one: say so
                 note = f"secagg clipped {extra['metrics/secagg_clipped']} coordinates"
-        self.state = self._declared(self.algorithm.server_update(self.state, reports), "server_update")
-        if self.accountant is not None:  # (distributed: the devices added the noise to what they masked)
-            if central:
-                self.state = self._noised(self._fixed_s(plan), round_idx)
-            extra["metrics/epsilon"] = self.accountant.epsilon(round_idx)
-        self._observe(plan, res, reported)
-        done = time.perf_counter()
-        # the residuals come to the log for --resume, as the evaluation comes: the bench's traffic, outside
-        # the round's clock and bytes (a deployment's devices would keep them)
-        accepted = plan.device_ids[reported]
-        residuals = self.transport.residuals(round_idx, accepted) if self.residual_names else {}
-        self.transport.accept(round_idx, accepted)
-        clock = self.clock.advance(round_idx, settled, done - work0, done - worked,
-                                   0.0 if self._probed is None else self._probed[1])
+        state, private = self.privacy.server_update(self.algorithm, self.state, reports, self._fixed_s(plan),
+                                                    plan.round_idx)
+        self.state = self._declared(state, "server_update")
+        self._observe(plan, res, w.reported)
+        return {**extra, **private}, note
 
+    def _record(self, plan: RoundPlan, res, settled, w: Weighed, extra: dict, note: str, clock: float, sets,
+                residuals: dict, wall0: float) -> None:
+        """The round's metrics (when due), its log row, the devices' changed vectors and the resume state
+        (sets: the arriving devices' fresh rows; residuals: error feedback's of the accepted), then its
+        progress line."""
+        round_idx = plan.round_idx
         evaluate, store = self._due(round_idx)
         metrics = self.metrics(self.transport.evaluate(self.state.x)) if evaluate else (math.nan,) * 3
         elapsed = time.perf_counter() - wall0
-        self.log.ensure_room(plan.device_ids.size + (0 if sets is None else len(self.dynamics.arriving(round_idx))))
-        self.log.append({**self._round_row(plan, res, settled, coeffs, nonfinite, metrics, elapsed, clock), **extra})
+        self.log.ensure_room(plan.device_ids.size + (0 if sets is None else self.members.arriving.size))
+        self.log.append({**self._round_row(plan, res, settled, w.coeffs, w.nonfinite, metrics, elapsed, clock),
+                         **extra})
         self._count_labels(plan.device_ids)
-        changes = {v.name: (plan.device_ids[reported], res.vectors[v.delta][reported])
-                   for v in self.algorithm.device_vectors}
+        taken = plan.device_ids[w.reported]
+        changes = {v.name: (taken, res.vectors[v.delta][w.reported]) for v in self.algorithm.device_vectors}
         if changes:
-            self._held[plan.device_ids[reported]] = True
-        sets = {**(sets or {}), **{name: (accepted, rows) for name, rows in residuals.items()}}
+            self._held[taken] = True
+        sets = {**(sets or {}), **{name: (taken, rows) for name, rows in residuals.items()}}
         self._stage_and_commit(round_idx, changes, store, sets)
-        self.on_round(RoundSummary(round_idx, self.cfg.rounds, *metrics, int(np.count_nonzero(counted_steps)),
-                                   int(self.active.sum()), int(nonfinite.sum()), elapsed, int(late.sum()),
-                                   int(np.sum(settled.steps[~late & ~nonfinite])), int(plan.budgets.sum()),
-                                   int(np.count_nonzero(coeffs)), evaluate, note))
-        return self.state
+        late = settled.late
+        self.on_round(RoundSummary(round_idx, self.cfg.rounds, *metrics, int(np.count_nonzero(w.counted)),
+                                   int(self.active.sum()), int(w.nonfinite.sum()), elapsed, int(late.sum()),
+                                   int(np.sum(settled.steps[~late & ~w.nonfinite])), int(plan.budgets.sum()),
+                                   int(np.count_nonzero(w.coeffs)), evaluate, note))
 
     def _stage_and_commit(self, round_idx, changes, store: bool, sets=None) -> None:
         """Resume state, the stored trajectory rows, then the round marker (last).
@@ -532,7 +522,7 @@ class RoundEngine:
         """
         state, algo = self.state, self.algorithm
         slots = {"x": state.x, **{v.name: state.vectors[v.name] for v in algo.server_vectors}, **self._replica_slots(),
-                 **self.selection.values(), **self._extra_slots()}
+                 **self.selection.values(), **self.privacy.values(), **self._extra_slots()}
         stored = {"trajectory/round": round_idx, "trajectory/x": state.x,
                   **{v.column: state.vectors[v.name] for v in algo.server_vectors}}
         self.log.stage(round_idx, slots, changes or None, sets or None)

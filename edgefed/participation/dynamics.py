@@ -11,7 +11,30 @@ reports again (its steps are 0).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
+
+
+@dataclass(frozen=True)
+class Membership:
+    """Who is in the federation in one round, computed once at its top (Dynamics.at)."""
+
+    round_idx: int
+    active: np.ndarray  # (N,) bool: in the objective
+    silent: np.ndarray  # (N,) bool: in the objective, never reporting again (departed with `include`)
+    shift_round: int  # r_shift: the round before the last objective shift at or before this one (0: none)
+    shifts: bool  # the objective shifts this round
+    arriving: np.ndarray  # the devices arriving this round, ascending
+    boosted: dict  # {device: its fast-reboot multiplier this round}
+
+    def boost(self, device_ids: np.ndarray) -> np.ndarray:
+        """Fast-reboot multipliers of the given devices (1 where none applies)."""
+        out = np.ones(len(device_ids))
+        if self.boosted:
+            for i, k in enumerate(device_ids):
+                out[i] = self.boosted.get(int(k), 1.0)
+        return out
 
 
 class Dynamics:
@@ -24,6 +47,16 @@ class Dynamics:
         shifts = [r for r in self.arrival.values()]
         shifts += [r for r, policy in self.departure.values() if policy == "exclude"]
         self._shifts = sorted(set(shifts))
+
+    def at(self, round_idx: int) -> Membership:
+        """The federation in round round_idx; round 0 is the start."""
+        boosted = {}
+        if self.cfg.fast_reboot:
+            b = self.cfg.boost
+            boosted = {k: 1.0 + (b - 1.0) / (round_idx - r0 + 1) ** 2
+                       for k, r0 in self.arrival.items() if round_idx >= r0}
+        return Membership(round_idx, self.active(round_idx), self.silent(round_idx), self.shift_round(round_idx),
+                          round_idx in self._shifts, self.arriving(round_idx), boosted)
 
     def active(self, round_idx: int) -> np.ndarray:
         """Membership of the federation (the objective) in round round_idx; round 0 is the start."""
@@ -47,20 +80,5 @@ class Dynamics:
         before = [r for r in self._shifts if r <= round_idx]
         return before[-1] - 1 if before else 0
 
-    def shifts_at(self, round_idx: int) -> bool:
-        return round_idx in self._shifts
-
     def arriving(self, round_idx: int) -> np.ndarray:
         return np.array(sorted(k for k, r0 in self.arrival.items() if r0 == round_idx), dtype=np.int64)
-
-    def boost(self, device_ids: np.ndarray, round_idx: int) -> np.ndarray:
-        """Fast-reboot multipliers of the given devices in round round_idx (1 where none applies)."""
-        out = np.ones(len(device_ids))
-        if not self.cfg.fast_reboot:
-            return out
-        b = self.cfg.boost
-        for i, k in enumerate(device_ids):
-            r0 = self.arrival.get(int(k))
-            if r0 is not None and round_idx >= r0:
-                out[i] = 1.0 + (b - 1.0) / (round_idx - r0 + 1) ** 2
-        return out

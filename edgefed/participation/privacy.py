@@ -17,6 +17,7 @@ import os
 
 import numpy as np
 
+from edgefed.algorithms.base import DELTA_X, Algorithm, RoundReports, ServerState
 from edgefed.errors import ConfigError
 from edgefed.participation.timing import overselected
 from edgefed.rng import Purpose, generator
@@ -171,3 +172,96 @@ def settled(cfg, n: int, attrs: dict, on_info, recorded: np.ndarray | None = Non
     # as run: z in place of the target (the ranks are sent this config; the log keeps the one given)
     return dataclasses.replace(cfg, privacy=dataclasses.replace(d, noise_multiplier=float(z), epsilon=None,
                                                                 delta=float(delta), quantile_noise=sigma_b))
+
+
+class NoPrivacy:
+    """A server update as the algorithm makes it: nothing clipped, no noise, no account."""
+
+    slots: tuple = ()  # (name, shape, dtype) of the resume state it keeps, as a selection policy's
+
+    def values(self) -> dict:
+        return {}
+
+    def load(self, values: dict) -> None:
+        pass
+
+    def first_row(self) -> dict:
+        """What the log's round 0 says of it."""
+        return {}
+
+    def server_update(self, algorithm: Algorithm, state: ServerState, reports: RoundReports, s: int,
+                      round_idx: int) -> tuple[ServerState, dict]:
+        """(the algorithm's new state, the round's log columns of the privacy it adds); s: the round's fixed
+        denominator, p_k = a_k / s."""
+        return algorithm.server_update(state, reports), {}
+
+
+class PrivateUpdate(NoPrivacy):
+    """Differential privacy around an algorithm's server update, as Flower wraps a strategy in
+    DifferentialPrivacyServerSideFixedClipping. Central noise: each contribution a_k Delta_k (a_k = s p_k) is
+    clipped to C before the algorithm's update and x + eta_g / s N(0, z^2 C^2 I) is its result, drawn in
+    float64 (with adaptive clipping z_Delta, C next from the noised count of unclipped contributions, Andrew
+    et al.); distributed noise (the devices clip and noise what they mask): the account only. Every
+    mechanism logs the epsilon spent."""
+
+    def __init__(self, settings, seed: int, n_devices: int, lr_global: float, rate: float):
+        """settings: the [privacy] table as run (z settled: settled()); rate: q (sampling_rate)."""
+        self.settings, self.seed, self.n_devices, self.lr_global = settings, seed, n_devices, lr_global
+        self.central = settings.mechanism == "central"
+        self.clip_now = self._clip_used = settings.clip  # the clip C of the next round, and of the one just clipped
+        self.accountant = Accountant(rate, settings.noise_multiplier, settings.delta)
+        self.slots = (("privacy_clip", (1,), np.float64),) if settings.adapts else ()
+
+    def values(self) -> dict:
+        return {"privacy_clip": np.array([self.clip_now])} if self.settings.adapts else {}
+
+    def load(self, values: dict) -> None:
+        if self.settings.adapts:
+            self.clip_now = float(values["privacy_clip"][0])
+
+    def first_row(self) -> dict:
+        return {"metrics/epsilon": 0.0}
+
+    def server_update(self, algorithm: Algorithm, state: ServerState, reports: RoundReports, s: int,
+                      round_idx: int) -> tuple[ServerState, dict]:
+        extra = {}
+        if self.central:
+            reports, extra = self._clipped(reports, s, round_idx)
+        state = algorithm.server_update(state, reports)
+        if self.central:
+            state = self._noised(state, s, round_idx)
+        extra["metrics/epsilon"] = self.accountant.epsilon(round_idx)
+        return state, extra
+
+    def _clipped(self, reports: RoundReports, s: int, round_idx: int) -> tuple[RoundReports, dict]:
+        """(the reports with each Delta_k scaled so that a_k Delta_k is at most C long; the log's columns of
+        who was cut and, with adaptive clipping, the C used), the next C adapted."""
+        rows, cut = clip(reports.vectors[DELTA_X], reports.coeffs * s, self.clip_now)
+        clipped = np.zeros(self.n_devices, bool)
+        clipped[reports.device_ids] = cut & reports.reported
+        extra = {"participation/clipped": clipped}
+        if self.settings.adapts:
+            extra["metrics/privacy_clip"] = self.clip_now
+            self._adapt(int(np.count_nonzero(reports.reported & ~cut)), s, round_idx)
+        return dataclasses.replace(reports, vectors={**reports.vectors, DELTA_X: rows}), extra
+
+    def _noised(self, state: ServerState, s: int, round_idx: int) -> ServerState:
+        d, x = self.settings, state.x
+        z = update_noise(d.noise_multiplier, d.quantile_noise) if d.adapts else d.noise_multiplier
+        noise = gaussian(self.seed, round_idx, x.size, z * self._clip_used, d.noise_source)
+        return ServerState((x.astype(np.float64) + self.lr_global / s * noise).astype(x.dtype), state.vectors)
+
+    def _adapt(self, unclipped: int, s: int, round_idx: int) -> None:
+        """The next round's C from this round's noised count of unclipped contributions (Andrew et al.)."""
+        d = self.settings
+        noise = gaussian(self.seed, round_idx, 1, d.quantile_noise, d.noise_source, purpose=Purpose.PRIVACY_QUANTILE)[0]
+        self._clip_used = self.clip_now
+        self.clip_now = next_clip(self.clip_now, unclipped, noise, s, d.target_quantile, d.clip_lr)
+
+
+def around_updates(cfg, n_devices: int, recorded: np.ndarray | None = None) -> NoPrivacy:
+    """What wraps a run's server updates: the privacy its config asks for (recorded: as sampling_rate)."""
+    d = cfg.privacy
+    if d.mechanism == "none":
+        return NoPrivacy()
+    return PrivateUpdate(d, cfg.seed, n_devices, cfg.train.lr_global, sampling_rate(cfg, n_devices, recorded))

@@ -105,6 +105,27 @@ class History:
 
 
 @dataclass(frozen=True)
+class Forecast:
+    """What devices' measured histories (else their profiles) predict for their next round."""
+
+    work_s: np.ndarray  # seconds for their K_k steps (NaN: no speed known)
+    links_s: np.ndarray  # their communication seconds (the latest measured, else the prior, else 0)
+
+    @property
+    def round_s(self) -> np.ndarray:
+        return self.work_s + self.links_s
+
+
+@dataclass(frozen=True)
+class RoundDeadlines:
+    """What the deadline policy decided for the selected devices of a round (None: no deadline)."""
+
+    due_s: np.ndarray | None  # the policy's deadline, by which each report is due
+    compute_s: np.ndarray | None  # what each device may compute for (less its links with covers = "round")
+    steps: np.ndarray | None  # with a simulated clock: the steps that fit, instead of a wall-clock race
+
+
+@dataclass(frozen=True)
 class Timing:
     """How a run keeps time, settled before round 1 (orchestration builds it from the config and the
     hardware profiles)."""
@@ -136,3 +157,31 @@ class Timing:
             return profiled
         base = np.zeros(ids.size) if profiled is None else np.where(np.isfinite(profiled), profiled, 0.0)
         return base + self.transfer_s(ids, self.round_bytes)
+
+    def needs_links(self) -> bool:
+        """Whether a deadline is counted against the devices' links too (covers = "round")."""
+        return self.covers == "round"
+
+
+def due_s(t: Timing, ids: np.ndarray, basis: Forecast | None) -> np.ndarray:
+    """Each device's deadline: the fixed policy's, or the adaptive one's, by which about a share q of the
+    basis (the selected devices, or those a selection policy fitted into the deadline) can finish their K_k
+    steps (and, with covers = "round", get their reports in)."""
+    if t.quantile is None:
+        return t.deadlines[ids]
+    predicted = basis.work_s + (basis.links_s if t.needs_links() else 0.0)
+    return np.full(ids.size, quantile_deadline(predicted, t.quantile))
+
+
+def round_deadlines(t: Timing, ids: np.ndarray, budgets: np.ndarray, own: Forecast | None, basis: Forecast | None,
+                    simulated: bool) -> RoundDeadlines:
+    """The deadline policy's decision for a round's selected devices from one forecast of them (own) and of
+    the adaptive policy's basis (None: the selected ones): on a simulated clock the steps that fit their
+    compute windows, on a measured one the windows the runners race (none while nothing predicts them)."""
+    due = due_s(t, ids, own if basis is None else basis)
+    compute = due - (own.links_s if t.needs_links() else 0.0)
+    if simulated:
+        return RoundDeadlines(due, None, steps_within(budgets, t.boards.step_s[ids], compute))
+    if not np.isfinite(compute).any():
+        return RoundDeadlines(due, None, None)  # nothing to predict from yet: the budgets, untimed
+    return RoundDeadlines(due, np.where(np.isfinite(compute), compute, math.inf), None)
