@@ -333,7 +333,7 @@ def bench_terms(repeats):
         x = model.initial_params()
         run = model.begin(data, kernel_state(0, Purpose.LOCAL, 1, 0))
         variants = {"plain": step_terms(np.float32),
-                    "correction": step_terms(np.float32, correction=np.full(model.dim, 1e-4, np.float32)),
+                    "correction": step_terms(np.float32, correction=np.full(model.n_trainable, 1e-4, np.float32)),
                     "prox": step_terms(np.float32, anchor=x.copy(), mu=0.01)}
         n = repeats if k > 1 else max(repeats // 60, 5)
         times = {v: [] for v in variants}

@@ -110,7 +110,7 @@ def step_table(repeats: int) -> None:
         t = paired_times(fns, repeats)
         ours = t["edgefed"] / k * 1e3
         theirs = t["torch"] / k * 1e3 if "torch" in t else float("nan")
-        print(f"| {name} ({model.dim:,} parameters) | {batch} | {ours:.3f} | {theirs:.3f} | {theirs / ours:.2f}x | "
+        print(f"| {name} ({model.n_trainable:,} parameters) | {batch} | {ours:.3f} | {theirs:.3f} | {theirs / ours:.2f}x | "
               f">= 1.5x |")
 
 
@@ -159,7 +159,7 @@ def profile_table(cold_s: float) -> None:
     print("| --- | --- | --- |")
     for name in hwprofile.shipped_names():
         prof = hwprofile.load_profile(name)
-        step = prof.step_seconds("cnn", batch, model.dim)
+        step = prof.step_seconds("cnn", batch, model.n_trainable)
         ratio = prof.step_seconds("logreg", 20, 610) / here
         estimated = "" if prof.measured else " (estimated speeds)"
         print(f"| {prof.name}{estimated} | {step * 1e3:.0f} ms | {cold_s * ratio:.0f} s |")

@@ -81,7 +81,7 @@ def cost(args, folder: Path) -> None:
     for name in args.models:
         kind, batch = MODELS[name]
         model, rate = steps_per_second(kind, batch)
-        d = model.dim
+        d = model.n_trainable
         times = {}
         for private in (None, SimpleNamespace(clip=1.0, noise_multiplier=1.0, noise_source="seeded")):
             best = np.inf

@@ -67,7 +67,7 @@ MODELS = ("char-LSTM", "GRU")
 def build(name: str) -> Sequential:
     if name == "char-LSTM":
         model = Sequential.builtin("charlstm", (LENGTH,), CLASSES, np.float32, seed=0)
-        assert model.dim == 819_920, model.dim
+        assert model.n_trainable == 819_920, model.n_trainable
         return model
     network = layer_lib.build(layer_lib.check_layers(GRU_LAYERS), (LENGTH,), CLASSES, np.float32)
     return Sequential.seeded(network, np.float32, 0, "pytorch")
@@ -182,7 +182,7 @@ def step_table(rounds: int, per_block: int, k: int) -> dict:
         ours, theirs = median(t["edgefed"]), median(t["torch"])
         fwd, tfwd = median(t["edgefed forward"]), median(t["torch forward"])
         out[name] = {"step": ours, "torch": theirs, "forward": fwd}
-        print(f"| {name} | {model.dim:,} | {ours * 1e3:.1f} | {theirs * 1e3:.1f} | {theirs / ours:.2f}x "
+        print(f"| {name} | {model.n_trainable:,} | {ours * 1e3:.1f} | {theirs * 1e3:.1f} | {theirs / ours:.2f}x "
               f"({min(ratios):.2f}-{max(ratios):.2f}) | {fwd * 1e3:.1f} | {tfwd * 1e3:.1f} | {fwd / ours * 100:.0f} % "
               f"| >= 1.3x |")
     print()

@@ -28,7 +28,7 @@ import psutil
 
 from edgefed import config as config_mod
 from edgefed.orchestration import run as runs
-from edgefed.runlog import completed_rounds, measured, read_run
+from edgefed.runlog import last_completed_round, measured, read_run
 from edgefed.runtime.mpi.comm import outside_world_env
 
 
@@ -68,16 +68,16 @@ def killed(args, folder: Path) -> tuple[Path, list[tuple[int, int, float]], floa
     proc = launch(args, log, tag)
     costs = []
     for target in at:
-        while completed_rounds(log) < target and proc.poll() is None:
+        while last_completed_round(log) < target and proc.poll() is None:
             time.sleep(0.01)
         ranks = ranks_of(tag)
         if not ranks:
             break
         rank = rng.choice(sorted(ranks))
-        reached = completed_rounds(log)
+        reached = last_completed_round(log)
         t0 = time.monotonic()
         ranks[rank].kill()
-        while completed_rounds(log) <= reached and proc.poll() is None:
+        while last_completed_round(log) <= reached and proc.poll() is None:
             time.sleep(0.01)
         costs.append((rank, reached, time.monotonic() - t0))
     out, _ = proc.communicate()
@@ -91,7 +91,7 @@ def undisturbed(args, folder: Path) -> tuple[dict[int, tuple[float, float]], flo
     proc = launch(args, log, tag)
     first, last = {}, {}
     while proc.poll() is None:
-        done = completed_rounds(log)
+        done = last_completed_round(log)
         if done >= 50:
             for rank, p in ranks_of(tag).items():
                 try:

@@ -105,7 +105,7 @@ def table(repeats: int, k: int) -> None:
         data = data_for(shape, classes)
         tm = TorchModel(path, factory, shape, classes, np.float32, generator(0, Purpose.INIT))
         seq = Sequential.seeded(layer_lib.build(layer_lib.check_layers(layers), shape, classes, np.float32), np.float32, 0)
-        assert seq.dim == tm.dim, (seq.dim, tm.dim)
+        assert seq.n_trainable == tm.n_trainable, (seq.n_trainable, tm.n_trainable)
         x_t, x_s = tm.initial_params(), seq.initial_params()
         plain = PlainLoop(tm, x_t, data, batch, lr)
         state = kernel_state(0, Purpose.LOCAL, 1, 0)
@@ -119,7 +119,7 @@ def table(repeats: int, k: int) -> None:
             "torch": lambda: tm.local_steps(x_t, data, tm.begin(data, state), k, batch, lr),
             "plain": lambda: plain.steps(k)}, max(repeats // 4, 10))
         for what, t in (("a step (1 per call)", per_step), (f"a round ({k} steps)", per_round)):
-            print(f"| {name} | {tm.dim:,} | {batch} | {what} | {t['sequential'] * 1e3:.3f} | {t['torch'] * 1e3:.3f} "
+            print(f"| {name} | {tm.n_trainable:,} | {batch} | {what} | {t['sequential'] * 1e3:.3f} | {t['torch'] * 1e3:.3f} "
                   f"| {t['plain'] * 1e3:.3f} | {(t['torch'] / t['plain'] - 1) * 100:+.1f} % |")
 
 

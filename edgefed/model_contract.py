@@ -22,13 +22,13 @@ class LocalRun:
 
 
 class Model(Protocol):
-    """Parameters are a flat vector x of `dtype` (`dim` trainable values); `begin` opens a device's local
+    """Parameters are a flat vector x of `dtype` (`n_trainable` values); `begin` opens a device's local
     work from its generator state and `local_steps` continues it chunk by chunk (the deadline runner's)."""
 
     kind: str  # what the config, the log and the board profiles call it
     dtype: np.dtype
-    dim: int
-    prefix: int = 0  # the last program operation of a frozen prefix whose outputs are the devices' samples (0: none)
+    n_trainable: int
+    prefix_end: int = 0  # the last program operation of a frozen prefix whose outputs are the devices' samples (0: none)
     one_lane: bool = False  # training draws from a process-wide generator: one device at a time per process
     vocabulary: int = 0  # its samples are token ids below this (0: values)
     report_losses: bool = True  # local_steps fills run.loss_sq (a model may skip the cost when told False)

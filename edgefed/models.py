@@ -68,30 +68,30 @@ class Sequential(Classifier):
         from the run's stream; load_weights replaces it)."""
         self.network, self.dtype, self.loss, self.kind = network, np.dtype(dtype), loss, kind
         self.cache_features = cache_features
-        self.dim = network.trainable  # x: the trainable parameters, the whole vector's first
+        self.n_trainable = network.trainable  # x: the trainable parameters, the whole vector's first
         self.n_outputs = network.out_width
         self._loss_kind = net.CROSS_ENTROPY if loss == "cross_entropy" else net.MSE
         first_layer = network.layers[0] if network.layers else {}
         dt = self.dtype
         self._start = start
         self._whole = start.copy() if network.frozen else None  # x, then the frozen tensors the program reads
-        self.prefix = layer_lib.feature_prefix(network.prog) if cache_features else 0
-        self.vocabulary = int(first_layer["num"]) if first_layer.get("type") == "embedding" and not self.prefix else 0
+        self.prefix_end = layer_lib.feature_prefix(network.prog) if cache_features else 0
+        self.vocabulary = int(first_layer["num"]) if first_layer.get("type") == "embedding" and not self.prefix_end else 0
         self._prog, self._slopes, first = network.prog, network.slopes, 0
         self.n_inputs = self.n_features = int(np.prod(network.input_shape))
-        if self.prefix:  # the samples are the prefix's outputs: the program starts after it
-            self._prog, self._slopes, first = layer_lib.rest_program(network.prog, network.slopes, self.prefix)
-            self.n_features = int(network.prog[self.prefix, F_NOUT])
+        if self.prefix_end:  # the samples are the prefix's outputs: the program starts after it
+            self._prog, self._slopes, first = layer_lib.rest_program(network.prog, network.slopes, self.prefix_end)
+            self.n_features = int(network.prog[self.prefix_end, F_NOUT])
         # x goes into the whole vector around a call only while the program still has frozen parameters
         self._copies_x = bool(((self._prog[1:, F_NPARAM] > 0) & (self._prog[1:, F_FROZEN] == 1)).any())
         self._prefix_acts = None  # the whole network's activations, for features (made when first asked)
-        self._grad = np.zeros(network.dim, dt)
+        self._grad = np.zeros(network.n_params, dt)
         per_sample = self._per_sample = network.per_sample - first
         self._acts = GrowingRows(((per_sample,), dt), ((network.aux_per_sample,), np.int32))
-        self._deltas = GrowingRows(((per_sample,), dt), ((network.tr_per_sample,), dt))
-        self._no_deltas = (np.zeros((0, per_sample), dt), np.zeros((0, network.tr_per_sample), dt))
-        self._scratch = tuple(np.zeros(n, dt) for n in (network.cols, network.wt, network.narrow,
-                                                        network.gblock, network.pads))
+        transposed = network.workspace.transposed_per_sample
+        self._deltas = GrowingRows(((per_sample,), dt), ((transposed,), dt))
+        self._no_deltas = (np.zeros((0, per_sample), dt), np.zeros((0, transposed), dt))
+        self._scratch = tuple(np.zeros(n, dt) for n in network.workspace.scratch)
         self._no_labels = np.zeros(0, np.int64)
         self._no_targets = np.zeros((0, 0), dt)
         self._no_terms = step_terms(dt)
@@ -132,26 +132,26 @@ class Sequential(Classifier):
         return self.kind if self.kind != "sequential" else f"sequential: {self.network.signature()}"
 
     def log_attrs(self) -> dict:
-        if not self.prefix:
+        if not self.prefix_end:
             return {}
         return {"features_cached": f"the frozen prefix's outputs ({self.n_features} values a sample: program "
-                                   f"operations 1..{self.prefix}), computed once per device"}
+                                   f"operations 1..{self.prefix_end}), computed once per device"}
 
     def initial_params(self) -> np.ndarray:
         """x_0: the trainable parameters, loaded (load_weights) or drawn."""
-        return self._start[:self.dim].copy()
+        return self._start[:self.n_trainable].copy()
 
     def load_weights(self, weights: dict, source: str) -> None:
         """Start from a state_dict (the printed module's names and shapes: what `edgefed export --weights`
         writes), not the seeded draw; a missing, unexpected or mis-shaped tensor is a ConfigError naming it."""
         self._start = layer_lib.whole_from_state(self.network, weights, source, self.dtype)
         if self._whole is not None:
-            self._whole[self.dim:] = self._start[self.dim:]
+            self._whole[self.n_trainable:] = self._start[self.n_trainable:]
 
     @property
     def frozen_values(self) -> np.ndarray:
         """The frozen tensors, as the whole vector holds them after x (empty: none)."""
-        return self._whole[self.dim:] if self._whole is not None else np.zeros(0, self.dtype)
+        return self._whole[self.n_trainable:] if self._whole is not None else np.zeros(0, self.dtype)
 
     def whole(self, params: np.ndarray) -> np.ndarray:
         """The whole parameter vector of x = params: params, then the frozen tensors."""
@@ -174,7 +174,7 @@ class Sequential(Classifier):
             if self._prefix_acts is None:
                 self._prefix_acts = GrowingRows(((nw.per_sample,), self.dtype), ((nw.aux_per_sample,), np.int32))
             acts, aux = self._prefix_acts.take(min(nw.eval_chunk, X.shape[0]) + 1)
-            net.network(self._operations(), nw.prog[:self.prefix + 1], nw.slopes[:self.prefix + 1], nw.perms,
+            net.network(self._operations(), nw.prog[:self.prefix_end + 1], nw.slopes[:self.prefix_end + 1], nw.perms,
                         self._loss_kind, self._whole, np.ascontiguousarray(X), self._no_labels, self._no_targets,
                         self._no_labels, X.shape[0], 0, 0, self.dtype.type(0), self.dtype.type(1), self._no_terms,
                         self._no_rng, net.FEATURES, self._grad, acts, self._no_deltas[0], aux, self._no_deltas[1],
@@ -183,8 +183,8 @@ class Sequential(Classifier):
 
     # -- checks ------------------------------------------------------------------------------------------
     def _check(self, params: np.ndarray, X: np.ndarray, y: np.ndarray) -> None:
-        if params.dtype != self.dtype or params.shape != (self.dim,) or not params.flags.c_contiguous:
-            raise ValueError(f"params must be a contiguous {self.dtype} vector of {self.dim}, got {params.dtype} {params.shape}")
+        if params.dtype != self.dtype or params.shape != (self.n_trainable,) or not params.flags.c_contiguous:
+            raise ValueError(f"params must be a contiguous {self.dtype} vector of {self.n_trainable}, got {params.dtype} {params.shape}")
         if X.dtype != self.dtype or X.ndim != 2 or X.shape[1] != self.n_features or not X.flags.c_contiguous:
             raise ValueError(f"X must be contiguous {self.dtype} (n, {self.n_features}), got {X.dtype} {X.shape}")
         if self._loss_kind == net.CROSS_ENTROPY:
@@ -204,7 +204,7 @@ class Sequential(Classifier):
         if self._ops is not None:
             return
         codes = self.network.prog[:, F_TYPE]
-        args = self._network_args(np.zeros((ROWS, SLOTS), np.int64), self._grad[:self.dim], data.X_train[:0],
+        args = self._network_args(np.zeros((ROWS, SLOTS), np.int64), self._grad[:self.n_trainable], data.X_train[:0],
                                   data.y_train[:0], self._no_labels, 0, 0, 0, self.dtype.type(0), self.dtype.type(1),
                                   self._no_terms, self._no_rng, net.EVAL, self._grad, 1)
         network_cold = not cached(net.network, [typeof(a) for a in args])
@@ -236,11 +236,11 @@ class Sequential(Classifier):
         whole = params
         if self._copies_x:  # x into the whole vector, beside the frozen tensors the program reads
             whole = self._whole
-            whole[:self.dim] = params
+            whole[:self.n_trainable] = params
         loss, count = net.network(*self._network_args(self._operations(), whole, X, y, idx, n, b, n_steps, lr, scale,
                                                       terms, rng, mode, grad, rows, outputs))
         if whole is not params and mode == net.STEPS:
-            params[:] = whole[:self.dim]
+            params[:] = whole[:self.n_trainable]
         if count < 0:  # the kernel found a label outside the classes (its row: -1 - count) and stopped there
             raise ValueError(f"labels must lie in [0, {self.n_outputs}); row {-1 - count} has {int(y[-1 - count])}")
         return loss, count
@@ -282,7 +282,7 @@ class Sequential(Classifier):
         self._call(params, X, y, run.perm, X.shape[0], b, 1, inv_b, inv_b, self._no_terms, run.rng, net.MINIBATCH,
                    grad, b)
         if grad is not grad_out:
-            grad_out[:] = grad[:self.dim]
+            grad_out[:] = grad[:self.n_trainable]
 
     def loss_grad(self, params, data: ClassificationData, grad_out: np.ndarray) -> float:
         """Mean training loss F_k(params) and its full gradient (dropout off), summed over chunks (bounded
@@ -297,7 +297,7 @@ class Sequential(Classifier):
             part, _ = self._call(params, X, y, idx, n, idx.size, 1, scale, scale, self._no_terms, self._no_rng,
                                  net.ROWS, self._grad, idx.size)
             loss += part
-            grad_out += self._grad[:self.dim]
+            grad_out += self._grad[:self.n_trainable]
         return loss / n
 
     # -- evaluation --------------------------------------------------------------------------------------
@@ -334,7 +334,7 @@ class Quadratic(Model):
     kind = "quadratic"
 
     def __init__(self, dim: int, x0: np.ndarray, dtype: np.dtype):
-        self.dim, self.dtype = dim, np.dtype(dtype)
+        self.n_trainable, self.dtype = dim, np.dtype(dtype)
         self._x0 = x0
 
     def initial_params(self) -> np.ndarray:
@@ -351,7 +351,7 @@ class Quadratic(Model):
         pass  # (its kernels compile, or load, at their first call)
 
     def clone(self) -> "Quadratic":
-        return Quadratic(self.dim, self._x0, self.dtype)
+        return Quadratic(self.n_trainable, self._x0, self.dtype)
 
     def begin(self, data: QuadraticData, rng_state: np.ndarray) -> LocalRun:
         return LocalRun(rng_state, 0)

@@ -157,11 +157,11 @@ class TorchModel(Classifier):
         self.names = [name for name, p in self.module.named_parameters() if p.requires_grad]
         self.shapes = [tuple(p.shape) for p in self.params]
         self.offsets = list(itertools.accumulate((p.numel() for p in self.params[:-1]), initial=0))
-        self.dim = sum(p.numel() for p in self.params)
-        if self.dim == 0:
+        self.n_trainable = sum(p.numel() for p in self.params)
+        if self.n_trainable == 0:
             raise ConfigError("config: model.module has no parameters to train")
-        self._flat_grad = torch.zeros(self.dim, dtype=self.tdtype)
-        self._g = torch.zeros(self.dim, dtype=self.tdtype)  # the step's gradient with the algorithm's terms
+        self._flat_grad = torch.zeros(self.n_trainable, dtype=self.tdtype)
+        self._g = torch.zeros(self.n_trainable, dtype=self.tdtype)  # the step's gradient with the algorithm's terms
         self._bound = None
         self._init = self._flat_params()
         self._check_module()
@@ -302,7 +302,7 @@ class TorchModel(Classifier):
     def memory_bytes(self, rows: int) -> int:
         """A clone's module and flat vectors (its parameters, their gradient, two flat copies); what its
         forward passes hold is torch's, and not counted."""
-        return 4 * self.dim * self.dtype.itemsize
+        return 4 * self.n_trainable * self.dtype.itemsize
 
     def clone(self) -> "TorchModel":
         """Its own module (and workspaces), for a second thread: evaluation while a late worker computes."""
@@ -326,8 +326,8 @@ class TorchModel(Classifier):
         """The module's parameters become views into params (the round's array, updated in place)."""
         if self._bound is params:
             return
-        if params.dtype != self.dtype or params.shape != (self.dim,) or not params.flags.c_contiguous:
-            raise ValueError(f"params must be a contiguous {self.dtype} vector of {self.dim}")
+        if params.dtype != self.dtype or params.shape != (self.n_trainable,) or not params.flags.c_contiguous:
+            raise ValueError(f"params must be a contiguous {self.dtype} vector of {self.n_trainable}")
         flat = self.torch.from_numpy(params)
         for p, off, shape in zip(self.params, self.offsets, self.shapes):
             p.data = flat[off:off + int(np.prod(shape))].view(shape)

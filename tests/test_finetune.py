@@ -80,8 +80,8 @@ def test_frozen_tensors_come_last_take_no_step_and_the_rest_steps_on_the_whole_n
     trainable coordinates of the all-trainable network's gradient, the frozen ones unchanged."""
     model = small(LAYERS)
     whole_model = small([{k: v for k, v in layer.items() if k != "trainable"} for layer in LAYERS])
-    assert model.dim == 6 * 6 * 3 * 5 + 5 + 4 * 3 + 3 and model.network.frozen == 27 + 3 + 20 + 4
-    assert model.prefix == 1 and model.n_features == 6 * 6 * 3  # the convolution (its ReLU fused in)
+    assert model.n_trainable == 6 * 6 * 3 * 5 + 5 + 4 * 3 + 3 and model.network.frozen == 27 + 3 + 20 + 4
+    assert model.prefix_end == 1 and model.n_features == 6 * 6 * 3  # the convolution (its ReLU fused in)
     g = np.random.default_rng(0)
     X, y = g.normal(size=(12, 36)), g.integers(0, 3, 12)
     data = ClassificationData(model.features(X), y, model.features(X[:4]), y[:4])
@@ -89,7 +89,7 @@ def test_frozen_tensors_come_last_take_no_step_and_the_rest_steps_on_the_whole_n
     frozen = model.frozen_values.copy()
     trainable = np.concatenate([_tensor_span(whole_model, t) for t in ("3.weight", "3.bias", "7.weight", "7.bias")])
     expected = renamed(model, whole_model, x)
-    grad = np.zeros(whole_model.dim)
+    grad = np.zeros(whole_model.n_trainable)
     for _ in range(3):  # full-batch steps: x <- x - lr grad, on the trainable coordinates only
         whole_model.loss_grad(expected, ClassificationData(X, y, X[:0], y[:0]), grad)
         expected[trainable] -= 0.2 * grad[trainable]
@@ -134,7 +134,7 @@ def test_a_profile_entry_of_a_frozen_prefix_model_times_its_prefix_too():
     entry = speed_entry(model, 8, 100.0, prefix_samples_per_second(model))
     assert entry["params"] == 6 * 6 * 3 * 5 + 5 + 4 * 3 + 3  # the trainable ones: what a step's time scales with
     assert entry["prefix_samples_per_s"] > 0 and "trainable=False" in entry["layers"]
-    assert small(LAYERS, cache=False).prefix == 0  # (profiling then times no prefix)
+    assert small(LAYERS, cache=False).prefix_end == 0  # (profiling then times no prefix)
 
 
 # -- runs ------------------------------------------------------------------------------------------------------

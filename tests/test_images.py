@@ -160,7 +160,7 @@ def test_mlp_steps_match_numpy(dtype, tol, batch):
     data = ClassificationData(X, y, X[:4].copy(), y[:4].copy())
     model = mlp_model(sizes, dtype, seed=1)
     x0 = model.initial_params()
-    corr = (0.01 * g.normal(size=model.dim)).astype(dtype)
+    corr = (0.01 * g.normal(size=model.n_trainable)).astype(dtype)
     state = kernel_state(5, Purpose.LOCAL, 2, 1)
     for correction in (None, corr):
         expect = naive_mlp_steps(x0, sizes, X.astype(np.float64), y, 9, batch, 0.2, state.copy(),
@@ -176,15 +176,15 @@ def test_mlp_full_gradient_loss_and_finite_differences():
     X, y = g.normal(size=(600, 6)), g.integers(0, 4, 600)  # more rows than one evaluation chunk
     data = ClassificationData(X, y, X[:5].copy(), y[:5].copy())
     model = mlp_model(sizes, np.float64, seed=0)
-    x = model.initial_params() + 0.05 * g.normal(size=model.dim)
-    grad = np.zeros(model.dim)
+    x = model.initial_params() + 0.05 * g.normal(size=model.n_trainable)
+    grad = np.zeros(model.n_trainable)
     loss = model.loss_grad(x, data, grad)
     ref_loss, ref_grad = naive_mlp_grad(x, sizes, X, y)
     assert loss == pytest.approx(ref_loss, rel=1e-12)
     np.testing.assert_allclose(grad, ref_grad, rtol=1e-10, atol=1e-13)
     assert model.train_loss(x, data) == pytest.approx(ref_loss, rel=1e-12)
-    for j in g.choice(model.dim, 12, replace=False):
-        e = np.zeros(model.dim)
+    for j in g.choice(model.n_trainable, 12, replace=False):
+        e = np.zeros(model.n_trainable)
         e[j] = 1e-6
         fd = (naive_mlp_grad(x + e, sizes, X, y)[0] - naive_mlp_grad(x - e, sizes, X, y)[0]) / 2e-6
         assert fd == pytest.approx(grad[j], abs=1e-8)
@@ -192,7 +192,7 @@ def test_mlp_full_gradient_loss_and_finite_differences():
 
 def test_2nn_has_mcmahans_parameter_count_and_glorot_init():
     model = mlp_model((784, 200, 200, 10), np.float32, seed=0)
-    assert model.dim == 199_210
+    assert model.n_trainable == 199_210
     x = model.initial_params()
     w1 = x[: 784 * 200]
     assert np.abs(w1).max() <= np.sqrt(6 / 984) and np.abs(w1.std() - np.sqrt(2 / 984)) < 2e-3
@@ -232,22 +232,22 @@ def naive_cnn_loss(params, side, n_classes, X, y):
 
 
 def test_cnn_matches_its_definition_and_finite_differences():
-    assert cnn_model(784, 10, np.float32, 0).dim == 1_663_370  # McMahan et al.'s count, with "same" padding
-    assert cnn_model(784, 62, np.float32, 0).dim == 1_663_370 + 52 * 513  # EMNIST ByClass
+    assert cnn_model(784, 10, np.float32, 0).n_trainable == 1_663_370  # McMahan et al.'s count, with "same" padding
+    assert cnn_model(784, 62, np.float32, 0).n_trainable == 1_663_370 + 52 * 513  # EMNIST ByClass
     g = np.random.default_rng(4)
     X, y = g.random((70, 64)), g.integers(0, 3, 70)  # 70 rows: more than one evaluation chunk
     data = ClassificationData(X, y, X[:3].copy(), y[:3].copy())
     model = cnn_model(64, 3, np.float64, seed=0)
-    x = model.initial_params() + 0.01 * g.normal(size=model.dim)
-    grad = np.zeros(model.dim)
+    x = model.initial_params() + 0.01 * g.normal(size=model.n_trainable)
+    grad = np.zeros(model.n_trainable)
     loss = model.loss_grad(x, data, grad)
     assert loss == pytest.approx(naive_cnn_loss(x, 8, 3, X, y), rel=1e-12)
     assert model.train_loss(x, data) == pytest.approx(loss, rel=1e-12)
     # every layer's W and b: conv1 W 0..799, b 800..831; conv2 W ..52031, b ..52095; fc1 W ..183167,
     # b ..183679; fc2 W, b (the last 3)
-    picks = [3, 700, 805, 840, 30000, 52050, 52100, 100000, 183300, model.dim - 520, model.dim - 2]
+    picks = [3, 700, 805, 840, 30000, 52050, 52100, 100000, 183300, model.n_trainable - 520, model.n_trainable - 2]
     for j in picks:
-        e = np.zeros(model.dim)
+        e = np.zeros(model.n_trainable)
         e[j] = 1e-6
         fd = (naive_cnn_loss(x + e, 8, 3, X, y) - naive_cnn_loss(x - e, 8, 3, X, y)) / 2e-6
         assert fd == pytest.approx(grad[j], abs=2e-8, rel=1e-5), j
@@ -255,9 +255,9 @@ def test_cnn_matches_its_definition_and_finite_differences():
     state = kernel_state(1, Purpose.LOCAL, 1, 0)
     rows = Xoshiro(state.copy()).batch(list(range(70)), 10)
     sub = ClassificationData(X[rows], y[rows], X[:1], y[:1])
-    sub_grad = np.zeros(model.dim)
+    sub_grad = np.zeros(model.n_trainable)
     model.loss_grad(x, sub, sub_grad)
-    corr = 0.001 * g.normal(size=model.dim)
+    corr = 0.001 * g.normal(size=model.n_trainable)
     stepped = x.copy()
     model.local_steps(stepped, data, model.begin(data, state), 1, 10, 0.1, step_terms(np.float64, corr))
     np.testing.assert_allclose(stepped, x - 0.1 * (sub_grad + corr), rtol=1e-10, atol=1e-13)
@@ -267,7 +267,7 @@ def test_cnn_matches_its_definition_and_finite_differences():
     terms = step_terms(np.float64, corr, x + 0.01, 0.5)
     fused = x.copy()
     model.local_steps(fused, data, model.begin(data, state.copy()), 1, 10, 0.1, terms)
-    oracle = np.zeros(model.dim)
+    oracle = np.zeros(model.n_trainable)
     model.oracle_grad(x, data, model.begin(data, state.copy()), 10, oracle)
     unfused = x.copy()
     apply_step(unfused, oracle, np.float64(0.1), terms)

@@ -57,7 +57,7 @@ def test_logreg_sgd_matches_numpy_reference(dtype, tol, batch):
     data = _problem(dtype=dtype)
     model = logreg_model(6, 4, dtype)
     g = np.random.default_rng(1)
-    x0 = (0.1 * g.normal(size=model.dim)).astype(dtype)
+    x0 = (0.1 * g.normal(size=model.n_trainable)).astype(dtype)
     state = kernel_state(7, Purpose.LOCAL, 1, 2)
     expect = logreg_sgd(x0, data.X_train.astype(np.float64), data.y_train, 4, 13, batch, 0.3, state.copy())
     x = x0.copy()
@@ -69,15 +69,15 @@ def test_logreg_sgd_matches_numpy_reference(dtype, tol, batch):
 def test_logreg_loss_grad_matches_numpy_and_finite_differences():
     data = _problem()
     model = logreg_model(6, 4, np.float64)
-    x = np.random.default_rng(2).normal(size=model.dim)
-    grad = np.zeros(model.dim)
+    x = np.random.default_rng(2).normal(size=model.n_trainable)
+    grad = np.zeros(model.n_trainable)
     loss = model.loss_grad(x, data, grad)
     ref_loss, gW, gb = softmax_ce(x[:24].reshape(6, 4), x[24:], data.X_train, data.y_train)
     assert loss == pytest.approx(ref_loss, rel=1e-13)
     np.testing.assert_allclose(grad, np.concatenate([gW.ravel(), gb]), rtol=1e-12, atol=1e-14)
     eps = 1e-6
-    for j in range(model.dim):
-        e = np.zeros(model.dim)
+    for j in range(model.n_trainable):
+        e = np.zeros(model.n_trainable)
         e[j] = eps
         fd = (model.train_loss(x + e, data) - model.train_loss(x - e, data)) / (2 * eps)
         assert fd == pytest.approx(grad[j], abs=1e-8)
@@ -86,7 +86,7 @@ def test_logreg_loss_grad_matches_numpy_and_finite_differences():
 def test_logreg_loss_correct_counts_and_survives_huge_logits():
     data = _problem()
     model = logreg_model(6, 4, np.float64)
-    x = np.random.default_rng(3).normal(size=model.dim)
+    x = np.random.default_rng(3).normal(size=model.n_trainable)
     loss, correct = model.loss_correct(x, data.X_train, data.y_train)
     z = data.X_train @ x[:24].reshape(6, 4) + x[24:]
     assert correct == int((z.argmax(axis=1) == data.y_train).sum())
@@ -104,11 +104,11 @@ def test_logreg_loss_correct_counts_and_survives_huge_logits():
 def test_logreg_edge_cases():
     data = _problem(n=1)
     model = logreg_model(6, 4, np.float64)
-    x = np.zeros(model.dim)
+    x = np.zeros(model.n_trainable)
     run = model.begin(data, kernel_state(0, Purpose.LOCAL, 1, 0))
     model.local_steps(x, data, run, 5, 0 + 20, 0.0)  # zero learning rate: nothing moves
     assert not x.any()
-    grad = np.zeros(model.dim)
+    grad = np.zeros(model.n_trainable)
     model.loss_grad(x, data, grad)
     model.local_steps(x, data, run, 1, 20, 0.5)  # batch larger than the data: one full-gradient step
     np.testing.assert_allclose(x, -0.5 * grad, rtol=1e-15)
@@ -117,8 +117,8 @@ def test_logreg_edge_cases():
 def test_full_batch_step_is_gradient_descent():
     data = _problem()
     model = logreg_model(6, 4, np.float64)
-    x = np.random.default_rng(4).normal(size=model.dim)
-    grad = np.zeros(model.dim)
+    x = np.random.default_rng(4).normal(size=model.n_trainable)
+    grad = np.zeros(model.n_trainable)
     model.loss_grad(x, data, grad)
     y = x.copy()
     model.local_steps(y, data, model.begin(data, kernel_state(0, Purpose.LOCAL, 1, 0)), 1, None, 0.1)
@@ -170,8 +170,8 @@ def test_logreg_scaffold_correction_matches_reference(dtype, tol):
     data = _problem(dtype=dtype)
     model = logreg_model(6, 4, dtype)
     g = np.random.default_rng(6)
-    x0 = (0.1 * g.normal(size=model.dim)).astype(dtype)
-    corr = (0.05 * g.normal(size=model.dim)).astype(dtype)
+    x0 = (0.1 * g.normal(size=model.n_trainable)).astype(dtype)
+    corr = (0.05 * g.normal(size=model.n_trainable)).astype(dtype)
     state = kernel_state(2, Purpose.LOCAL, 3, 1)
     expect = logreg_sgd(x0, data.X_train.astype(np.float64), data.y_train, 4, 9, 8, 0.2, state.copy(),
                         correction=corr.astype(np.float64))
@@ -183,14 +183,14 @@ def test_logreg_scaffold_correction_matches_reference(dtype, tol):
 def test_logreg_oracle_gradient_is_one_minibatch():
     data = _problem()
     model = logreg_model(6, 4, np.float64)
-    x = np.random.default_rng(7).normal(size=model.dim)
+    x = np.random.default_rng(7).normal(size=model.n_trainable)
     state = kernel_state(4, Purpose.CONTROL, 1, 0)
     idx = Xoshiro(state.copy()).batch(list(range(37)), 8)
     _, gW, gb = softmax_ce(x[:24].reshape(6, 4), x[24:], data.X_train[idx], data.y_train[idx])
-    out = np.zeros(model.dim)
+    out = np.zeros(model.n_trainable)
     model.oracle_grad(x, data, model.begin(data, state), 8, out)
     np.testing.assert_allclose(out, np.concatenate([gW.ravel(), gb]), rtol=1e-12, atol=1e-15)
-    full = np.zeros(model.dim)
+    full = np.zeros(model.n_trainable)
     model.oracle_grad(x, data, model.begin(data, state), None, out)
     model.loss_grad(x, data, full)
     np.testing.assert_allclose(out, full, rtol=1e-12, atol=1e-15)

@@ -21,7 +21,7 @@ from edgefed.errors import EdgefedError
 from edgefed.orchestration import run as runs
 from edgefed.orchestration.resume import Launch, resolve_config
 from edgefed.orchestration.launcher import Board, Launcher, read_boards, world_command
-from edgefed.runlog import completed_rounds, read_run
+from edgefed.runlog import last_completed_round, read_run
 
 from helpers import compared
 from test_mpi import MPIEXEC
@@ -87,7 +87,7 @@ def launch_and(tmp_path, overrides, act, extra=()):
     sets = [a for o in overrides for a in ("--set", o)]
     proc = start(tmp_path, ["-n", "3", "--out", str(log), "--quiet", *sets, *extra], tag)
     try:
-        wait_for(lambda: completed_rounds(log) >= 20 or proc.poll() is not None, what="round 20")
+        wait_for(lambda: last_completed_round(log) >= 20 or proc.poll() is not None, what="round 20")
         assert proc.poll() is None, proc.communicate()
         act(tag, log, proc)
         out, err = proc.communicate(timeout=TIMEOUT)
@@ -140,7 +140,7 @@ def test_a_stopped_rank_is_declared_lost_and_the_world_goes_on_without_it(tmp_pa
 def test_no_restart_left_gives_the_failures_exit_code(tmp_path):
     code, out, err, log = launch_and(tmp_path, FULL, kill_rank(1, signal.SIGKILL), extra=("--restarts", "0"))
     assert code not in (0, 2) and "no restart is left" in out
-    assert completed_rounds(log) >= 20  # the log keeps its rounds for a --resume
+    assert last_completed_round(log) >= 20  # the log keeps its rounds for a --resume
 
 
 @needs_mpi
@@ -154,7 +154,7 @@ def test_ctrl_c_ends_everything_at_once_with_no_restart(tmp_path):
 
     code, out, _, log = launch_and(tmp_path, FULL + ["rounds=5000"], interrupt)
     assert code == 130 and "restart" not in out.replace("launch: stopped", "")
-    assert "launch: stopped" in out and completed_rounds(log) >= 20
+    assert "launch: stopped" in out and last_completed_round(log) >= 20
 
 
 STOP_BOUND_S = 10.0  # SIGINT to a 3-rank world; the launcher's own grace before SIGKILL is 5 s
@@ -179,7 +179,7 @@ def test_a_run_killed_during_start_up_resumes_from_its_stub(tmp_path):
     wait_for(log.exists, timeout=60, what="the stub")
     proc.kill()
     proc.wait()
-    assert completed_rounds(log) == -1  # killed before round 0: only the stub
+    assert last_completed_round(log) == -1  # killed before round 0: only the stub
     from edgefed.cli import main
 
     assert main(["run", "--resume", str(log), "--quiet"]) == 0

@@ -80,7 +80,7 @@ def naive(model, params, X, y, loss="cross_entropy", masks=None):
 def assert_float64_matches_naive(model, data, loss_rel=1e-10):
     """A float64 model's outputs, loss and every gradient against the NumPy reference, at x_0."""
     x = model.initial_params()
-    grad = np.zeros(model.dim)
+    grad = np.zeros(model.n_trainable)
     loss = model.loss_grad(x, data, grad)
     ref_loss, ref_grads, ref_outputs = naive(model, x, data.X_train, data.y_train)
     np.testing.assert_allclose(model.outputs(x, data.X_train), ref_outputs, rtol=1e-10, atol=1e-12)
@@ -99,7 +99,7 @@ def test_every_layer_type_forward_and_backward_against_numpy(case, dtype, tol):
     data = samples(model, 9)
     x = model.initial_params()
     outputs = model.outputs(x, data.X_train)
-    grad = np.zeros(model.dim, dtype)
+    grad = np.zeros(model.n_trainable, dtype)
     loss = model.loss_grad(x, data, grad)
     ref_loss, ref_grads, ref_outputs = naive(model, x, data.X_train, data.y_train)
     scale = max(1.0, np.abs(ref_outputs).max())
@@ -118,11 +118,11 @@ def test_gradients_match_finite_differences(case):
     model = model_for(shape, layers, np.float64)
     data = samples(model, 5, seed=1)
     x = model.initial_params()
-    grad = np.zeros(model.dim)
+    grad = np.zeros(model.n_trainable)
     model.loss_grad(x, data, grad)
     g = np.random.default_rng(2)
-    for j in g.choice(model.dim, 10, replace=False):
-        e = np.zeros(model.dim)
+    for j in g.choice(model.n_trainable, 10, replace=False):
+        e = np.zeros(model.n_trainable)
         e[j] = 1e-6
         fd = (model.train_loss(x + e, data) - model.train_loss(x - e, data)) / 2e-6
         assert fd == pytest.approx(grad[j], abs=1e-7), j
@@ -148,7 +148,7 @@ def test_mse_loss_and_regression_outputs():
     model = model_for((4,), [{"type": "dense", "out": 5}, {"type": "sigmoid"}], np.float64, "mse", width=2)
     data = samples(model, 7, loss="mse")
     x = model.initial_params()
-    grad = np.zeros(model.dim)
+    grad = np.zeros(model.n_trainable)
     loss = model.loss_grad(x, data, grad)
     ref_loss, ref_grads, ref_outputs = naive(model, x, data.X_train, data.y_train, "mse")
     assert loss == pytest.approx(ref_loss, rel=1e-12)
@@ -164,7 +164,7 @@ def test_dropout_masks_come_from_the_devices_stream_and_scale_the_kept_values():
     data = samples(model, 6)
     x = model.initial_params()
     state = kernel_state(2, Purpose.LOCAL, 1, 0)
-    grad = np.zeros(model.dim)
+    grad = np.zeros(model.n_trainable)
     model.oracle_grad(x, data, model.begin(data, state.copy()), 6, grad)  # the whole batch: no minibatch draw
     ref = Xoshiro(state.copy())  # one draw per value, sample by sample
     masks = {1: np.array([[ref.uniform() >= rate for _ in range(8)] for _ in range(6)], np.float64)}
@@ -208,8 +208,8 @@ def test_a_large_dense_layer_steps_its_weights_in_the_backward_pass_with_the_alg
     data = samples(model, 8)
     g = np.random.default_rng(5)
     x0 = model.initial_params()
-    anchor, correction = x0 + 0.01 * g.normal(size=model.dim), 0.001 * g.normal(size=model.dim)
-    grad = np.zeros(model.dim)
+    anchor, correction = x0 + 0.01 * g.normal(size=model.n_trainable), 0.001 * g.normal(size=model.n_trainable)
+    grad = np.zeros(model.n_trainable)
     model.loss_grad(x0, data, grad)
     x = x0.copy()
     model.local_steps(x, data, model.begin(data, kernel_state(1, Purpose.LOCAL, 1, 0)), 1, None, 0.05,
@@ -244,17 +244,17 @@ def _outputs(model, dtype, features, classes):
     data = ClassificationData(X, y, X[:7].copy(), y[:7].copy())
     out = {"init": model.initial_params()}
     x0 = out["init"] if out["init"].any() else (
-        0.1 * np.random.Generator(np.random.PCG64(5)).normal(size=model.dim)).astype(dtype)
+        0.1 * np.random.Generator(np.random.PCG64(5)).normal(size=model.n_trainable)).astype(dtype)
     runs = {"steps": (3, 5, None), "full_steps": (2, None, None)}
     h = np.random.Generator(np.random.PCG64(9))
-    runs["steps_terms"] = (3, 5, step_terms(dtype, h.normal(size=model.dim).astype(dtype),
-                                            h.normal(size=model.dim).astype(dtype), 0.3))
+    runs["steps_terms"] = (3, 5, step_terms(dtype, h.normal(size=model.n_trainable).astype(dtype),
+                                            h.normal(size=model.n_trainable).astype(dtype), 0.3))
     for name in ("steps", "steps_terms", "full_steps"):
         steps, batch, terms = runs[name]
         x = x0.copy()
         model.local_steps(x, data, model.begin(data, kernel_state(3, Purpose.LOCAL, 1, 2)), steps, batch, 0.1, terms)
         out[name] = x
-    grad = np.zeros(model.dim, dtype)
+    grad = np.zeros(model.n_trainable, dtype)
     model.oracle_grad(x0, data, model.begin(data, kernel_state(4, Purpose.LOCAL, 1, 2)), 5, grad)
     out["oracle"] = grad.copy()
     out["loss_grad_loss"] = np.array(model.loss_grad(x0, data, grad))
@@ -268,9 +268,9 @@ def test_the_built_in_models_are_named_layer_lists():
     cnn = layer_lib.builtin_layers("cnn", (1, 28, 28), 10)
     assert [layer["type"] for layer in cnn] == ["conv2d", "relu", "maxpool2d", "conv2d", "relu", "maxpool2d",
                                                 "flatten", "dense", "relu", "dense"]
-    assert Sequential.builtin("cnn", (1, 28, 28), 10, np.float32).dim == 1_663_370  # McMahan et al.'s count
-    assert Sequential.builtin("mlp", (1, 28, 28), 10, np.float32).dim == 199_210
-    assert Sequential.builtin("logreg", (60,), 10, np.float32).dim == 610
+    assert Sequential.builtin("cnn", (1, 28, 28), 10, np.float32).n_trainable == 1_663_370  # McMahan et al.'s count
+    assert Sequential.builtin("mlp", (1, 28, 28), 10, np.float32).n_trainable == 199_210
+    assert Sequential.builtin("logreg", (60,), 10, np.float32).n_trainable == 610
     assert [layer["type"] for layer in layer_lib.builtin_layers("cnn", (784,), 10)][0] == "reshape"  # LEAF's flat images
 
 

@@ -205,7 +205,7 @@ def test_a_device_rank_counts_only_the_vectors_its_devices_can_touch(monkeypatch
     cfg = config_with({"data.clients": 1000, "train.clients_per_round": 10, "rounds": 5, "train.algorithm": "scaffold",
                        "compress.uplink": "int8", "compress.error_feedback": True, "data.cache_mb": 1e-6})
     problem, model = runs.problem_and_model(cfg)
-    rows = 150 * model.dim * 4  # float32
+    rows = 150 * model.n_trainable * 4  # float32
     lanes = budget.model_bytes(cfg, build_algorithm(cfg), problem, model, 1, 500, distributed=True)
     data = budget.data_held(cfg, problem, np.arange(0, 1000, 2))  # (the one device a tiny cache still keeps)
     runtime = budget.psutil.Process().memory_info().rss + budget.KERNEL_BYTES + 1000 * budget.PER_DEVICE_BYTES + lanes + data

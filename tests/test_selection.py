@@ -162,7 +162,7 @@ def test_the_steps_report_their_squared_sample_losses():
     g = np.random.default_rng(2)
     X, y = g.normal(size=(6, 4)), g.integers(0, 3, 6)
     model = logreg_model(4, 3, np.float64)
-    x = g.normal(size=model.dim)
+    x = g.normal(size=model.n_trainable)
     data = ClassificationData(X, y, X[:0], y[:0])
     run = model.begin(data, kernel_state(0, Purpose.LOCAL, 1, 0))
     W, b = x[:12].reshape(4, 3), x[12:]  # the layer's (in, out) weights, then its bias

@@ -74,7 +74,7 @@ def test_float32_char_model_against_numpy_and_the_padding_row():
     x = model.initial_params()
     pad = model.state_dict(x)["0.weight"][0]
     assert not pad.any() and model.state_dict(x)["0.weight"][1:].std() > 0.5  # N(0, 1), as nn.Embedding's
-    grad = np.zeros(model.dim, np.float32)
+    grad = np.zeros(model.n_trainable, np.float32)
     model.loss_grad(x, data, grad)
     _, ref_grads, ref_out = naive(model, x, data.X_train, data.y_train)
     np.testing.assert_allclose(model.outputs(x, data.X_train), ref_out, rtol=2e-4, atol=2e-5)
@@ -91,10 +91,10 @@ def test_gradients_match_finite_differences(kind):
                       np.float64)
     data = samples(model, 3, seed=1)
     x = model.initial_params()
-    grad = np.zeros(model.dim)
+    grad = np.zeros(model.n_trainable)
     model.loss_grad(x, data, grad)
-    for j in np.random.default_rng(2).choice(model.dim, 12, replace=False):
-        e = np.zeros(model.dim)
+    for j in np.random.default_rng(2).choice(model.n_trainable, 12, replace=False):
+        e = np.zeros(model.n_trainable)
         e[j] = 1e-6
         fd = (model.train_loss(x + e, data) - model.train_loss(x - e, data)) / 2e-6
         assert fd == pytest.approx(grad[j], abs=1e-8), j
@@ -103,7 +103,7 @@ def test_gradients_match_finite_differences(kind):
 def test_the_character_lstm_is_mcmahans():
     layers = layer_lib.builtin_layers("charlstm", (80,), 80)
     assert [layer["type"] for layer in layers] == ["embedding", "lstm", "dense"]
-    assert Sequential.builtin("charlstm", (80,), 80, np.float32).dim == 819_920
+    assert Sequential.builtin("charlstm", (80,), 80, np.float32).n_trainable == 819_920
 
 
 @pytest.mark.parametrize("shape,layers,message", [

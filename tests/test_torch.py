@@ -61,7 +61,7 @@ def test_one_full_batch_step_is_x_minus_lr_grad_by_torch_autograd(algorithm):
     data = samples()
     x0 = model.initial_params()
     g = np.random.default_rng(1)
-    anchor, correction = x0 + 0.1 * g.normal(size=model.dim), 0.01 * g.normal(size=model.dim)
+    anchor, correction = x0 + 0.1 * g.normal(size=model.n_trainable), 0.01 * g.normal(size=model.n_trainable)
     terms, extra = {"fedavg": (None, 0.0), "fedprox": (step_terms(np.float64, anchor=anchor, mu=0.3),
                                                            0.3 * (x0 - anchor)),
                     "scaffold": (step_terms(np.float64, correction=correction), correction)}[algorithm]
@@ -109,7 +109,7 @@ def test_a_skip_connection_with_dropout_steps_alike_in_chunks_and_repeats(tmp_pa
         model.local_steps(parts, data, run, 2, 5, 0.1)
     assert np.array_equal(whole, parts) and not np.array_equal(whole, x0)
     # the full gradient is the deterministic objective's (dropout off): torch's autograd in eval mode
-    grad = np.zeros(model.dim)
+    grad = np.zeros(model.n_trainable)
     model.loss_grad(x0, data, grad)
     np.testing.assert_allclose(grad, autograd_gradient(model, x0, data), rtol=1e-10, atol=1e-13)
     cfg = config_with({"rounds": 2, "data.clients": 4, "train.clients_per_round": 2, "train.local_steps": 4,
@@ -200,7 +200,7 @@ def test_mse_step_and_loss_are_torchs(tmp_path):
     np.testing.assert_allclose(x, x0 - 0.5 * grad, rtol=1e-12, atol=1e-14)
     total, correct = model.loss_correct(x0, X, Y)
     assert correct == 0 and total == pytest.approx((residual ** 2).mean(1).sum(), rel=1e-12)
-    full = np.zeros(model.dim)
+    full = np.zeros(model.n_trainable)
     assert model.loss_grad(x0, data, full) == pytest.approx(total / 12, rel=1e-12)
     np.testing.assert_allclose(full, grad, rtol=1e-12, atol=1e-14)
 
@@ -266,7 +266,7 @@ def test_global_randomness_first_seen_in_evaluation_is_one_line():
 
 def test_frozen_parameters_stay_the_factorys_and_out_of_x():
     model, data = model_of("frozen_first_layer"), samples()
-    assert model.names == ["3.weight", "3.bias"] and model.dim == 8 * 3 + 3
+    assert model.names == ["3.weight", "3.bias"] and model.n_trainable == 8 * 3 + 3
     x0 = model.initial_params()
     x = x0.copy()
     terms = step_terms(np.float64, anchor=x0 + 1.0, mu=0.5)  # FedProx's pull moves only what x holds

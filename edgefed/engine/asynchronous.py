@@ -108,19 +108,19 @@ class AsyncEngine(RoundEngine):
         self.schedule.fill(np.flatnonzero(self.active))
         return state
 
-    def resume(self, state: dict, done: int, prefix: dict | None = None) -> ServerState:
+    def resume(self, state: dict, done: int, logged: dict | None = None) -> ServerState:
         """The server state after update `done`, the schedule as it stood then (simulated again: it is
         arithmetic on the boards' times, or the recorded one), and the models its tasks in flight started
         from (the log's trajectory: every version is stored with [log] every = 1)."""
         resumed = state
-        state = super().resume(state, done, prefix)
+        state = super().resume(state, done, logged)
         if self._kept_schedule():
             self.schedule.restore(resumed)
         else:
             self.schedule.fill(np.flatnonzero(self.active))
             for _ in range(done):
                 self.schedule.next_update(np.flatnonzero(self.active))
-        stored = dict(zip(prefix["trajectory/round"].tolist(), prefix["trajectory/x"]))
+        stored = dict(zip(logged["trajectory/round"].tolist(), logged["trajectory/x"]))
         for v in range(max(done - self.window, 0), done + 1):
             self.versions[v] = ServerState(stored[v].copy()) if v < done else state
         return state

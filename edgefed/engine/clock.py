@@ -150,15 +150,15 @@ class RoundClock:
         return settled.comm_s
 
     # -- resume -----------------------------------------------------------------------------------------
-    def restore(self, prefix: dict, done: int) -> None:
+    def restore(self, logged: dict, done: int) -> None:
         """The clock and the devices' history as the completed rounds of a log left them."""
-        clock = prefix.get("metrics/clock_s")
+        clock = logged.get("metrics/clock_s")
         recorded = float(clock[done]) if clock is not None and clock.shape[0] > done else math.nan
         self.clock_s = recorded if math.isfinite(recorded) else 0.0  # a log from before the clock: from 0
-        steps_all, late_all = prefix["participation/steps"], prefix["participation/late"]
-        elapsed, comm_all = prefix["participation/elapsed_s"], prefix.get("participation/comm_s")
+        steps_all, late_all = logged["participation/steps"], logged["participation/late"]
+        elapsed, comm_all = logged["participation/elapsed_s"], logged.get("participation/comm_s")
         for r in range(min(done, steps_all.shape[0])):
-            ids = np.flatnonzero(prefix["participation/selected"][r])
+            ids = np.flatnonzero(logged["participation/selected"][r])
             steps, late = steps_all[r, ids], late_all[r, ids]
             if self.simulated:
                 work = steps * self.timing.boards.step_s[ids]

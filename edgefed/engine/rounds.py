@@ -125,7 +125,7 @@ class RoundEngine:
         p = self.cfg.participation
         self._choice, self._probed = None, None
         if isinstance(self.trace, ReplayTrace):  # the recorded selection, within this run's federation
-            selected, steps = self.trace.round(round_idx)
+            selected, steps = self.trace.recorded(round_idx)
             member = self.active[selected]
             selected, steps = selected[member], steps[member]
             quorum = None
@@ -353,13 +353,13 @@ class RoundEngine:
         self.on_round(RoundSummary(0, self.cfg.rounds, train, test_loss, test_acc, 0, int(self.active.sum()), 0, 0.0))
         return self.state
 
-    def resume(self, state: dict, done: int, prefix: dict | None = None) -> ServerState:
-        """Restore the server state (and the devices' vectors) of a resume point; prefix: the log's completed
+    def resume(self, state: dict, done: int, logged: dict | None = None) -> ServerState:
+        """Restore the server state (and the devices' vectors) of a resume point; logged: the log's completed
         rounds, from which the clock and the devices' measured speeds continue."""
         self.members = self.dynamics.at(done)
-        if prefix is not None:
-            self.clock.restore(prefix, done)
-            self._count_labels(np.flatnonzero(prefix["participation/selected"][:done].any(axis=0)))
+        if logged is not None:
+            self.clock.restore(logged, done)
+            self._count_labels(np.flatnonzero(logged["participation/selected"][:done].any(axis=0)))
         algo = self.algorithm
         self.state = ServerState(state["x"], {v.name: state[v.name] for v in algo.server_vectors})
         self._secure_side(self.state.x.size)

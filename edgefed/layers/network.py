@@ -57,6 +57,24 @@ class Tensor:
         return value.transpose(2, 3, 1, 0).reshape(-1)
 
 
+@dataclass(frozen=True)
+class Workspace:
+    """The sizes, in values of the model dtype, of the scratch the network kernel takes beside the parameters,
+    activations and deltas (kernels/network.py's tr, cols, wt, gt, gblock and pads)."""
+
+    transposed_per_sample: int  # tr: a stepped dense layer's input and deltas, transposed, per sample
+    columns: int  # cols: a convolution's unfolded input (im2col), or a recurrent layer's packed weights
+    weights_t: int  # wt: transposed weights (a dense layer's, each convolution's, a recurrent layer's gates)
+    narrow_grad: int  # gt: the transposed gradient of narrow dense layers
+    grad_block: int  # gblock: the gradient block a fused dense layer steps at a time (at least one row)
+    padded: int  # pads: the zero-padded inputs of the padded convolutions
+
+    @property
+    def scratch(self) -> tuple[int, int, int, int, int]:
+        """cols, wt, gt, gblock, pads: the kernel's scratch vectors, in its arguments' order."""
+        return self.columns, self.weights_t, self.narrow_grad, self.grad_block, self.padded
+
+
 @dataclass
 class Network:
     """A layer list planned for one input shape: the program and everything sized from it."""
@@ -67,23 +85,18 @@ class Network:
     prog: np.ndarray
     slopes: np.ndarray
     perms: np.ndarray
-    dim: int  # every parameter, the frozen ones (the last dim - trainable of the vector) included
+    n_params: int  # every parameter, the frozen ones (the last n_params - trainable of the vector) included
     tensors: tuple
     per_sample: int  # activation values per sample
     aux_per_sample: int
-    cols: int  # scratch sizes, in values
-    wt: int
-    narrow: int  # the transposed gradient of narrow dense layers (gt)
-    pads: int
-    tr_per_sample: int
-    fused_out: int  # the widest dense layer that steps its weights in its backward pass
+    workspace: Workspace
     output_shapes: tuple = field(default_factory=tuple)  # each layer's output shape (PyTorch's)
     itemsize: int = 4  # of the model dtype
     trainable: int = 0  # the parameters that train: the vector's first
 
     @property
     def frozen(self) -> int:
-        return self.dim - self.trainable
+        return self.n_params - self.trainable
 
     @property
     def eval_chunk(self) -> int:
@@ -98,14 +111,8 @@ class Network:
         when a frozen prefix's outputs are the samples)."""
         item, per_sample = self.itemsize, self.per_sample if per_sample is None else per_sample
         acts = max(rows, self.eval_chunk + 1) * (per_sample * item + self.aux_per_sample * 4)
-        deltas = rows * (per_sample + self.tr_per_sample) * item
-        scratch = self.cols + self.wt + self.narrow + self.gblock + self.pads
-        return self.dim * item + acts + deltas + scratch * item + 8 * self.perms.size
-
-    @property
-    def gblock(self) -> int:
-        """Values of the gradient block a fused dense layer steps at a time (at least one row of its weights)."""
-        return max(BLOCK_BYTES // self.itemsize, self.fused_out)
+        deltas = rows * (per_sample + self.workspace.transposed_per_sample) * item
+        return self.n_params * item + acts + deltas + sum(self.workspace.scratch) * item + 8 * self.perms.size
 
     def signature(self) -> str:
         """The layer list and input as one line: what a board profile's speed entry is keyed by."""
@@ -137,7 +144,7 @@ class _Walk:
         self.next_region = 0
         self.ops, self.slopes, self.perms = [], [], []
         self.n_perm = 0
-        self.dim = 0
+        self.n_params = 0
         self.aux = 0
         self.tensors = []
         self.cols = self.wt = self.narrow = self.pads = self.tr = self.fused_out = 0
@@ -153,11 +160,11 @@ class _Walk:
         values), exceeds the memory: before anything of that size is allocated, the planning included."""
         if self.memory is None:
             return
-        values = 2 * self.dim + self.next_region + out_size + self.aux + self.cols + self.pads + self.wt
+        values = 2 * self.n_params + self.next_region + out_size + self.aux + self.cols + self.pads + self.wt
         need = values * self.itemsize + 8 * (self.n_perm + out_size)
         if need > self.memory[0]:
             raise ResourceError(
-                f"{self.where} makes the model need at least {size_text(need)} of memory ({self.dim:,} parameters, "
+                f"{self.where} makes the model need at least {size_text(need)} of memory ({self.n_params:,} parameters, "
                 f"{self.next_region + out_size:,} values per sample), more than {self.memory[1]}, "
                 f"{size_text(self.memory[0])}; {self.fix}")
 
@@ -176,12 +183,12 @@ class _Walk:
         return row
 
     def params(self, row, layer: int, tensors) -> None:
-        row[ops.F_PARAM] = self.dim
+        row[ops.F_PARAM] = self.n_params
         row[ops.F_FROZEN] = int(not self.trainable)
         for name, shape, torch_shape, fans, kind, order, *hidden in tensors:
-            self.tensors.append(Tensor(layer, name, self.dim, shape, torch_shape, fans, kind, order, *hidden))
-            self.dim += int(np.prod(shape))
-        row[ops.F_NPARAM] = self.dim - row[ops.F_PARAM]
+            self.tensors.append(Tensor(layer, name, self.n_params, shape, torch_shape, fans, kind, order, *hidden))
+            self.n_params += int(np.prod(shape))
+        row[ops.F_NPARAM] = self.n_params - row[ops.F_PARAM]
         self.check_memory()
 
     def permute(self, order_out: np.ndarray | None) -> None:
@@ -240,7 +247,7 @@ def build(layers, sample_shape: tuple, out_width: int, dtype, outputs_what: str 
     if walk.shape[0] != out_width:
         raise ConfigError(f"config: {name} ends with {walk.shape[0]} outputs but the data has {out_width} "
                           f"{outputs_what}; give the last layer out = {out_width}")
-    if walk.dim == 0:
+    if walk.n_params == 0:
         raise ConfigError(f"config: {name} has no layer with parameters; add a dense or conv layer")
     prog = np.stack(walk.ops)
     tensors, trainable = _trainable_first(prog, walk.tensors)
@@ -254,13 +261,15 @@ def build(layers, sample_shape: tuple, out_width: int, dtype, outputs_what: str 
             conv_wt += row[ops.F_KH] * row[ops.F_KW] * row[ops.F_C] * row[ops.F_CO]
     walk.wt = max(walk.wt, conv_wt)
     network = Network(tuple(layers), shape, out_width, prog, np.asarray(walk.slopes, np.float64),
-                      np.concatenate(walk.perms) if walk.perms else np.zeros(0, np.int64), walk.dim,
-                      tensors, walk.next_region, walk.aux, walk.cols, walk.wt, walk.narrow, walk.pads,
-                      walk.tr, walk.fused_out, tuple(shapes), itemsize, trainable)
-    need = network.workspace_bytes(rows) + network.dim * (8 + itemsize)  # and x_0, drawn in float64
+                      np.concatenate(walk.perms) if walk.perms else np.zeros(0, np.int64), walk.n_params,
+                      tensors, walk.next_region, walk.aux,
+                      Workspace(walk.tr, walk.cols, walk.wt, walk.narrow, max(BLOCK_BYTES // itemsize, walk.fused_out),
+                                walk.pads),
+                      tuple(shapes), itemsize, trainable)
+    need = network.workspace_bytes(rows) + network.n_params * (8 + itemsize)  # and x_0, drawn in float64
     if memory is not None and need > memory[0]:
         raise ResourceError(f"config: {name}: a model of these layers needs about {size_text(need)} of memory "
-                            f"({network.dim:,} parameters, {network.per_sample:,} values per sample, minibatches of "
+                            f"({network.n_params:,} parameters, {network.per_sample:,} values per sample, minibatches of "
                             f"{rows}), more than {memory[1]}, {size_text(memory[0])}; make the layers smaller, or "
                             "the minibatches (train.batch_size)")
     return network
@@ -300,7 +309,7 @@ def initial_params(network: Network, init: str, g: np.random.Generator, dtype) -
     "pytorch": PyTorch's defaults for the same layers (weights and biases U(+-1/sqrt(fan_in)), GroupNorm 1
     and 0); "glorot": Glorot-uniform weights U(+-sqrt(6 / (fan_in + fan_out))) and zero biases (the
     TensorFlow default McMahan et al.'s models used); "zeros": everything zero (logistic regression)."""
-    params = np.zeros(network.dim)
+    params = np.zeros(network.n_params)
     for t in network.tensors:
         part = params[t.offset:t.offset + t.size]
         if t.kind == "norm":

@@ -63,7 +63,7 @@ def whole_from_state(network: Network, weights: dict, source: str, dtype) -> np.
                                                   f"the model's layer {t.layer} ({network.layers[t.layer]['type']})",
                                                   True) for t in network.tensors},
                 source, "give the weights of the same layers (edgefed export --weights writes them)")
-    whole = np.zeros(network.dim, dtype)
+    whole = np.zeros(network.n_params, dtype)
     for t in network.tensors:
         whole[t.offset:t.offset + t.size] = t.from_torch(np.asarray(weights[f"{t.layer}.{t.name}"]))
     return whole

@@ -96,7 +96,7 @@ def model_bytes(cfg: Config, algorithm: Algorithm, problem, model, lanes: int, h
     rows = min(per_round, n if hosted is None else hosted) * len(algorithm.reports)
     rows *= (2 if cfg.compress.error_feedback else 1) * (MPI_COPIES if distributed else 1)
     server = (4 if hosted is None else 1) + 2 * len(algorithm.server_vectors)  # a device rank: the broadcast
-    vectors = (rows + server) * model.dim * np.dtype(model.dtype).itemsize
+    vectors = (rows + server) * model.n_trainable * np.dtype(model.dtype).itemsize
     models = lanes + (1 if lanes and evaluates_apart(cfg) else 0)  # (workspaces are made when first used)
     return models * model.memory_bytes(minibatch_rows(cfg.train.batch_size, problem.n_train)) + vectors
 
@@ -132,7 +132,7 @@ def _rank_terms(cfg: Config, algorithm: Algorithm, problem, model, own: np.ndarr
     touched = min(own.size, touched_rows(cfg, n))
     rows = len(algorithm.device_vectors) * (touched if algorithm.zero_start else own.size)
     rows += len(algorithm.reports) * touched if cfg.compress.error_feedback else 0
-    state = rows * model.dim * np.dtype(model.dtype).itemsize
+    state = rows * model.n_trainable * np.dtype(model.dtype).itemsize
     return (cfg, n, data_held(cfg, problem, own), state, "its devices' vectors", RANK_DEVICE_BYTES,
             model_bytes(cfg, algorithm, problem, model, lanes, own.size, distributed=True))
 
@@ -170,7 +170,7 @@ def check_device_memory(algorithm: Algorithm, cfg: Config, problem, model, log_p
     N) and error feedback's residuals can take, and refuse when memory (with the model's lanes and a round's
     vectors, in one process) or disk cannot hold them. Returns this process's estimate."""
     vectors = algorithm.device_vectors
-    n, d, dtype = problem.n_devices, model.dim, model.dtype
+    n, d, dtype = problem.n_devices, model.n_trainable, model.dtype
     data_bytes = 0 if distributed else data_held(cfg, problem)  # (under mpiexec the device ranks hold it)
     residuals = residual_bytes(algorithm, cfg, n, d, dtype)
     held_model = model_bytes(cfg, algorithm, problem, model, 0 if distributed else cfg.mpi.threads_per_rank or 1,

@@ -108,7 +108,7 @@ def log_header(cfg: Config, algorithm: Algorithm, problem, model, layout: dict, 
              "train_objective": "(1/N_r) sum_k f_k" if cfg.train.weighting == "uniform" else "sum_k n_k/n F_k"}
     header = Header(
         config_toml=config_toml, restarts=restarts,
-        seed=cfg.seed, rounds=cfg.rounds, n_devices=problem.n_devices, dim=model.dim, dtype=model.dtype,
+        seed=cfg.seed, rounds=cfg.rounds, n_devices=problem.n_devices, dim=model.n_trainable, dtype=model.dtype,
         n_train=problem.n_train, label_counts=_label_counts(problem), frozen=model.frozen_values,
         **layout,
         attrs=attrs,
@@ -138,7 +138,7 @@ def frozen_text(model) -> str:
     if not frozen:
         return ""
     cached = (f" (the frozen layers' outputs computed once per device: {model.n_features} features a sample)"
-              if model.prefix else "")
+              if model.prefix_end else "")
     return f" trained, {frozen:,} frozen{cached}"
 
 

@@ -29,7 +29,7 @@ from pathlib import Path
 
 from edgefed import hwprofile
 from edgefed.errors import EXIT_BAD_INPUT, EXIT_INTERRUPTED, EXIT_RANK_LOST, EdgefedError
-from edgefed.runlog import completed_rounds, run_status
+from edgefed.runlog import last_completed_round, run_status
 from edgefed.runtime.mpi.comm import local_mpiexec
 
 STOP_GRACE_S = 5.0  # after Ctrl-C, how long the ranks get to leave on their own before they are killed
@@ -316,7 +316,7 @@ class Launcher:
                 self.say(f"launch: the world died ({cause}) and no rank is left to run it")
                 return code if code > 0 else 128 - code
             self.restarts_left -= 1
-            record = {"launch": self.id, "round": max(completed_rounds(self.log), 0), "cause": cause, "ranks_before": before,
+            record = {"launch": self.id, "round": max(last_completed_round(self.log), 0), "cause": cause, "ranks_before": before,
                       "ranks_after": self.ranks,
                       "time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
             self.records.append(record)

@@ -107,7 +107,7 @@ def _random_samples(g, model, n: int, width: int, vocabulary: int) -> np.ndarray
 def speed_entry(model, batch: int, steps_per_s: float, prefix_samples_per_s: float | None = None) -> dict:
     """A profile's [[speed]] entry for a model: a built-in by name, a layer list by its signature; a model whose
     frozen prefix's outputs are its samples, with that prefix's speed (prefix_samples_per_second)."""
-    entry = {"model": model.kind, "params": model.dim, "batch": batch, "steps_per_s": float(f"{steps_per_s:.4g}")}
+    entry = {"model": model.kind, "params": model.n_trainable, "batch": batch, "steps_per_s": float(f"{steps_per_s:.4g}")}
     if model.kind in hwprofile.NAMED:
         entry["layers"] = model.profile_key().split(": ", 1)[1]
     if prefix_samples_per_s is not None:
@@ -276,7 +276,7 @@ def measure(specs=tuple(BENCH_MODELS), cold: bool = True, out=print) -> dict:
         out(f"{tag}: warm start {warm_s[tag]:.2f} s, one device's process {rss[tag]:.0f} MB resident")
         for batch in batches(spec):
             model, sps = steps_per_second(spec, batch)
-            speeds.append(speed_entry(model, batch, sps, prefix_samples_per_second(model) if model.prefix else None))
+            speeds.append(speed_entry(model, batch, sps, prefix_samples_per_second(model) if model.prefix_end else None))
             prefix = speeds[-1].get("prefix_samples_per_s")
             once = f"; its frozen prefix, once a sample: {prefix:,.0f} samples/s" if prefix else ""
             out(f"{tag}: batch {batch}: {sps:,.1f} steps/s ({1e3 / sps:.3f} ms per step){once}")
@@ -301,7 +301,7 @@ def mpi_collectives(comm, specs=tuple(BENCH_MODELS), repeats: int = 20) -> list[
     out = []
     for spec in specs:
         model = build(spec, "float32", n=2)[0]
-        dim = model.dim
+        dim = model.n_trainable
         buf = np.zeros(dim, np.float32)
         inbox = np.zeros((size, dim), np.float32) if rank == 0 else None
         bcast, gather = [], []

@@ -59,7 +59,7 @@ def execute(resolve, force: bool, on_round, on_info, on_error, launch: Launch | 
 
 def wire_for(cfg, algorithm: Algorithm, n_devices: int, model) -> Wire:
     """The MPI records of a run: the same on every rank, since every rank builds them from the same config."""
-    return Wire(n_devices, model.dim, model.dtype, algorithm.reports, tuple(v.name for v in algorithm.server_vectors),
+    return Wire(n_devices, model.n_trainable, model.dtype, algorithm.reports, tuple(v.name for v in algorithm.server_vectors),
                 tuple(v.name for v in algorithm.device_vectors), *codecs(cfg.compress),
                 tasks=cfg.participation.mode == "async",
                 secagg_bits=cfg.secagg.bits if cfg.secagg.enabled else None)

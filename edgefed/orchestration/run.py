@@ -66,11 +66,11 @@ class Tally:
     """What the run's last line says of the whole run: its reports dropped as non-finite and the rounds that
     applied an update, counted round by round (and, on --resume, from the rounds the log holds)."""
 
-    def __init__(self, on_round, prefix: dict | None = None):
+    def __init__(self, on_round, logged: dict | None = None):
         self.on_round = on_round
-        counts = nonfinite_counts(prefix or {})
+        counts = nonfinite_counts(logged or {})
         self.nonfinite, self.nonfinite_rounds = counts["reports"], counts["rounds"]
-        self.applied_rounds = len((prefix or {}).get("metrics/n_applied", ())) - counts["no_update"]
+        self.applied_rounds = len((logged or {}).get("metrics/n_applied", ())) - counts["no_update"]
 
     def __call__(self, s) -> None:
         self.nonfinite += s.n_dropped
@@ -126,7 +126,7 @@ def with_model(cfg: Config, problem, start: dict | None = None):
     model = build_model(cfg.model, problem, generator(cfg.seed, Purpose.INIT), memory_limit(), cfg.train.batch_size)
     if start is not None:
         model.load_weights(start, f"config: model.weights = {cfg.model.weights!r}")
-    if model.prefix:  # the samples pass the frozen prefix once, when a device's data is built
+    if model.prefix_end:  # the samples pass the frozen prefix once, when a device's data is built
         problem = FeatureProblem(problem, model)
     threads = cfg.mpi.threads_per_rank or 1
     if threads > 1 and model.one_lane:
@@ -201,7 +201,7 @@ def prepare(cfg: Config, log_path: Path, *, resume_point=None, force: bool = Fal
     if stub:  # a new log's path is claimed atomically: another run may be starting on it at this moment
         write_stub(log_path, config_toml, restarts, claim=resume_point is None)
     with released_on_failure(log_path, stub):
-        setup = _prepared(cfg, log_path, resume_point, on_info, config_toml, restarts, distributed=distributed)
+        setup = build_setup(cfg, log_path, resume_point, on_info, config_toml, restarts, distributed=distributed)
     return dataclasses.replace(setup, stub=stub)
 
 
@@ -219,15 +219,15 @@ def released_on_failure(log_path: Path, owned: bool):
         raise
 
 
-def plan(cfg: Config, log_path: Path, problems: dict | None = None) -> Setup:
+def dry_run(cfg: Config, log_path: Path, problems: dict | None = None) -> Setup:
     """Everything a new run checks before its first round (its files read as far as the run reads them, the
     model against the data, memory, disk, deadlines), with nothing written: what a sweep does for each of its
     runs before the first one runs. problems: as problem_and_model takes them."""
-    setup = _prepared(cfg, log_path, None, lambda line: None, config_mod.to_toml(cfg), (), problems)
+    setup = build_setup(cfg, log_path, None, lambda line: None, config_mod.to_toml(cfg), (), problems)
     return timing_for(setup)
 
 
-def _prepared(cfg: Config, log_path: Path, resume_point, on_info, config_toml: str, restarts: tuple,
+def build_setup(cfg: Config, log_path: Path, resume_point, on_info, config_toml: str, restarts: tuple,
               problems: dict | None = None, distributed: bool = False) -> Setup:
     if cfg.data.kind == "synthetic" and cfg.data.clients:  # N is known before its sizes are drawn (minutes at 10^7)
         check_memory(cfg, cfg.data.clients)
@@ -240,12 +240,12 @@ def _prepared(cfg: Config, log_path: Path, resume_point, on_info, config_toml: s
     algorithm = build_algorithm(cfg)
     if resume_point is None or resume_point.fresh:  # the config as run: with the clients a problem file fixes
         config_toml = config_mod.to_toml(cfg)
-    layout = log_layout(algorithm, cfg, problem.n_devices, model.dim, model.dtype)
-    every, stores = trajectory_every(cfg, layout, model.dim, model.dtype)
+    layout = log_layout(algorithm, cfg, problem.n_devices, model.n_trainable, model.dtype)
+    every, stores = trajectory_every(cfg, layout, model.n_trainable, model.dtype)
     cfg = dataclasses.replace(cfg, log=dataclasses.replace(cfg.log, every=every))  # as run; the stored text keeps it unset
     if getattr(problem, "notice", None):
         on_info(problem.notice)
-    on_info(f"{problem.describe()}; model {model.kind}, d = {model.dim} {model.dtype.name}{frozen_text(model)}; "
+    on_info(f"{problem.describe()}; model {model.kind}, d = {model.n_trainable} {model.dtype.name}{frozen_text(model)}; "
             f"{cfg.train.algorithm}, {cfg.rounds} rounds; {stores}")
     header = log_header(cfg, algorithm, problem, model, layout, config_toml, restarts)
     need = check_device_memory(algorithm, cfg, problem, model, log_path, on_info, distributed)
@@ -341,12 +341,12 @@ def drive(setup: Setup, transport, log_path: Path, *, resume_point=None, on_roun
     cfg = setup.cfg
     if resume_point is not None and resume_point.fresh:
         resume_point = None  # nothing was completed: start from the beginning, over the stub
-    tally = on_round = Tally(on_round, None if resume_point is None else resume_point.prefix)
+    tally = on_round = Tally(on_round, None if resume_point is None else resume_point.logged)
     if on_warning is not None:
         on_round = DivergenceWatch(on_round, on_warning)
     if resume_point is not None and resume_point.complete:
         transport.close()
-        return _summary(log_path, resume_point.prefix, 0, 0.0, tally, already_complete=True)
+        return _summary(log_path, resume_point.logged, 0, 0.0, tally, already_complete=True)
     wall0 = time.perf_counter()
     new = resume_point is None  # (from here the file at log_path is this run's own: a whole new log)
     with released_on_failure(log_path, new and setup.stub):
@@ -364,7 +364,7 @@ def drive(setup: Setup, transport, log_path: Path, *, resume_point=None, on_roun
             done = 0
         else:
             done = resume_point.rounds_done
-            engine.resume(resume_point.state, done, resume_point.prefix)
+            engine.resume(resume_point.state, done, resume_point.logged)
         engine.run(done)
     wall = time.perf_counter() - wall0
     # complete before the devices are let go: a rank lost in the final drain then costs nothing logged

@@ -403,7 +403,7 @@ def plan_runs(sweep: Sweep, folder: Path, indices, on_progress=None) -> str | No
             try:
                 for name in TABLES:  # the tables the sweep rewrites at its end are no run's input
                     check_output(folder / name, force=True, inputs=config_mod.files_read(configs[i]), flag="--out")
-                runs.plan(configs[i], folder / job.log, problems)
+                runs.dry_run(configs[i], folder / job.log, problems)
             except EdgefedError as exc:
                 return f"sweep {sweep.path}: {_blame(sweep, job, exc)}; nothing was run or written"
     return None
@@ -415,7 +415,7 @@ def _blame(sweep: Sweep, job: Job, exc: EdgefedError) -> str:
     if job.values:
         try:
             raw = _merged(sweep.base, sweep.settings, (), job.seed, str(sweep.path))
-            runs.plan(config_mod.config_from_dict(raw), Path(job.log), None)
+            runs.dry_run(config_mod.config_from_dict(raw), Path(job.log), None)
         except EdgefedError as alone:
             if str(alone) == str(exc):
                 return f"its base config and [set] cannot run, in any cell: {exc}; fix base or [set]"

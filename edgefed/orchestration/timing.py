@@ -35,12 +35,12 @@ def _board_step_seconds(setup, names) -> tuple[np.ndarray, dict]:
     profiles = {name: hwprofile.load_profile(name) for name in dict.fromkeys(names)}
     batches = problem.n_train if cfg.train.batch_size == "full" else np.minimum(cfg.train.batch_size, problem.n_train)
     key = model.profile_key()
-    return np.array([profiles[names[k]].step_seconds(key, int(batches[k]), model.dim)
+    return np.array([profiles[names[k]].step_seconds(key, int(batches[k]), model.n_trainable)
                      for k in range(problem.n_devices)]), profiles
 
 
 def _comm_seconds(setup, names, profiles) -> np.ndarray:
-    seconds = [profiles[name].comm_seconds(setup.model.profile_key(), setup.model.dim) for name in names]
+    seconds = [profiles[name].comm_seconds(setup.model.profile_key(), setup.model.n_trainable) for name in names]
     return np.array([np.nan if s is None else s for s in seconds])
 
 
@@ -53,8 +53,8 @@ def link_speeds(cfg, n_devices: int) -> np.ndarray | None:
 def round_bytes(cfg, algorithm, model) -> int:
     """What a selected device's round moves: the broadcast (x, server vectors) and its report, encoded."""
     uplink, downlink = codecs(cfg.compress)
-    return ((1 + len(algorithm.server_vectors)) * downlink.nbytes(model.dim, model.dtype)
-            + len(algorithm.reports) * uplink.nbytes(model.dim, model.dtype))
+    return ((1 + len(algorithm.server_vectors)) * downlink.nbytes(model.n_trainable, model.dtype)
+            + len(algorithm.reports) * uplink.nbytes(model.n_trainable, model.dtype))
 
 
 def timing_for(setup, owners: np.ndarray | None = None, on_info=None, resume_point=None, distributed: bool = False):

@@ -57,7 +57,7 @@ class ReplayTrace:
         return cls(selected.copy(), steps.astype(np.int32), recorded.late[:rounds].copy(), clock, comm,
                    recorded.overselected, *considered)
 
-    def round(self, round_idx: int) -> tuple[np.ndarray, np.ndarray]:
+    def recorded(self, round_idx: int) -> tuple[np.ndarray, np.ndarray]:
         """(selected device ids ascending, steps each completes) of round round_idx (1-based)."""
         ids = np.flatnonzero(self.selected[round_idx - 1])
         return ids, self.steps[round_idx - 1, ids]

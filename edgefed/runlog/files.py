@@ -12,7 +12,7 @@ import numpy as np
 from edgefed import holds
 from edgefed.errors import RunLogError
 from edgefed.outputs import remove_stale_copies
-from edgefed.runlog.reader import ResumePoint, completed_rounds
+from edgefed.runlog.reader import ResumePoint, last_completed_round
 import edgefed.runlog.schema as schema
 from edgefed.runlog.schema import RESTART, _root_attrs
 
@@ -34,7 +34,7 @@ def hold(path: Path, resume_point: ResumePoint | None = None) -> None:
         again = f"edgefed run --resume {path}" if resume_point is not None else "run it again"
         raise RunLogError(f"run log {path} is being written by {holder}, which is still running; let it finish (or "
                           f"stop it), then {again}")
-    done = completed_rounds(path)  # (-1: none, or the log unreadable this moment: its reading will say)
+    done = last_completed_round(path)  # (-1: none, or the log unreadable this moment: its reading will say)
     if resume_point is not None and done >= 0 and done != resume_point.rounds_done:
         holds.let_go(path)
         raise RunLogError(f"run log {path} gained rounds while --resume read it (its run ended just now); "

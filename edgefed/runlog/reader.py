@@ -159,7 +159,7 @@ def nonfinite_counts(data) -> dict:
             "no_update": 0 if applied is None else int(np.count_nonzero(np.asarray(applied) == 0))}
 
 
-def completed_rounds(path: str | Path) -> int:
+def last_completed_round(path: str | Path) -> int:
     """The log's last completed round, read as a watcher would while the run goes on; -1 when there is none
     yet (no file, a stub, a file that cannot be read now)."""
     try:
@@ -250,7 +250,7 @@ class ResumePoint:
     config_toml: str
     rounds_done: int
     state: dict
-    prefix: dict
+    logged: dict  # the completed rounds' rows of every per-round dataset, by path
     complete: bool
     limits: dict = field(default_factory=dict)  # rows kept per row mapping ("round", "round+1", "stored")
     attrs: dict = field(default_factory=dict)  # the log's root attributes (e.g. the deadlines it ran with)
@@ -260,7 +260,7 @@ class ResumePoint:
 
 
 def read_resume_point(path: str | Path) -> ResumePoint:
-    """What a killed run had completely logged: its config, last round, state and dataset prefixes."""
+    """What a killed run had completely logged: its config, last round, state and the rows of its completed rounds."""
     with reading(path) as f:
         config_toml, restarts = str(f.attrs.get("config", "")), _read_restarts(f)
         if "state" not in f and f.attrs.get("status") == "starting":  # a stub: killed before its first round
@@ -274,11 +274,11 @@ def read_resume_point(path: str | Path) -> ResumePoint:
             return ResumePoint(config_toml, 0, {}, {}, False, attrs=root_attrs(f, path), restarts=restarts,
                                fresh=True)
         limits = row_limits(done, f["trajectory/round"][()])
-        prefix = {}
+        logged = {}
 
         def take(name, obj):
             if isinstance(obj, h5py.Dataset) and "rows" in obj.attrs:
-                prefix[name] = obj[: limits[obj.attrs["rows"]]]
+                logged[name] = obj[: limits[obj.attrs["rows"]]]
 
         f.visititems(take)
         st = f["state"]
@@ -293,7 +293,7 @@ def read_resume_point(path: str | Path) -> ResumePoint:
                 rows = rows.updated(st["undo/ids"][:count], st[f"undo/{name}"][:count]).nonzero()
             state[name] = rows
         n_train = f["devices/n_train"][()] if isinstance(f.get("devices/n_train"), h5py.Dataset) else None
-        return ResumePoint(config_toml, done, state, prefix, f.attrs.get("status") == "complete",
+        return ResumePoint(config_toml, done, state, logged, f.attrs.get("status") == "complete",
                            limits, root_attrs(f, path), restarts, n_train=n_train)
 
 

@@ -182,14 +182,14 @@ class RunLogWriter:
 
 def _write_resume_point(f: h5py.File, point: ResumePoint) -> None:
     """Copy a resume point (completed rounds, state, marker) into a fresh, not yet swapped-in log."""
-    for name, data in point.prefix.items():
+    for name, data in point.logged.items():
         ds = f[name]
         ds.resize(data.shape[0], axis=0)
         if data.shape[0]:
             ds[...] = data
 
     def pad(name, obj):  # a column the resumed log's version did not write: its completed rounds hold the fill
-        if isinstance(obj, h5py.Dataset) and "rows" in obj.attrs and name not in point.prefix and point.limits:
+        if isinstance(obj, h5py.Dataset) and "rows" in obj.attrs and name not in point.logged and point.limits:
             obj.resize(point.limits[obj.attrs["rows"]], axis=0)
 
     f.visititems(pad)

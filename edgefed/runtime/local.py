@@ -259,7 +259,7 @@ class LocalTransport:
         self._pool = None  # the lanes' threads, when there are several or competitors to yield to
         self._dispatch = None  # the thread a device rank's round runs on while its main thread serves MPI
         self._stop = threading.Event()  # set: the coordinator needs no more of this round's work
-        self.secure = None if secagg is None else SecureDevices(secagg, seed, scheme, model.dim, self.device_ids,
+        self.secure = None if secagg is None else SecureDevices(secagg, seed, scheme, model.n_trainable, self.device_ids,
                                                                 privacy)
 
     @property
@@ -303,7 +303,7 @@ class LocalTransport:
     def load_devices(self, rows: dict[str, DeviceRows]) -> None:
         """Restore the hosted devices' vectors and residuals (sparse: the rows any of them holds)."""
         self.vectors = self.residual_rows = None
-        self._hold_vectors(self.model.dim, self.model.dtype)
+        self._hold_vectors(self.model.n_trainable, self.model.dtype)
         for name, held in {**self.vectors, **{compression.residual_name(r): h
                                               for r, h in (self.residual_rows or {}).items()}}.items():
             held.load(rows[name], self.device_ids)
