@@ -121,11 +121,11 @@ def test_a_large_federations_summary_lists_the_devices_selected_most_and_reads_n
     assert [int(row.split()[1]) for row in table[:3]] == [whole[k]["selected"] for k in shown]
     assert table[3].startswith("(the 3 devices selected most of 6;")
     assert "state/x" not in run.data and not any(name.startswith("state/") for name in run.data)
-    from edgefed.analysis import report as report_mod  # the per-device figures draw the same devices
+    from edgefed.analysis import figures as figures_mod  # the per-device figures draw the same devices
 
-    monkeypatch.setattr(report_mod, "FIGURE_DEVICES", 3)
-    assert report_mod._shown_devices(run)[0].tolist() == shown
-    figure = report_mod.participation(run, "t")
+    monkeypatch.setattr(figures_mod, "FIGURE_DEVICES", 3)
+    assert figures_mod._shown_devices(run)[0].tolist() == shown
+    figure = figures_mod.participation(run, "t")
     assert figure.axes[0].get_ylabel() == "the 3 devices selected most, of 6"
     assert figure.axes[0].get_images()[0].get_array().shape == (3, 5)  # 3 devices x 5 rounds
 
@@ -205,7 +205,7 @@ def test_report_of_several_logs_and_a_sweep_folder(logs, sweep_folder, tmp_path)
 
 
 def test_linked_axes_are_one_dimension_of_the_report():
-    from edgefed.analysis.report import Sweep
+    from edgefed.analysis.sweeps import Sweep
 
     def sweep(pairs):
         cells = {f"c{i}": {"data.alpha": a, "data.beta": b, "participation.scheme": s}

@@ -294,7 +294,9 @@ def test_a_sweep_over_z_tables_epsilon_and_the_report_draws_accuracy_against_it(
     import csv
 
     from edgefed.analysis.logs import Run
-    from edgefed.analysis.report import Sweep, _headline, privacy_tradeoff
+    from edgefed.analysis.figures import privacy_tradeoff
+    from edgefed.analysis.report import _headline
+    from edgefed.analysis.sweeps import Sweep
     from edgefed.orchestration.sweep import run_sweep
 
     (tmp_path / "s.toml").write_text(

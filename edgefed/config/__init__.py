@@ -1,8 +1,9 @@
 """TOML config -> frozen dataclasses, validated once, with messages that name the key and how to fix it.
 
 schema.py: the tables and their defaults (the keys are a contract); reading.py: files, `--set` overrides
-and types; validation.py: ranges, choices, and the defaults that depend on other keys; writing.py: the
-effective config as TOML (stored in every run log) and the comparison `--resume` makes.
+and types; validation.py: ranges, choices, and the defaults that depend on other keys (policies.py: the
+selection, privacy, FedBuff, secure aggregation and compression tables; checks.py: what every check is made
+of); writing.py: the effective config as TOML (stored in every run log) and the comparison `--resume` makes.
 """
 
 from edgefed.config.reading import (PATH_KEYS, absolute_paths, absolute_value, apply_override, config_from_dict,
