@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 from edgefed.analysis.logs import Run
-from edgefed.analysis.report import curves
+from edgefed.analysis.figures import curves
 
 
 def label(row: dict) -> str:

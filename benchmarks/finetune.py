@@ -151,7 +151,7 @@ def digits(folder: Path, rounds: int, target: float) -> None:
     profile = {"format": 1, "name": "Pi 4 (this machine's speeds x the pi4b/laptop ratio)", "measured": False,
                "machine": {"arch": "aarch64", "cores": 4, "memory_mb": 4096}, "speed": list(entries.values())}
     board = folder / "pi4-estimate.toml"
-    board.write_text(hwprofile.profile_text(profile))
+    board.write_text(hwprofile.profile_toml(profile))
     full_step = 1.0 / speeds["every layer, from pretrained"]["steps_per_s"]
     deadline = 5 * full_step
     print(f"\nUnder a deadline on a simulated Pi 4 cluster: each model's speed measured here x {ratio:.3f} (the pi4b "

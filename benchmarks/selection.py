@@ -136,7 +136,7 @@ def inconsistency(args, folder: Path) -> None:
     np.savez(folder / "quad.npz", A=A, b=b, x0=np.zeros(d))
     optimum = (A * b).sum(axis=0) / A.sum(axis=0)
     spread = np.linalg.norm(b - optimum, axis=1).max()
-    (folder / "board.toml").write_text(hwprofile.profile_text({
+    (folder / "board.toml").write_text(hwprofile.profile_toml({
         "format": 1, "name": "quadratic board", "measured": True,
         "machine": {"arch": "aarch64", "cores": 4, "memory_mb": 1024},
         "speed": [{"model": "quadratic", "params": d, "batch": 20, "steps_per_s": 1000.0}]}))

@@ -13,7 +13,7 @@ import csv
 from pathlib import Path
 
 from edgefed.analysis.logs import Run
-from edgefed.analysis.report import curves
+from edgefed.analysis.figures import curves
 
 NAMES = {"uniform": "uniform", "fedcs": "FedCS", "oort": "Oort", "power_of_choice": "power of choice"}
 

@@ -205,6 +205,6 @@ def profile_from_dict(raw: dict, source: str) -> Profile:
     return Profile(raw["name"], source, bool(raw.get("measured", False)), machine, recommend, tuple(speeds), extra)
 
 
-def profile_text(data: dict, comment: str = "") -> str:
+def profile_toml(data: dict, comment: str = "") -> str:
     """A profile dict as TOML, under a comment (its sources or how it was measured)."""
     return "".join(f"# {line}\n" if line else "#\n" for line in comment.splitlines()) + tomli_w.dumps(data)

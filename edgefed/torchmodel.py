@@ -115,7 +115,7 @@ def _first_line(exc: BaseException) -> str:
 
 
 class TorchModel(Classifier):
-    """A user's torch.nn.Module behind edgefed's model contract (models.Classifier; see the module's docstring).
+    """A user's torch.nn.Module behind edgefed's model contract (model_contract.Classifier; see the module's docstring).
     init: the run's (seed, INIT) stream, whose first draw seeds torch while the factory builds the module."""
 
     kind = "torch"

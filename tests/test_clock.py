@@ -26,7 +26,7 @@ def board(tmp_path):
     """A board on which a step of the default logistic regression (610 parameters, batch 20) takes 1 ms,
     and moving it down and a report up takes 2 ms."""
     path = tmp_path / "board.toml"
-    path.write_text(hwprofile.profile_text({
+    path.write_text(hwprofile.profile_toml({
         "format": 1, "name": "test board", "measured": True,
         "machine": {"arch": "aarch64", "cores": 4, "memory_mb": 1024},
         "speed": [{"model": "logreg", "params": 610, "batch": 20, "steps_per_s": 1000.0}],

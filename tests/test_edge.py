@@ -22,7 +22,7 @@ BOARDS = {"pi-zero-2w", "pi3b-plus", "pi4b", "pi5", "x86-64-laptop"}
 
 
 def profile_text(speeds, name="test board", measured=True):
-    return hwprofile.profile_text({"format": 1, "name": name, "measured": measured,
+    return hwprofile.profile_toml({"format": 1, "name": name, "measured": measured,
                               "machine": {"arch": "aarch64", "cores": 4, "memory_mb": 1024},
                               "speed": [{"model": m, "params": p, "batch": b, "steps_per_s": s} for m, p, b, s in speeds]})
 

@@ -323,7 +323,7 @@ def test_a_character_lstm_under_deadlines_in_mpiexec_writes_the_simulators_bytes
 
     write_shakespeare(tmp_path / "leaf", users=4, samples=6)
     board = tmp_path / "board.toml"
-    board.write_text(hwprofile.profile_text({
+    board.write_text(hwprofile.profile_toml({
         "format": 1, "name": "test board", "measured": True, "machine": {"arch": "aarch64", "cores": 4, "memory_mb": 512},
         "speed": [{"model": "charlstm", "params": 819920, "batch": 5, "steps_per_s": 20.0}]}))
     text = (f'rounds = 2\nseed = 3\n[data]\nkind = "leaf"\npath = "{tmp_path / "leaf"}"\n[train]\nclients_per_round = 3\n'

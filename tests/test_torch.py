@@ -211,7 +211,7 @@ def test_a_board_profile_times_a_module_by_file_factory_and_shape(tmp_path):
     model = runs.problem_and_model(cfg)[1]
     entry = speed_entry(model, 20, 500.0)
     assert entry["model"] == "torch" and entry["layers"] == "torch_modules.py:linear 60 -> 10"
-    (tmp_path / "board.toml").write_text(hwprofile.profile_text({
+    (tmp_path / "board.toml").write_text(hwprofile.profile_toml({
         "format": 1, "name": "board", "measured": True, "machine": {"arch": "aarch64", "cores": 4, "memory_mb": 1024},
         "speed": [entry]}))
     runs.run(dataclasses.replace(cfg, device=dataclasses.replace(cfg.device, profile=str(tmp_path / "board.toml")),

@@ -1,4 +1,4 @@
-"""A model config's layer list: the built-in models as named lists, a layer list checked, and what a model's
+"""A model config's layer list: the built-in models as named lists, the one entry from a model config to its list (model_layers), and what a model's
 first layers say of its samples (spatial dimensions, token ids, the shape they take)."""
 
 from __future__ import annotations

@@ -10,6 +10,7 @@ from edgefed.algorithms import Algorithm
 from edgefed.config import Config
 from edgefed.errors import ConfigError
 from edgefed.memory import size_text
+from edgefed.participation import privacy
 from edgefed.participation.selection import POLICY_CLASSES
 from edgefed.runlog import Column, Header
 from edgefed.runtime.local import LocalTransport
@@ -62,7 +63,7 @@ def log_layout(algorithm: Algorithm, cfg: Config, n: int, d: int, dtype) -> dict
     rows = [v.name for v in algorithm.device_vectors]
     if cfg.compress.error_feedback:
         rows += [compression.residual_name(r) for r in algorithm.reports]
-    schedule = (("privacy_clip", (1,), np.float64),) if cfg.privacy.adapts else ()
+    schedule = privacy.clip_slots(cfg.privacy)
     if cfg.participation.mode == "async" and cfg.selection.policy != "uniform":  # the tasks in flight, for --resume
         schedule += (("async_flight", (cfg.asynchronous.concurrency, 5), np.float64),
                      ("async_counters", (2,), np.int64))
@@ -101,11 +102,13 @@ def trajectory_every(cfg: Config, header_layout: dict, d: int, dtype) -> tuple[i
 
 
 def log_header(cfg: Config, algorithm: Algorithm, problem, model, layout: dict, config_toml: str,
-               restarts: tuple) -> Header:
+               restarts: tuple, need: int) -> Header:
     """The log's header as the run starts: the config as run, the federation, the model and what its devices'
-    samples are, and the columns and state the run's algorithm and policies add (layout)."""
+    samples are, the columns and state the run's algorithm and policies add (layout), and this process's
+    memory estimate (need, bytes; the device ranks' are added under mpiexec)."""
     attrs = {"problem": problem.describe(), "model": model.kind,
-             "train_objective": "(1/N_r) sum_k f_k" if cfg.train.weighting == "uniform" else "sum_k n_k/n F_k"}
+             "train_objective": "(1/N_r) sum_k f_k" if cfg.train.weighting == "uniform" else "sum_k n_k/n F_k",
+             "rank_memory_estimate_mb": np.array([need / 2 ** 20])}
     header = Header(
         config_toml=config_toml, restarts=restarts,
         seed=cfg.seed, rounds=cfg.rounds, n_devices=problem.n_devices, dim=model.n_trainable, dtype=model.dtype,

@@ -415,7 +415,7 @@ def profile_text(profile: dict, host: str, name: str | None = None) -> str:
     """The profile as the TOML file `edgefed profile` writes, checked to load back."""
     if name:
         profile["name"] = name.replace("{host}", host)
-    text = hwprofile.profile_text(profile, header_comment(profile))
+    text = hwprofile.profile_toml(profile, header_comment(profile))
     hwprofile.profile_from_dict(tomllib.loads(text), f"the profile measured on {host}")
     return text
 

@@ -200,7 +200,7 @@ def plan_ranks(setup, owners: np.ndarray, machines) -> None:
     for rank in range(1, len(machines)):
         cores, _ = rank_lanes(cfg, rank, machines)
         needs[rank] = rank_memory(cfg, setup.algorithm, setup.problem, setup.model,
-                                          np.flatnonzero(owners == rank), len(cores or (None,)))
+                                  np.flatnonzero(owners == rank), len(cores or (None,)))
     # ([device] profile alone may time a workstation's ranks as boards: only a board list names real boards)
     boards = {rank: hwprofile.load_profile(cfg.device.boards[rank - 1]) for rank in needs} if cfg.device.boards else {}
     check_boards(needs, boards)

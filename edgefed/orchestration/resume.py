@@ -55,7 +55,7 @@ def resolve_config(config_path: str | None, overrides, resume: str | None):
     return config_mod.with_placement(logged, cfg), point
 
 
-def start_weights(cfg: Config, log_path: Path, resume_point, on_info) -> dict | None:
+def start_weights(cfg: Config, log_path: Path | None = None, resume_point=None, on_info=None) -> dict | None:
     """The state_dict the run starts from (None: drawn from the seed): model.weights read, or for a resumed run
     the one its log started from, whatever the file holds now (a warning says when it moved or changed)."""
     if cfg.model.weights is None:

@@ -1,5 +1,6 @@
-"""What a run is: resolve its config, prepare everything that can be checked before a log is touched,
-then drive the engine over a transport and close the log; `run` does all of it in this process.
+"""What a run is: prepare everything that can be checked before a log is touched (its memory and disk in
+budget.py, its log's header in header.py, a resumed run's checks in resume.py), then drive the engine over a
+transport and close the log; `run` does all of it in this process.
 
 Under MPI, ranks.py gives rank 0 the same `prepare` and `drive` around an MPI transport.
 """
@@ -103,11 +104,11 @@ def problem_and_model(cfg: Config, problems: dict | None = None, start: dict | N
                       shard=None):
     """The problem a config describes and the model that trains on it (every process builds them alike);
     problems: built problems by problem_key, taken from and added to (a sweep's plan); start: the state_dict
-    the run starts from when model.weights is set (start_weights; None: the seed's draw, as for a model's
-    speed or size);
+    the run starts from when model.weights is set (None: model.weights read here, start_weights);
     convert: whether this process may convert a LEAF folder (a device rank reads its coordinator's copy);
     shard: a device rank's shard of the data, read instead of data.path."""
-    return with_model(cfg, shared_problem(cfg, problems, convert, shard), start)
+    problem = shared_problem(cfg, problems, convert, shard)
+    return with_model(cfg, problem, start_weights(cfg) if start is None else start)
 
 
 def shared_problem(cfg: Config, problems: dict | None = None, convert: bool = True, shard=None):
@@ -122,7 +123,8 @@ def shared_problem(cfg: Config, problems: dict | None = None, convert: bool = Tr
 
 
 def with_model(cfg: Config, problem, start: dict | None = None):
-    """(the problem as the model sees it, the model): its samples through a frozen prefix when it has one."""
+    """(the problem as the model sees it, the model): its samples through a frozen prefix when it has one;
+    start: the state_dict it starts from (None: the seed's draw)."""
     model = build_model(cfg.model, problem, generator(cfg.seed, Purpose.INIT), memory_limit(), cfg.train.batch_size)
     if start is not None:
         model.load_weights(start, f"config: model.weights = {cfg.model.weights!r}")
@@ -228,13 +230,12 @@ def dry_run(cfg: Config, log_path: Path, problems: dict | None = None) -> Setup:
 
 
 def build_setup(cfg: Config, log_path: Path, resume_point, on_info, config_toml: str, restarts: tuple,
-              problems: dict | None = None, distributed: bool = False) -> Setup:
+                problems: dict | None = None, distributed: bool = False) -> Setup:
     if cfg.data.kind == "synthetic" and cfg.data.clients:  # N is known before its sizes are drawn (minutes at 10^7)
         check_memory(cfg, cfg.data.clients)
-    problem = shared_problem(cfg, problems)
+    weights = start_weights(cfg, log_path, resume_point, on_info)  # (a bad weights file: said before the data)
+    problem, model = with_model(cfg, shared_problem(cfg, problems), weights)
     same_data(resume_point, problem.n_train)
-    weights = start_weights(cfg, log_path, resume_point, on_info)
-    problem, model = with_model(cfg, problem, weights)
     cfg = config_mod.with_clients(cfg, problem.n_devices)
     trace = _trace(cfg, problem)
     algorithm = build_algorithm(cfg)
@@ -247,9 +248,8 @@ def build_setup(cfg: Config, log_path: Path, resume_point, on_info, config_toml:
         on_info(problem.notice)
     on_info(f"{problem.describe()}; model {model.kind}, d = {model.n_trainable} {model.dtype.name}{frozen_text(model)}; "
             f"{cfg.train.algorithm}, {cfg.rounds} rounds; {stores}")
-    header = log_header(cfg, algorithm, problem, model, layout, config_toml, restarts)
     need = check_device_memory(algorithm, cfg, problem, model, log_path, on_info, distributed)
-    header.attrs["rank_memory_estimate_mb"] = np.array([need / 2 ** 20])  # (device ranks' added under mpiexec)
+    header = log_header(cfg, algorithm, problem, model, layout, config_toml, restarts, need)
     if cfg.privacy.mechanism != "none":
         cfg = privacy.settled(cfg, problem.n_devices, header.attrs, on_info,
                               trace.selected if isinstance(trace, ReplayTrace) else None)

@@ -382,7 +382,7 @@ def check_tables(folder: Path) -> None:
 
 
 def plan_runs(sweep: Sweep, folder: Path, indices, on_progress=None) -> str | None:
-    """Plan every run of `indices` still to run (run.plan: its model against its data, its files read as far
+    """Plan every run of `indices` still to run (run.dry_run: its model against its data, its files read as far
     as the run reads them before its first round), writing nothing; the first that cannot run, as one line
     naming its cell and seed and why (None: all can). Runs that share their data (and seed) are planned one
     after another and read it once; one problem is held at a time."""

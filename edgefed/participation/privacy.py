@@ -6,6 +6,9 @@ Google's dp-accounting (its RDP accountant over Poisson-sampled Gaussian mechani
 With uniform weights (w_k = 1/S) a rule's coefficient is p_k = a_k / S, so the round is
 x_r = x_{r-1} + eta_g / S (sum_k clip_C(a_k Delta_k) + N(0, z^2 C^2 I)): one device changes the sum by at
 most C whatever its steps, and the noise is z times that sensitivity.
+
+`PrivateUpdate` wraps an algorithm's server update in that arithmetic (NoPrivacy: the update as it is), so
+either engine gets it without a branch of its own; `settled` fixes a run's z and delta before round 1.
 """
 
 from __future__ import annotations
@@ -174,10 +177,15 @@ def settled(cfg, n: int, attrs: dict, on_info, recorded: np.ndarray | None = Non
                                                                 delta=float(delta), quantile_noise=sigma_b))
 
 
+def clip_slots(settings) -> tuple:
+    """The resume state privacy keeps, as (name, shape, dtype) slots: adaptive clipping's next C."""
+    return (("privacy_clip", (1,), np.float64),) if settings.adapts else ()
+
+
 class NoPrivacy:
     """A server update as the algorithm makes it: nothing clipped, no noise, no account."""
 
-    slots: tuple = ()  # (name, shape, dtype) of the resume state it keeps, as a selection policy's
+    slots: tuple = ()  # (name, shape, dtype) of the resume state it keeps (clip_slots)
 
     def values(self) -> dict:
         return {}
@@ -210,7 +218,7 @@ class PrivateUpdate(NoPrivacy):
         self.central = settings.mechanism == "central"
         self.clip_now = self._clip_used = settings.clip  # the clip C of the next round, and of the one just clipped
         self.accountant = Accountant(rate, settings.noise_multiplier, settings.delta)
-        self.slots = (("privacy_clip", (1,), np.float64),) if settings.adapts else ()
+        self.slots = clip_slots(settings)
 
     def values(self) -> dict:
         return {"privacy_clip": np.array([self.clip_now])} if self.settings.adapts else {}
