@@ -40,8 +40,9 @@ class Model(Protocol):
     def frozen_values(self) -> np.ndarray:
         """The values beside x that never train (frozen tensors, buffers), as the log keeps them (empty: none)."""
 
-    def memory_bytes(self, rows: int) -> int:
-        """What one more copy (clone) holds for minibatches of `rows` samples."""
+    def memory_bytes(self, rows: int | None = None) -> int:
+        """What one more copy (clone) holds for minibatches of `rows` samples (None: those it was built for,
+        train.batch_size or its largest device's)."""
 
     def clone(self) -> Model:
         """The same model with workspaces of its own (another lane's)."""

@@ -20,7 +20,9 @@ from edgefed.kernels import quadratic as _quad
 from edgefed.model_contract import Classifier, LocalRun, Model
 from edgefed.kernels.sgd import step_terms
 from edgefed.errors import ConfigError
+from edgefed.memory import memory_limit
 from edgefed.problems.data import ClassificationData, QuadraticData
+from edgefed.problems.features import FeatureProblem
 from edgefed.rng import Purpose, generator, kernel_state
 
 
@@ -63,10 +65,11 @@ class Sequential(Classifier):
     """
 
     def __init__(self, network: layer_lib.Network, dtype, start: np.ndarray, loss: str = "cross_entropy",
-                 kind: str = "sequential", cache_features: bool = True):
+                 kind: str = "sequential", cache_features: bool = True, rows: int = 1):
         """start: the whole vector a run starts from, x_0 then the frozen tensors (layers.initial_params: drawn
-        from the run's stream; load_weights replaces it)."""
-        self.network, self.dtype, self.loss, self.kind = network, np.dtype(dtype), loss, kind
+        from the run's stream; load_weights replaces it); rows: the most samples a step holds (minibatch_rows),
+        what its workspaces grow to."""
+        self.network, self.dtype, self.loss, self.kind, self.rows = network, np.dtype(dtype), loss, kind, rows
         self.cache_features = cache_features
         self.n_trainable = network.trainable  # x: the trainable parameters, the whole vector's first
         self.n_outputs = network.out_width
@@ -123,9 +126,10 @@ class Sequential(Classifier):
     def has_accuracy(self) -> bool:
         return self._loss_kind == net.CROSS_ENTROPY
 
-    def memory_bytes(self, rows: int) -> int:
-        """What a model of this network holds for minibatches of `rows` samples (a clone: one more lane)."""
-        return self.network.workspace_bytes(rows, self._per_sample)
+    def memory_bytes(self, rows: int | None = None) -> int:
+        """What a model of this network holds for minibatches of `rows` samples (None: the rows it was built
+        for; a clone: one more lane)."""
+        return self.network.workspace_bytes(self.rows if rows is None else rows, self._per_sample)
 
     def profile_key(self) -> str:
         """What a board profile's speed entry names this model by: a built-in's name, else its layer list."""
@@ -159,7 +163,7 @@ class Sequential(Classifier):
 
     def clone(self) -> "Sequential":
         """The same model with its own workspaces (for a second thread)."""
-        return Sequential(self.network, self.dtype, self._start, self.loss, self.kind, self.cache_features)
+        return Sequential(self.network, self.dtype, self._start, self.loss, self.kind, self.cache_features, self.rows)
 
     def state_dict(self, params: np.ndarray) -> dict[str, np.ndarray]:
         return layer_lib.state_dict(self.network, self.whole(params))
@@ -344,7 +348,7 @@ class Quadratic(Model):
     def frozen_values(self) -> np.ndarray:
         return np.zeros(0, self.dtype)
 
-    def memory_bytes(self, rows: int) -> int:
+    def memory_bytes(self, rows: int | None = None) -> int:
         return 0  # its oracle works in place, on the problem's arrays
 
     def compile_kernels(self, data, on_compile=None) -> None:
@@ -412,7 +416,24 @@ def _sequential(model, problem, init: np.random.Generator, dtype, memory, rows: 
                               f"{what} ({note})" if note else what, name=name, memory=memory, rows=rows)
     scheme = model.init or ("pytorch" if model.kind == "sequential" else BUILTIN_INITS.get(model.kind, "glorot"))
     start = layer_lib.initial_params(network, scheme, init, dtype)
-    return Sequential(network, dtype, start, model.loss, model.kind, model.cache_features)
+    return Sequential(network, dtype, start, model.loss, model.kind, model.cache_features, rows)
+
+
+def model_for(cfg, problem, start: dict | None = None):
+    """(the problem as the model sees it, the model a config names for it): its samples through a frozen
+    prefix when it has one; start: the state_dict it starts from (None: the seed's draw); sized for this
+    process's memory."""
+    model = build_model(cfg.model, problem, generator(cfg.seed, Purpose.INIT), memory_limit(), cfg.train.batch_size)
+    if start is not None:
+        model.load_weights(start, f"config: model.weights = {cfg.model.weights!r}")
+    if model.prefix_end:  # the samples pass the frozen prefix once, when a device's data is built
+        problem = FeatureProblem(problem, model)
+    threads = cfg.mpi.threads_per_rank or 1
+    if threads > 1 and model.one_lane:
+        raise ConfigError(f"config: mpi.threads_per_rank = {threads}, but model.module draws random numbers in "
+                          "training (dropout) from PyTorch's one generator per process, so its devices run one at a "
+                          "time per process; remove threads_per_rank and use more ranks")
+    return problem, model
 
 
 MODEL_CALLS = ("oracle_grad", "loss_grad")  # what an algorithm may call beyond local_steps and evaluation

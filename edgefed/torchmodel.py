@@ -299,7 +299,7 @@ class TorchModel(Classifier):
                 v.copy_(self.torch.from_numpy(np.ascontiguousarray(values[at:at + n])).view(v.shape).to(v.dtype))
                 at += n
 
-    def memory_bytes(self, rows: int) -> int:
+    def memory_bytes(self, rows: int | None = None) -> int:
         """A clone's module and flat vectors (its parameters, their gradient, two flat copies); what its
         forward passes hold is torch's, and not counted."""
         return 4 * self.n_trainable * self.dtype.itemsize

@@ -54,9 +54,9 @@ def test_quantile_deadlines_let_a_share_q_finish():
 
 def test_a_loaded_device_predicts_a_longer_round_and_its_link_is_its_latest():
     h = History(3)
-    h.observe(np.array([0, 1]), np.array([100, 100]), np.array([0.01, 0.01]), np.array([0.002, np.nan]))
+    h.add_round(np.array([0, 1]), np.array([100, 100]), np.array([0.01, 0.01]), np.array([0.002, np.nan]))
     free = h.step_s(np.array([0, 1]))
-    h.observe(np.array([1]), np.array([50]), np.array([0.02]), np.array([0.1]))  # device 1 now shares its core
+    h.add_round(np.array([1]), np.array([50]), np.array([0.02]), np.array([0.1]))  # device 1 now shares its core
     assert h.step_s(np.array([0]))[0] == free[0] == pytest.approx(1e-4)
     assert h.step_s(np.array([1]))[0] == pytest.approx(0.03 / 150) and h.step_s(np.array([1]))[0] > free[1]
     np.testing.assert_allclose(h.comm(np.array([0, 1, 2]), np.array([9.0, 9.0, 0.5])), [0.002, 0.1, 0.5])

@@ -100,7 +100,7 @@ class AsyncEngine(RoundEngine):
         self._observe(RoundPlan(round_idx, ids, self._budgets[ids], 0.0), res, reported)
         boards = self.timing.boards
         work = (res.steps * boards.step_s[ids] if self.clock.simulated else res.elapsed_s.astype(np.float64))
-        self.clock.history.observe(ids, res.steps, np.where(reported, work, np.nan), res.comm_s.astype(np.float64))
+        self.clock.history.add_round(ids, res.steps, np.where(reported, work, np.nan), res.comm_s.astype(np.float64))
 
     def start(self, x0: np.ndarray) -> ServerState:
         state = super().start(x0)

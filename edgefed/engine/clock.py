@@ -105,7 +105,7 @@ class RoundClock:
         # by a slow link must see the link recover); both as logged, so a resumed run reads them back
         comm_log = comm_log.astype(np.float32)
         taken = ~late & (steps > 0)
-        self.history.observe(ids, steps, np.where(taken, work, np.nan), np.asarray(link, np.float32).astype(np.float64))
+        self.history.add_round(ids, steps, np.where(taken, work, np.nan), np.asarray(link, np.float32).astype(np.float64))
         duration = math.nan
         if self.simulated:
             if math.isfinite(end):
@@ -166,4 +166,4 @@ class RoundClock:
                 work = elapsed[r, ids].astype(np.float64)
             comm = np.full(ids.size, np.nan) if comm_all is None else comm_all[r, ids].astype(np.float64)
             taken = ~late & (steps > 0)
-            self.history.observe(ids, steps, np.where(taken, work, np.nan), comm)
+            self.history.add_round(ids, steps, np.where(taken, work, np.nan), comm)

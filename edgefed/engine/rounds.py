@@ -124,15 +124,10 @@ class RoundEngine:
         lr = self.learning_rate(round_idx, members.shift_round)
         p = self.cfg.participation
         self._choice, self._probed = None, None
-        if isinstance(self.trace, ReplayTrace):  # the recorded selection, within this run's federation
-            selected, steps = self.trace.recorded(round_idx)
-            member = self.active[selected]
-            selected, steps = selected[member], steps[member]
-            quorum = None
-        else:
+        quorum = None
+        if not isinstance(self.trace, ReplayTrace):  # the policy's selection
             active_ids = np.flatnonzero(self.active)
             count = self.cfg.clients_per_round_count(active_ids.size)
-            quorum = None
             if self.timing.overselect > 0:  # over-commit: the first S to complete are taken
                 quorum, count = count, overselected(count, self.timing.overselect, active_ids.size)
             self._choice = self.selection.select(self._view(round_idx, active_ids, count))
@@ -140,6 +135,10 @@ class RoundEngine:
             steps = None
             if self.trace is not None:
                 steps = self.trace.steps(self.cfg.seed, round_idx, selected, self._budgets[selected])
+        else:  # the recorded selection, within this run's federation
+            selected, steps = self.trace.recorded(round_idx)
+            member = self.active[selected]
+            selected, steps = selected[member], steps[member]
         budgets = self._budgets[selected]
         deadlines = self.clock.deadlines(selected, budgets, None if self._choice is None else self._choice.deadline_among)
         if deadlines.steps is not None:  # a simulated deadline: the steps that fit at the device's speed

@@ -14,7 +14,6 @@ from edgefed.algorithms import Algorithm
 from edgefed.config import Config
 from edgefed.errors import ResourceError
 from edgefed.memory import memory_limit, size_text
-from edgefed.models import minibatch_rows
 from edgefed.orchestration.header import stored_rounds
 from edgefed.participation.timing import overselected
 
@@ -98,7 +97,7 @@ def model_bytes(cfg: Config, algorithm: Algorithm, problem, model, lanes: int, h
     server = (4 if hosted is None else 1) + 2 * len(algorithm.server_vectors)  # a device rank: the broadcast
     vectors = (rows + server) * model.n_trainable * np.dtype(model.dtype).itemsize
     models = lanes + (1 if lanes and evaluates_apart(cfg) else 0)  # (workspaces are made when first used)
-    return models * model.memory_bytes(minibatch_rows(cfg.train.batch_size, problem.n_train)) + vectors
+    return models * model.memory_bytes() + vectors
 
 
 def touched_rows(cfg: Config, n: int) -> int:

@@ -102,13 +102,12 @@ def trajectory_every(cfg: Config, header_layout: dict, d: int, dtype) -> tuple[i
 
 
 def log_header(cfg: Config, algorithm: Algorithm, problem, model, layout: dict, config_toml: str,
-               restarts: tuple, need: int) -> Header:
+               restarts: tuple) -> Header:
     """The log's header as the run starts: the config as run, the federation, the model and what its devices'
-    samples are, the columns and state the run's algorithm and policies add (layout), and this process's
-    memory estimate (need, bytes; the device ranks' are added under mpiexec)."""
+    samples are, and the columns and state the run's algorithm and policies add (layout)."""
     attrs = {"problem": problem.describe(), "model": model.kind,
              "train_objective": "(1/N_r) sum_k f_k" if cfg.train.weighting == "uniform" else "sum_k n_k/n F_k",
-             "rank_memory_estimate_mb": np.array([need / 2 ** 20])}
+             "rank_memory_estimate_mb": np.array([np.nan])}  # (the run's estimate, once made: budget.py)
     header = Header(
         config_toml=config_toml, restarts=restarts,
         seed=cfg.seed, rounds=cfg.rounds, n_devices=problem.n_devices, dim=model.n_trainable, dtype=model.dtype,

@@ -26,8 +26,8 @@ from edgefed.engine.asynchronous import AsyncEngine
 from edgefed.engine.rounds import RoundEngine
 from edgefed.errors import ConfigError, RankLost
 from edgefed.layers import first_spatial, token_ids
-from edgefed.memory import memory_limit, peak_rss
-from edgefed.models import build_model
+from edgefed.memory import peak_rss
+from edgefed.models import model_for
 from edgefed.orchestration.budget import check_device_memory, check_memory, evaluates_apart
 from edgefed.orchestration.header import frozen_text, label_counter, log_header, log_layout, trajectory_every
 from edgefed.orchestration.resume import Launch, merged_restarts, same_data, start_weights
@@ -39,8 +39,6 @@ from edgefed.participation import asynchrony, privacy
 from edgefed.participation.sampling import evaluation_sample
 from edgefed.participation.traces import ReplayTrace
 from edgefed.problems import build_problem
-from edgefed.rng import Purpose, generator
-from edgefed.problems.features import FeatureProblem
 from edgefed.participation.selection import POLICY_CLASSES
 from edgefed.runlog import (Header, RunLogWriter, discard_stub, exists_error, hold, let_go, nonfinite_counts, open_run,
                             read_participation, write_stub)
@@ -108,7 +106,7 @@ def problem_and_model(cfg: Config, problems: dict | None = None, start: dict | N
     convert: whether this process may convert a LEAF folder (a device rank reads its coordinator's copy);
     shard: a device rank's shard of the data, read instead of data.path."""
     problem = shared_problem(cfg, problems, convert, shard)
-    return with_model(cfg, problem, start_weights(cfg) if start is None else start)
+    return model_for(cfg, problem, start_weights(cfg) if start is None else start)
 
 
 def shared_problem(cfg: Config, problems: dict | None = None, convert: bool = True, shard=None):
@@ -120,22 +118,6 @@ def shared_problem(cfg: Config, problems: dict | None = None, convert: bool = Tr
     if problems is not None:
         problems[key] = problem
     return problem
-
-
-def with_model(cfg: Config, problem, start: dict | None = None):
-    """(the problem as the model sees it, the model): its samples through a frozen prefix when it has one;
-    start: the state_dict it starts from (None: the seed's draw)."""
-    model = build_model(cfg.model, problem, generator(cfg.seed, Purpose.INIT), memory_limit(), cfg.train.batch_size)
-    if start is not None:
-        model.load_weights(start, f"config: model.weights = {cfg.model.weights!r}")
-    if model.prefix_end:  # the samples pass the frozen prefix once, when a device's data is built
-        problem = FeatureProblem(problem, model)
-    threads = cfg.mpi.threads_per_rank or 1
-    if threads > 1 and model.one_lane:
-        raise ConfigError(f"config: mpi.threads_per_rank = {threads}, but model.module draws random numbers in "
-                          "training (dropout) from PyTorch's one generator per process, so its devices run one at a "
-                          "time per process; remove threads_per_rank and use more ranks")
-    return problem, model
 
 
 @dataclass(frozen=True)
@@ -234,7 +216,7 @@ def build_setup(cfg: Config, log_path: Path, resume_point, on_info, config_toml:
     if cfg.data.kind == "synthetic" and cfg.data.clients:  # N is known before its sizes are drawn (minutes at 10^7)
         check_memory(cfg, cfg.data.clients)
     weights = start_weights(cfg, log_path, resume_point, on_info)  # (a bad weights file: said before the data)
-    problem, model = with_model(cfg, shared_problem(cfg, problems), weights)
+    problem, model = model_for(cfg, shared_problem(cfg, problems), weights)
     same_data(resume_point, problem.n_train)
     cfg = config_mod.with_clients(cfg, problem.n_devices)
     trace = _trace(cfg, problem)
@@ -248,8 +230,9 @@ def build_setup(cfg: Config, log_path: Path, resume_point, on_info, config_toml:
         on_info(problem.notice)
     on_info(f"{problem.describe()}; model {model.kind}, d = {model.n_trainable} {model.dtype.name}{frozen_text(model)}; "
             f"{cfg.train.algorithm}, {cfg.rounds} rounds; {stores}")
+    header = log_header(cfg, algorithm, problem, model, layout, config_toml, restarts)
     need = check_device_memory(algorithm, cfg, problem, model, log_path, on_info, distributed)
-    header = log_header(cfg, algorithm, problem, model, layout, config_toml, restarts, need)
+    header.attrs["rank_memory_estimate_mb"] = np.array([need / 2 ** 20])  # (device ranks' added under mpiexec)
     if cfg.privacy.mechanism != "none":
         cfg = privacy.settled(cfg, problem.n_devices, header.attrs, on_info,
                               trace.selected if isinstance(trace, ReplayTrace) else None)

@@ -86,7 +86,7 @@ class History:
         self.work_s, self.steps = np.zeros(self.n_devices), np.zeros(self.n_devices)
         self.comm_s = np.full(self.n_devices, np.nan)
 
-    def observe(self, ids: np.ndarray, steps: np.ndarray, work_s: np.ndarray, comm_s: np.ndarray) -> None:
+    def add_round(self, ids: np.ndarray, steps: np.ndarray, work_s: np.ndarray, comm_s: np.ndarray) -> None:
         worked = (steps > 0) & np.isfinite(work_s)
         np.add.at(self.work_s, ids[worked], work_s[worked])
         np.add.at(self.steps, ids[worked], steps[worked])
