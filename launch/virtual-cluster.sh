@@ -12,7 +12,8 @@
 # the address 10.231.0.(N+1) of the private subnet 10.231.0.0/24, the only addresses this script uses (the
 # head is 10.231.0.1; no route, forwarding or NAT leads anywhere else); an sshd listening only there, with
 # host and client keys made for this cluster (this machine's ssh reaches the boards through an Include of
-# STATE/ssh_config at the top of ~/.ssh/config, removed by `down`); and the board's CPU share: its sshd, and
+# STATE/ssh_config at the top of ~/.ssh/config in ssh's own home, whatever $HOME says, removed by `down`); and
+# the board's CPU share: its sshd, and
 # so every process started on the board, runs in a cgroup whose CPU quota is the board profile's speed (the
 # logistic-regression step) against this machine's, at most one core, on one core (a board is one of its
 # cores: its processes see one, and run its devices one at a time). This machine's profile is measured
@@ -37,6 +38,10 @@ GROUP=edgefed-virtual-$NAME
 python=${VENV:-$(cd "$here/.." && pwd)/.venv}/bin/python
 machine=${EDGEFED_MACHINE_PROFILE:-${XDG_CACHE_HOME:-$HOME/.cache}/edgefed/this-machine.toml}
 include="Include $STATE/ssh_config"
+# ssh reads the config of its user's home as the passwd database has it, not $HOME (a `sudo` that keeps the
+# user's HOME would otherwise put the Include where root's ssh never looks)
+ssh_config="$(getent passwd "$(id -u)" | cut -d: -f6)"
+ssh_config="${ssh_config:-$HOME}/.ssh/config"
 SSHD=${SSHD:-/usr/sbin/sshd}
 
 say() { echo "virtual-cluster.sh: $*" >&2; }
@@ -134,9 +139,9 @@ down() {  # everything up made, whatever of it is there
     for n in $(ip netns list 2> /dev/null | awk -v name="$NAME" '$1 ~ "^" name "-b[0-9]+$" {print $1}'); do ip netns del "$n" 2> /dev/null || true; done
     for dir in "$STATE"/b*; do umount "$dir/uts" 2> /dev/null || true; done
     ip link del "$BRIDGE" 2> /dev/null || true
-    if [ -f "$HOME/.ssh/config" ] && grep -qxF "$include" "$HOME/.ssh/config"; then
-        grep -vxF "$include" "$HOME/.ssh/config" > "$HOME/.ssh/config.edgefed-tmp" || true
-        mv "$HOME/.ssh/config.edgefed-tmp" "$HOME/.ssh/config"
+    if [ -f "$ssh_config" ] && grep -qxF "$include" "$ssh_config"; then
+        grep -vxF "$include" "$ssh_config" > "$ssh_config.edgefed-tmp" || true
+        mv "$ssh_config.edgefed-tmp" "$ssh_config"
     fi
     rm -rf "$STATE"
 }
@@ -188,11 +193,11 @@ Host $SUBNET.*
     StrictHostKeyChecking yes
     BatchMode yes
 EOF
-    mkdir -p "$HOME/.ssh"
-    touch "$HOME/.ssh/config"
-    { echo "$include"; grep -vxF "$include" "$HOME/.ssh/config" || true; } > "$HOME/.ssh/config.edgefed-tmp"
-    mv "$HOME/.ssh/config.edgefed-tmp" "$HOME/.ssh/config"
-    chmod 600 "$HOME/.ssh/config"
+    mkdir -p "$(dirname "$ssh_config")"
+    touch "$ssh_config"
+    { echo "$include"; grep -vxF "$include" "$ssh_config" || true; } > "$ssh_config.edgefed-tmp"
+    mv "$ssh_config.edgefed-tmp" "$ssh_config"
+    chmod 600 "$ssh_config"
     ip link add "$BRIDGE" type bridge
     ip addr add "$SUBNET.1/24" dev "$BRIDGE"
     ip link set "$BRIDGE" up

@@ -148,10 +148,13 @@ def cluster(tmp_path_factory):
     env = {**os.environ, "EDGEFED_MACHINE_PROFILE": str(folder / "machine.toml"),
            **NET, "VENV": str(Path(sys.executable).parents[1])}
     script("down", folder / "leftover", env=env)  # (a run killed before its teardown)
-    up = script("up", folder / "boards.txt", folder / "virtual.txt", env=env)
+    # made as `sudo` keeping a user's HOME makes it: ssh (root's) reads root's config, not $HOME's
+    kept = {**env, "HOME": str(folder / "user-home")}
+    up = script("up", folder / "boards.txt", folder / "virtual.txt", env=kept)
     assert up.returncode == 0, up.stderr
+    assert not (folder / "user-home" / ".ssh").exists()
     yield folder, env
-    down = script("down", folder / "virtual.txt", env=env)
+    down = script("down", folder / "virtual.txt", env=kept)
     assert down.returncode == 0, down.stderr
     assert_nothing_left()
 
