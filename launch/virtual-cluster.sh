@@ -5,6 +5,7 @@
 #   launch/virtual-cluster.sh up    BOARDS VIRTUAL        # BOARDS: a board list as launch/hostfile.example
 #   launch/virtual-cluster.sh cut   VIRTUAL HOST SECONDS  # the board's link down for SECONDS, then up again
 #   launch/virtual-cluster.sh stop  VIRTUAL HOST          # every process of the board killed (power lost)
+#   launch/virtual-cluster.sh start VIRTUAL HOST          # a stopped board powered on again: its sshd, its share
 #   launch/virtual-cluster.sh down  VIRTUAL               # everything `up` made removed; safe to repeat
 #
 # `up` makes, for each board line after the head: a network namespace ef-bN and a UTS namespace whose host
@@ -46,7 +47,7 @@ SSHD=${SSHD:-/usr/sbin/sshd}
 
 say() { echo "virtual-cluster.sh: $*" >&2; }
 fail() { say "$*"; exit 2; }
-usage() { sed -n '5,8p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
+usage() { sed -n '5,9p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
 
 cgroup_root() {  # the cpu controller's folder for this cluster: cgroup v1's cpu hierarchy, or v2's unified one
     if [ -f /sys/fs/cgroup/cpu/cpu.cfs_quota_us ] || [ -d "/sys/fs/cgroup/cpu/$GROUP" ]; then
@@ -112,6 +113,32 @@ kill_board() {  # every process of board N (its cgroup's), SIGKILL, until none i
         while read -r pid; do kill -9 "$pid" 2> /dev/null || true; done < "$procs"
         sleep 0.1
     done
+}
+
+start_sshd() {  # board N's sshd started in its namespaces and cgroups; prints its pid
+    local n=$1 cg mem join core dir="$STATE/b$1"
+    cg=$(cgroup_root) mem=$(memory_root)
+    join="echo \$\$ > '$cg/b$n/cgroup.procs'"
+    [ "$mem" = "$cg" ] || join="$join && echo \$\$ > '$mem/b$n/cgroup.procs'"
+    core=$(( (n - 1) % $(nproc) ))  # one core, as the share is of one: the board's lanes see one
+    # the board's first process joins its cgroup, then becomes its sshd: all it starts inherit the share.
+    # nsenter, not ip netns exec, which mounts a /sys of its own: the board's processes see their cgroup
+    # (a CPU competitor takes its load of the board's share, not of a core)
+    setsid sh -c "$join && exec taskset -c $core nsenter --net=/run/netns/$NAME-b$n \
+--uts='$dir/uts' '$SSHD' -D -f '$dir/sshd_config' -E '$dir/sshd.log'" < /dev/null > /dev/null 2>&1 &
+    echo $!
+    disown  # (its end is the board's, not this script's to report)
+}
+
+answering() {  # wait until board N (HOST, ADDRESS) answers over ssh, or fail saying why its sshd (PID) does not
+    local n=$1 host=$2 address=$3 pid=$4
+    for _ in $(seq 1 100); do
+        ssh -o ConnectTimeout=2 "$address" true 2> /dev/null && return 0
+        kill -0 "$pid" 2> /dev/null || break
+        sleep 0.1
+    done
+    fail "the sshd of board $host ($address) $(kill -0 "$pid" 2> /dev/null && echo "does not answer" \
+|| echo "exited at start")$(tail -n 1 "$STATE/b$n/sshd.log" 2> /dev/null | sed 's/^/: /')"
 }
 
 down() {  # everything up made, whatever of it is there
@@ -201,7 +228,7 @@ EOF
     ip link add "$BRIDGE" type bridge
     ip addr add "$SUBNET.1/24" dev "$BRIDGE"
     ip link set "$BRIDGE" up
-    local cg mem host profile load share memory link address quota period core dir join sshds=()
+    local cg mem host profile load share memory link address quota period dir sshds=()
     cg=$(cgroup_root) mem=$(memory_root)
     mkdir -p "$cg" "$mem"
     if [ -f "$cg/cgroup.subtree_control" ]; then  # cgroup v2: the cpu and memory controllers for the boards' groups
@@ -248,9 +275,6 @@ EOF
             echo $(( memory * 1024 * 1024 )) > "$mem/b$n/memory.max"
             [ ! -f "$mem/b$n/memory.swap.max" ] || echo 0 > "$mem/b$n/memory.swap.max"
         fi
-        join="echo \$\$ > '$cg/b$n/cgroup.procs'"
-        [ "$mem" = "$cg" ] || join="$join && echo \$\$ > '$mem/b$n/cgroup.procs'"
-        core=$(( (n - 1) % $(nproc) ))  # one core, as the share is of one: the board's lanes see one
         ssh-keygen -q -t ed25519 -N "" -C "edgefed-virtual $host" -f "$dir/host_key"
         echo "$address $(cut -d' ' -f1,2 "$dir/host_key.pub")" >> "$STATE/known_hosts"
         cat > "$dir/sshd_config" <<EOF
@@ -266,25 +290,12 @@ StrictModes no
 X11Forwarding no
 AllowTcpForwarding no
 EOF
-        # the board's first process joins its cgroup, then becomes its sshd: all it starts inherit the share.
-        # nsenter, not ip netns exec, which mounts a /sys of its own: the board's processes see their cgroup
-        # (a CPU competitor takes its load of the board's share, not of a core)
-        setsid sh -c "$join && exec taskset -c $core nsenter --net=/run/netns/$NAME-b$n \
---uts='$dir/uts' '$SSHD' -D -f '$dir/sshd_config' -E '$dir/sshd.log'" < /dev/null > /dev/null 2>&1 &
-        sshds+=($!)
-        disown  # (its end is the board's, not this script's to report)
+        sshds+=("$(start_sshd "$n")")
         echo "$address  $profile  $load  # $host: $(awk "BEGIN {printf \"%.0f\", $share * 100}") % of a core, $memory MB$([ -n "$link" ] && echo ", link $link Mbit/s")" >> "$virtual.tmp"
     done
     for n in $(seq 1 $(( ${#lines[@]} - 1 ))); do  # every sshd answering before the cluster is said to be up
-        address="$SUBNET.$(( n + 1 ))"
         read -r host _ <<< "${lines[$n]}"
-        for _ in $(seq 1 100); do
-            ssh -o ConnectTimeout=2 "$address" true 2> /dev/null && continue 2
-            kill -0 "${sshds[$((n - 1))]}" 2> /dev/null || break
-            sleep 0.1
-        done
-        fail "the sshd of board $host ($address) $(kill -0 "${sshds[$((n - 1))]}" 2> /dev/null && echo "does not answer" \
-|| echo "exited at start")$(tail -n 1 "$STATE/b$n/sshd.log" 2> /dev/null | sed 's/^/: /')"
+        answering "$n" "$host" "$SUBNET.$(( n + 1 ))" "${sshds[$((n - 1))]}"
     done
     # MPI over the links: ranks of one machine would otherwise find each other's shared memory (MPICH's UCX
     # netmod does), and no cut or shaped link would touch them
@@ -319,6 +330,16 @@ stop)
     n=$(board_index "$2")
     ip link set "$NAME-v$n" down
     kill_board "$n"
+    ;;
+start)
+    [ $# -eq 2 ] || usage
+    [ "$(id -u)" = 0 ] || fail "run as root"
+    n=$(board_index "$2")
+    read -r _ host address _ < <(awk -v n="$n" '$1 == n' "$STATE/boards")
+    [ -z "$(cat "$(cgroup_root)/b$n/cgroup.procs" 2> /dev/null)" ] || fail "board $host is up already; stop it first (launch/virtual-cluster.sh stop VIRTUAL $host)"
+    ip link set "$NAME-v$n" up
+    answering "$n" "$host" "$address" "$(start_sshd "$n")"
+    say "start: board $host ($address) is up again"
     ;;
 down)
     [ $# -eq 1 ] || usage

@@ -122,6 +122,8 @@ def test_refusals_say_what_is_missing_and_make_nothing(tmp_path):
          "sshd is missing (/usr/sbin/no-sshd): apt-get install openssh-server"),
         (script("cut", virtual, "vb-half.local", 1, env=env),
          f"no virtual cluster is up (no {STATE}); launch/virtual-cluster.sh up BOARDS VIRTUAL"),
+        (script("start", virtual, "vb-half.local", env=env),
+         f"no virtual cluster is up (no {STATE}); launch/virtual-cluster.sh up BOARDS VIRTUAL"),
         (script("up", boards, virtual, env={**env, "EDGEFED_VIRTUAL_NAME": "Ef_1"}),
          "EDGEFED_VIRTUAL_NAME must be 1 to 8 lower-case letters or digits, not 'Ef_1'"),
     ]
@@ -321,6 +323,16 @@ def test_a_deadline_run_follows_the_boards_shares_survives_a_cut_and_goes_on_wit
              if Path(p).exists()]
     assert procs and Path(procs[0]).read_text() == ""
     assert subprocess.run(["ssh", "-o", "ConnectTimeout=1", "10.232.0.3", "true"], capture_output=True).returncode != 0
+    # powered on again: its sshd answers in its namespaces, its processes in its cgroup; a board that is up refused
+    start = script("start", folder / "virtual.txt", "vb-quarter.local", env=env)
+    assert start.returncode == 0, start.stderr
+    assert subprocess.run(["ssh", "-o", "ConnectTimeout=2", "10.232.0.3", "hostname"], capture_output=True,
+                          text=True).stdout.strip() == "vb-quarter.local"
+    assert Path(procs[0]).read_text().strip()  # (its sshd)
+    again = script("start", folder / "virtual.txt", "vb-quarter.local", env=env)
+    assert again.returncode == 2 and again.stderr == (
+        "virtual-cluster.sh: board vb-quarter.local is up already; stop it first (launch/virtual-cluster.sh stop "
+        "VIRTUAL vb-quarter.local)\n")
     unknown = script("cut", folder / "virtual.txt", "vb-absent.local", 1, env=env)
     assert unknown.returncode == 2 and unknown.stderr == (
         f"virtual-cluster.sh: vb-absent.local is not a board of this virtual cluster (see {STATE}/boards)\n")
