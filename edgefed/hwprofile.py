@@ -49,6 +49,14 @@ class Speed:
 
 
 @dataclass(frozen=True)
+class Power:
+    """What a board draws ([power]): idle, and what each fully busy core adds (watts)."""
+
+    idle_w: float
+    busy_w_per_core: float
+
+
+@dataclass(frozen=True)
 class Profile:
     name: str
     source: str  # file it came from
@@ -57,6 +65,7 @@ class Profile:
     recommend: dict
     speeds: tuple[Speed, ...]
     extra: dict = field(default_factory=dict)  # startup, memory, mpi: reported, not used by the runtime
+    power: Power | None = None  # [power]; None: the board's energy is not computed
 
     @property
     def available_mb(self) -> float:
@@ -202,7 +211,25 @@ def profile_from_dict(raw: dict, source: str) -> Profile:
             raise bad(where, f"repeats model {speed.key!r} at batch {batch}; keep one entry per model and batch")
         speeds.append(speed)
     extra = {k: raw[k] for k in ("startup", "memory", "mpi") if k in raw}
-    return Profile(raw["name"], source, bool(raw.get("measured", False)), machine, recommend, tuple(speeds), extra)
+    return Profile(raw["name"], source, bool(raw.get("measured", False)), machine, recommend, tuple(speeds), extra,
+                   _power(raw.get("power"), bad))
+
+
+def _power(table, bad) -> Power | None:
+    """[power] checked: idle_w and busy_w_per_core, finite watts >= 0 (absent: no energy for the board)."""
+    if table is None:
+        return None
+    if not isinstance(table, dict):
+        raise bad("[power]", "must be a table (idle_w, busy_w_per_core)")
+    values = []
+    for key in ("idle_w", "busy_w_per_core"):
+        value = table.get(key)
+        if value is None:
+            raise bad(f"power.{key}", "is missing (watts; see the shipped profiles for their sources)")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not (value >= 0 and math.isfinite(value)):
+            raise bad(f"power.{key}", f"must be a finite number of watts >= 0, found {value!r}")
+        values.append(float(value))
+    return Power(*values)
 
 
 def profile_toml(data: dict, comment: str = "") -> str:
