@@ -8,6 +8,8 @@ chunks (deadline mode) without changing a single draw.
 
 from __future__ import annotations
 
+import copy
+
 import numpy as np
 from numba import typeof
 
@@ -64,22 +66,24 @@ class Sequential(Classifier):
     (n, width) in the model dtype (mse).
     """
 
-    def __init__(self, network: layer_lib.Network, dtype, start: np.ndarray, loss: str = "cross_entropy",
-                 kind: str = "sequential", cache_features: bool = True, rows: int = 1):
-        """start: the whole vector a run starts from, x_0 then the frozen tensors (layers.initial_params: drawn
-        from the run's stream; load_weights replaces it); rows: the most samples a step holds (minibatch_rows),
-        what its workspaces grow to."""
+    def __init__(self, network: layer_lib.Network, dtype, init: np.random.Generator, scheme: str = "pytorch",
+                 loss: str = "cross_entropy", kind: str = "sequential", cache_features: bool = True, rows: int = 1,
+                 start: np.ndarray | None = None):
+        """init: the stream the whole vector a run starts from (x_0, then the frozen tensors) is drawn from by
+        the init scheme, drawn anew from the stream's state as given whenever it is asked for, and never held
+        unless the frozen tensors need it; start: that vector given instead (load_weights; a clone's); rows:
+        the most samples a step holds (minibatch_rows), what its workspaces grow to."""
         self.network, self.dtype, self.loss, self.kind, self.rows = network, np.dtype(dtype), loss, kind, rows
         self.cache_features = cache_features
         self.n_trainable = network.trainable  # x: the trainable parameters, the whole vector's first
         self.n_outputs = network.out_width
         self._loss_kind = net.CROSS_ENTROPY if loss == "cross_entropy" else net.MSE
-        first_layer = network.layers[0] if network.layers else {}
         dt = self.dtype
-        self._start = start
-        self._whole = start.copy() if network.frozen else None  # x, then the frozen tensors the program reads
+        self._init, self.scheme = copy.deepcopy(init), scheme  # (its state as given: every draw the same)
+        self._start = self._drawn() if start is None and network.frozen else start
+        self._whole = None if not network.frozen else self._start.copy()  # x, then the frozen tensors the program reads
         self.prefix_end = layer_lib.feature_prefix(network.prog) if cache_features else 0
-        self.vocabulary = int(first_layer["num"]) if first_layer.get("type") == "embedding" and not self.prefix_end else 0
+        self.vocabulary = 0 if self.prefix_end else int(layer_lib.first_vocabulary(network.layers) or 0)
         self._prog, self._slopes, first = network.prog, network.slopes, 0
         self.n_inputs = self.n_features = int(np.prod(network.input_shape))
         if self.prefix_end:  # the samples are the prefix's outputs: the program starts after it
@@ -112,11 +116,10 @@ class Sequential(Classifier):
         return cls.seeded(network, dtype, seed, BUILTIN_INITS.get(kind, "glorot"), kind=kind)
 
     @classmethod
-    def seeded(cls, network: layer_lib.Network, dtype, seed: int, init: str = "pytorch", **settings) -> Sequential:
+    def seeded(cls, network: layer_lib.Network, dtype, seed: int, scheme: str = "pytorch", **settings) -> Sequential:
         """A model of this network starting from an init scheme's draw from the (seed, INIT) stream (settings:
         the constructor's loss, kind, cache_features)."""
-        return cls(network, dtype, layer_lib.initial_params(network, init, generator(seed, Purpose.INIT), dtype),
-                   **settings)
+        return cls(network, dtype, generator(seed, Purpose.INIT), scheme, **settings)
 
     @property
     def n_classes(self) -> int:
@@ -141,9 +144,12 @@ class Sequential(Classifier):
         return {"features_cached": f"the frozen prefix's outputs ({self.n_features} values a sample: program "
                                    f"operations 1..{self.prefix_end}), computed once per device"}
 
+    def _drawn(self) -> np.ndarray:
+        return layer_lib.initial_params(self.network, self.scheme, copy.deepcopy(self._init), self.dtype)
+
     def initial_params(self) -> np.ndarray:
         """x_0: the trainable parameters, loaded (load_weights) or drawn."""
-        return self._start[:self.n_trainable].copy()
+        return (self._drawn() if self._start is None else self._start)[:self.n_trainable].copy()
 
     def load_weights(self, weights: dict, source: str) -> None:
         """Start from a state_dict (the printed module's names and shapes: what `edgefed export --weights`
@@ -163,7 +169,8 @@ class Sequential(Classifier):
 
     def clone(self) -> "Sequential":
         """The same model with its own workspaces (for a second thread)."""
-        return Sequential(self.network, self.dtype, self._start, self.loss, self.kind, self.cache_features, self.rows)
+        return Sequential(self.network, self.dtype, self._init, self.scheme, self.loss, self.kind, self.cache_features,
+                          self.rows, self._start)
 
     def state_dict(self, params: np.ndarray) -> dict[str, np.ndarray]:
         return layer_lib.state_dict(self.network, self.whole(params))
@@ -351,9 +358,6 @@ class Quadratic(Model):
     def memory_bytes(self, rows: int | None = None) -> int:
         return 0  # its oracle works in place, on the problem's arrays
 
-    def compile_kernels(self, data, on_compile=None) -> None:
-        pass  # (its kernels compile, or load, at their first call)
-
     def clone(self) -> "Quadratic":
         return Quadratic(self.n_trainable, self._x0, self.dtype)
 
@@ -405,7 +409,7 @@ def build_model(model, problem, init: np.random.Generator, memory: tuple[int, st
 def _sequential(model, problem, init: np.random.Generator, dtype, memory, rows: int) -> Sequential:
     layers = layer_lib.model_layers(model, problem.sample_shape, problem.n_outputs)  # (the one entry)
     text = getattr(problem, "text", None)  # (task, vocabulary) of samples the reader made token ids
-    if text is not None and layers[0]["type"] != "embedding":
+    if text is not None and layer_lib.first_vocabulary(layers) is None:
         raise ConfigError(f"config: {text[0]} samples are token ids; a layer list must start with an embedding "
                           f'(model.kind = "charlstm", or layers starting with {{type = "embedding", num = {text[1]}, '
                           'dim = 8}), or give a torch module that takes them')
@@ -415,8 +419,7 @@ def _sequential(model, problem, init: np.random.Generator, dtype, memory, rows: 
     network = layer_lib.build(layers, problem.sample_shape, problem.n_outputs, dtype,
                               f"{what} ({note})" if note else what, name=name, memory=memory, rows=rows)
     scheme = model.init or ("pytorch" if model.kind == "sequential" else BUILTIN_INITS.get(model.kind, "glorot"))
-    start = layer_lib.initial_params(network, scheme, init, dtype)
-    return Sequential(network, dtype, start, model.loss, model.kind, model.cache_features, rows)
+    return Sequential(network, dtype, init, scheme, model.loss, model.kind, model.cache_features, rows)
 
 
 def model_for(cfg, problem, start: dict | None = None):

@@ -17,6 +17,7 @@ kernels choose their own order): the Numba layer library is the path that keeps 
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import importlib.util
 import itertools
@@ -73,13 +74,6 @@ def _load(path: str):
     return _MODULES[path]
 
 
-def _replayed(state: dict) -> np.random.Generator:
-    """A generator at a saved state of another's."""
-    bits = getattr(np.random, state["bit_generator"])()
-    bits.state = state
-    return np.random.Generator(bits)
-
-
 class TorchRun:
     """One device's local work in one round: its minibatch generator and permutation (as every model's), and
     the torch generator state of the module's own randomness."""
@@ -126,7 +120,7 @@ class TorchModel(Classifier):
                  init: np.random.Generator, loss: str = "cross_entropy"):
         torch = self.torch = import_torch()
         self.path, self.factory, self.loss = path, factory, loss
-        self._init_stream = init.bit_generator.state  # (a clone's module is built from the same draw)
+        self._init_stream = copy.deepcopy(init)  # (a clone's module is built from the same draw)
         self.sample_shape, self.n_outputs = tuple(int(s) for s in sample_shape), int(n_outputs)
         self.n_features = int(np.prod(self.sample_shape))
         self.dtype = np.dtype(dtype)
@@ -255,9 +249,6 @@ class TorchModel(Classifier):
                 "bits": "repeat on the same machine and torch build; not promised across CPUs (PyTorch's kernels "
                         "choose their own summation order)"}
 
-    def compile_kernels(self, data, on_compile=None) -> None:
-        pass  # (torch's own kernels: nothing of edgefed's to compile)
-
     def profile_key(self) -> str:
         """A board profile's key: the module file, its factory and the input shape."""
         shape = "x".join(map(str, self.sample_shape))
@@ -307,7 +298,7 @@ class TorchModel(Classifier):
     def clone(self) -> "TorchModel":
         """Its own module (and workspaces), for a second thread: evaluation while a late worker computes."""
         twin = TorchModel(self.path, self.factory, self.sample_shape, self.n_outputs, self.dtype,
-                          _replayed(self._init_stream), self.loss)
+                          copy.deepcopy(self._init_stream), self.loss)
         twin.set_frozen(self.frozen_values)
         twin._init = self._init
         return twin

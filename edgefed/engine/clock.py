@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from edgefed.participation.timing import (Forecast, History, RoundDeadlines, Timing, due_s, first_to_finish,
+from edgefed.participation.timing import (Forecast, History, RoundDeadlines, Timing, compute_s, first_to_finish,
                                           forward_pass_s, round_deadlines, steps_by)
 from edgefed.transport import LocalResults, RoundPlan
 
@@ -57,8 +57,7 @@ class RoundClock:
         t = self.timing
         if self.mode not in ("deadline", "async") or (t.deadlines is None and t.quantile is None):
             return np.full(ids.size, np.nan)  # no deadline (an async task's is fixed when it has one)
-        own = self._forecast_if(t.quantile is not None or t.needs_links(), ids, budgets)
-        return due_s(t, ids, own) - (own.links_s if t.needs_links() else 0.0)
+        return compute_s(t, ids, self._forecast_if(t.quantile is not None or t.needs_links(), ids, budgets))[1]
 
     def deadlines(self, ids: np.ndarray, budgets: np.ndarray, among: np.ndarray | None = None) -> RoundDeadlines:
         """The round's deadlines from one forecast of the selected devices (and of `among`, the devices a

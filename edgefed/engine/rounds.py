@@ -442,7 +442,7 @@ class RoundEngine:
         self.transport.accept(round_idx, accepted)
         clock = self.clock.advance(round_idx, settled, done - work0, done - worked,
                                    0.0 if self._probed is None else self._probed[1])
-        self._record(plan, res, settled, weighed, extra, note, clock, sets, residuals, wall0)
+        self._record(plan, res, settled, weighed, extra, note, clock, sets, accepted, residuals, wall0)
         return self.state
 
     def _weigh(self, plan: RoundPlan, res, settled) -> Weighed:
@@ -490,10 +490,10 @@ class RoundEngine:
         return {**extra, **private}, note
 
     def _record(self, plan: RoundPlan, res, settled, w: Weighed, extra: dict, note: str, clock: float, sets,
-                residuals: dict, wall0: float) -> None:
+                accepted: np.ndarray, residuals: dict, wall0: float) -> None:
         """The round's metrics (when due), its log row, the devices' changed vectors and the resume state
-        (sets: the arriving devices' fresh rows; residuals: error feedback's of the accepted), then its
-        progress line."""
+        (sets: the arriving devices' fresh rows; accepted: the devices whose reports were applied; residuals:
+        error feedback's of the accepted), then its progress line."""
         round_idx = plan.round_idx
         evaluate, store = self._due(round_idx)
         metrics = self.metrics(self.transport.evaluate(self.state.x)) if evaluate else (math.nan,) * 3
@@ -502,11 +502,10 @@ class RoundEngine:
         self.log.append({**self._round_row(plan, res, settled, w.coeffs, w.nonfinite, metrics, elapsed, clock),
                          **extra})
         self._count_labels(plan.device_ids)
-        taken = plan.device_ids[w.reported]
-        changes = {v.name: (taken, res.vectors[v.delta][w.reported]) for v in self.algorithm.device_vectors}
+        changes = {v.name: (accepted, res.vectors[v.delta][w.reported]) for v in self.algorithm.device_vectors}
         if changes:
-            self._held[taken] = True
-        sets = {**(sets or {}), **{name: (taken, rows) for name, rows in residuals.items()}}
+            self._held[accepted] = True
+        sets = {**(sets or {}), **{name: (accepted, rows) for name, rows in residuals.items()}}
         self._stage_and_commit(round_idx, changes, store, sets)
         late = settled.late
         self.on_round(RoundSummary(round_idx, self.cfg.rounds, *metrics, int(np.count_nonzero(w.counted)),

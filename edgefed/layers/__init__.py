@@ -16,7 +16,8 @@ Each type declares its settings (with defaults), what input it takes, and how it
 output shape, parameters (their initialisation and their PyTorch shape), and the sizes of its workspaces.
 """
 
-from edgefed.layers.lists import CHARS, builtin_layers, first_spatial, input_shape_for, model_layers, token_ids
+from edgefed.layers.lists import (CHARS, builtin_layers, first_spatial, first_vocabulary, input_shape_for, model_layers,
+                                  token_ids)
 from edgefed.layers.network import (EVAL_BYTES, EVAL_CHUNK, Network, Tensor, build, channels_last, feature_prefix,
                                     initial_params, rest_program)
 from edgefed.layers.pytorch import TORCH_WRAPPERS, check_state, state_dict, torch_text, whole_from_state
@@ -24,5 +25,5 @@ from edgefed.layers.types import ACTIVATIONS, EXAMPLES, INITS, LOSSES, REQUIRED,
 
 __all__ = ["ACTIVATIONS", "CHARS", "EVAL_BYTES", "EVAL_CHUNK", "EXAMPLES", "INITS", "LOSSES", "REQUIRED", "TORCH_WRAPPERS",
            "TYPES", "LayerType", "Network", "Tensor", "build", "builtin_layers", "channels_last", "check_layers",
-           "check_state", "feature_prefix", "first_spatial", "initial_params", "input_shape_for", "model_layers",
+           "check_state", "feature_prefix", "first_spatial", "first_vocabulary", "initial_params", "input_shape_for", "model_layers",
            "rest_program", "state_dict", "token_ids", "torch_text", "whole_from_state"]

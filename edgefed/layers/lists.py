@@ -57,6 +57,12 @@ def token_ids(model) -> int | None:
     else None."""
     layers = builtin_layers("charlstm", (), 0) if model.kind == "charlstm" else (
         model.layers if model.kind == "sequential" else ())
+    return first_vocabulary(layers)
+
+
+def first_vocabulary(layers) -> int | None:
+    """The vocabulary of a layer list's first layer when it is an embedding (its samples are token ids),
+    else None."""
     return layers[0]["num"] if layers and layers[0]["type"] == "embedding" else None
 
 

@@ -67,8 +67,9 @@ def log_layout(algorithm: Algorithm, cfg: Config, n: int, d: int, dtype) -> dict
     if cfg.participation.mode == "async" and cfg.selection.policy != "uniform":  # the tasks in flight, for --resume
         schedule += (("async_flight", (cfg.asynchronous.concurrency, 5), np.float64),
                      ("async_counters", (2,), np.int64))
+    policy = POLICY_CLASSES[cfg.selection.policy].slots(n, cfg.rounds)
     return {"extra_columns": tuple(columns),
-            "slots": tuple((name, (d,), dtype) for name in slots) + POLICY_CLASSES[cfg.selection.policy].slots(n, cfg.rounds) + schedule,
+            "slots": tuple((name, (d,), dtype) for name in slots) + policy + schedule,
             "row_states": tuple((name, (n, d), dtype) for name in rows)}
 
 

@@ -30,6 +30,7 @@ from pathlib import Path
 import numpy as np
 
 from edgefed import __version__, hwprofile
+from edgefed import layers as layer_lib
 from edgefed.errors import EXIT_BAD_INPUT, EdgefedError
 from edgefed.kernels import jit_compilations, ops
 from edgefed.models import Quadratic, Sequential, warm_model
@@ -118,9 +119,8 @@ def speed_entry(model, batch: int, steps_per_s: float, prefix_samples_per_s: flo
 def prefix_samples_per_second(model, min_time_s: float = 0.3) -> float:
     """Samples a second through a model's frozen prefix (the one-off pass when a device's data is built)."""
     n = 4 * model.network.eval_chunk
-    first = model.network.layers[0]  # (the prefix's own inputs)
-    X = _random_samples(np.random.default_rng(0), model, n, model.n_inputs,
-                        first["num"] if first["type"] == "embedding" else 0)
+    X = _random_samples(np.random.default_rng(0), model, n, model.n_inputs,  # (the prefix's own inputs)
+                        layer_lib.first_vocabulary(model.network.layers) or 0)
     model.features(X[:1])
     samples, t0 = 0, time.perf_counter()
     while time.perf_counter() - t0 < min_time_s or not samples:

@@ -20,7 +20,6 @@ import numpy as np
 class Membership:
     """Who is in the federation in one round, computed once at its top (Dynamics.at)."""
 
-    round_idx: int
     active: np.ndarray  # (N,) bool: in the objective
     silent: np.ndarray  # (N,) bool: in the objective, never reporting again (departed with `include`)
     shift_round: int  # r_shift: the round before the last objective shift at or before this one (0: none)
@@ -55,7 +54,7 @@ class Dynamics:
             b = self.cfg.boost
             boosted = {k: 1.0 + (b - 1.0) / (round_idx - r0 + 1) ** 2
                        for k, r0 in self.arrival.items() if round_idx >= r0}
-        return Membership(round_idx, self.active(round_idx), self.silent(round_idx), self.shift_round(round_idx),
+        return Membership(self.active(round_idx), self.silent(round_idx), self.shift_round(round_idx),
                           round_idx in self._shifts, self.arriving(round_idx), boosted)
 
     def active(self, round_idx: int) -> np.ndarray:

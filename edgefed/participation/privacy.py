@@ -221,11 +221,11 @@ class PrivateUpdate(NoPrivacy):
         self.slots = clip_slots(settings)
 
     def values(self) -> dict:
-        return {"privacy_clip": np.array([self.clip_now])} if self.settings.adapts else {}
+        return {name: np.array([self.clip_now]) for name, _, _ in self.slots}
 
     def load(self, values: dict) -> None:
-        if self.settings.adapts:
-            self.clip_now = float(values["privacy_clip"][0])
+        for name, _, _ in self.slots:
+            self.clip_now = float(values[name][0])
 
     def first_row(self) -> dict:
         return {"metrics/epsilon": 0.0}

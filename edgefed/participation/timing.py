@@ -173,13 +173,19 @@ def due_s(t: Timing, ids: np.ndarray, basis: Forecast | None) -> np.ndarray:
     return np.full(ids.size, quantile_deadline(predicted, t.quantile))
 
 
+def compute_s(t: Timing, ids: np.ndarray, own: Forecast | None, basis: Forecast | None = None) -> tuple:
+    """(each device's deadline, the seconds of local work it leaves the device: less its links with covers =
+    "round"), from one forecast of the devices (own) and of the adaptive policy's basis (None: own)."""
+    due = due_s(t, ids, own if basis is None else basis)
+    return due, due - (own.links_s if t.needs_links() else 0.0)
+
+
 def round_deadlines(t: Timing, ids: np.ndarray, budgets: np.ndarray, own: Forecast | None, basis: Forecast | None,
                     simulated: bool) -> RoundDeadlines:
-    """The deadline policy's decision for a round's selected devices from one forecast of them (own) and of
-    the adaptive policy's basis (None: the selected ones): on a simulated clock the steps that fit their
-    compute windows, on a measured one the windows the runners race (none while nothing predicts them)."""
-    due = due_s(t, ids, own if basis is None else basis)
-    compute = due - (own.links_s if t.needs_links() else 0.0)
+    """The deadline policy's decision for a round's selected devices (compute_s): on a simulated clock the
+    steps that fit their compute windows, on a measured one the windows the runners race (none while nothing
+    predicts them)."""
+    due, compute = compute_s(t, ids, own, basis)
     if simulated:
         return RoundDeadlines(due, None, steps_within(budgets, t.boards.step_s[ids], compute))
     if not np.isfinite(compute).any():
