@@ -44,7 +44,7 @@ def sweep_folder(tmp_path_factory):
     folder = tmp_path_factory.mktemp("sweep")
     (folder / "s.toml").write_text('seeds = [0, 1]\n[set]\nrounds = 3\n"data.clients" = 5\n'
                                    '"train.clients_per_round" = "all"\n"train.local_steps" = 4\n'
-                                   '"participation.mode" = "trace"\n[axes]\n'
+                                   '"participation.mode" = "trace"\n"device.profile" = "pi4b"\n[axes]\n'
                                    '"participation.trace" = ["builtin:1", "builtin:8"]\n'
                                    '"participation.scheme" = ["A", "C"]\n[target]\ntest_accuracy = 0.2\n')
     assert run_sweep(folder / "s.toml", folder / "out", on_line=lambda line: None) == 0
@@ -193,15 +193,22 @@ def test_report_of_several_logs_and_a_sweep_folder(logs, sweep_folder, tmp_path)
     (page_path,) = write_report([str(logs["trace"]), str(logs["measured"]), str(sweep_folder)], tmp_path / "r.html")
     page = page_path.read_text()
     assert_self_contained(page)
-    # sweep: overview + its partition + 2 curve groups (by trace) + 4 cells' participation; runs: curves +
-    # 2 partitions + 2 participation + 2 measured (CPU shares, and for the deadline run its deadlines)
-    assert len(images(page)) == 1 + 1 + 2 + 4 + 1 + 2 + 2 + 2
+    # sweep: overview + its partition + 2 curve groups (by trace) and their energy (its boards have [power]) + 4
+    # cells' participation; runs: curves + 2 partitions + 2 participation + 2 measured (CPU shares, and for the
+    # deadline run its deadlines)
+    assert len(images(page)) == 1 + 1 + 2 + 2 + 4 + 1 + 2 + 2 + 2
     with open(sweep_folder / "cells.csv", newline="") as f:
         cells = list(csv.DictReader(f))
     for cell in cells:
         mean, std = float(cell["final_test_accuracy_mean"]), float(cell["final_test_accuracy_std"])
         assert f"<td>{mean:.4f} ± {std:.4f}</td>" in page
     assert "4 cells; axes: participation.trace, participation.scheme" in page
+    with open(sweep_folder / "summary.csv", newline="") as f:
+        for row in csv.DictReader(f):  # the energy each run spent, and to the target, from its log
+            run = Run.read(sweep_folder / row["log"])
+            assert float(row["energy_j"]) == run.spent_j()[-1] > 0
+            assert float(row["energy_to_target_j"]) == run.energy_to_target(0.2) <= run.spent_j()[-1]
+    assert "<th>energy (J)</th>" in page and "<th>energy to target (J)</th>" in page
 
 
 def test_linked_axes_are_one_dimension_of_the_report():
@@ -224,7 +231,7 @@ def test_linked_axes_are_one_dimension_of_the_report():
 
 def test_report_as_png_files(sweep_folder, tmp_path, capsys):
     code, printed, _ = cli(["report", str(sweep_folder), "--format", "png", "--out", str(tmp_path / "figs")], capsys)
-    assert code == 0 and printed == f"wrote 8 figures into {tmp_path / 'figs'}\n"
+    assert code == 0 and printed == f"wrote 10 figures into {tmp_path / 'figs'}\n"
     names = sorted(p.name for p in (tmp_path / "figs").iterdir())
     assert "out-overview.png" in names and "out-trace-builtin-1-curves.png" in names and "out-partition.png" in names
     assert all((tmp_path / "figs" / n).read_bytes().startswith(PNG) for n in names)

@@ -1,5 +1,6 @@
 """Energy per device-round (docs/design.md 2.21): the model by hand, and a profile's [power] checked."""
 
+import csv
 import math
 
 import numpy as np
@@ -7,7 +8,13 @@ import pytest
 
 from edgefed import hwprofile
 from edgefed.errors import ConfigError
+from edgefed.analysis.export import export_csv
+from edgefed.analysis.logs import Run
+from edgefed.analysis.summary import summary_lines
+from edgefed.orchestration import run as runs
 from edgefed.participation.energy import round_energy_j
+from edgefed.runlog import measured, read_run
+from conftest import config_with
 
 
 def test_a_device_round_costs_its_busy_seconds_and_its_share_of_its_boards_idle_power():
@@ -33,3 +40,104 @@ def test_power_tables_are_read_and_bad_watts_refused_naming_the_key():
                            (2.0, r"\[power\] must be a table")]:
         with pytest.raises(ConfigError, match=rf"^hardware profile b.toml: {message}"):
             hwprofile.profile_from_dict({**base, "power": power}, "b.toml")
+
+
+# -- in runs --------------------------------------------------------------------------------------------------
+N, D, K = 8, 4, 3
+IDLE_W, BUSY_W = 2.0, 0.5
+BOARD = """format = 1
+name = "a hand-timed board with a meter"
+measured = true
+[machine]
+arch = "any"
+cores = 1
+memory_mb = 8192
+[recommend]
+[[speed]]
+model = "quadratic"
+params = 4
+batch = 1
+steps_per_s = 1000.0
+"""
+POWER = f"[power]\nidle_w = {IDLE_W}\nbusy_w_per_core = {BUSY_W}\n"
+
+
+@pytest.fixture
+def board(tmp_path, quad_file):
+    g = np.random.default_rng(5)
+    path = quad_file(g.uniform(0.5, 2.0, (N, D)), g.normal(size=(N, D)), n=np.arange(1, N + 1))
+    (tmp_path / "metered.toml").write_text(BOARD + POWER)
+    (tmp_path / "unmetered.toml").write_text(BOARD)
+    return lambda profile, **extra: config_with({
+        "data.kind": "quadratic", "data.path": str(path), "model.dtype": "float64", "rounds": 4,
+        "train.clients_per_round": 5, "train.local_steps": K, "train.lr_local": 0.05, "train.batch_size": 1,
+        "device.profile": str(tmp_path / profile), "device.speed": [1.0, 0.5, 0.25], **extra})
+
+
+def _step_s() -> np.ndarray:
+    return 1e-3 / np.array([1.0, 0.5, 0.25])[np.arange(N) % 3]  # the profile's 1000 steps/s at each speed
+
+
+@pytest.mark.parametrize("extra", [{"participation.mode": "deadline", "participation.deadline_s": 0.0025},
+                                   {"participation.mode": "deadline", "participation.deadline_s": 1.0,
+                                    "participation.overselect": 0.6}],
+                         ids=["deadline", "overselected"])
+def test_a_simulated_run_logs_each_device_rounds_energy_by_the_model(tmp_path, board, extra):
+    """On the simulated clock each device is a board of its own: E = steps it computed x its step time x a
+    busy core's watts + idle watts x the round's length; a device that computed nothing costs 0 J, one not
+    selected has no energy (NaN). Over-selection's beaten devices pay for the steps they did."""
+    lines = []
+    runs.run(board("metered.toml", **extra), tmp_path / "e.h5", on_info=lines.append)
+    assert "energy: modelled from the [power] of " in "\n".join(lines)
+    log = read_run(tmp_path / "e.h5")
+    steps, selected, energy = log["participation/steps"], log["participation/selected"], log["participation/energy_j"]
+    length = np.diff(log["metrics/clock_s"])
+    expected = np.where(steps > 0, steps * _step_s() * BUSY_W + IDLE_W * length[:, None], 0.0)
+    np.testing.assert_allclose(energy[selected], expected[selected], rtol=1e-12)
+    assert np.isnan(energy[~selected]).all()
+    assert (steps[selected] == 0).any() or log["participation/late"].any()  # (the case the test is for happened)
+
+
+def test_energy_is_measured_where_the_clock_is_and_absent_without_power(tmp_path, board):
+    """A measured clock charges each device its measured busy time (elapsed x CPU share) and splits the
+    machine's idle power over the round among the devices that worked; a profile without [power] logs no
+    energy and says so once."""
+    runs.run(board("metered.toml", **{"participation.clock": "measured"}), tmp_path / "m.h5")
+    log = read_run(tmp_path / "m.h5")
+    selected = log["participation/selected"]
+    busy = log["participation/elapsed_s"].astype(np.float64) * log["participation/cpu_percent"] / 100.0
+    worked = selected & (busy > 0)
+    share = IDLE_W * np.diff(log["metrics/clock_s"])[:, None] / worked.sum(axis=1, keepdims=True)
+    np.testing.assert_allclose(log["participation/energy_j"][worked], (busy * BUSY_W + share)[worked], rtol=1e-6)
+    assert "participation/energy_j" in measured(log["attrs"]) and log["attrs"]["energy_board"].tolist() == [0] * N
+    lines = []
+    runs.run(board("unmetered.toml"), tmp_path / "u.h5", on_info=lines.append)
+    assert "participation/energy_j" not in read_run(tmp_path / "u.h5")
+    assert [line for line in lines if line.startswith("energy:")] == [
+        f"energy: not computed (hardware profile {tmp_path / 'unmetered.toml'} has no [power]; add idle_w and "
+        "busy_w_per_core with their sources to compute it)"]
+
+
+def test_fedbuff_charges_each_report_its_tasks_time_and_the_tools_show_it(tmp_path, board):
+    """FedBuff holds a board for its task's time (no links here: its steps at its step time), so a report
+    costs steps x step time x (busy + idle watts); summary sums it per device, export --csv writes it, a
+    sweep table's figure and the report's energy figure read the same sums."""
+    cfg = board("metered.toml", **{"participation.mode": "async", "async.concurrency": 3, "async.buffer": 2,
+                                   "async.max_staleness": 3, "rounds": 6})
+    runs.run(cfg, tmp_path / "a.h5")
+    log = read_run(tmp_path / "a.h5")
+    steps, energy = log["participation/steps"], log["participation/energy_j"]
+    reported = log["participation/selected"]
+    np.testing.assert_allclose(energy[reported], (steps * _step_s() * (BUSY_W + IDLE_W))[reported], rtol=1e-12)
+    run = Run.read(tmp_path / "a.h5")
+    per_device = np.nansum(energy, axis=0)
+    lines = summary_lines(run, target=0.0)
+    assert f"energy (modelled from the boards' [power]): {per_device.sum():.4g} J in all, " \
+           f"{per_device.sum() / 6:.4g} J a round; each simulated device is a board of its own" in lines
+    assert lines[-N - 1].endswith("energy J  J a round")
+    assert lines[-N].split()[-2:] == [f"{per_device[0]:.4g}", f"{per_device[0] / reported[:, 0].sum():.4g}"]
+    assert math.isnan(run.energy_to_target(0.0)) and run.spent_j()[-1] == pytest.approx(per_device.sum())
+    export_csv(run, tmp_path / "csv")
+    rows = list(csv.DictReader(open(tmp_path / "csv" / "participation.csv")))
+    assert [float(r["energy_j"]) if r["energy_j"] else math.nan for r in rows[:N]] == pytest.approx(
+        energy[0].tolist(), nan_ok=True)

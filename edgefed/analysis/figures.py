@@ -91,6 +91,42 @@ def curves(series: list[tuple[str, list[Run]]], title: str):
     return fig
 
 
+def energy(series: list[tuple[str, list[Run]]], title: str):
+    """Test accuracy against the energy spent (J) and against the clock, a line per series (mean over its
+    runs): the energy a run takes to a target accuracy, and how that ranking differs from the one by time.
+    None when no run has energy (no board with [power])."""
+    drawn = [(label, runs) for label, runs in series if all(r.spent_j() is not None for r in runs)]
+    if not drawn:
+        return None
+    plt = pyplot()
+    fig, axes = plt.subplots(1, 2, figsize=(11, 3.6), sharey=True, layout="constrained")
+    for i, (label, runs) in enumerate(drawn):
+        style = dict(linestyle=STYLES[i % len(STYLES)], marker=MARKERS[i % len(MARKERS)], markevery=0.1,
+                     markersize=4, linewidth=1.4)
+        rounds = min(r.rounds for r in runs) + 1
+        acc = np.array([r["metrics/test_accuracy"][:rounds] for r in runs], dtype=float)
+        evaluated = np.isfinite(acc).all(axis=0)
+        if not evaluated.any():
+            continue
+        spent = np.mean([r.spent_j()[:rounds] for r in runs], axis=0)
+        clock = np.mean([r.clock[:rounds] for r in runs], axis=0)
+        axes[0].plot(spent[evaluated], acc[:, evaluated].mean(axis=0), label=label, **style)
+        if np.isfinite(clock[evaluated]).all():
+            axes[1].plot(clock[evaluated], acc[:, evaluated].mean(axis=0), **style)
+    if not axes[0].lines:  # no test accuracy to reach (a quadratic, or a problem without held-out data)
+        plt.close(fig)
+        return None
+    axes[0].set_xlabel("energy spent (J, modelled from the boards' [power])")
+    axes[1].set_xlabel("federation clock (s)")
+    axes[0].set_ylabel("test accuracy")
+    axes[0].set_title("against energy")
+    axes[1].set_title("against the clock")
+    if len(drawn) > 1:
+        fig.legend(loc="outside right upper", fontsize=8, frameon=False)
+    fig.suptitle(title)
+    return fig
+
+
 def _heatmap_axes(ax) -> None:
     """Whole rounds and devices on the axes, no grid across the cells."""
     from matplotlib.ticker import MaxNLocator
@@ -339,6 +375,7 @@ def figures(sweeps: list[Sweep], runs: list[Run]) -> list[tuple[str, str, bytes]
         add(sec, f"{s.name}-privacy", privacy_tradeoff(s))
         for group, series in list(s.groups().items())[:MAX_PARTICIPATION]:
             add(sec, f"{s.name}-{_stem(group)}-curves", curves(series, f"{s.name}: {group}"))
+            add(sec, f"{s.name}-{_stem(group)}-energy", energy(series, f"{s.name}: {group}, energy to accuracy"))
         first = next(iter(s.cells.values()), [None])[0]
         if first is not None:
             add(sec, f"{s.name}-partition", partition(first, f"{s.name}: the partition (of {first.path.name})"))
@@ -348,6 +385,7 @@ def figures(sweeps: list[Sweep], runs: list[Run]) -> list[tuple[str, str, bytes]
     if runs:
         add("runs", "runs-curves", curves([(r.path.name, [r]) for r in runs],
                                           "runs" if len(runs) > 1 else runs[0].path.name))
+        add("runs", "runs-energy", energy([(r.path.name, [r]) for r in runs], "energy to accuracy"))
         for r in runs[:MAX_PARTICIPATION]:
             add(f"run {r.path.name}", f"{r.path.stem}-partition", partition(r, f"{r.path.name}: the partition"))
             add(f"run {r.path.name}", f"{r.path.stem}-participation", participation(r, r.path.name))

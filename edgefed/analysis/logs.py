@@ -134,6 +134,44 @@ class Run:
             return math.nan, math.nan
         return float(reached[0]), float(self.clock[reached[0]])
 
+    def spent_j(self) -> np.ndarray | None:
+        """(rounds + 1,) the energy spent by the end of each round, J (0 at round 0; None: the log has no
+        energy: its boards' profiles have no [power], or it is from before energy was logged)."""
+        joules = self.data.get("participation/energy_j")
+        if joules is None:
+            return None
+        return np.concatenate([[0.0], np.cumsum(np.nansum(joules, axis=1))])
+
+    def energy_to_target(self, accuracy: float) -> float:
+        """The energy spent when the test accuracy first reached `accuracy`, J (NaN: never, or no energy)."""
+        rounds, _ = self.to_target(accuracy)
+        spent = self.spent_j()
+        return math.nan if spent is None or math.isnan(rounds) else float(spent[int(rounds)])
+
+    def energy(self) -> dict | None:
+        """What the run's work cost in energy (logs with /participation/energy_j): J in all and a round; per
+        device, J and J a round in which it worked; per board where a measured run's devices shared boards
+        (the rank's), J and J a round in which any of its devices worked."""
+        joules = self.data.get("participation/energy_j")
+        if joules is None or not joules.shape[0]:
+            return None
+        charged = np.isfinite(joules)
+        per_device = np.nansum(joules, axis=0)
+        rounds_of = charged.sum(axis=0)
+        out = {"total": float(per_device.sum()), "per_round": float(per_device.sum()) / joules.shape[0],
+               "device": per_device, "device_rounds": rounds_of, "boards": None}
+        board = self.attrs.get("energy_board")
+        if board is not None:
+            board = np.asarray(board, np.int64)
+            out["boards"] = []
+            for b in range(int(board.max(initial=-1)) + 1):
+                mine = board == b
+                worked = int(charged[:, mine].any(axis=1).sum())
+                total = float(per_device[mine].sum())
+                out["boards"].append({"board": b, "devices": int(mine.sum()), "total": total, "rounds": worked,
+                                      "per_round": total / worked if worked else math.nan})
+        return out
+
     def config_dict(self) -> dict:
         try:
             return tomllib.loads(self.config_toml)

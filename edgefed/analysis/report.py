@@ -56,8 +56,9 @@ def _headline(runs: list[Run]) -> str:
 
 CELL_FIGURES = {"final_test_accuracy": ("final test accuracy", ".4f"), "best_test_accuracy": ("best", ".4f"),
                 "final_train_loss": ("final train loss", ".4g"), "clock_s": ("clock (s)", ".3f"),
-                "epsilon": ("ε", ".4g"),
-                "rounds_to_target": ("rounds to target", ".1f"), "clock_to_target_s": ("clock to target (s)", ".3f")}
+                "epsilon": ("ε", ".4g"), "energy_j": ("energy (J)", ".4g"),
+                "rounds_to_target": ("rounds to target", ".1f"), "clock_to_target_s": ("clock to target (s)", ".3f"),
+                "energy_to_target_j": ("energy to target (J)", ".4g")}
 
 
 def _cells_table(sweep: Sweep) -> str:

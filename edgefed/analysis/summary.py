@@ -61,19 +61,46 @@ def summary_lines(run: Run, target: float | None = None) -> list[str]:
                      f"{size_text(secure['bytes'])} of protocol per device and round, {secure['aborted']} rounds "
                      f"aborted, {secure['clipped']} coordinates clipped ({secure['keys']} keys)")
     lines += _memory_lines(run.attrs)
+    energy = run.energy()
+    lines += _energy_lines(run, energy)
     if target is not None:
         rounds, seconds = run.to_target(target)
+        spent = "" if energy is None else f", energy {_num(run.energy_to_target(target), '.4g')} J"
         lines.append(f"to test accuracy {target:g}: " + ("never reached" if math.isnan(rounds) else
-                                                           f"round {rounds:.0f}, clock {seconds:.3f} s"))
-    lines.append("device  selected  fraction  inactive   late  non-finite  cpu %")
-    devices = run.devices(run.most_selected(DEVICE_ROWS))  # a large federation: not a million lines
-    for d in devices:
+                                                           f"round {rounds:.0f}, clock {seconds:.3f} s{spent}"))
+    lines.append("device  selected  fraction  inactive   late  non-finite  cpu %"
+                 + ("" if energy is None else "  energy J  J a round"))
+    shown = run.most_selected(DEVICE_ROWS)  # a large federation: not a million lines
+    devices = run.devices(shown)
+    for d, k in zip(devices, shown):
+        spent = "" if energy is None else (f"  {_num(energy['device'][k], '8.4g'):>8}  "
+                                           f"{_num(_share(energy['device'][k], energy['device_rounds'][k]), '9.4g'):>9}")
         lines.append(f"{d['device']:>6}  {d['selected']:>8}  {_num(d['fraction'], '8.3f'):>8}  "
                      f"{_num(d['inactive'], '8.1%'):>8}  {_num(d['late'], '5.1%'):>5}  {d['nonfinite']:>10}  "
-                     f"{_num(d['cpu_percent'], '5.1f'):>5}")
+                     f"{_num(d['cpu_percent'], '5.1f'):>5}{spent}")
     if len(devices) < run.attrs["n_devices"]:
         lines.append(f"(the {DEVICE_ROWS} devices selected most of {run.attrs['n_devices']}; edgefed export --csv "
                      "writes every device's rows)")
+    return lines
+
+
+def _share(total: float, rounds: int) -> float:
+    return float(total) / rounds if rounds else math.nan
+
+
+def _energy_lines(run: Run, energy: dict | None) -> list[str]:
+    """The run's energy in all and a round, and per board where devices shared boards (a measured run's ranks)."""
+    if energy is None:
+        return []
+    lines = [f"energy (modelled from the boards' [power]): {energy['total']:.4g} J in all, {energy['per_round']:.4g} J "
+             "a round" + ("" if energy["boards"] is not None else "; each simulated device is a board of its own")]
+    device = run.config_dict().get("device", {})
+    ranks = len(np.atleast_1d(run.attrs.get("rank_memory_estimate_mb", [0]))) > 1  # (else: the simulator's machine)
+    for b, board in enumerate(energy["boards"] or ()):
+        profile = device["boards"][b] if b < len(device.get("boards") or ()) else device.get("profile")
+        where = (f"rank {b + 1}" if ranks else "this machine") + (f" ({profile})" if profile else "")
+        lines.append(f"  {where}: {board['devices']} devices, {_num(board['total'], '.4g')} J, "
+                     f"{_num(board['per_round'], '.4g')} J a round it worked")
     return lines
 
 

@@ -219,9 +219,11 @@ class AsyncEngine(RoundEngine):
                                widen(res.cpu_freq_mhz, np.nan), widen(res.temperature_c, np.nan),
                                widen(res.compiled, False), widen(res.finish_s, np.nan), comm, widen(res.core, -1), comm,
                                bytes_up=widen(res.bytes_up, 0))
-        settled = Settled(late, steps, comm, math.nan, math.nan)
+        settled = Settled(late, steps, comm, math.nan, math.nan, self.clock.busy_s(plan.device_ids, steps, row_res))
+        tasks = {task.device: task for task in (*update.taken, *discarded)}
+        held = np.array([tasks[k].finish_s - tasks[k].start_s for k in plan.device_ids.tolist()])  # its task's time
         row = self._round_row(plan, row_res, settled, widen(coeffs, 0.0), widen(nonfinite, False), metrics, elapsed,
-                              self.clock.clock_s)
+                              self.clock.clock_s, held)
         tau = np.full(self.n_devices, -1, np.int32)
         tau[ids] = staleness
         tau[late_ids] = [round_idx - 1 - task.version for task in discarded]

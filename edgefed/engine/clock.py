@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from edgefed.participation.energy import busy_seconds
 from edgefed.participation.timing import (Forecast, History, RoundDeadlines, Timing, compute_s, first_to_finish,
                                           forward_pass_s, round_deadlines, steps_by)
 from edgefed.transport import LocalResults, RoundPlan
@@ -28,6 +29,7 @@ class Settled:
     comm_s: np.ndarray  # (S,) float32, NaN unknown
     duration_s: float  # the round's simulated length (NaN: measured by the caller)
     reported_s: float  # measured: when the round's last report taken arrived (NaN: not measured apart)
+    busy_s: np.ndarray | None = None  # (S,) the busy CPU seconds of each device's work, taken or not
 
 
 class RoundClock:
@@ -36,6 +38,7 @@ class RoundClock:
         self.budgets = budgets  # (N,) K_k: an adaptive deadline set among other devices than the selected
         self.history = History(n_devices)
         self.clock_s = 0.0
+        self.round_s = 0.0  # how far the last advance moved the clock: the round's length
 
     @property
     def simulated(self) -> bool:
@@ -71,9 +74,17 @@ class RoundClock:
         return round_deadlines(t, ids, budgets, own, basis, self.simulated)
 
     # -- after it ---------------------------------------------------------------------------------------
+    def busy_s(self, ids: np.ndarray, steps: np.ndarray, res: LocalResults) -> np.ndarray:
+        """The busy CPU seconds of these devices' work of `steps` steps: on a simulated or replayed clock
+        the steps at their boards' step times (a replay's are as simulated), else as measured."""
+        if self.timing.clock != "measured" and self.timing.boards is not None:
+            return steps * self.timing.boards.step_s[ids]
+        return busy_seconds(res.elapsed_s, res.cpu_percent)
+
     def settle(self, plan: RoundPlan, res: LocalResults) -> Settled:
         ids, t, r = plan.device_ids, self.timing, plan.round_idx
         late, steps = res.late.copy(), res.steps.copy()
+        computed = res.steps.copy()  # what each device computed, taken or not (the energy it spent)
         if self.simulated:
             work = steps * t.boards.step_s[ids]
             delays = t.delays(ids, r) + t.transfer_s(ids, plan.down_bytes + (0 if res.bytes_up is None else res.bytes_up))
@@ -99,6 +110,7 @@ class RoundClock:
                 # with what it had done when the round ended; one told to stop reports that itself
                 beaten = ~winners & ~late & (steps == plan.budgets)
                 steps = np.where(beaten, steps_by(end, steps, work, comm), steps).astype(np.int32)
+                computed = np.where(beaten, steps, computed)
                 late |= ~winners
         # speeds from the reports taken; links from every report heard, whatever it did (a device shut out
         # by a slow link must see the link recover); both as logged, so a resumed run reads them back
@@ -116,13 +128,14 @@ class RoundClock:
                     duration = float(due.max()) + plan.grace_s
                 else:
                     duration = float(finish[~late].max()) if (~late).any() else 0.0
-        return Settled(late, steps, comm_log, duration, res.round_s)
+        return Settled(late, steps, comm_log, duration, res.round_s, self.busy_s(ids, computed, res))
 
     def advance(self, round_idx: int, settled: Settled, wall_s: float, after_s: float, before_s: float = 0.0) -> float:
         """The clock at the end of round round_idx: recorded, simulated, or measured on: the round's wall
         time, or (when the transport timed its end apart from what it collected after, as over-selection's
         stopped devices) that end plus the after_s spent aggregating; before_s: what selecting took before
         the work was sent (power of choice's candidates' losses), simulated or measured."""
+        start = self.clock_s
         if self.replay is not None and self.replay.clock_s is not None:
             self.clock_s = float(self.replay.clock_s[round_idx])
         elif self.simulated:
@@ -131,6 +144,7 @@ class RoundClock:
             self.clock_s += before_s + settled.reported_s + after_s
         else:
             self.clock_s += before_s + wall_s
+        self.round_s = self.clock_s - start
         return self.clock_s
 
     def probe_s(self, ids: np.ndarray, n_train: np.ndarray, batch: np.ndarray, nbytes: int, measured_s: float) -> float:

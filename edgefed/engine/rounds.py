@@ -513,6 +513,15 @@ class RoundEngine:
                                    int(np.sum(settled.steps[~late & ~w.nonfinite])), int(plan.budgets.sum()),
                                    int(np.count_nonzero(w.coeffs)), evaluate, note))
 
+    def _energy_row(self, ids: np.ndarray, busy_s: np.ndarray, held_s) -> dict:
+        """The devices' energy in the round (docs/design.md 2.21), where the boards' power is known."""
+        power = self.timing.power
+        if power is None:
+            return {}
+        row = np.full(self.n_devices, np.nan)
+        row[ids] = power.joules(ids, busy_s, held_s)
+        return {"participation/energy_j": row}
+
     def _stage_and_commit(self, round_idx, changes, store: bool, sets=None) -> None:
         """Resume state, the stored trajectory rows, then the round marker (last).
 
@@ -530,7 +539,8 @@ class RoundEngine:
             self.log.append(stored)
         self.log.commit(round_idx)
 
-    def _round_row(self, plan, res, settled, coeffs, nonfinite, metrics, elapsed, clock) -> dict:
+    def _round_row(self, plan, res, settled, coeffs, nonfinite, metrics, elapsed, clock, held_s=None) -> dict:
+        """held_s: the seconds the round held each device's board (None: the round's length)."""
         n, ids = self.n_devices, plan.device_ids
 
         def scatter(values, dtype, fill=0):
@@ -559,6 +569,7 @@ class RoundEngine:
             "participation/bytes_up": self._bytes_up(plan, res),
             "participation/bytes_down": self._bytes_down(plan),
             **self._considered_row(plan.round_idx),
+            **self._energy_row(ids, settled.busy_s, self.clock.round_s if held_s is None else held_s),
             "metrics/lr": plan.lr,
             "metrics/n_applied": int(np.count_nonzero(coeffs)),
             "metrics/round_elapsed_s": elapsed,

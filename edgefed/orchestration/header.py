@@ -73,6 +73,14 @@ def log_layout(algorithm: Algorithm, cfg: Config, n: int, d: int, dtype) -> dict
             "row_states": tuple((name, (n, d), dtype) for name in rows)}
 
 
+def energy_column(n: int) -> Column:
+    """A run whose boards' power is known logs each device-round's energy (docs/design.md 2.21)."""
+    return Column("participation/energy_j", (n,), np.float64, "round",
+                  "the device's energy in the round, J: its busy CPU seconds at a busy core's watts plus its share of "
+                  "its board's idle watts over the round (modelled from the profile's [power]; NaN: not selected, "
+                  "or no [power])", np.nan)
+
+
 def stored_rounds(rounds: int, every: int) -> int:
     """Rounds whose model the log stores: 0, every k-th, and the last."""
     return rounds // every + 1 + (1 if rounds % every else 0)

@@ -40,6 +40,12 @@ TARGETS = ("test_accuracy",)
 FIGURES = ("final_test_accuracy", "best_test_accuracy", "final_train_loss", "wall_s", "clock_s", "bytes_up_per_round",
            "bytes_down_per_round", "epsilon")
 TARGET_FIGURES = ("rounds_to_target", "clock_to_target_s")
+ENERGY_FIGURES = ("energy_j", "energy_to_target_j")  # (after the others: columns added since; the second with a target)
+
+
+def _figures(target: float | None) -> tuple[str, ...]:
+    """The figures of summary.csv's rows, in its columns' order."""
+    return FIGURES + (TARGET_FIGURES if target is not None else ()) + ENERGY_FIGURES[:1 if target is None else 2]
 
 
 @dataclass(frozen=True)
@@ -295,7 +301,7 @@ def _run_apart(folder: Path, job: Job) -> Outcome:
 def row_of(folder: Path, job: Job, target: float | None, error: str | None) -> dict:
     """The job's summary.csv row, from its log."""
     row = {"cell": job.cell, **{k: _value_text(v) for k, v in job.values}, "seed": job.seed, "log": job.log}
-    figures = dict.fromkeys(("rounds", *FIGURES, *(TARGET_FIGURES if target is not None else ())), "")
+    figures = dict.fromkeys(("rounds", *_figures(target)), "")
     status = "failed" if error else "complete"
     if (folder / job.log).is_file():
         try:
@@ -309,10 +315,14 @@ def row_of(folder: Path, job: Job, target: float | None, error: str | None) -> d
             private = run.privacy()
             if private is not None:
                 figures["epsilon"] = private["epsilon"]
+            spent = run.spent_j()
+            if spent is not None:
+                figures["energy_j"] = float(spent[-1])
             if target is not None:
                 rounds, seconds = run.to_target(target)
                 figures.update({"rounds_to_target": "" if math.isnan(rounds) else int(rounds),
-                                "clock_to_target_s": seconds})
+                                "clock_to_target_s": seconds,
+                                "energy_to_target_j": "" if spent is None else run.energy_to_target(target)})
         except EdgefedError as exc:
             status, error = "failed", error or str(exc)
     return {**row, "status": status, **figures, "error": error or ""}
@@ -321,7 +331,7 @@ def row_of(folder: Path, job: Job, target: float | None, error: str | None) -> d
 def cell_rows(rows: list[dict], axes, target: float | None) -> list[dict]:
     """cells.csv: per cell, the seeds that completed and mean and std of each figure over them."""
     out = []
-    names = list(FIGURES) + (list(TARGET_FIGURES) if target is not None else [])
+    names = _figures(target)
     for cell in dict.fromkeys(r["cell"] for r in rows):
         mine = [r for r in rows if r["cell"] == cell]
         done = [r for r in mine if r["status"] == "complete"]
@@ -330,7 +340,7 @@ def cell_rows(rows: list[dict], axes, target: float | None) -> list[dict]:
             values = np.array([float(r[name]) for r in done if r[name] != "" and math.isfinite(float(r[name]))])
             row[f"{name}_mean"] = float(values.mean()) if values.size else ""
             row[f"{name}_std"] = float(values.std()) if values.size else ""
-            if name in TARGET_FIGURES:
+            if name in TARGET_FIGURES or name == "energy_to_target_j":
                 row[f"{name}_reached"] = int(values.size)
         out.append(row)
     return out

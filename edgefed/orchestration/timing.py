@@ -12,7 +12,9 @@ from edgefed import hwprofile
 from edgefed.compression import codecs
 from edgefed.errors import ConfigError
 from edgefed.participation.budgets import local_budgets
+from edgefed.participation.energy import BoardPower
 from edgefed.participation.timing import Boards, Timing
+from edgefed.orchestration.header import energy_column
 from edgefed.participation.asynchrony import Recorded
 from edgefed.participation.traces import ReplayTrace
 
@@ -104,13 +106,52 @@ def timing_for(setup, owners: np.ndarray | None = None, on_info=None, resume_poi
                     overselect=p.overselect,
                     link_delays={(f.device, f.round): f.seconds for f in cfg.fault if f.kind == "slow_link"},
                     link_mbps=link_speeds(cfg, n), round_bytes=round_bytes(cfg, setup.algorithm, setup.model))
+    power, said = board_power(names, owners, timing, distributed)
+    if said:
+        (on_info or (lambda line: None))(said)
     setup.header.attrs["clock"] = timing.clock
     # whose late devices were over-selected surplus, outside the rounds' weights (a replay weighs alike)
     setup.header.attrs["overselected"] = p.overselect > 0 or (isinstance(setup.trace, ReplayTrace)
                                                               and setup.trace.overselected)
     if deadlines is not None:
         setup.header.attrs["deadline_s"] = deadlines
-    return dataclasses.replace(setup, timing=timing)
+    header = setup.header
+    if power is not None:
+        timing = dataclasses.replace(timing, power=power)
+        if timing.clock == "measured":  # the boards the summary sums over (else: each device is its own)
+            header.attrs["energy_board"] = power.board.astype(np.int32)
+        header = dataclasses.replace(header, extra_columns=header.extra_columns + (energy_column(n),))
+    return dataclasses.replace(setup, timing=timing, header=header)
+
+
+def board_power(names: list[str] | None, owners: np.ndarray | None, timing: Timing, distributed: bool):
+    """(each device's board and what it draws, what to say of it): on a simulated or replayed clock every
+    device is a board of its own (as the simulator times it); on a measured one a rank's devices share its
+    board (this process's, in the simulator). None where no profile names a board, where none of them has
+    [power], or where a replayed clock has no step times to charge (said once)."""
+    if names is None:
+        return None, None
+    profiles = {name: hwprofile.load_profile(name) for name in dict.fromkeys(names)}
+    missing = sorted(name for name, prof in profiles.items() if prof.power is None)
+    if len(missing) == len(profiles):
+        return None, (f"energy: not computed (hardware profile {', '.join(missing)} has no [power]; add idle_w and "
+                      "busy_w_per_core with their sources to compute it)")
+    if timing.clock != "measured" and timing.boards is None:
+        return None, "energy: not computed (a replayed clock charges simulated busy time, which needs profiles that time the model)"
+    n = len(names)
+    if timing.clock != "measured":
+        board, of_board = np.arange(n), list(names)
+    else:
+        board = np.zeros(n, np.int64) if owners is None or not distributed else np.asarray(owners, np.int64) - 1
+        of_board = [None] * (int(board.max(initial=0)) + 1)
+        for k, b in enumerate(board.tolist()):
+            of_board[b] = names[k]
+    watts = [profiles[name].power if name is not None else None for name in of_board]
+    idle = np.array([np.nan if w is None else w.idle_w for w in watts])
+    busy = np.array([np.nan if w is None else w.busy_w_per_core for w in watts])
+    note = (f"energy: modelled from the [power] of {', '.join(sorted(set(profiles) - set(missing)))}"
+            + (f"; not computed for devices on {', '.join(missing)} (no [power])" if missing else ""))
+    return BoardPower(board, idle, busy), note
 
 
 def _deadlines(setup, board_step, profiles, names, on_info, attrs) -> np.ndarray | None:

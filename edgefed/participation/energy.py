@@ -2,21 +2,49 @@
 
 A board draws its idle power whatever it does, and each core it keeps busy adds its busy power. A device's
 round costs its busy CPU seconds at the busy power of a core, plus its share of its board's idle power over
-the round's wall time: the board's idle energy is split evenly among its devices that worked in the round (a
-board none of whose devices worked pays its idle energy to no device-round, and the per-board sums leave it
-out). A board whose profile has no `[power]` has no energy (NaN), never a guess.
+the time the round held it: the board's idle energy is split evenly among its devices that worked in the
+round (a board none of whose devices worked pays its idle energy to no device-round, and the per-board sums
+leave it out). A board whose profile has no `[power]` has no energy (NaN), never a guess.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
 
-def round_energy_j(boards: np.ndarray, busy_s: np.ndarray, wall_s: float, idle_w: np.ndarray,
+def round_energy_j(boards: np.ndarray, busy_s: np.ndarray, held_s, idle_w: np.ndarray,
                    busy_w_per_core: np.ndarray) -> np.ndarray:
-    """(S,) joules of each of a round's worked devices: busy_s (S,) its busy CPU seconds, boards (S,) the
-    index of its board, wall_s the round's wall time; idle_w and busy_w_per_core indexed by board (NaN: the
+    """(S,) joules of each of a round's devices: busy_s (S,) its busy CPU seconds (0: it did no work, and
+    costs nothing), boards (S,) the index of its board, held_s the seconds the round held its board (the
+    round's wall time, or (S,) each device's own); idle_w and busy_w_per_core indexed by board (NaN: the
     board's power is not known)."""
     boards = np.asarray(boards, np.int64)
-    sharing = np.bincount(boards, minlength=idle_w.size)[boards]  # the board's devices in the round
-    return busy_s * busy_w_per_core[boards] + idle_w[boards] * wall_s / np.maximum(sharing, 1)
+    busy_s = np.asarray(busy_s, np.float64)
+    worked = busy_s > 0
+    sharing = np.bincount(boards[worked], minlength=idle_w.size)[boards]  # the board's devices that worked
+    idle = np.where(worked, idle_w[boards] * held_s / np.maximum(sharing, 1), 0.0)
+    known = np.isfinite(idle_w[boards]) & np.isfinite(busy_w_per_core[boards])
+    return np.where(known, busy_s * busy_w_per_core[boards] + idle, np.nan)
+
+
+@dataclass(frozen=True)
+class BoardPower:
+    """Which board each device's work runs on, and what each board draws."""
+
+    board: np.ndarray  # (N,) each device's board (an index of the two below)
+    idle_w: np.ndarray  # (B,) watts; NaN: the board's profile has no [power]
+    busy_w_per_core: np.ndarray  # (B,) watts a fully busy core adds
+
+    def joules(self, ids: np.ndarray, busy_s: np.ndarray, held_s) -> np.ndarray:
+        """(S,) the energy of these devices' round (round_energy_j)."""
+        return round_energy_j(self.board[ids], busy_s, held_s, self.idle_w, self.busy_w_per_core)
+
+
+def busy_seconds(elapsed_s: np.ndarray, cpu_percent: np.ndarray) -> np.ndarray:
+    """A device's measured busy CPU seconds: its work's wall time times the share of a core it got (where
+    the share was not measured, the whole wall time: the work runs a core flat out)."""
+    elapsed = np.asarray(elapsed_s, np.float64)
+    share = np.asarray(cpu_percent, np.float64) / 100.0
+    return np.where(np.isfinite(elapsed), elapsed, 0.0) * np.where(np.isfinite(share), share, 1.0)

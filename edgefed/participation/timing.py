@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from edgefed.compression import transfer_s
+from edgefed.participation.energy import BoardPower
 
 
 @dataclass(frozen=True)
@@ -139,6 +140,7 @@ class Timing:
     link_delays: dict = field(default_factory=dict)  # {(device, round): seconds} of [[fault]] slow_link
     link_mbps: np.ndarray | None = None  # (N,) each device's shaped link ([device] link_mbps); None: not shaped
     round_bytes: int = 0  # what a selected device's round moves (broadcast and report), for the links' prior
+    power: BoardPower | None = None  # each device's board and what it draws; None: no energy is computed
 
     def delays(self, ids: np.ndarray, round_idx: int) -> np.ndarray:
         return np.array([self.link_delays.get((int(k), round_idx), 0.0) for k in ids])

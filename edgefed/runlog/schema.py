@@ -36,7 +36,7 @@ MEASURED_ATTRS = frozenset({"created", "finished", "warmup_s", "warmup_compiled"
 
 # ... and, where the clock is measured (root attribute clock = "measured"), the time the federation kept.
 MEASURED_CLOCK = frozenset({"metrics/clock_s", "participation/comm_s", "participation/deadline_s",
-                            "participation/core"})
+                            "participation/core", "participation/energy_j"})
 
 
 def measured(attrs) -> frozenset:
