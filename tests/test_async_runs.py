@@ -12,7 +12,7 @@ from edgefed.orchestration import run as runs
 from edgefed.runlog import read_resume_point, read_run
 from edgefed.runtime.mpi import protocol
 from conftest import config_with
-from helpers import assert_same_logs, interrupted_then_resumed, run_until
+from helpers import assert_same_logs, compared, interrupted_then_resumed, run_until
 from loopback_mpi import World
 
 N, D, K, LR, M = 8, 6, 3, 0.1, 2
@@ -29,6 +29,9 @@ model = "quadratic"
 params = 6
 batch = 1
 steps_per_s = 1000.0
+[power]  # (its energy is logged: the simulator and the ranks must agree on it too)
+idle_w = 2.0
+busy_w_per_core = 0.5
 """
 
 
@@ -151,7 +154,8 @@ def test_under_ranks_reports_come_as_they_finish_and_the_simulator_replays_them(
     # on the simulated clock the ranks compute the schedule's tasks as the simulator does: the same bytes
     runs.run(cfg := _config(path, profile, **{"participation.clock": "simulated"}), tmp_path / "sim.h5")
     _loopback(cfg, tmp_path / "ranks.h5")
-    assert_same_logs(read_run(tmp_path / "sim.h5"), read_run(tmp_path / "ranks.h5"))
+    assert_same_logs(sim := read_run(tmp_path / "sim.h5"), read_run(tmp_path / "ranks.h5"))
+    assert "participation/energy_j" in compared(sim)
 
 
 def test_a_task_stops_at_its_deadline_on_ranks_and_a_measured_run_is_not_resumed(tmp_path, problem):
