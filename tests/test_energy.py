@@ -102,14 +102,23 @@ def test_energy_is_measured_where_the_clock_is_and_absent_without_power(tmp_path
     """A measured clock charges each device its measured busy time (elapsed x CPU share) and splits the
     machine's idle power over the round among the devices that worked; a profile without [power] logs no
     energy and says so once."""
-    runs.run(board("metered.toml", **{"participation.clock": "measured"}), tmp_path / "m.h5")
+    runs.run(board("metered.toml", **{"participation.clock": "measured", "participation.mode": "deadline",
+                                      "participation.deadline_s": 0.0025}), tmp_path / "m.h5")
     log = read_run(tmp_path / "m.h5")
     selected = log["participation/selected"]
     busy = log["participation/elapsed_s"].astype(np.float64) * log["participation/cpu_percent"] / 100.0
     worked = selected & (busy > 0)
     share = IDLE_W * np.diff(log["metrics/clock_s"])[:, None] / worked.sum(axis=1, keepdims=True)
     np.testing.assert_allclose(log["participation/energy_j"][worked], (busy * BUSY_W + share)[worked], rtol=1e-6)
-    assert "participation/energy_j" in measured(log["attrs"]) and log["attrs"]["energy_board"].tolist() == [0] * N
+    assert "participation/energy_j" in measured(log["attrs"]) and log["attrs"]["device_board"].tolist() == [0] * N
+    # the board's steps within its deadlines: what its profile predicts (min(K, floor(2.5 ms / step time)))
+    # beside what it did
+    predicted = int((selected * np.minimum(K, np.floor(0.0025 / _step_s() + 1e-9))).sum())
+    done = int(log["participation/steps"][selected].sum())
+    lines = summary_lines(Run.read(tmp_path / "m.h5"))
+    at = lines.index("steps within the deadlines, predicted by the boards' profiles and measured:")
+    assert lines[at + 1] == f"  this machine ({tmp_path / 'metered.toml'}): predicted {predicted}, measured {done} " \
+                            f"({done / predicted - 1:+.1%})"
     lines = []
     runs.run(board("unmetered.toml"), tmp_path / "u.h5", on_info=lines.append)
     assert "participation/energy_j" not in read_run(tmp_path / "u.h5")

@@ -160,7 +160,7 @@ class Run:
         rounds_of = charged.sum(axis=0)
         out = {"total": float(per_device.sum()), "per_round": float(per_device.sum()) / joules.shape[0],
                "device": per_device, "device_rounds": rounds_of, "boards": None}
-        board = self.attrs.get("energy_board")
+        board = self.attrs.get("device_board")
         if board is not None:
             board = np.asarray(board, np.int64)
             out["boards"] = []
@@ -170,6 +170,28 @@ class Run:
                 total = float(per_device[mine].sum())
                 out["boards"].append({"board": b, "devices": int(mine.sum()), "total": total, "rounds": worked,
                                       "per_round": total / worked if worked else math.nan})
+        return out
+
+    def board_steps(self) -> list[dict] | None:
+        """Per real board (a measured run on profiled boards), over the device-rounds that had a deadline: the
+        steps the profiles predict within it (min(K_k, floor(deadline / the profile's seconds a step))), the
+        steps completed, and the gap (completed / predicted - 1). None without boards, profiles or deadlines."""
+        board, step_s = self.attrs.get("device_board"), self.attrs.get("profile_step_s")
+        deadline = self.data.get("participation/deadline_s")
+        if board is None or step_s is None or deadline is None:
+            return None
+        timed = self["participation/selected"] & np.isfinite(deadline)
+        if not timed.any():
+            return None
+        board = np.asarray(board, np.int64)
+        fit = np.floor(np.where(timed, deadline, 0.0) / np.asarray(step_s, np.float64) + 1e-9)
+        predicted = np.where(timed, np.minimum(self["participation/budget"], fit), 0).sum(axis=0)
+        done = np.where(timed, self["participation/steps"], 0).sum(axis=0)
+        out = []
+        for b in range(int(board.max(initial=-1)) + 1):
+            mine = board == b
+            p, m = int(predicted[mine].sum()), int(done[mine].sum())
+            out.append({"board": b, "predicted": p, "measured": m, "gap": m / p - 1 if p else math.nan})
         return out
 
     def config_dict(self) -> dict:

@@ -61,6 +61,7 @@ def summary_lines(run: Run, target: float | None = None) -> list[str]:
                      f"{size_text(secure['bytes'])} of protocol per device and round, {secure['aborted']} rounds "
                      f"aborted, {secure['clipped']} coordinates clipped ({secure['keys']} keys)")
     lines += _memory_lines(run.attrs)
+    lines += _steps_lines(run)
     energy = run.energy()
     lines += _energy_lines(run, energy)
     if target is not None:
@@ -94,14 +95,28 @@ def _energy_lines(run: Run, energy: dict | None) -> list[str]:
         return []
     lines = [f"energy (modelled from the boards' [power]): {energy['total']:.4g} J in all, {energy['per_round']:.4g} J "
              "a round" + ("" if energy["boards"] is not None else "; each simulated device is a board of its own")]
-    device = run.config_dict().get("device", {})
-    ranks = len(np.atleast_1d(run.attrs.get("rank_memory_estimate_mb", [0]))) > 1  # (else: the simulator's machine)
-    for b, board in enumerate(energy["boards"] or ()):
-        profile = device["boards"][b] if b < len(device.get("boards") or ()) else device.get("profile")
-        where = (f"rank {b + 1}" if ranks else "this machine") + (f" ({profile})" if profile else "")
-        lines.append(f"  {where}: {board['devices']} devices, {_num(board['total'], '.4g')} J, "
-                     f"{_num(board['per_round'], '.4g')} J a round it worked")
+    for board in energy["boards"] or ():
+        lines.append(f"  {_board_name(run, board['board'])}: {board['devices']} devices, {_num(board['total'], '.4g')} "
+                     f"J, {_num(board['per_round'], '.4g')} J a round it worked")
     return lines
+
+
+def _board_name(run: Run, b: int) -> str:
+    """A real board as the summary names it: its rank and profile (the simulator's: this machine)."""
+    device = run.config_dict().get("device", {})
+    ranks = len(np.atleast_1d(run.attrs.get("rank_memory_estimate_mb", [0]))) > 1
+    profile = device["boards"][b] if b < len(device.get("boards") or ()) else device.get("profile")
+    return (f"rank {b + 1}" if ranks else "this machine") + (f" ({profile})" if profile else "")
+
+
+def _steps_lines(run: Run) -> list[str]:
+    """Each real board's steps within the deadlines: what its profile predicts, what it did, the gap."""
+    boards = run.board_steps()
+    if boards is None:
+        return []
+    return ["steps within the deadlines, predicted by the boards' profiles and measured:"] + [
+        f"  {_board_name(run, b['board'])}: predicted {b['predicted']}, measured {b['measured']} "
+        f"({_num(b['gap'], '+.1%')})" for b in boards]
 
 
 def _memory_lines(attrs) -> list[str]:

@@ -106,7 +106,8 @@ def timing_for(setup, owners: np.ndarray | None = None, on_info=None, resume_poi
                     overselect=p.overselect,
                     link_delays={(f.device, f.round): f.seconds for f in cfg.fault if f.kind == "slow_link"},
                     link_mbps=link_speeds(cfg, n), round_bytes=round_bytes(cfg, setup.algorithm, setup.model))
-    power, said = board_power(names, owners, timing, distributed)
+    hosts = np.zeros(n, np.int64) if owners is None or not distributed else np.asarray(owners, np.int64) - 1
+    power, said = board_power(names, hosts, timing)
     if said:
         (on_info or (lambda line: None))(said)
     setup.header.attrs["clock"] = timing.clock
@@ -115,20 +116,22 @@ def timing_for(setup, owners: np.ndarray | None = None, on_info=None, resume_poi
                                                               and setup.trace.overselected)
     if deadlines is not None:
         setup.header.attrs["deadline_s"] = deadlines
+    if names is not None and timing.clock == "measured":  # what the summary holds each real board to
+        setup.header.attrs["device_board"] = hosts.astype(np.int32)
+        if boards is not None:
+            setup.header.attrs["profile_step_s"] = boards.step_s
     header = setup.header
     if power is not None:
         timing = dataclasses.replace(timing, power=power)
-        if timing.clock == "measured":  # the boards the summary sums over (else: each device is its own)
-            header.attrs["energy_board"] = power.board.astype(np.int32)
         header = dataclasses.replace(header, extra_columns=header.extra_columns + (energy_column(n),))
     return dataclasses.replace(setup, timing=timing, header=header)
 
 
-def board_power(names: list[str] | None, owners: np.ndarray | None, timing: Timing, distributed: bool):
+def board_power(names: list[str] | None, hosts: np.ndarray, timing: Timing):
     """(each device's board and what it draws, what to say of it): on a simulated or replayed clock every
     device is a board of its own (as the simulator times it); on a measured one a rank's devices share its
-    board (this process's, in the simulator). None where no profile names a board, where none of them has
-    [power], or where a replayed clock has no step times to charge (said once)."""
+    board (hosts: rank - 1; in the simulator, this process's: 0). None where no profile names a board, where
+    none of them has [power], or where a replayed clock has no step times to charge (said once)."""
     if names is None:
         return None, None
     profiles = {name: hwprofile.load_profile(name) for name in dict.fromkeys(names)}
@@ -137,13 +140,13 @@ def board_power(names: list[str] | None, owners: np.ndarray | None, timing: Timi
         return None, (f"energy: not computed (hardware profile {', '.join(missing)} has no [power]; add idle_w and "
                       "busy_w_per_core with their sources to compute it)")
     if timing.clock != "measured" and timing.boards is None:
-        return None, "energy: not computed (a replayed clock charges simulated busy time, which needs profiles that time the model)"
+        return None, ("energy: not computed (a replayed clock charges simulated busy time, which needs profiles that "
+                      "time the model)")
     n = len(names)
     if timing.clock != "measured":
         board, of_board = np.arange(n), list(names)
     else:
-        board = np.zeros(n, np.int64) if owners is None or not distributed else np.asarray(owners, np.int64) - 1
-        of_board = [None] * (int(board.max(initial=0)) + 1)
+        board, of_board = hosts, [None] * (int(hosts.max(initial=0)) + 1)
         for k, b in enumerate(board.tolist()):
             of_board[b] = names[k]
     watts = [profiles[name].power if name is not None else None for name in of_board]
