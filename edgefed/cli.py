@@ -287,7 +287,7 @@ def cmd_launch(args) -> int:
     return Launcher(log, args.config, overrides, force=args.force, ranks=args.ranks, boards=boards,
                     placement=None if boards else placement, restarts=args.restarts, mpiexec=args.mpiexec,
                     mpiexec_args=shlex.split(args.mpiexec_args), quiet=args.quiet, resume=bool(args.resume),
-                    on_line=_info).run()
+                    on_line=_info, rejoin_check_s=cfg.mpi.rejoin_check_s if cfg.mpi.rejoin else None).run()
 
 
 def cmd_trace_record(args) -> int:

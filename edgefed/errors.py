@@ -8,6 +8,7 @@ import traceback
 EXIT_BAD_INPUT = 2
 EXIT_INTERNAL = 1  # an exception edgefed did not expect: a bug to report
 EXIT_INTERRUPTED = 130  # as a shell reports a process ended by Ctrl-C
+EXIT_REJOIN = 4  # the coordinator ended the world at a round boundary: a board edgefed launch left out is back
 EXIT_RANK_LOST = 3  # the coordinator ended the world because a rank stopped answering (edgefed launch goes on)
 
 

@@ -8,6 +8,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -121,18 +122,43 @@ def test_a_killed_rank_costs_a_restart_not_the_run(tmp_path, rank, mode):
 
 
 @needs_mpi
-def test_a_stopped_rank_is_declared_lost_and_the_world_goes_on_without_it(tmp_path):
+def test_a_board_that_answers_again_is_taken_back_at_a_round_boundary(tmp_path, monkeypatch):
+    """A board's rank stops: the coordinator declares it lost, the world ends and the launch goes on without
+    the board. Asked again every [mpi] rejoin_check_s, the board answers, so the next world ends after a
+    round and the one after runs on every board again, resuming the log: two restarts (ranks 3 -> 2, then
+    2 -> 3, "answered again") and the log an uninterrupted simulator run writes."""
+    tag, log = uuid.uuid4().hex, tmp_path / "run.h5"
+    env = clean_env(tag)
+    for key in set(os.environ) - set(env):
+        monkeypatch.delenv(key)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
     overrides = FULL + ["mpi.rank_timeout_s=1.5"]
-    code, out, err, log = launch_and(tmp_path, overrides, kill_rank(2, signal.SIGSTOP))
-    assert code == 0, err
-    assert "rank 2 on " in err and "stopped answering: nothing heard for" in err
-    assert "ranks 3 -> 2" in out
+    boards = [Board("localhost", None)] + [Board("localhost", "x86-64-laptop")] * 2  # (MPICH: local, no SSH)
+    asked, lines = [], []
+
+    def stop_rank_2():
+        wait_for(lambda: last_completed_round(log) >= 20, what="round 20")
+        os.kill(ranks_of(tag)[2], signal.SIGSTOP)
+
+    stopper = threading.Thread(target=stop_rank_2, daemon=True)
+    stopper.start()
+    launcher = Launcher(log, None, overrides, boards=boards, mpiexec=MPIEXEC, quiet=True, on_line=lines.append,
+                        answers=lambda host: True, oom_kills=lambda host: None, rejoin_check_s=0.5,
+                        ready=lambda host: asked.append(host) or True)
+    assert launcher.run() == 0, lines
+    stopper.join()
+    assert asked == ["localhost"] and "launch: taking back localhost: it answers again" in lines
     data = read_run(log)
-    (record,) = data["launch/restarts"]
-    assert (record["ranks_before"], record["ranks_after"]) == (3, 2) and b"stopped answering" in record["cause"]
+    first, second = data["launch/restarts"]
+    assert (first["ranks_before"], first["ranks_after"]) == (3, 2) and b"stopped answering" in first["cause"]
+    assert (second["ranks_before"], second["ranks_after"]) == (2, 3) and second["cause"] == b"localhost answered again"
+    assert 20 <= first["round"] < second["round"] < 80
     said = [line for line in summary_lines(Run.read(log)) if line.startswith("launch restart")]
-    assert len(said) == 1 and re.fullmatch(r"launch restart 1: the world died after round \d+ \(\S+\): rank 2 on "
+    assert len(said) == 2 and re.fullmatch(r"launch restart 1: the world died after round \d+ \(\S+\): rank 2 on "
                                            r"\S+ stopped answering for [\d.]+ s; ranks 3 -> 2", said[0]), said
+    assert re.fullmatch(r"launch restart 2: the world ended after round \d+ \(\S+\): localhost answered again; "
+                        r"ranks 2 -> 3", said[1]), said
     same_as(data, simulator_log(tmp_path, overrides))
 
 
@@ -224,6 +250,13 @@ def test_a_board_that_does_not_answer_or_went_silent_is_left_out(tmp_path):
                      "launch: leaving out pi-c (rank 3): it does not answer over SSH"]
     args = launcher._args(tmp_path / "status.json")
     assert args[args.index("--set") + 1] == 'device.boards=["pi4b"]' and "device.contention=[0.5]" in args
+    # the two are asked whether they are back; one that is comes back in its place in the list
+    assert launcher.away == [1, 3]
+    launcher.back = [3]
+    launcher._take_back()
+    assert [b.host for b in launcher.boards] == ["head", "pi-b", "pi-c"] and launcher.away == [1]
+    args = launcher._args(tmp_path / "status.json")
+    assert 'device.boards=["pi4b", "pi5"]' in args and "device.contention=[0.5, 0.0]" in args
     # a board whose kernel killed a rank for memory during the world is named, and left out
     kills = {"pi-a": 0, "pi-b": 0, "pi-c": 4}
     lines.clear()
@@ -236,7 +269,7 @@ def test_a_board_that_does_not_answer_or_went_silent_is_left_out(tmp_path):
     assert starved == {2: f"pi-b ran out of memory ({said})"}
     assert launcher._cause(137, None, starved) == f"board pi-b ran out of memory ({said})"
     launcher._leave_out(None, starved)
-    assert [b.host for b in launcher.boards] == ["head", "pi-a", "pi-c"]
+    assert [b.host for b in launcher.boards] == ["head", "pi-a", "pi-c"] and launcher.away == []  # (it would again)
     assert lines == [f"launch: leaving out pi-b (rank 2): it ran out of memory ({said})"]
 
 

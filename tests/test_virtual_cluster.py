@@ -275,7 +275,7 @@ def test_a_board_that_runs_out_of_memory_is_named_and_the_run_goes_on_without_it
     assert len(restarts) == 1 and f"board {said}" in restarts[0] and "ranks 3 -> 2" in restarts[0], restarts
 
 
-DEADLINE = """rounds = 8
+DEADLINE = """rounds = 12
 [data]
 clients = 2
 [train]
@@ -287,14 +287,17 @@ deadline_s = 0.4
 grace_s = 0.5
 [mpi]
 rank_timeout_s = 5.0
+rejoin_check_s = 1.0
 """
 
 
-def test_a_deadline_run_follows_the_boards_shares_survives_a_cut_and_goes_on_without_a_stopped_board(cluster):
+def test_a_deadline_run_follows_the_boards_shares_survives_a_cut_and_takes_a_stopped_board_back(cluster):
     """Two boards at a half and a quarter of a core, one device each: the slower completes fewer steps in
     every round (about half). Its link cut after round 2 for longer than the deadline and grace, shorter than
     the rank timeout: a round goes on without it, and it rejoins. Then the board stopped after round 5:
-    edgefed launch starts the world again without it, the run completes, and its summary says so."""
+    edgefed launch starts the world again without it; the board powered on again (`start`) answers, so the
+    launch takes it back at a round boundary, its device runs on it again, the run completes, and its
+    summary says both."""
     folder, env = cluster
     config = folder / "deadline.toml"
     config.write_text(DEADLINE)
@@ -302,30 +305,36 @@ def test_a_deadline_run_follows_the_boards_shares_survives_a_cut_and_goes_on_wit
     run = subprocess.Popen(["bash", str(PI_CLUSTER), "run", str(folder / "virtual.txt"), str(config), "--out",
                             str(log)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     for line in run.stdout:
-        if line.startswith("round 2/"):  # 1.5 s: past deadline + grace (0.9 s), within the rank timeout
+        done = int(line.split()[1].split("/")[0]) if line.startswith("round ") else None
+        if done == 2:  # 1.5 s: past deadline + grace (0.9 s), within the rank timeout
             cut = script("cut", folder / "virtual.txt", "vb-quarter.local", 1.5, env=env)
             assert cut.returncode == 0, cut.stderr
-        if line.startswith("round 5/"):  # power lost: nothing of it runs
+        if done == 5:  # power lost: nothing of it runs
             stop = script("stop", folder / "virtual.txt", "vb-quarter.local", env=env)
             assert stop.returncode == 0, stop.stderr
+        if line.startswith("launch: restart 1"):  # going on without it; then powered on again
+            procs = [p for p in (f"/sys/fs/cgroup/{v}edgefed-virtual-eftest/b2/cgroup.procs" for v in ("cpu/", ""))
+                     if Path(p).exists()]
+            assert procs and Path(procs[0]).read_text() == ""
+            assert subprocess.run(["ssh", "-o", "ConnectTimeout=1", "10.232.0.3", "true"],
+                                  capture_output=True).returncode != 0
+            start = script("start", folder / "virtual.txt", "vb-quarter.local", env=env)
+            assert start.returncode == 0, start.stderr
             break
     out, err = run.communicate(timeout=300)
     assert run.returncode == 0, out + err
     with h5py.File(log) as f:
         late, steps = f["participation/late"][()], f["participation/steps"][()]
     assert (steps[:2] > 0).all() and (steps[:2, 1] < 0.8 * steps[:2, 0]).all(), steps
-    assert late[2:4, 1].any() and not late[:5, 0].any(), late  # the cut round, not the other board's
+    assert late[2:4, 1].any() and not late[:5, 0].any(), (late, out)  # the cut round, not the other board's
     assert steps[4, 1] > 0, steps  # it answers again after the cut
     said = [line for line in summary_lines(Run.read(log)) if line.startswith("launch restart")]
-    assert len(said) == 1 and "rank 2 on vb-quarter.local stopped answering" in said[0] and "ranks 3 -> 2" in said[0]
-    assert (steps[5:] > 0).all(), steps  # both devices on the board left
-    procs = [p for p in (f"/sys/fs/cgroup/{v}edgefed-virtual-eftest/b2/cgroup.procs" for v in ("cpu/", ""))
-             if Path(p).exists()]
-    assert procs and Path(procs[0]).read_text() == ""
-    assert subprocess.run(["ssh", "-o", "ConnectTimeout=1", "10.232.0.3", "true"], capture_output=True).returncode != 0
+    assert len(said) == 2 and "rank 2 on vb-quarter.local stopped answering" in said[0] and "ranks 3 -> 2" in said[0]
+    assert "the world ended" in said[1] and "10.232.0.3 answered again; ranks 2 -> 3" in said[1], said
+    back = int(Run.read(log).restarts[1]["round"])
+    assert 5 <= back < 12 and (steps[5:] > 0).all(), steps  # both devices on the board left, then on both
+    assert steps[-1, 1] < 0.8 * steps[-1, 0], steps  # device 1 on its own, slower board again
     # powered on again: its sshd answers in its namespaces, its processes in its cgroup; a board that is up refused
-    start = script("start", folder / "virtual.txt", "vb-quarter.local", env=env)
-    assert start.returncode == 0, start.stderr
     assert subprocess.run(["ssh", "-o", "ConnectTimeout=2", "10.232.0.3", "hostname"], capture_output=True,
                           text=True).stdout.strip() == "vb-quarter.local"
     assert Path(procs[0]).read_text().strip()  # (its sshd)

@@ -27,7 +27,8 @@ def summary_lines(run: Run, target: float | None = None) -> list[str]:
                  f"train loss: final {_num(run.final('train_loss'), '.6g')}; "
                  f"clock {_num(clock, '.3f')} s ({run.attrs.get('clock', 'measured')}), wall {run.wall_s():.2f} s")
     for i, r in enumerate(run.restarts, 1):  # what happened to a board: edgefed launch's restarts
-        lines.append(f"launch restart {i}: the world died after round {r['round']} ({r['time']}): {r['cause']}; "
+        ended = "ended" if r["cause"].endswith("answered again") else "died"  # (a board taken back)
+        lines.append(f"launch restart {i}: the world {ended} after round {r['round']} ({r['time']}): {r['cause']}; "
                      f"ranks {r['ranks_before']} -> {r['ranks_after']}")
     dropped = run.nonfinite()
     if dropped["reports"] or dropped["no_update"]:

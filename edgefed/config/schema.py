@@ -129,6 +129,8 @@ class MpiConfig:
     # host's cores (with CPU competitors: 1)
     rank_timeout_s: float | None = None  # a rank silent (not even a heartbeat) this long is lost and the world
     # ends; None: 5 graces, at least 10 s (rank_timeout)
+    rejoin: bool = True  # edgefed launch takes back a board it left out once it answers again
+    rejoin_check_s: float = 10.0  # how often edgefed launch asks the boards it left out
 
 
 @dataclass(frozen=True)
@@ -279,7 +281,8 @@ def rank_timeout(cfg: Config) -> float:
 
 # Keys that say where and how the devices run, not what the experiment is: a resume may change them (the
 # launcher moves the devices of a lost board to the others). In full and trace mode they change no byte.
-PLACEMENT = {"mpi": ("device_ranks", "threads_per_rank", "rank_timeout_s"), "device": ("boards", "contention")}
+PLACEMENT = {"mpi": ("device_ranks", "threads_per_rank", "rank_timeout_s", "rejoin", "rejoin_check_s"),
+             "device": ("boards", "contention")}
 
 
 TOML_NAMES = {"asynchronous": "async"}  # fields whose table is named by a Python keyword in TOML

@@ -66,6 +66,7 @@ def validate(cfg: Config) -> Config:
         raise ConfigError(f"config: mpi.threads_per_rank = {cfg.mpi.threads_per_rank} must be at least 1")
     if cfg.mpi.rank_timeout_s is not None:
         positive(cfg.mpi.rank_timeout_s, "mpi.rank_timeout_s", "rank_timeout_s = 30")
+    positive(cfg.mpi.rejoin_check_s, "mpi.rejoin_check_s", "rejoin_check_s = 10")
     _validate_device(cfg.device, cfg.participation)
     compress = validate_compress(cfg.compress)
     validate_async(cfg, data, train, compress)

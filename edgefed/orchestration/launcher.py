@@ -5,8 +5,10 @@ Under MPI one dead rank ends the whole world. Every device's data is a pure func
 any rank can host any device, and a log resumed under another number of ranks continues byte for byte. So
 when the world dies the launcher checks which boards still answer (over SSH, for a board list), leaves out
 those that do not and a rank the coordinator found silent ([mpi] rank_timeout_s), and starts the world
-again with `--resume` on the same log. Each restart is one line here and one row of the log's
-/launch/restarts. Ctrl-C (SIGINT, SIGTERM) ends everything at once; bad input (exit 2) is never retried.
+again with `--resume` on the same log. A board left out for not answering is asked again every [mpi]
+rejoin_check_s; when it answers, the world ends at the next round boundary and starts again with it (the
+seed's arrivals, on real boards). Each restart is one line here and one row of the log's /launch/restarts.
+Ctrl-C (SIGINT, SIGTERM) ends everything at once; bad input (exit 2) is never retried.
 """
 
 from __future__ import annotations
@@ -28,7 +30,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from edgefed import hwprofile
-from edgefed.errors import EXIT_BAD_INPUT, EXIT_INTERRUPTED, EXIT_RANK_LOST, EdgefedError
+from edgefed.errors import EXIT_BAD_INPUT, EXIT_INTERRUPTED, EXIT_RANK_LOST, EXIT_REJOIN, EdgefedError
+from edgefed.orchestration.resume import Launch
 from edgefed.runlog import last_completed_round, run_status
 from edgefed.runtime.mpi.comm import local_mpiexec
 
@@ -100,12 +103,18 @@ def world_command(mpiexec: str, flavour: str, ranks: int, hosts: list[str] | Non
     return launch + list(extra) + [sys.executable, "-m", "edgefed", "run", *run_args]
 
 
-def ssh_answers(host: str) -> bool:
+def ssh_answers(host: str, command: str = "true") -> bool:
     try:
-        return subprocess.run(["ssh", "-o", "BatchMode=yes", "-o", "ConnectTimeout=5", host, "true"],
+        return subprocess.run(["ssh", "-o", "BatchMode=yes", "-o", "ConnectTimeout=5", host, command],
                               capture_output=True, timeout=15).returncode == 0
     except (OSError, subprocess.TimeoutExpired):
         return False
+
+
+def ssh_ready(host: str) -> bool:
+    """A board that came back can run a rank: it answers, and the Python the ranks run imports edgefed and
+    mpi4py there (what `pi-cluster.sh check` asks of a board)."""
+    return ssh_answers(host, f"{shlex.quote(sys.executable)} -c 'import edgefed, mpi4py'")
 
 
 # How many processes the kernel's OOM killer ended on a board: its memory cgroup's count where that cgroup has
@@ -164,13 +173,20 @@ class Launcher:
     def __init__(self, log: Path, config: str | None = None, overrides=(), *, force: bool = False,
                  ranks: int | None = None, boards: list[Board] | None = None, placement: dict | None = None,
                  restarts: int = 3, mpiexec: str | None = None, mpiexec_args=(), quiet: bool = False,
-                 resume: bool = False, on_line=print, answers=ssh_answers, oom_kills=ssh_oom_kills):
+                 resume: bool = False, on_line=print, answers=ssh_answers, oom_kills=ssh_oom_kills,
+                 rejoin_check_s: float | None = None, ready=ssh_ready):
         """config, overrides, force: the first world's `edgefed run` (a restart resumes the log, with the same
         overrides). placement: the config's per-rank lists ({"device.boards": [...], ...}), kept in step
-        when a rank is left out."""
+        when a rank is left out. rejoin_check_s: how often to ask the boards left out for not answering
+        whether they are `ready` again (None: never)."""
         self.log, self.config, self.overrides, self.force = Path(log), config, list(overrides), force
         self.restarts_left = restarts
         self.boards, self.ranks = boards, (len(boards) if boards else ranks)
+        self.every_board = list(boards or ())  # the board list as given: who may come back, and where
+        self.present = list(range(len(self.every_board)))  # the boards of the next world (their lines)
+        self.away: list[int] = []  # lines of the boards left out for not answering: asked again
+        self.back: list[int] = []  # those found back during the world under way
+        self.rejoin_check_s, self.ready = (rejoin_check_s if boards else None), ready
         self.placement = {k: list(v) for k, v in (placement or {}).items() if v}
         self._moved: list[str] = []  # placement overrides after ranks were left out
         self.mpiexec, self.mpiexec_args = find_mpiexec(mpiexec), list(mpiexec_args)
@@ -212,6 +228,8 @@ class Launcher:
         """Run one world to its end: (exit code, the lost rank the coordinator named, if any)."""
         status = folder / "status.json"
         status.unlink(missing_ok=True)
+        Launch(status).board_back.unlink(missing_ok=True)
+        self.back = []
         hosts = [b.host for b in self.boards] if self.boards else None
         command = world_command(self.mpiexec, self.flavour, self.ranks, hosts, folder / "hosts", self._args(status),
                                 self.mpiexec_args)
@@ -219,7 +237,7 @@ class Launcher:
             return EXIT_INTERRUPTED, None
         # its own group, so Ctrl-C is ours to pass on; and killed with us if we are killed
         self.child = subprocess.Popen(command, start_new_session=True, preexec_fn=_die_with_parent)
-        code = self._wait_world()
+        code = self._wait_world(Launch(status).board_back)
         self._kill_group(signal.SIGKILL)  # a stopped or orphaned rank must not outlive its world
         self._reaped()
         lost = None
@@ -230,23 +248,45 @@ class Launcher:
                 lost = None
         return code, lost
 
-    def _wait_world(self) -> int:
+    def _wait_world(self, board_back: Path) -> int:
         """The world's exit code; 0 when its run is complete but a rank hung on the way out (a stopped rank
-        holds up MPI_Finalize forever), ended after FINISH_GRACE_S."""
-        complete_at = None
-        while True:
-            try:
-                return self.child.wait(timeout=1.0)
-            except subprocess.TimeoutExpired:
-                pass
-            if complete_at is None and run_status(self.log) == "complete":
-                complete_at = time.monotonic()
-            if complete_at is not None and time.monotonic() - complete_at > FINISH_GRACE_S:
-                self.say(f"launch: {self.log} is complete but the world did not end within {FINISH_GRACE_S:.0f} s "
-                         "(a rank hung on its way out); ended it")
-                self._kill_group(signal.SIGKILL)
-                self.child.wait()
-                return 0
+        holds up MPI_Finalize forever), ended after FINISH_GRACE_S. Meanwhile the boards left out are asked
+        every rejoin_check_s; those back are named in board_back, for the coordinator to end the world."""
+        complete_at, asking, asked_at = None, None, time.monotonic()
+        pool = ThreadPoolExecutor(max_workers=1)  # (an SSH question takes seconds: not in this loop)
+        try:
+            while True:
+                try:
+                    return self.child.wait(timeout=min(1.0, self.rejoin_check_s or 1.0))
+                except subprocess.TimeoutExpired:
+                    pass
+                if asking is not None and asking.done():
+                    self.back = [i for i, ok in zip(self.away, asking.result()) if ok]
+                    asking = None
+                    if self.back:
+                        board_back.write_text(", ".join(self.every_board[i].host for i in self.back))
+                elif (asking is None and not self.back and self.away and self.rejoin_check_s is not None
+                      and time.monotonic() - asked_at >= self.rejoin_check_s):
+                    asking, asked_at = pool.submit(self._ask_away), time.monotonic()
+                if self._finished_hung(complete_at):
+                    return 0
+                complete_at = complete_at or (time.monotonic() if run_status(self.log) == "complete" else None)
+        finally:
+            pool.shutdown(wait=False, cancel_futures=True)  # (a question under way is not waited for)
+
+    def _ask_away(self) -> list[bool]:
+        with ThreadPoolExecutor(max_workers=8) as pool:
+            return list(pool.map(self.ready, [self.every_board[i].host for i in self.away]))
+
+    def _finished_hung(self, complete_at: float | None) -> bool:
+        """The run is complete but its world has not ended within FINISH_GRACE_S: ended here."""
+        if complete_at is None or time.monotonic() - complete_at <= FINISH_GRACE_S:
+            return False
+        self.say(f"launch: {self.log} is complete but the world did not end within {FINISH_GRACE_S:.0f} s "
+                 "(a rank hung on its way out); ended it")
+        self._kill_group(signal.SIGKILL)
+        self.child.wait()
+        return True
 
     def _reaped(self, timeout_s: float = 10.0) -> None:
         """Until no process of the world is left (its rank 0 lets go of the log only as it ends: the next
@@ -304,6 +344,12 @@ class Launcher:
                 return 0
             if code == EXIT_BAD_INPUT:
                 return code  # bad input: the same world would fail the same way
+            if code == EXIT_REJOIN and self.back:  # not a failure: no restart of the budget is spent
+                before = self.ranks
+                self._take_back()
+                self._record(before, f"{', '.join(self.every_board[i].host for i in self.back)} answered again",
+                             started, "the world ended")
+                continue
             starved = self._ran_out()
             cause = self._cause(code, lost, starved)
             if self.restarts_left <= 0:
@@ -316,13 +362,26 @@ class Launcher:
                 self.say(f"launch: the world died ({cause}) and no rank is left to run it")
                 return code if code > 0 else 128 - code
             self.restarts_left -= 1
-            record = {"launch": self.id, "round": max(last_completed_round(self.log), 0), "cause": cause, "ranks_before": before,
-                      "ranks_after": self.ranks,
-                      "time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
-            self.records.append(record)
-            self.say(f"launch: restart {len(self.records)}: the world died at round {record['round']} after "
-                     f"{time.monotonic() - started:.1f} s ({cause}); ranks {before} -> {self.ranks}; "
-                     f"resuming {self.log} ({self.restarts_left} restarts left)")
+            self._record(before, cause, started)
+
+    def _record(self, before: int, cause: str, started: float, ended: str = "the world died") -> None:
+        """A restart: a line here, and a row the next world writes into the log's /launch/restarts."""
+        record = {"launch": self.id, "round": max(last_completed_round(self.log), 0), "cause": cause,
+                  "ranks_before": before, "ranks_after": self.ranks,
+                  "time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+        self.records.append(record)
+        self.say(f"launch: restart {len(self.records)}: {ended} at round {record['round']} after "
+                 f"{time.monotonic() - started:.1f} s ({cause}); ranks {before} -> {self.ranks}; "
+                 f"resuming {self.log} ({self.restarts_left} restarts left)")
+
+    def _take_back(self) -> None:
+        """The boards found back join the next world, in their places in the board list."""
+        for i in self.back:
+            self.say(f"launch: taking back {self.every_board[i].host}: it answers again")
+        self.away = [i for i in self.away if i not in self.back]
+        self.present = sorted(self.present + self.back)
+        self.boards = [self.every_board[i] for i in self.present]
+        self.ranks = len(self.boards)
 
     def _move(self, rank: int) -> None:
         """The per-rank lists of the config without the rank left out; an explicit device placement gives way
@@ -385,7 +444,10 @@ class Launcher:
             why = (f"it ran out of memory ({_memory_mb(self.boards[i].profile)})" if i in starved else
                    "it stopped answering" if answers[i - 1] else "it does not answer over SSH")
             self.say(f"launch: leaving out {self.boards[i].host} (rank {i}): {why}")
-        self.boards = [b for i, b in enumerate(self.boards) if i not in drop]
+        # a board that ran out of memory would again: only the silent ones are asked whether they are back
+        self.away += [self.present[i] for i in sorted(drop - set(starved))]
+        self.present = [line for i, line in enumerate(self.present) if i not in drop]
+        self.boards = [self.every_board[i] for i in self.present]
         self.ranks = len(self.boards) if len(self.boards) > 1 else 0
 
 

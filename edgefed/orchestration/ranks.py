@@ -20,8 +20,8 @@ import numpy as np
 from edgefed import config as config_mod
 from edgefed import hwprofile
 from edgefed.algorithms import Algorithm, build_algorithm
-from edgefed.errors import (EXIT_BAD_INPUT, EXIT_INTERNAL, EXIT_INTERRUPTED, EXIT_RANK_LOST, ConfigError, EdgefedError,
-                            Interrupted, RankLost, internal_error)
+from edgefed.errors import (EXIT_BAD_INPUT, EXIT_INTERNAL, EXIT_INTERRUPTED, EXIT_RANK_LOST, EXIT_REJOIN, ConfigError,
+                            EdgefedError, Interrupted, RankLost, internal_error)
 from edgefed.orchestration import run as run_mod
 from edgefed.orchestration.budget import check_boards, check_rank_memory, rank_memory
 from edgefed.orchestration.resume import Launch
@@ -152,9 +152,13 @@ def _coordinate(comm, resolve, force: bool, on_round, on_info, on_error, launch,
                              rank_timeout_s=config_mod.rank_timeout(setup.cfg),
                              hosts={rank: host for rank, (host, _) in enumerate(machines)})
     try:
-        result = run_mod.drive(setup, transport, path, resume_point=point, on_round=on_round, on_warning=on_info)
+        result = run_mod.drive(setup, transport, path, resume_point=point, on_warning=on_info,
+                               on_round=_until_a_board_is_back(on_round, launch))
     except KeyboardInterrupt:
         return abort_with(comm, str(Interrupted(path)), EXIT_INTERRUPTED)
+    except BoardBack as exc:
+        return abort_with(comm, f"{exc} answered again: ending the world after round {exc.round_idx} for edgefed "
+                          "launch to start it again with it", EXIT_REJOIN, error=False)
     except RankLost as exc:
         if launch is not None and launch.status is not None:
             _say_lost(launch.status, exc)
@@ -166,6 +170,29 @@ def _coordinate(comm, resolve, force: bool, on_round, on_info, on_error, launch,
     except BaseException as exc:  # noqa: BLE001 - any failure must take the world down, not hang it
         return abort_with(comm, internal_error(exc), EXIT_INTERNAL)
     return result
+
+
+class BoardBack(Exception):
+    """A board edgefed launch left out is back (the exception's text: its host), after round round_idx."""
+
+    def __init__(self, host: str, round_idx: int):
+        super().__init__(host)
+        self.round_idx = round_idx
+
+
+def _until_a_board_is_back(on_round, launch: Launch | None):
+    """on_round, then, after any round but the last, a check for the launcher's word that a board is back."""
+    flag = None if launch is None else launch.board_back
+    if flag is None:
+        return on_round
+
+    def watched(s) -> None:
+        if on_round is not None:
+            on_round(s)
+        if 0 < s.round_idx < s.rounds and flag.exists():
+            raise BoardBack(flag.read_text(encoding="utf-8").strip() or "a board", s.round_idx)
+
+    return watched
 
 
 def _complete(sent: list) -> None:

@@ -23,6 +23,12 @@ class Launch:
     status: Path | None = None
     restarts: tuple = ()
 
+    @property
+    def board_back(self) -> Path | None:
+        """The file the launcher writes beside the status file when a board it left out answers again: the
+        coordinator then ends the world at the next round boundary, so that the next one has the board."""
+        return None if self.status is None else self.status.with_name("board-back")
+
 
 def merged_restarts(logged: tuple, launch: Launch | None) -> tuple:
     """The log's restarts from earlier launches, then this launch's (it passes all of its own every time)."""

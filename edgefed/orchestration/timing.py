@@ -137,8 +137,9 @@ def board_power(names: list[str] | None, hosts: np.ndarray, timing: Timing):
     profiles = {name: hwprofile.load_profile(name) for name in dict.fromkeys(names)}
     missing = sorted(name for name, prof in profiles.items() if prof.power is None)
     if len(missing) == len(profiles):
-        return None, (f"energy: not computed (hardware profile {', '.join(missing)} has no [power]; add idle_w and "
-                      "busy_w_per_core with their sources to compute it)")
+        which = f"profile {missing[0]} has" if len(missing) == 1 else f"profiles {', '.join(missing)} have"
+        return None, (f"energy: not computed (hardware {which} no [power]; add idle_w and busy_w_per_core with "
+                      "their sources to compute it)")
     if timing.clock != "measured" and timing.boards is None:
         return None, ("energy: not computed (a replayed clock charges simulated busy time, which needs profiles that "
                       "time the model)")

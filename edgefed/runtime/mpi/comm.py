@@ -108,10 +108,11 @@ def wait(req, poll_max_s=POLL_MAX_S, also=None, wake: threading.Event | None = N
         backoff.pause()
 
 
-def abort_with(comm, message: str, code: int = 1) -> int:
-    """Print this rank's error and take the whole world down (as `python -m mpi4py` does); the code, should
-    the abort come back."""
-    print(f"edgefed: error on rank {comm.Get_rank()}: {message}", file=sys.stderr, flush=True)
+def abort_with(comm, message: str, code: int = 1, error: bool = True) -> int:
+    """Print this rank's error (error False: why it ends the world) and take the whole world down (as
+    `python -m mpi4py` does); the code, should the abort come back."""
+    said = f"error on rank {comm.Get_rank()}" if error else f"rank {comm.Get_rank()}"
+    print(f"edgefed: {said}: {message}", file=sys.stderr, flush=True)
     time.sleep(ABORT_GRACE_S)  # the launcher forwards a rank's stderr asynchronously; an abort can outrun it
     comm.Abort(code)
     return code
