@@ -291,12 +291,21 @@ X11Forwarding no
 AllowTcpForwarding no
 EOF
         sshds+=("$(start_sshd "$n")")
-        echo "$address  $profile  $load  # $host: $(awk "BEGIN {printf \"%.0f\", $share * 100}") % of a core, $memory MB$([ -n "$link" ] && echo ", link $link Mbit/s")" >> "$virtual.tmp"
     done
     for n in $(seq 1 $(( ${#lines[@]} - 1 ))); do  # every sshd answering before the cluster is said to be up
         read -r host _ <<< "${lines[$n]}"
         answering "$n" "$host" "$SUBNET.$(( n + 1 ))" "${sshds[$((n - 1))]}"
     done
+    # the quotas from the profiles' speeds, then measured with every board running at once (as a run loads
+    # them: boards that share a core, this machine's own load) and rescaled until each is within 3 % of its
+    # profile; a board that cannot be is named, and the cluster stays up as it is
+    if [ "${EDGEFED_VIRTUAL_CALIBRATE:-1}" != 0 ]; then
+        "$python" -m edgefed.orchestration.board_speed calibrate "$STATE" "$cg" || true
+    fi
+    while read -r n host address profile share link memory; do
+        read -r _ _ load <<< "${lines[$n]}"
+        echo "$address  $profile  $load  # $host: $(awk "BEGIN {printf \"%.0f\", $share * 100}") % of a core, $memory MB$([ "$link" != - ] && echo ", link $link Mbit/s")" >> "$virtual.tmp"
+    done < "$STATE/boards"
     # MPI over the links: ranks of one machine would otherwise find each other's shared memory (MPICH's UCX
     # netmod does), and no cut or shaped link would touch them
     echo 'MPI_ARGS=${MPI_ARGS:-"-genv MPIR_CVAR_CH4_NETMOD ofi -genv FI_PROVIDER tcp"}' > "$virtual.env"

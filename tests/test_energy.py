@@ -2,6 +2,7 @@
 
 import csv
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -150,3 +151,17 @@ def test_fedbuff_charges_each_report_its_tasks_time_and_the_tools_show_it(tmp_pa
     rows = list(csv.DictReader(open(tmp_path / "csv" / "participation.csv")))
     assert [float(r["energy_j"]) if r["energy_j"] else math.nan for r in rows[:N]] == pytest.approx(
         energy[0].tolist(), nan_ok=True)
+
+
+def test_a_boards_predicted_steps_leave_its_competitor_its_load():
+    """The summary's prediction for a board: each device-round's deadline at its profile's step time, less
+    the share of its core the board's CPU competitor takes ([device] contention, entry b: rank b + 1)."""
+    data = {"attrs": {"device_board": np.array([0, 1, 1]), "profile_step_s": np.array([1e-3, 1e-3, 2e-3])},
+            "participation/deadline_s": np.array([[0.1, 0.1, np.nan], [0.1, 0.1, 0.1]]),
+            "participation/selected": np.array([[True, True, False], [True, True, True]]),
+            "participation/budget": np.full((2, 3), 1000), "participation/steps": np.array([[95, 40, 0], [97, 52, 24]])}
+    run = Run(Path("r.h5"), data, '[device]\nboards = ["a", "b"]\ncontention = [0.0, 0.5]\n')
+    # board 0: 2 rounds of 0.1 s / 1 ms; board 1: device 1 2 rounds of 0.1 s x (1 - 0.5) / 1 ms, device 2 one of
+    # 0.05 s / 2 ms
+    assert run.board_steps() == [{"board": 0, "predicted": 200, "measured": 192, "gap": 192 / 200 - 1},
+                                 {"board": 1, "predicted": 125, "measured": 116, "gap": 116 / 125 - 1}]

@@ -5,6 +5,7 @@ Needs root, network namespaces, a cgroup cpu controller and openssh-server (.ci/
 saying which, where the machine has not. The boards here are two profiles of this machine at a half and a
 quarter of a core (EDGEFED_MACHINE_PROFILE names a stand-in profile of this machine, so no measurement runs)."""
 
+import io
 import os
 import re
 import shlex
@@ -20,6 +21,7 @@ import pytest
 from edgefed import cli
 from edgefed.analysis.logs import Run
 from edgefed.analysis.summary import summary_lines
+from edgefed.orchestration.board_speed import drift, meter, write_share
 from edgefed.tracefiles import read_trace_file
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -147,8 +149,10 @@ def cluster(tmp_path_factory):
     (folder / "quarter.toml").write_text(board_profile(0.25, link_mbps=100))
     (folder / "boards.txt").write_text(f"head.local coordinator\nvb-half.local {folder / 'half.toml'} 0.0\n"
                                        f"vb-quarter.local {folder / 'quarter.toml'} 0.0\n")
-    env = {**os.environ, "EDGEFED_MACHINE_PROFILE": str(folder / "machine.toml"),
-           **NET, "VENV": str(Path(sys.executable).parents[1])}
+    # the boards' shares exactly as the stand-in profiles give them (the last test calibrates them), and runs
+    # without the drift check (the stand-in machine is not this one)
+    env = {**os.environ, "EDGEFED_MACHINE_PROFILE": str(folder / "machine.toml"), "EDGEFED_VIRTUAL_CALIBRATE": "0",
+           "DRIFT_CHECK": "0", **NET, "VENV": str(Path(sys.executable).parents[1])}
     script("down", folder / "leftover", env=env)  # (a run killed before its teardown)
     # made as `sudo` keeping a user's HOME makes it: ssh (root's) reads root's config, not $HOME's
     kept = {**env, "HOME": str(folder / "user-home")}
@@ -270,7 +274,7 @@ def test_a_board_that_runs_out_of_memory_is_named_and_the_run_goes_on_without_it
                            str(log), "--quiet"], capture_output=True, text=True, env=env, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
     said = "10.232.0.2 ran out of memory (4096 MB, of which its system takes 3584 MB)"  # (the list's host)
-    assert f"launch: leaving out 10.232.0.2 (rank 1): it ran out of memory" in done.stdout + done.stderr
+    assert "launch: leaving out 10.232.0.2 (rank 1): it ran out of memory" in done.stdout + done.stderr
     restarts = [line for line in summary_lines(Run.read(log)) if line.startswith("launch restart")]
     assert len(restarts) == 1 and f"board {said}" in restarts[0] and "ranks 3 -> 2" in restarts[0], restarts
 
@@ -345,3 +349,49 @@ def test_a_deadline_run_follows_the_boards_shares_survives_a_cut_and_takes_a_sto
     unknown = script("cut", folder / "virtual.txt", "vb-absent.local", 1, env=env)
     assert unknown.returncode == 2 and unknown.stderr == (
         f"virtual-cluster.sh: vb-absent.local is not a board of this virtual cluster (see {STATE}/boards)\n")
+
+
+def test_calibrating_brings_each_board_to_its_profile_and_a_run_is_warned_of_one_that_is_not(cluster):
+    """The boards given profiles at 30 % and 15 % of this machine's speed (its own, measured now: the stand-in
+    profiles are another machine's) and calibrated with both running at once: each comes within 3 % of its
+    profile, by a share near those. Then a board list that names a profile twice the quarter board's speed:
+    the drift check before a run warns of that board, about half its profile's speed."""
+    folder, env = cluster
+    out = io.StringIO()
+    meter(io.StringIO("0.5\n"), out)
+    speed = float(out.getvalue().split()[1])  # this machine's steps a CPU second
+    boards = STATE / "boards"
+    before = boards.read_text()
+    rows = [line.split() for line in before.splitlines()]
+    for row, share in zip(rows, (0.3, 0.15)):
+        (folder / f"p{share}.toml").write_text(board_profile(1.0).replace("steps_per_s = 400000.0",
+                                                                         f"steps_per_s = {speed * share}"))
+        row[3] = str(folder / f"p{share}.toml")
+    boards.write_text("".join(" ".join(row) + "\n" for row in rows))
+    cgroup = next(p for p in (Path("/sys/fs/cgroup/cpu/edgefed-virtual-eftest"),
+                              Path("/sys/fs/cgroup/edgefed-virtual-eftest")) if p.exists())
+    try:
+        done = subprocess.run([sys.executable, "-m", "edgefed.orchestration.board_speed", "calibrate", str(STATE),
+                               str(cgroup)], capture_output=True, text=True, env=env, timeout=180)
+        assert done.returncode == 0, done.stdout + done.stderr
+        said = re.fullmatch(r"virtual-cluster.sh: calibrated in \d measurements of the boards at once, this machine "
+                            r"at [\d,]+ steps a CPU second: vb-half.local .* \(([-+][\d.]+)%\), vb-quarter.local .* "
+                            r"\(([-+][\d.]+)%\)\n", done.stdout)
+        assert said and all(abs(float(off)) <= 3.0 for off in said.groups()), done.stdout
+        shares = [float(line.split()[4]) for line in boards.read_text().splitlines()]
+        assert 0.2 < shares[0] < 0.45 and 0.1 < shares[1] < 0.23, shares  # (this machine drifts)
+        (folder / "twice.toml").write_text(board_profile(1.0).replace("steps_per_s = 400000.0",
+                                                                     f"steps_per_s = {speed * 0.3}"))
+        listed = folder / "drifted.txt"
+        listed.write_text(f"10.232.0.1 coordinator\n10.232.0.2 {folder / 'p0.3.toml'}\n"
+                          f"10.232.0.3 {folder / 'twice.toml'}\n")
+        lines = []
+        drift(listed, say=lines.append)
+        warned = [line for line in lines if "10.232.0.3 runs" in line]
+        assert len(warned) == 1 and "off its profile" in warned[0] and "profile it again" in warned[0], lines
+        off = float(re.search(r"([-+][\d.]+)% off", warned[0]).group(1))
+        assert -65 < off < -35, lines
+    finally:
+        boards.write_text(before)
+        for row in before.splitlines():
+            write_share(cgroup / f"b{row.split()[0]}", float(row.split()[4]))

@@ -174,8 +174,9 @@ class Run:
 
     def board_steps(self) -> list[dict] | None:
         """Per real board (a measured run on profiled boards), over the device-rounds that had a deadline: the
-        steps the profiles predict within it (min(K_k, floor(deadline / the profile's seconds a step))), the
-        steps completed, and the gap (completed / predicted - 1). None without boards, profiles or deadlines."""
+        steps the profiles predict within it (min(K_k, floor(deadline (1 - L_k) / the profile's seconds a
+        step)), L_k the CPU competitor's load beside the device, which takes that much of its core), the steps
+        completed, and the gap (completed / predicted - 1). None without boards, profiles or deadlines."""
         board, step_s = self.attrs.get("device_board"), self.attrs.get("profile_step_s")
         deadline = self.data.get("participation/deadline_s")
         if board is None or step_s is None or deadline is None:
@@ -184,7 +185,8 @@ class Run:
         if not timed.any():
             return None
         board = np.asarray(board, np.int64)
-        fit = np.floor(np.where(timed, deadline, 0.0) / np.asarray(step_s, np.float64) + 1e-9)
+        free = 1.0 - self._competitor_loads(board)
+        fit = np.floor(np.where(timed, deadline, 0.0) * free / np.asarray(step_s, np.float64) + 1e-9)
         predicted = np.where(timed, np.minimum(self["participation/budget"], fit), 0).sum(axis=0)
         done = np.where(timed, self["participation/steps"], 0).sum(axis=0)
         out = []
@@ -193,6 +195,18 @@ class Run:
             p, m = int(predicted[mine].sum()), int(done[mine].sum())
             out.append({"board": b, "predicted": p, "measured": m, "gap": m / p - 1 if p else math.nan})
         return out
+
+    def _competitor_loads(self, board: np.ndarray) -> np.ndarray:
+        """(N,) the CPU competitor's load beside each device: its board's ([device] contention, entry b: rank
+        b + 1), else [participation] contention cycled over the devices, else none."""
+        cfg = self.config_dict()
+        per_board = cfg.get("device", {}).get("contention") or []
+        cycled = cfg.get("participation", {}).get("contention") or []
+        if per_board:
+            return np.asarray(per_board, np.float64)[np.minimum(board, len(per_board) - 1)]
+        if cycled:
+            return np.asarray(cycled, np.float64)[np.arange(board.size) % len(cycled)]
+        return np.zeros(board.size)
 
     def config_dict(self) -> dict:
         try:

@@ -75,8 +75,9 @@ def summary_lines(run: Run, target: float | None = None) -> list[str]:
     shown = run.most_selected(DEVICE_ROWS)  # a large federation: not a million lines
     devices = run.devices(shown)
     for d, k in zip(devices, shown):
-        spent = "" if energy is None else (f"  {_num(energy['device'][k], '8.4g'):>8}  "
-                                           f"{_num(_share(energy['device'][k], energy['device_rounds'][k]), '9.4g'):>9}")
+        spent = "" if energy is None else (
+            f"  {_num(energy['device'][k], '8.4g'):>8}  "
+            f"{_num(_share(energy['device'][k], energy['device_rounds'][k]), '9.4g'):>9}")
         lines.append(f"{d['device']:>6}  {d['selected']:>8}  {_num(d['fraction'], '8.3f'):>8}  "
                      f"{_num(d['inactive'], '8.1%'):>8}  {_num(d['late'], '5.1%'):>5}  {d['nonfinite']:>10}  "
                      f"{_num(d['cpu_percent'], '5.1f'):>5}{spent}")
@@ -97,8 +98,9 @@ def _energy_lines(run: Run, energy: dict | None) -> list[str]:
     lines = [f"energy (modelled from the boards' [power]): {energy['total']:.4g} J in all, {energy['per_round']:.4g} J "
              "a round" + ("" if energy["boards"] is not None else "; each simulated device is a board of its own")]
     for board in energy["boards"] or ():
-        lines.append(f"  {_board_name(run, board['board'])}: {board['devices']} devices, {_num(board['total'], '.4g')} "
-                     f"J, {_num(board['per_round'], '.4g')} J a round it worked")
+        devices = f"{board['devices']} device" + ("" if board["devices"] == 1 else "s")
+        lines.append(f"  {_board_name(run, board['board'])}: {devices}, {_num(board['total'], '.4g')} J, "
+                     f"{_num(board['per_round'], '.4g')} J a round it worked")
     return lines
 
 
