@@ -22,7 +22,8 @@
 #   MPI_ARGS extra launcher flags, e.g. "--mca btl_tcp_if_include eth0" (Open MPI) or "-iface eth0" (MPICH)
 #   DRY_RUN  1: print the launch command instead of running it
 #   DRIFT_CHECK  0: `run` does not first measure every board at once against its profile (a warning for each
-#            board more than 5 % off: its deadlines and predictions would be off)
+#            board more than 5 % off: its deadlines and predictions would be off; a virtual cluster's
+#            BOARDS.env names its CALIBRATE="STATE CGROUP": its boards are calibrated again instead)
 # A file BOARDS.env beside the board list, when there is one, is read first: the cluster's own settings of the
 # above (the environment given wins). launch/virtual-cluster.sh writes one: MPI over TCP, since boards on one
 # machine would otherwise talk through its shared memory and no link between them would matter.
@@ -107,7 +108,12 @@ run)
     config=$1
     shift
     if [ "${DRIFT_CHECK:-1}" != 0 ] && [ "${DRY_RUN:-0}" != 1 ]; then
-        "$python" -m edgefed.orchestration.board_speed drift "$boards" || true
+        if [ -n "${CALIBRATE:-}" ]; then  # a virtual cluster's boards: brought back to their profiles
+            # shellcheck disable=SC2086  # CALIBRATE is the cluster's state folder and cgroup
+            "$python" -m edgefed.orchestration.board_speed calibrate $CALIBRATE || true
+        else
+            "$python" -m edgefed.orchestration.board_speed drift "$boards" || true
+        fi
     fi
     # edgefed launch reads the board list itself: each board's profile as [device] boards, its load as
     # [device] contention; when the world dies it drops the boards that no longer answer and resumes

@@ -309,6 +309,8 @@ EOF
     # MPI over the links: ranks of one machine would otherwise find each other's shared memory (MPICH's UCX
     # netmod does), and no cut or shaped link would touch them
     echo 'MPI_ARGS=${MPI_ARGS:-"-genv MPIR_CVAR_CH4_NETMOD ofi -genv FI_PROVIDER tcp"}' > "$virtual.env"
+    # and pi-cluster.sh run calibrates the boards again before each run (this machine's speed drifts)
+    [ "${EDGEFED_VIRTUAL_CALIBRATE:-1}" = 0 ] || echo "CALIBRATE=\${CALIBRATE:-\"$STATE $cg\"}" >> "$virtual.env"
     mv "$virtual.tmp" "$virtual"
     trap - EXIT
     say "up: $(( ${#lines[@]} - 1 )) boards on $SUBNET.0/24; board list $virtual"

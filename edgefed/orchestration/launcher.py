@@ -263,8 +263,10 @@ class Launcher:
                 if asking is not None and asking.done():
                     self.back = [i for i, ok in zip(self.away, asking.result()) if ok]
                     asking = None
-                    if self.back:
-                        board_back.write_text(", ".join(self.every_board[i].host for i in self.back))
+                    if self.back:  # (whole, or not at all: the coordinator may read it at any moment)
+                        tmp = board_back.with_name(board_back.name + ".tmp")
+                        tmp.write_text(", ".join(self.every_board[i].host for i in self.back))
+                        os.replace(tmp, board_back)
                 elif (asking is None and not self.back and self.away and self.rejoin_check_s is not None
                       and time.monotonic() - asked_at >= self.rejoin_check_s):
                     asking, asked_at = pool.submit(self._ask_away), time.monotonic()
