@@ -2,10 +2,11 @@
 says of a board it cannot bring to its profile, and the meter that runs on each board."""
 
 import io
+import math
 
 import pytest
 
-from edgefed.orchestration.board_speed import Calibrated, calibrate, meter, out_of_reach
+from edgefed.orchestration.board_speed import Calibrated, calibrate, drift, meter, out_of_reach, profile_speed
 
 CORE = 200_000.0  # this machine's steps a CPU second, in the fake
 
@@ -62,3 +63,33 @@ def test_the_meter_answers_each_line_with_its_speeds_and_share():
     assert len(lines) == 2
     for wall, cpu, share in lines:
         assert wall > 0 and cpu > 0 and 0 < share <= 1.05 and wall == pytest.approx(cpu * share, rel=1e-6)
+
+
+def test_a_run_is_warned_of_each_board_off_its_profile(tmp_path):
+    """The drift check before a run: a board more than 5 % off its profile's speed (wall clock) is named with
+    its speed and gap, one within is not; a board whose meter never answered is said to."""
+    listed = tmp_path / "boards.txt"
+    listed.write_text("head coordinator\npi-a pi4b\npi-b pi-zero-2w 0.5\npi-c pi4b\n")
+    pi4, zero = profile_speed("pi4b"), profile_speed("pi-zero-2w")
+
+    class Fake:
+        def __init__(self, hosts):
+            assert hosts == ["pi-a", "pi-b", "pi-c"]
+
+        def measure(self, seconds=1.0):
+            return [(pi4 * 1.04, 1.0, 0.2), (zero * 0.8, 1.0, 0.06), (math.nan,) * 3]
+
+        def close(self):
+            pass
+
+    lines = []
+    drift(listed, say=lines.append, meters_for=Fake)
+    assert lines == [
+        f"pi-cluster.sh: warning: board pi-b runs {zero * 0.8:,.0f} steps/s, -20.0% off its profile pi-zero-2w "
+        f"({zero:,.0f}): its deadlines and predictions will be off; profile it again (launch/pi-cluster.sh "
+        "profile BOARDS)",
+        "pi-cluster.sh: warning: board pi-c did not measure its speed (launch/pi-cluster.sh check BOARDS)"]
+    lines.clear()
+    Fake.measure = lambda self, seconds=1.0: [(pi4, 1.0, 0.2), (zero * 1.02, 1.0, 0.06), (pi4 * 0.97, 1.0, 0.2)]
+    drift(listed, say=lines.append, meters_for=Fake)
+    assert lines == ["pi-cluster.sh: 3 boards within 5% of their profiles' speed"]

@@ -21,7 +21,7 @@ import pytest
 from edgefed import cli
 from edgefed.analysis.logs import Run
 from edgefed.analysis.summary import summary_lines
-from edgefed.orchestration.board_speed import drift, meter, write_share
+from edgefed.orchestration.board_speed import meter, write_share
 from edgefed.tracefiles import read_trace_file
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -351,11 +351,10 @@ def test_a_deadline_run_follows_the_boards_shares_survives_a_cut_and_takes_a_sto
         f"virtual-cluster.sh: vb-absent.local is not a board of this virtual cluster (see {STATE}/boards)\n")
 
 
-def test_calibrating_brings_each_board_to_its_profile_and_a_run_is_warned_of_one_that_is_not(cluster):
+def test_calibrating_brings_each_board_to_its_profile(cluster):
     """The boards given profiles at 30 % and 15 % of this machine's speed (its own, measured now: the stand-in
     profiles are another machine's) and calibrated with both running at once: each comes within 3 % of its
-    profile, by a share near those. Then a board list that names a profile twice the quarter board's speed:
-    the drift check before a run warns of that board, about half its profile's speed."""
+    profile, by a share near those."""
     folder, env = cluster
     out = io.StringIO()
     meter(io.StringIO("0.5\n"), out)
@@ -380,17 +379,6 @@ def test_calibrating_brings_each_board_to_its_profile_and_a_run_is_warned_of_one
         assert said and all(abs(float(off)) <= 3.0 for off in said.groups()), done.stdout
         shares = [float(line.split()[4]) for line in boards.read_text().splitlines()]
         assert 0.2 < shares[0] < 0.45 and 0.1 < shares[1] < 0.23, shares  # (this machine drifts)
-        (folder / "twice.toml").write_text(board_profile(1.0).replace("steps_per_s = 400000.0",
-                                                                     f"steps_per_s = {speed * 0.3}"))
-        listed = folder / "drifted.txt"
-        listed.write_text(f"10.232.0.1 coordinator\n10.232.0.2 {folder / 'p0.3.toml'}\n"
-                          f"10.232.0.3 {folder / 'twice.toml'}\n")
-        lines = []
-        drift(listed, say=lines.append)
-        warned = [line for line in lines if "10.232.0.3 runs" in line]
-        assert len(warned) == 1 and "off its profile" in warned[0] and "profile it again" in warned[0], lines
-        off = float(re.search(r"([-+][\d.]+)% off", warned[0]).group(1))
-        assert -65 < off < -35, lines
     finally:
         boards.write_text(before)
         for row in before.splitlines():

@@ -200,13 +200,13 @@ def calibrate_virtual(state: Path, cgroup: Path, say=print) -> int:
 
 
 # -- a run's boards ------------------------------------------------------------------------------------------------
-def drift(boards_file: Path, say=print) -> None:
+def drift(boards_file: Path, say=print, meters_for=Meters) -> None:
     """Every board of a board list measured at once; a warning for each one more than 5 % off its profile
     (a hotter board, another machine's profile, a board under load), never an error: the run goes on."""
     from edgefed.orchestration.launcher import read_boards
 
     boards = read_boards(boards_file)[1:]
-    meters = Meters([b.host for b in boards])
+    meters = meters_for([b.host for b in boards])
     try:
         meters.measure(0.1)
         measured = meters.measure()
@@ -216,6 +216,7 @@ def drift(boards_file: Path, say=print) -> None:
     for b, (m, _, _) in zip(boards, measured):
         t = profile_speed(b.profile)
         if not math.isfinite(m):
+            off.append(b.host)
             say(f"pi-cluster.sh: warning: board {b.host} did not measure its speed (launch/pi-cluster.sh check BOARDS)")
         elif abs(m / t - 1) > DRIFT:
             off.append(b.host)
