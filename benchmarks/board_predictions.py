@@ -4,9 +4,10 @@
 
 Four boards, one device each: a Pi 4B and a Pi Zero 2 W, each unloaded and beside a CPU competitor at 0.5
 (launch/virtual-cluster.sh up, calibrated: every board measured at once and its quota rescaled until it is
-within 3 % of its profile). Then `--runs` deadline runs in a row through the real launcher (launch/pi-cluster.sh
-run, which calibrates a virtual cluster's boards again first: this machine's speed drifts), each with a fixed deadline and K larger than any board completes, and for each
-run and board what `edgefed summary` prints: the steps its profile predicts within the deadlines (its speed
+within 3 % of its profile). Then `--runs` deadline runs in a row through the real launcher
+(launch/pi-cluster.sh run, which calibrates a virtual cluster's boards again first: this machine's speed
+drifts), each with a fixed deadline and K larger than any board completes, and for each run and board what
+`edgefed summary` prints: the steps its profile predicts within the deadlines (its speed
 times the deadline, less its competitor's load), the steps it completed, and the gap. The issue's target:
 every board within 10 % in every run.
 """
