@@ -179,9 +179,10 @@ quota_and_link() {  # "QUOTA MEMORY_MB LINK_MBPS" of a board profile against thi
 import sys
 from edgefed import hwprofile
 from edgefed.errors import EdgefedError
+from edgefed.orchestration.board_speed import profile_speed
 try:
-    board, here = hwprofile.load_profile(sys.argv[1]), hwprofile.load_profile(sys.argv[2])
-    share = here.step_seconds("logreg", 20, 610) / board.step_seconds("logreg", 20, 610)
+    board = hwprofile.load_profile(sys.argv[1])
+    share = profile_speed(sys.argv[1]) / profile_speed(sys.argv[2])
 except EdgefedError as exc:
     sys.exit(f"virtual-cluster.sh: {exc}")
 print(f"{min(share, 1.0):.4f} {int(board.available_mb)} {board.machine.get('link_mbps', '')}")
@@ -256,17 +257,7 @@ EOF
         fi
         touch "$dir/uts"
         unshare --uts="$dir/uts" hostname "$host"
-        mkdir -p "$cg/b$n"
-        # a short period, so the share holds at a deadline's scale: within a period the board runs at this
-        # machine's speed until its quota is spent (docs/pi-cluster.md). The quota is 2 ms, not the kernel's
-        # least (1 ms): at 1 ms a board got only 70 % of its share here (a quarter millisecond lost a period)
-        quota=2000 period=$(awk "BEGIN {printf \"%d\", 2000 / $share + 0.5}")
-        if [ -f "$cg/b$n/cpu.cfs_quota_us" ]; then
-            echo "$period" > "$cg/b$n/cpu.cfs_period_us"
-            echo "$quota" > "$cg/b$n/cpu.cfs_quota_us"
-        else
-            echo "$quota $period" > "$cg/b$n/cpu.max"
-        fi
+        mkdir -p "$cg/b$n"  # (its share: below, once the boards file lists them all)
         mkdir -p "$mem/b$n"  # (v2: the same folder as the CPU's)
         if [ -f "$mem/b$n/memory.limit_in_bytes" ]; then  # v1; with swap accounting, swap counted in
             echo $(( memory * 1024 * 1024 )) > "$mem/b$n/memory.limit_in_bytes"
@@ -292,6 +283,11 @@ AllowTcpForwarding no
 EOF
         sshds+=("$(start_sshd "$n")")
     done
+    # each board's share as a quota of 2 ms in a period of 2 ms / share: a short period, so the share holds at
+    # a deadline's scale (within a period the board runs at this machine's speed until its quota is spent,
+    # docs/pi-cluster.md); 2 ms, not the kernel's least (1 ms): at 1 ms a board got only 70 % of its share
+    # here (a quarter millisecond lost a period)
+    "$python" -m edgefed.orchestration.board_speed shares "$STATE" "$cg"
     for n in $(seq 1 $(( ${#lines[@]} - 1 ))); do  # every sshd answering before the cluster is said to be up
         read -r host _ <<< "${lines[$n]}"
         answering "$n" "$host" "$SUBNET.$(( n + 1 ))" "${sshds[$((n - 1))]}"

@@ -14,8 +14,9 @@ from edgefed.analysis.logs import Run
 from edgefed.analysis.summary import summary_lines
 from edgefed.orchestration import run as runs
 from edgefed.participation.energy import round_energy_j
-from edgefed.runlog import measured, read_run
+from edgefed.runlog import RESTART, measured, read_run
 from conftest import config_with
+from helpers import run_until
 
 
 def test_a_device_round_costs_its_busy_seconds_and_its_share_of_its_boards_idle_power():
@@ -165,3 +166,43 @@ def test_a_boards_predicted_steps_leave_its_competitor_its_load():
     # 0.05 s / 2 ms
     assert run.board_steps() == [{"board": 0, "predicted": 200, "measured": 192, "gap": 192 / 200 - 1},
                                  {"board": 1, "predicted": 125, "measured": 116, "gap": 116 / 125 - 1}]
+    # a restart after round 1 may have placed the devices elsewhere: the last world's rounds only
+    data["launch/restarts"] = np.array([(b"L", 1, b"t", b"pi-b answered again", 2, 3)], RESTART)
+    assert run.since_restart() == 1 and run.board_steps() == [
+        {"board": 0, "predicted": 100, "measured": 97, "gap": 97 / 100 - 1},
+        {"board": 1, "predicted": 75, "measured": 76, "gap": 76 / 75 - 1}]
+
+
+def test_a_log_with_energy_resumes_when_no_board_has_power_any_more(tmp_path, board):
+    """Resumed with boards none of which has [power] now (the metered one lost, say), the log's energy rows
+    go on as NaN: it must not lose its column, nor fail every resume."""
+    cfg = board("metered.toml")
+    point = run_until(cfg, tmp_path / "r.h5", 2)
+    (tmp_path / "metered.toml").write_text(BOARD)
+    runs.run(cfg, tmp_path / "r.h5", resume_point=point)
+    energy = read_run(tmp_path / "r.h5")["participation/energy_j"]
+    assert energy.shape == (4, N) and np.isfinite(energy[:2]).any() and np.isnan(energy[2:]).all()
+
+
+def test_a_replay_logs_the_energy_its_recording_spent(tmp_path, board):
+    """Slow links make devices late on the simulated clock: their computed steps cost energy though the log
+    keeps 0 steps for them. A replay of the log logs the recorded energy, byte for byte."""
+    extra = {"participation.mode": "deadline", "participation.deadline_s": 0.0025, "participation.grace_s": 0.0,
+             "device.link_mbps": [0.5]}
+    runs.run(board("metered.toml", **extra), tmp_path / "a.h5")
+    runs.run(board("metered.toml", **{"participation.mode": "trace", "participation.trace": str(tmp_path / "a.h5")}),
+             tmp_path / "b.h5")
+    a, b = read_run(tmp_path / "a.h5"), read_run(tmp_path / "b.h5")
+    late = a["participation/late"] & (a["participation/steps"] == 0)
+    assert late.any() and (a["participation/energy_j"][late] > 0).all()
+    assert b["attrs"]["clock"] == "replayed"
+    assert a["participation/energy_j"].tobytes() == b["participation/energy_j"].tobytes()
+
+
+def test_devices_on_boards_without_power_are_not_counted_as_zero():
+    data = {"attrs": {}, "participation/energy_j": np.array([[1.0, np.nan], [2.0, np.nan]]),
+            "participation/selected": np.array([[True, True], [True, False]])}
+    energy = Run(Path("r.h5"), data, "").energy()
+    assert energy["total"] == 3.0 and energy["partial"] and math.isnan(energy["device"][1])
+    data["participation/selected"][:, 1] = False  # (only a device never selected has no energy: nothing missing)
+    assert not Run(Path("r.h5"), data, "").energy()["partial"]

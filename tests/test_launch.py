@@ -257,6 +257,9 @@ def test_a_board_that_does_not_answer_or_went_silent_is_left_out(tmp_path):
     assert [b.host for b in launcher.boards] == ["head", "pi-b", "pi-c"] and launcher.away == [1]
     args = launcher._args(tmp_path / "status.json")
     assert 'device.boards=["pi4b", "pi5"]' in args and "device.contention=[0.5, 0.0]" in args
+    # lost again once taken back, a board stays out: a cause that persists must not cost a restart a round
+    launcher._leave_out({"rank": 2, "host": "pi-c", "silent_s": 3.0})
+    assert [b.host for b in launcher.boards] == ["head", "pi-b"] and launcher.away == [1]
     # a board whose kernel killed a rank for memory during the world is named, and left out
     kills = {"pi-a": 0, "pi-b": 0, "pi-c": 4}
     lines.clear()

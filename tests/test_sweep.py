@@ -50,7 +50,7 @@ test_accuracy = 0.3
 SUMMARY_COLUMNS = ["cell", "participation.scheme", "data.alpha", "data.beta", "seed", "log", "status", "rounds",
                    "final_test_accuracy", "best_test_accuracy", "final_train_loss", "wall_s", "clock_s",
                    "bytes_up_per_round", "bytes_down_per_round", "epsilon", "rounds_to_target", "clock_to_target_s",
-                   "energy_j", "energy_to_target_j", "error"]
+                   "error", "energy_j", "energy_to_target_j"]
 
 
 def write_sweep(folder: Path, text: str = SWEEP, base: str = BASE) -> Path:

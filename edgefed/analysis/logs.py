@@ -156,37 +156,50 @@ class Run:
         if joules is None or not joules.shape[0]:
             return None
         charged = np.isfinite(joules)
-        per_device = np.nansum(joules, axis=0)
-        rounds_of = charged.sum(axis=0)
-        out = {"total": float(per_device.sum()), "per_round": float(per_device.sum()) / joules.shape[0],
-               "device": per_device, "device_rounds": rounds_of, "boards": None}
+        per_device = np.where(charged.any(axis=0), np.nansum(joules, axis=0), np.nan)  # (NaN: never known)
+        total = float(np.nansum(per_device))
+        out = {"total": total, "per_round": total / joules.shape[0], "device": per_device,
+               "device_rounds": charged.sum(axis=0), "boards": None, "since": self.since_restart(),
+               "partial": bool((self["participation/selected"] & ~charged).any())}
         board = self.attrs.get("device_board")
-        if board is not None:
-            board = np.asarray(board, np.int64)
+        if board is not None:  # (the last world's boards: the rounds since its restart)
+            board, since = np.asarray(board, np.int64), out["since"]
+            later = np.where(charged[since:], joules[since:], 0.0)
             out["boards"] = []
             for b in range(int(board.max(initial=-1)) + 1):
                 mine = board == b
-                worked = int(charged[:, mine].any(axis=1).sum())
-                total = float(per_device[mine].sum())
-                out["boards"].append({"board": b, "devices": int(mine.sum()), "total": total, "rounds": worked,
-                                      "per_round": total / worked if worked else math.nan})
+                worked = int(charged[since:, mine].any(axis=1).sum())
+                spent = float(later[:, mine].sum()) if worked else math.nan
+                out["boards"].append({"board": b, "devices": int(mine.sum()), "total": spent, "rounds": worked,
+                                      "per_round": spent / worked if worked else math.nan})
         return out
 
+    def since_restart(self) -> int:
+        """The rounds completed before the world that wrote the log's last rows started (0: one world): a
+        restart may have placed the devices on other boards, and the log keeps the last world's placement."""
+        return int(self.restarts[-1]["round"]) if self.restarts else 0
+
     def board_steps(self) -> list[dict] | None:
-        """Per real board (a measured run on profiled boards), over the device-rounds that had a deadline: the
-        steps the profiles predict within it (min(K_k, floor(deadline (1 - L_k) / the profile's seconds a
-        step)), L_k the CPU competitor's load beside the device, which takes that much of its core), the steps
-        completed, and the gap (completed / predicted - 1). None without boards, profiles or deadlines."""
+        """Per real board (a measured run on profiled boards), over the device-rounds that had a deadline since
+        the last restart: the steps the profiles predict within it (min(K_k, floor(W (1 - L_k) / the profile's
+        seconds a step)), W the deadline (less the links' time with deadline_covers = "round"), L_k the CPU
+        competitor's load beside the device, which takes that much of its core), the steps completed, and the
+        gap (completed / predicted - 1). None without boards, profiles or deadlines."""
         board, step_s = self.attrs.get("device_board"), self.attrs.get("profile_step_s")
         deadline = self.data.get("participation/deadline_s")
         if board is None or step_s is None or deadline is None:
             return None
         timed = self["participation/selected"] & np.isfinite(deadline)
+        timed[:self.since_restart()] = False  # (the last world's boards)
         if not timed.any():
             return None
         board = np.asarray(board, np.int64)
         free = 1.0 - self._competitor_loads(board)
-        fit = np.floor(np.where(timed, deadline, 0.0) * free / np.asarray(step_s, np.float64) + 1e-9)
+        window = np.where(timed, deadline, 0.0)
+        if self.config_dict().get("participation", {}).get("deadline_covers") == "round":  # less the links
+            comm = self.data.get("participation/comm_s")
+            window = window - (0.0 if comm is None else np.where(np.isfinite(comm), comm, 0.0))
+        fit = np.floor(np.maximum(window, 0.0) * free / np.asarray(step_s, np.float64) + 1e-9)
         predicted = np.where(timed, np.minimum(self["participation/budget"], fit), 0).sum(axis=0)
         done = np.where(timed, self["participation/steps"], 0).sum(axis=0)
         out = []

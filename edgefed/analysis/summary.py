@@ -96,7 +96,10 @@ def _energy_lines(run: Run, energy: dict | None) -> list[str]:
     if energy is None:
         return []
     lines = [f"energy (modelled from the boards' [power]): {energy['total']:.4g} J in all, {energy['per_round']:.4g} J "
-             "a round" + ("" if energy["boards"] is not None else "; each simulated device is a board of its own")]
+             "a round" + ("" if energy["boards"] is not None else "; each simulated device is a board of its own")
+             + ("; devices on boards without [power] not counted" if energy["partial"] else "")]
+    if energy["boards"] and energy["since"]:
+        lines.append(f"  per board, rounds {energy['since'] + 1}..{run.rounds} (the last world's boards):")
     for board in energy["boards"] or ():
         devices = f"{board['devices']} device" + ("" if board["devices"] == 1 else "s")
         lines.append(f"  {_board_name(run, board['board'])}: {devices}, {_num(board['total'], '.4g')} J, "
@@ -117,7 +120,9 @@ def _steps_lines(run: Run) -> list[str]:
     boards = run.board_steps()
     if boards is None:
         return []
-    return ["steps within the deadlines, predicted by the boards' profiles and measured:"] + [
+    since = run.since_restart()
+    rounds = f", rounds {since + 1}..{run.rounds} (the last world's boards)" if since else ""
+    return [f"steps within the deadlines, predicted by the boards' profiles and measured{rounds}:"] + [
         f"  {_board_name(run, b['board'])}: predicted {b['predicted']}, measured {b['measured']} "
         f"({_num(b['gap'], '+.1%')})" for b in boards]
 

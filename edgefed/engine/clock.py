@@ -162,6 +162,13 @@ class RoundClock:
             return self.replay.comm_s[round_idx - 1, ids]
         return settled.comm_s
 
+    def recorded_energy(self, round_idx: int, ids: np.ndarray) -> np.ndarray | None:
+        """A replay of a log that kept its energy logs the recorded energy: what a straggler computed and
+        had dropped is in it, not in the steps the log kept (None: compute it)."""
+        if self.replay is not None and self.replay.energy_j is not None:
+            return self.replay.energy_j[round_idx - 1, ids]
+        return None
+
     # -- resume -----------------------------------------------------------------------------------------
     def restore(self, logged: dict, done: int) -> None:
         """The clock and the devices' history as the completed rounds of a log left them."""

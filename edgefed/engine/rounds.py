@@ -513,13 +513,16 @@ class RoundEngine:
                                    int(np.sum(settled.steps[~late & ~w.nonfinite])), int(plan.budgets.sum()),
                                    int(np.count_nonzero(w.coeffs)), evaluate, note))
 
-    def _energy_row(self, ids: np.ndarray, busy_s: np.ndarray, held_s) -> dict:
-        """The devices' energy in the round (docs/design.md 2.21), where the boards' power is known."""
+    def _energy_row(self, round_idx: int, ids: np.ndarray, busy_s: np.ndarray, held_s, shared: bool = True) -> dict:
+        """The devices' energy in the round (docs/design.md 2.21), where the boards' power is known; a replay
+        logs the recorded energy. shared: a board's idle power over the round is split among its devices
+        (FedBuff: each report's task holds its board alone)."""
         power = self.timing.power
         if power is None:
             return {}
         row = np.full(self.n_devices, np.nan)
-        row[ids] = power.joules(ids, busy_s, held_s)
+        recorded = self.clock.recorded_energy(round_idx, ids)
+        row[ids] = power.joules(ids, busy_s, held_s, shared) if recorded is None else recorded
         return {"participation/energy_j": row}
 
     def _stage_and_commit(self, round_idx, changes, store: bool, sets=None) -> None:
@@ -569,7 +572,8 @@ class RoundEngine:
             "participation/bytes_up": self._bytes_up(plan, res),
             "participation/bytes_down": self._bytes_down(plan),
             **self._considered_row(plan.round_idx),
-            **self._energy_row(ids, settled.busy_s, self.clock.round_s if held_s is None else held_s),
+            **self._energy_row(plan.round_idx, ids, settled.busy_s, self.clock.round_s if held_s is None else held_s,
+                               held_s is None),
             "metrics/lr": plan.lr,
             "metrics/n_applied": int(np.count_nonzero(coeffs)),
             "metrics/round_elapsed_s": elapsed,

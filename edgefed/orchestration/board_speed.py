@@ -3,7 +3,8 @@ loads them, each on its own share), over SSH. `launch/virtual-cluster.sh up` cal
 with it until each board runs at its profile's speed; `launch/pi-cluster.sh run` checks a cluster's boards for
 drift before a run.
 
-    python -m edgefed.orchestration.board_speed calibrate STATE CGROUP   # a virtual cluster's quotas
+    python -m edgefed.orchestration.board_speed shares STATE CGROUP      # a virtual cluster's quotas, as listed
+    python -m edgefed.orchestration.board_speed calibrate STATE CGROUP   # ... calibrated
     python -m edgefed.orchestration.board_speed drift BOARDS             # warn of boards off their profiles
 
 The speed is the logistic-regression step at batch 20 (the one a virtual board's quota is set from): the steps
@@ -172,11 +173,22 @@ def write_share(group: Path, share: float) -> None:
         (group / "cpu.max").write_text(f"{QUOTA_US} {period}\n")
 
 
+def board_rows(state: Path) -> list[list[str]]:
+    """A virtual cluster's boards file: a row N HOST ADDRESS PROFILE SHARE LINK MEMORY per board."""
+    return [line.split() for line in (state / "boards").read_text().splitlines() if line.strip()]
+
+
+def apply_shares(state: Path, cgroup: Path) -> None:
+    """Every board's cgroup (cgroup/bN) given the share its row in the boards file holds."""
+    for row in board_rows(state):
+        write_share(cgroup / f"b{row[0]}", float(row[4]))
+
+
 def calibrate_virtual(state: Path, cgroup: Path, say=print) -> int:
     """Calibrate the boards of the virtual cluster in STATE (its boards file: N HOST ADDRESS PROFILE SHARE LINK
     MEMORY), whose cgroups are under cgroup; the boards file gets the shares set. 0 when every board is within
     3 %, else 1 with one line naming the first that is not."""
-    rows = [line.split() for line in (state / "boards").read_text().splitlines() if line.strip()]
+    rows = board_rows(state)
     names, target = [r[1] for r in rows], [profile_speed(r[3]) for r in rows]
     cores = [(int(r[0]) - 1) % (os.cpu_count() or 1) for r in rows]  # (as `up` pins them)
     meters = Meters([r[2] for r in rows])
@@ -231,10 +243,13 @@ def main(argv: list[str]) -> int:
     try:
         if len(argv) == 3 and argv[0] == "calibrate":
             return calibrate_virtual(Path(argv[1]), Path(argv[2]))
+        if len(argv) == 3 and argv[0] == "shares":
+            apply_shares(Path(argv[1]), Path(argv[2]))
+            return 0
         if len(argv) == 2 and argv[0] == "drift":
             drift(Path(argv[1]))
             return 0
-    except EdgefedError as exc:
+    except (EdgefedError, OSError) as exc:  # (a profile, the boards file, a cgroup's files)
         print(f"board_speed: {exc}", file=sys.stderr)
         return 2
     print(__doc__.split("\n\n")[1], file=sys.stderr)

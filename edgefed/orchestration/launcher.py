@@ -186,6 +186,7 @@ class Launcher:
         self.present = list(range(len(self.every_board)))  # the boards of the next world (their lines)
         self.away: list[int] = []  # lines of the boards left out for not answering: asked again
         self.back: list[int] = []  # those found back during the world under way
+        self.taken_back: set[int] = set()  # boards taken back once: lost again, they stay out (no flapping)
         self.rejoin_check_s, self.ready = (rejoin_check_s if boards else None), ready
         self.placement = {k: list(v) for k, v in (placement or {}).items() if v}
         self._moved: list[str] = []  # placement overrides after ranks were left out
@@ -253,32 +254,45 @@ class Launcher:
         holds up MPI_Finalize forever), ended after FINISH_GRACE_S. Meanwhile the boards left out are asked
         every rejoin_check_s; those back are named in board_back, for the coordinator to end the world."""
         complete_at, asking, asked_at = None, None, time.monotonic()
-        pool = ThreadPoolExecutor(max_workers=1)  # (an SSH question takes seconds: not in this loop)
-        try:
-            while True:
-                try:
-                    return self.child.wait(timeout=min(1.0, self.rejoin_check_s or 1.0))
-                except subprocess.TimeoutExpired:
-                    pass
-                if asking is not None and asking.done():
-                    self.back = [i for i, ok in zip(self.away, asking.result()) if ok]
-                    asking = None
-                    if self.back:  # (whole, or not at all: the coordinator may read it at any moment)
-                        tmp = board_back.with_name(board_back.name + ".tmp")
-                        tmp.write_text(", ".join(self.every_board[i].host for i in self.back))
-                        os.replace(tmp, board_back)
-                elif (asking is None and not self.back and self.away and self.rejoin_check_s is not None
-                      and time.monotonic() - asked_at >= self.rejoin_check_s):
-                    asking, asked_at = pool.submit(self._ask_away), time.monotonic()
-                if self._finished_hung(complete_at):
-                    return 0
-                complete_at = complete_at or (time.monotonic() if run_status(self.log) == "complete" else None)
-        finally:
-            pool.shutdown(wait=False, cancel_futures=True)  # (a question under way is not waited for)
+        while True:
+            try:
+                return self.child.wait(timeout=min(1.0, self.rejoin_check_s or 1.0))
+            except subprocess.TimeoutExpired:
+                pass
+            if asking is not None and not asking.is_alive():
+                self.back = [i for i, ok in zip(self.away, asking.answers) if ok]
+                asking = None
+                if self.back:  # (whole, or not at all: the coordinator may read it at any moment)
+                    tmp = board_back.with_name(board_back.name + ".tmp")
+                    tmp.write_text(", ".join(self.every_board[i].host for i in self.back))
+                    os.replace(tmp, board_back)
+            elif (asking is None and not self.back and self.away and self.rejoin_check_s is not None
+                  and time.monotonic() - asked_at >= self.rejoin_check_s):
+                asking, asked_at = self._ask_away(), time.monotonic()
+            if self._finished_hung(complete_at):
+                return 0
+            complete_at = complete_at or (time.monotonic() if run_status(self.log) == "complete" else None)
 
-    def _ask_away(self) -> list[bool]:
-        with ThreadPoolExecutor(max_workers=8) as pool:
-            return list(pool.map(self.ready, [self.every_board[i].host for i in self.away]))
+    def _ask_away(self) -> threading.Thread:
+        """The boards left out, asked whether they are ready, in a daemon thread (an SSH question takes
+        seconds, and Ctrl-C must not wait for one); its `answers` once it has ended."""
+        hosts = [self.every_board[i].host for i in self.away]
+        answers = [False] * len(hosts)
+
+        def ask_one(j: int) -> None:
+            answers[j] = self.ready(hosts[j])
+
+        def ask() -> None:  # (daemon threads all: a pool's workers are joined at exit)
+            each = [threading.Thread(target=ask_one, args=(j,), daemon=True) for j in range(len(hosts))]
+            for thread in each:
+                thread.start()
+            for thread in each:
+                thread.join()
+
+        asking = threading.Thread(target=ask, daemon=True)
+        asking.answers = answers
+        asking.start()
+        return asking
 
     def _finished_hung(self, complete_at: float | None) -> bool:
         """The run is complete but its world has not ended within FINISH_GRACE_S: ended here."""
@@ -380,6 +394,7 @@ class Launcher:
         """The boards found back join the next world, in their places in the board list."""
         for i in self.back:
             self.say(f"launch: taking back {self.every_board[i].host}: it answers again")
+        self.taken_back |= set(self.back)
         self.away = [i for i in self.away if i not in self.back]
         self.present = sorted(self.present + self.back)
         self.boards = [self.every_board[i] for i in self.present]
@@ -446,8 +461,9 @@ class Launcher:
             why = (f"it ran out of memory ({_memory_mb(self.boards[i].profile)})" if i in starved else
                    "it stopped answering" if answers[i - 1] else "it does not answer over SSH")
             self.say(f"launch: leaving out {self.boards[i].host} (rank {i}): {why}")
-        # a board that ran out of memory would again: only the silent ones are asked whether they are back
-        self.away += [self.present[i] for i in sorted(drop - set(starved))]
+        # a board that ran out of memory would again, and one lost again after it was taken back may keep
+        # failing (a restart each time): only the other silent ones are asked whether they are back
+        self.away += [self.present[i] for i in sorted(drop - set(starved)) if self.present[i] not in self.taken_back]
         self.present = [line for i, line in enumerate(self.present) if i not in drop]
         self.boards = [self.every_board[i] for i in self.present]
         self.ranks = len(self.boards) if len(self.boards) > 1 else 0

@@ -40,7 +40,7 @@ TARGETS = ("test_accuracy",)
 FIGURES = ("final_test_accuracy", "best_test_accuracy", "final_train_loss", "wall_s", "clock_s", "bytes_up_per_round",
            "bytes_down_per_round", "epsilon")
 TARGET_FIGURES = ("rounds_to_target", "clock_to_target_s")
-ENERGY_FIGURES = ("energy_j", "energy_to_target_j")  # (after the others: columns added since; the second with a target)
+ENERGY_FIGURES = ("energy_j", "energy_to_target_j")  # (the last columns: added since; the second with a target)
 
 
 def _figures(target: float | None) -> tuple[str, ...]:
@@ -325,7 +325,8 @@ def row_of(folder: Path, job: Job, target: float | None, error: str | None) -> d
                                 "energy_to_target_j": "" if spent is None else run.energy_to_target(target)})
         except EdgefedError as exc:
             status, error = "failed", error or str(exc)
-    return {**row, "status": status, **figures, "error": error or ""}
+    energy = {name: figures.pop(name) for name in ENERGY_FIGURES if name in figures}  # (after error: added since)
+    return {**row, "status": status, **figures, "error": error or "", **energy}
 
 
 def cell_rows(rows: list[dict], axes, target: float | None) -> list[dict]:

@@ -121,6 +121,8 @@ def timing_for(setup, owners: np.ndarray | None = None, on_info=None, resume_poi
         if boards is not None:
             setup.header.attrs["profile_step_s"] = boards.step_s
     header = setup.header
+    if power is None and resume_point is not None and "participation/energy_j" in resume_point.logged:
+        power = BoardPower(np.zeros(n, np.int64), np.array([np.nan]), np.array([np.nan]))  # (its rows go on, NaN)
     if power is not None:
         timing = dataclasses.replace(timing, power=power)
         header = dataclasses.replace(header, extra_columns=header.extra_columns + (energy_column(n),))

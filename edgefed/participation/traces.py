@@ -31,6 +31,7 @@ class ReplayTrace:
     candidate: np.ndarray | None = None  # (R, N) bool: the devices a selection policy considered (None: not kept)
     utility: np.ndarray | None = None  # (R, N) float64: their scores
     per_round: object = None  # an over-selected run's train.clients_per_round (its quorum S), as it was set
+    energy_j: np.ndarray | None = None  # (R, N): the recorded energy (None: the log kept none)
 
     @classmethod
     def checked(cls, recorded, source: str, n_devices: int, rounds: int, budgets: np.ndarray) -> "ReplayTrace":
@@ -54,8 +55,9 @@ class ReplayTrace:
         clock = None if recorded.clock_s is None else recorded.clock_s[:rounds + 1].copy()
         comm = None if recorded.comm_s is None else recorded.comm_s[:rounds].copy()
         considered = [None if v is None else v[:rounds].copy() for v in (recorded.candidate, recorded.utility)]
+        energy = None if recorded.energy_j is None else recorded.energy_j[:rounds].copy()
         return cls(selected.copy(), steps.astype(np.int32), recorded.late[:rounds].copy(), clock, comm,
-                   recorded.overselected, *considered)
+                   recorded.overselected, *considered, energy_j=energy)
 
     def recorded(self, round_idx: int) -> tuple[np.ndarray, np.ndarray]:
         """(selected device ids ascending, steps each completes) of round round_idx (1-based)."""

@@ -323,6 +323,7 @@ class RecordedParticipation:
     staleness: np.ndarray | None = None  # (R, N) int32 of an async run (its rows are server updates); else None
     candidate: np.ndarray | None = None  # (R, N) bool: a selection policy's considered devices; None: uniform
     utility: np.ndarray | None = None  # (R, N) float64: their scores
+    energy_j: np.ndarray | None = None  # (R, N) float64: each device-round's energy; None: not logged
 
 
 def read_participation(path: str | Path) -> RecordedParticipation:
@@ -342,7 +343,7 @@ def read_participation(path: str | Path) -> RecordedParticipation:
             overselected = bool(f.attrs["overselected"]) if "overselected" in f.attrs else (
                 tomllib.loads(text).get("participation", {}).get("overselect", 0) > 0)
             staleness = p["staleness"][()] if "staleness" in p else None
-            considered = [p[name][()] if name in p else None for name in ("candidate", "utility")]
+            considered = [p[name][()] if name in p else None for name in ("candidate", "utility", "energy_j")]
             return RecordedParticipation(p["selected"][()], p["steps"][()], p["budget"][()], late, text, clock, comm,
                                          overselected, staleness, *considered)
         except KeyError as exc:
