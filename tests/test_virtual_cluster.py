@@ -352,9 +352,9 @@ def test_a_deadline_run_follows_the_boards_shares_survives_a_cut_and_takes_a_sto
 
 
 def test_calibrating_brings_each_board_to_its_profile(cluster):
-    """The boards, at a half and a quarter of a core, given profiles at 30 % and 15 % of this machine's speed
+    """The boards, at a half and a quarter of a core, given profiles at 70 % and 35 % of this machine's speed
     (its own, measured now: the stand-in profiles are another machine's) and calibrated with both running at
-    once: their shares come down near those, and each board is within 3 % of its profile or named with why
+    once: their shares go up near those, and each board is within 3 % of its profile or named with why
     (this VM's speed drifts by a fifth within minutes: the line, not the VM, is what is tested)."""
     folder, env = cluster
     out = io.StringIO()
@@ -363,7 +363,7 @@ def test_calibrating_brings_each_board_to_its_profile(cluster):
     boards = STATE / "boards"
     before = boards.read_text()
     rows = [line.split() for line in before.splitlines()]
-    for row, share in zip(rows, (0.3, 0.15)):
+    for row, share in zip(rows, (0.7, 0.35)):
         (folder / f"p{share}.toml").write_text(board_profile(1.0).replace("steps_per_s = 400000.0",
                                                                          f"steps_per_s = {speed * share}"))
         row[3] = str(folder / f"p{share}.toml")
@@ -383,7 +383,7 @@ def test_calibrating_brings_each_board_to_its_profile(cluster):
         assert within or re.fullmatch(r"virtual-cluster.sh: board vb-\w+.local cannot be brought to its profile's "
                                       r"[\d,]+ steps/s: .* after 6 measurements \(.*\)", lines[1]), lines
         shares = [float(line.split()[4]) for line in boards.read_text().splitlines()]
-        assert 0.2 < shares[0] < 0.45 and 0.1 < shares[1] < 0.23, shares  # (this machine drifts)
+        assert 0.55 < shares[0] <= 1.0 and 0.27 < shares[1] < 0.5, shares  # (this machine drifts)
     finally:
         boards.write_text(before)
         for row in before.splitlines():
