@@ -3,6 +3,7 @@ says of a board it cannot bring to its profile, and the meter that runs on each 
 
 import io
 import math
+import time
 
 import pytest
 
@@ -57,12 +58,16 @@ def test_a_board_out_of_reach_is_named_with_why():
 
 
 def test_the_meter_answers_each_line_with_its_speeds_and_share():
+    """A window of steps for each line, as long as the line says; a meter no quota holds keeps its core busy
+    (most of a core)."""
     out = io.StringIO()
+    start = time.perf_counter()
     meter(io.StringIO("0.05\n0.05\n"), out)
+    assert time.perf_counter() - start >= 0.1
     lines = [list(map(float, line.split())) for line in out.getvalue().splitlines()]
     assert len(lines) == 2
     for wall, cpu, share in lines:
-        assert wall > 0 and cpu > 0 and 0 < share <= 1.05 and wall == pytest.approx(cpu * share, rel=1e-6)
+        assert wall > 0 and cpu > 0 and 0.5 < share <= 1.05
 
 
 def test_a_run_is_warned_of_each_board_off_its_profile(tmp_path):

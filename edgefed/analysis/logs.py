@@ -5,6 +5,7 @@ Only the run log's reader and the config's schema are used: nothing here runs an
 
 from __future__ import annotations
 
+import functools
 import math
 import tomllib
 from collections.abc import Mapping
@@ -222,6 +223,11 @@ class Run:
         return np.zeros(board.size)
 
     def config_dict(self) -> dict:
+        """The config the log stores, as TOML data (parsed once, shared: not to be changed)."""
+        return self._config
+
+    @functools.cached_property
+    def _config(self) -> dict:  # (parsed once: a summary asks it per board and per line)
         try:
             return tomllib.loads(self.config_toml)
         except tomllib.TOMLDecodeError as exc:

@@ -74,9 +74,12 @@ class RoundClock:
         return round_deadlines(t, ids, budgets, own, basis, self.simulated)
 
     # -- after it ---------------------------------------------------------------------------------------
-    def busy_s(self, ids: np.ndarray, steps: np.ndarray, res: LocalResults) -> np.ndarray:
-        """The busy CPU seconds of these devices' work of `steps` steps: on a simulated or replayed clock
-        the steps at their boards' step times (a replay's are as simulated), else as measured."""
+    def busy_s(self, ids: np.ndarray, steps: np.ndarray, res: LocalResults) -> np.ndarray | None:
+        """The busy CPU seconds of these devices' work of `steps` steps, for their energy (None: the run has
+        none): on a simulated or replayed clock the steps at their boards' step times (a replay's are as
+        simulated), else as measured."""
+        if self.timing.power is None:
+            return None
         if self.timing.clock != "measured" and self.timing.boards is not None:
             return steps * self.timing.boards.step_s[ids]
         return busy_seconds(res.elapsed_s, res.cpu_percent)

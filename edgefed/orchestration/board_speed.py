@@ -43,20 +43,16 @@ def meter(lines=sys.stdin, out=sys.stdout) -> None:
     second of wall time, steps a second of this process's CPU time, and the share of a core it got. A call's
     steps are fixed (about 2 ms of CPU), so a pause of the board's share falls inside the window wherever it
     comes, not into a call's own timing."""
-    from edgefed.orchestration.profiling import build
-    from edgefed.rng import Purpose, kernel_state
+    from edgefed.orchestration.profiling import stepping
 
-    model, data = build(MODEL, "float32", n=200)
-    x = model.initial_params()
-    run = model.begin(data, kernel_state(0, Purpose.LOCAL, 1, 0))
-    model.local_steps(x, data, run, 1, BATCH, 0.001)
+    step = stepping(MODEL, BATCH)[1]
     cpu = time.process_time()
-    model.local_steps(x, data, run, 1000, BATCH, 0.001)
+    step(1000)
     k = max(1, int(1000 * 0.002 / max(time.process_time() - cpu, 1e-6)))
     for line in lines:
         steps, t0, c0 = 0, time.perf_counter(), time.process_time()
         while time.perf_counter() - t0 < float(line):
-            model.local_steps(x, data, run, k, BATCH, 0.001)
+            step(k)
             steps += k
         wall, cpu = time.perf_counter() - t0, max(time.process_time() - c0, 1e-9)
         print(steps / wall, steps / cpu, cpu / wall, file=out, flush=True)
@@ -71,9 +67,10 @@ class Meters:
     """One meter per board, started over SSH at once and kept: each measurement runs on every board together."""
 
     def __init__(self, hosts: list[str], python: str = sys.executable):
+        from edgefed.orchestration.launcher import SSH  # (not at the top: a board's meter need not load the log)
+
         command = f"{shlex.quote(python)} -u -c {shlex.quote(METER)}"
-        self.hosts = hosts
-        self.procs = [subprocess.Popen(["ssh", "-o", "BatchMode=yes", "-o", "ConnectTimeout=5", host, command],
+        self.procs = [subprocess.Popen([*SSH, host, command],
                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                        text=True) for host in hosts]
 

@@ -103,9 +103,12 @@ def world_command(mpiexec: str, flavour: str, ranks: int, hosts: list[str] | Non
     return launch + list(extra) + [sys.executable, "-m", "edgefed", "run", *run_args]
 
 
+SSH = ["ssh", "-o", "BatchMode=yes", "-o", "ConnectTimeout=5"]  # to a board: never a prompt, never a long wait
+
+
 def ssh_answers(host: str, command: str = "true") -> bool:
     try:
-        return subprocess.run(["ssh", "-o", "BatchMode=yes", "-o", "ConnectTimeout=5", host, command],
+        return subprocess.run([*SSH, host, command],
                               capture_output=True, timeout=15).returncode == 0
     except (OSError, subprocess.TimeoutExpired):
         return False
@@ -138,7 +141,7 @@ echo "${kills:-0}"
 def ssh_oom_kills(host: str) -> int | None:
     """The OOM kills a board's kernel has counted for it (OOM_PROBE), over SSH; None when it does not say."""
     try:
-        done = subprocess.run(["ssh", "-o", "BatchMode=yes", "-o", "ConnectTimeout=5", host, "sh", "-c",
+        done = subprocess.run([*SSH, host, "sh", "-c",
                                shlex.quote(OOM_PROBE)], capture_output=True, text=True, timeout=15)
         return int(done.stdout.split()[-1]) if done.returncode == 0 else None
     except (OSError, subprocess.TimeoutExpired, ValueError, IndexError):
@@ -181,7 +184,7 @@ class Launcher:
         whether they are `ready` again (None: never)."""
         self.log, self.config, self.overrides, self.force = Path(log), config, list(overrides), force
         self.restarts_left = restarts
-        self.boards, self.ranks = boards, (len(boards) if boards else ranks)
+        self.ranks = len(boards) if boards else ranks
         self.every_board = list(boards or ())  # the board list as given: who may come back, and where
         self.present = list(range(len(self.every_board)))  # the boards of the next world (their lines)
         self.away: list[int] = []  # lines of the boards left out for not answering: asked again
@@ -200,6 +203,11 @@ class Launcher:
         self.stopping = False
         self._timer: threading.Timer | None = None
         self._before = self._identity()  # the log as it was before this launch (--force may replace it)
+
+    @property
+    def boards(self) -> list[Board] | None:
+        """The boards of the next world, in the list's order (None: no board list, ranks on this machine)."""
+        return [self.every_board[i] for i in self.present] if self.every_board else None
 
     def _identity(self):
         try:
@@ -229,7 +237,8 @@ class Launcher:
         """Run one world to its end: (exit code, the lost rank the coordinator named, if any)."""
         status = folder / "status.json"
         status.unlink(missing_ok=True)
-        Launch(status).board_back.unlink(missing_ok=True)
+        board_back = Launch(status).board_back
+        board_back.unlink(missing_ok=True)
         self.back = []
         hosts = [b.host for b in self.boards] if self.boards else None
         command = world_command(self.mpiexec, self.flavour, self.ranks, hosts, folder / "hosts", self._args(status),
@@ -238,7 +247,7 @@ class Launcher:
             return EXIT_INTERRUPTED, None
         # its own group, so Ctrl-C is ours to pass on; and killed with us if we are killed
         self.child = subprocess.Popen(command, start_new_session=True, preexec_fn=_die_with_parent)
-        code = self._wait_world(Launch(status).board_back)
+        code = self._wait_world(board_back)
         self._kill_group(signal.SIGKILL)  # a stopped or orphaned rank must not outlive its world
         self._reaped()
         lost = None
@@ -397,8 +406,7 @@ class Launcher:
         self.taken_back |= set(self.back)
         self.away = [i for i in self.away if i not in self.back]
         self.present = sorted(self.present + self.back)
-        self.boards = [self.every_board[i] for i in self.present]
-        self.ranks = len(self.boards)
+        self.ranks = len(self.present)
 
     def _move(self, rank: int) -> None:
         """The per-rank lists of the config without the rank left out; an explicit device placement gives way
@@ -465,8 +473,7 @@ class Launcher:
         # failing (a restart each time): only the other silent ones are asked whether they are back
         self.away += [self.present[i] for i in sorted(drop - set(starved)) if self.present[i] not in self.taken_back]
         self.present = [line for i, line in enumerate(self.present) if i not in drop]
-        self.boards = [self.every_board[i] for i in self.present]
-        self.ranks = len(self.boards) if len(self.boards) > 1 else 0
+        self.ranks = len(self.present) if len(self.present) > 1 else 0
 
 
 def _memory_mb(profile: str | None) -> str:

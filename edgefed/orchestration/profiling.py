@@ -174,17 +174,28 @@ def warmup_config(path: str, overrides=(), out=print) -> int:
 
 
 # ----------------------------------------------------------------------------------------------- speed
-def steps_per_second(spec: str, batch: int, min_time_s: float = 0.5) -> tuple[object, float]:
-    """(the model, local SGD steps per second) of one thread, after a warm-up; calls of K steps, as a round."""
+def stepping(spec: str, batch: int):
+    """(the model, step(k): k local SGD steps of one device at this batch), warmed up by one step: what a
+    speed is measured on."""
     model, data = build(spec, "float32", n=max(200, 4 * batch))
     x = model.initial_params()
     run = model.begin(data, kernel_state(0, Purpose.LOCAL, 1, 0))
-    model.local_steps(x, data, run, 1, batch, 0.001)
+
+    def step(k: int) -> None:
+        model.local_steps(x, data, run, k, batch, 0.001)
+
+    step(1)
+    return model, step
+
+
+def steps_per_second(spec: str, batch: int, min_time_s: float = 0.5) -> tuple[object, float]:
+    """(the model, local SGD steps per second) of one thread, after a warm-up; calls of K steps, as a round."""
+    model, step = stepping(spec, batch)
     k, steps, seconds = 1, 0, 0.0
     t0 = time.perf_counter()
     while True:
         t = time.perf_counter()
-        model.local_steps(x, data, run, k, batch, 0.001)
+        step(k)
         took = time.perf_counter() - t
         # the sustained speed: every call of a round's length (~50 ms) over min_time_s, not the fastest call,
         # since on a board whose CPU share is enforced per period (a cgroup quota: a virtual board) a call can

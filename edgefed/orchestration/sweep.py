@@ -41,6 +41,7 @@ FIGURES = ("final_test_accuracy", "best_test_accuracy", "final_train_loss", "wal
            "bytes_down_per_round", "epsilon")
 TARGET_FIGURES = ("rounds_to_target", "clock_to_target_s")
 ENERGY_FIGURES = ("energy_j", "energy_to_target_j")  # (the last columns: added since; the second with a target)
+REACHED = TARGET_FIGURES + ENERGY_FIGURES[1:]  # the figures a seed has only when it reached the target
 
 
 def _figures(target: float | None) -> tuple[str, ...]:
@@ -341,7 +342,7 @@ def cell_rows(rows: list[dict], axes, target: float | None) -> list[dict]:
             values = np.array([float(r[name]) for r in done if r[name] != "" and math.isfinite(float(r[name]))])
             row[f"{name}_mean"] = float(values.mean()) if values.size else ""
             row[f"{name}_std"] = float(values.std()) if values.size else ""
-            if name in TARGET_FIGURES or name == "energy_to_target_j":
+            if name in REACHED:
                 row[f"{name}_reached"] = int(values.size)
         out.append(row)
     return out

@@ -30,15 +30,13 @@ def board_names(cfg, n_devices: int, owners: np.ndarray | None) -> list[str] | N
     return None
 
 
-def _board_step_seconds(setup, names) -> tuple[np.ndarray, dict]:
-    """Each device's seconds per local step on its board, at its batch (the profiles' [[speed]]), and the
-    profiles by name."""
+def _board_step_seconds(setup, names, profiles: dict) -> np.ndarray:
+    """Each device's seconds per local step on its board, at its batch (the profiles' [[speed]], by name)."""
     cfg, model, problem = setup.cfg, setup.model, setup.problem
-    profiles = {name: hwprofile.load_profile(name) for name in dict.fromkeys(names)}
     batches = problem.n_train if cfg.train.batch_size == "full" else np.minimum(cfg.train.batch_size, problem.n_train)
     key = model.profile_key()
     return np.array([profiles[names[k]].step_seconds(key, int(batches[k]), model.n_trainable)
-                     for k in range(problem.n_devices)]), profiles
+                     for k in range(problem.n_devices)])
 
 
 def _comm_seconds(setup, names, profiles) -> np.ndarray:
@@ -68,18 +66,18 @@ def timing_for(setup, owners: np.ndarray | None = None, on_info=None, resume_poi
     names = board_names(cfg, n, owners)
     key = setup.model.profile_key()
     untimed = None  # a profile the run names that does not time its model
+    profiles = {} if names is None else {name: hwprofile.load_profile(name) for name in dict.fromkeys(names)}
     if names is not None:
-        untimed = next((prof for prof in map(hwprofile.load_profile, dict.fromkeys(names)) if not prof.times(key)),
-                       None)
+        untimed = next((prof for prof in profiles.values() if not prof.times(key)), None)
         factor = None if p.deadline_s in (None, "adaptive") else hwprofile.parse_deadline(p.deadline_s)
         if untimed is not None and (p.clock == "simulated" or factor is not None
                                     or (setup.model.kind != "quadratic" and p.clock is None and not distributed
                                         and cfg.device.profile is not None and not attrs.get("clock"))):
             raise ConfigError(hwprofile.not_timed(untimed, key))  # the run needs the board's speed for its model
     profiled = names is not None and untimed is None
-    boards = profiles = board_step = None
+    boards = board_step = None
     if profiled:
-        board_step, profiles = _board_step_seconds(setup, names)
+        board_step = _board_step_seconds(setup, names, profiles)
         speed = np.array([cfg.device.speed[k % len(cfg.device.speed)] if cfg.device.speed else 1.0 for k in range(n)])
         boards = Boards(board_step / speed, _comm_seconds(setup, names, profiles))
     replay = ((isinstance(setup.trace, ReplayTrace) and setup.trace.clock_s is not None)
@@ -107,7 +105,7 @@ def timing_for(setup, owners: np.ndarray | None = None, on_info=None, resume_poi
                     link_delays={(f.device, f.round): f.seconds for f in cfg.fault if f.kind == "slow_link"},
                     link_mbps=link_speeds(cfg, n), round_bytes=round_bytes(cfg, setup.algorithm, setup.model))
     hosts = np.zeros(n, np.int64) if owners is None or not distributed else np.asarray(owners, np.int64) - 1
-    power, said = board_power(names, hosts, timing)
+    power, said = board_power(names, profiles, hosts, timing)
     if said:
         (on_info or (lambda line: None))(said)
     setup.header.attrs["clock"] = timing.clock
@@ -129,14 +127,14 @@ def timing_for(setup, owners: np.ndarray | None = None, on_info=None, resume_poi
     return dataclasses.replace(setup, timing=timing, header=header)
 
 
-def board_power(names: list[str] | None, hosts: np.ndarray, timing: Timing):
+def board_power(names: list[str] | None, profiles: dict, hosts: np.ndarray, timing: Timing):
     """(each device's board and what it draws, what to say of it): on a simulated or replayed clock every
     device is a board of its own (as the simulator times it); on a measured one a rank's devices share its
     board (hosts: rank - 1; in the simulator, this process's: 0). None where no profile names a board, where
-    none of them has [power], or where a replayed clock has no step times to charge (said once)."""
+    none of them has [power], or where a replayed clock has no step times to charge (said once). profiles:
+    the boards' profiles by name."""
     if names is None:
         return None, None
-    profiles = {name: hwprofile.load_profile(name) for name in dict.fromkeys(names)}
     missing = sorted(name for name, prof in profiles.items() if prof.power is None)
     if len(missing) == len(profiles):
         which = f"profile {missing[0]} has" if len(missing) == 1 else f"profiles {', '.join(missing)} have"
