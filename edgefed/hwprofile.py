@@ -2,12 +2,13 @@
 
 A profile is a TOML file (format 1): `[machine]` facts, `[recommend]`ed settings, `[[speed]]` entries of
 local SGD steps per second (model, parameter count, batch), and, when `edgefed profile` wrote it, start-up
-times, per-rank memory and MPI collective times. A speed entry names a built-in model ("logreg", "mlp",
+times, per-rank memory, what a device rank costs the board beside its steps ([rank]) and MPI collective
+times. A speed entry names a built-in model ("logreg", "mlp",
 "cnn") or, with `model = "sequential"`, a layer list by its one-line signature in `layers` (what
 `edgefed profile --config CONFIG` measures): a model's key is its name, or "sequential: " + signature. The boards edgefed knows ship in edgefed/hw_profiles/
 (the repository's hw_profiles/ links there); `[device] profile = "pi4b"` names one of them, a path names any
 other file. Deadlines derived from a profile (`deadline_s = "auto"` or `"1.5x"`) use its `[[speed]]`
-entries: the time of K steps at the board's speed, times the factor.
+entries: the time of K steps at the board's speed (as a device rank takes them: [rank]), times the factor.
 """
 
 from __future__ import annotations
@@ -57,6 +58,26 @@ class Power:
 
 
 @dataclass(frozen=True)
+class RankCost:
+    """What a device rank costs its board beside its devices' steps ([rank], measured by `edgefed profile` on
+    the board): the share of a device's steps in a deadline window lost to running as a device rank (its
+    deadline's chunks, its rank's polls and heartbeats), and per model the seconds of a round's own work (the
+    broadcast unpacked, a report packed)."""
+
+    lost_share: float
+    round_s: dict  # {model key: seconds}, each at its `round_params` parameters
+    round_params: dict  # {model key: parameters}
+
+    def round_seconds(self, model: str, params: int) -> float:
+        """A round's own work for a model of `params` parameters: its entry's, else the largest entry's,
+        scaled by size (what it copies is the model); 0 without entries."""
+        if not self.round_s:
+            return 0.0
+        key = model if model in self.round_s else max(self.round_s, key=lambda k: self.round_params[k])
+        return self.round_s[key] * params / self.round_params[key]
+
+
+@dataclass(frozen=True)
 class Profile:
     name: str
     source: str  # file it came from
@@ -66,6 +87,7 @@ class Profile:
     speeds: tuple[Speed, ...]
     extra: dict = field(default_factory=dict)  # startup, memory, mpi: reported, not used by the runtime
     power: Power | None = None  # [power]; None: the board's energy is not computed
+    rank: RankCost | None = None  # [rank]; None: a device rank is taken to cost its board nothing
 
     @property
     def available_mb(self) -> float:
@@ -109,6 +131,11 @@ class Profile:
                 per_param = t0 * batch / b0
         return per_param * params
 
+
+    def rank_step_seconds(self, model: str, batch: int, params: int) -> float:
+        """step_seconds as a device rank's device takes them: the share it loses to running as one ([rank])."""
+        share = 0.0 if self.rank is None else self.rank.lost_share
+        return self.step_seconds(model, batch, params) / (1.0 - share)
 
     def comm_seconds(self, model: str, params: int) -> float | None:
         """Seconds to broadcast a model of `params` parameters and gather one report, from the `[mpi]` times
@@ -212,7 +239,33 @@ def profile_from_dict(raw: dict, source: str) -> Profile:
         speeds.append(speed)
     extra = {k: raw[k] for k in ("startup", "memory", "mpi") if k in raw}
     return Profile(raw["name"], source, bool(raw.get("measured", False)), machine, recommend, tuple(speeds), extra,
-                   _power(raw.get("power"), bad))
+                   _power(raw.get("power"), bad), _rank(raw.get("rank"), bad))
+
+
+def _finite(value, low: float, high: float = math.inf) -> bool:
+    return (not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
+            and low <= value < high)
+
+
+def _rank(table, bad) -> RankCost | None:
+    """[rank] checked: lost_share in [0, 1), round_s {model: seconds >= 0} and round_params {model: > 0}."""
+    if table is None:
+        return None
+    if not isinstance(table, dict):
+        raise bad("[rank]", "must be a table (lost_share, round_s, round_params)")
+    share = table.get("lost_share", 0.0)
+    if not _finite(share, 0.0, 1.0):
+        raise bad("rank.lost_share", f"must be a share of the window in [0, 1), found {share!r}")
+    seconds, params = table.get("round_s", {}), table.get("round_params", {})
+    if not isinstance(seconds, dict) or not isinstance(params, dict):
+        raise bad("rank.round_s", "and rank.round_params must be tables {model = number}")
+    for model, value in seconds.items():
+        if not _finite(value, 0.0):
+            raise bad(f"rank.round_s.{model}", f"must be a finite number of seconds >= 0, found {value!r}")
+        count = params.get(model)
+        if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+            raise bad(f"rank.round_params.{model}", f"must be the model's parameter count (> 0), found {count!r}")
+    return RankCost(float(share), {k: float(v) for k, v in seconds.items()}, {k: int(params[k]) for k in seconds})
 
 
 def _power(table, bad) -> Power | None:
@@ -226,7 +279,7 @@ def _power(table, bad) -> Power | None:
         value = table.get(key)
         if value is None:
             raise bad(f"power.{key}", "is missing (watts; see the shipped profiles for their sources)")
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not (value >= 0 and math.isfinite(value)):
+        if not _finite(value, 0.0):
             raise bad(f"power.{key}", f"must be a finite number of watts >= 0, found {value!r}")
         values.append(float(value))
     return Power(*values)

@@ -99,6 +99,28 @@ def test_a_simulated_deadline_does_what_fits_at_each_devices_speed(tmp_path, boa
     assert read_run(tmp_path / "c.h5")["participation/steps"].tolist() == [[10, 8, 4]] * 3  # compute only
 
 
+def test_a_boards_rank_cost_is_on_the_simulated_clock_and_in_its_deadlines(tmp_path):
+    """[rank]: a device rank loses half its steps' window (2 ms a step, not 1) and a round's own work is 1 ms
+    at 610 parameters: 10 steps at speeds 1, 1/2, 1/4 take 21, 41 and 81 ms; a 17 ms deadline leaves 8, 4
+    and 2 steps, and "2x" is 2 x 10 x 2 ms."""
+    path = tmp_path / "ranked.toml"
+    path.write_text(hwprofile.profile_toml({
+        "format": 1, "name": "ranked board", "measured": True,
+        "machine": {"arch": "aarch64", "cores": 1, "memory_mb": 1024},
+        "speed": [{"model": "logreg", "params": 610, "batch": 20, "steps_per_s": 1000.0}],
+        "rank": {"lost_share": 0.5, "round_s": {"mlp": 0.001}, "round_params": {"mlp": 610}}}))
+    runs.run(simulated(str(path)), tmp_path / "r.h5")
+    np.testing.assert_allclose(np.diff(read_run(tmp_path / "r.h5")["metrics/clock_s"]), 0.081, rtol=1e-12)
+    runs.run(simulated(str(path), **{"participation.mode": "deadline", "participation.deadline_s": 0.017}),
+             tmp_path / "d.h5")
+    assert read_run(tmp_path / "d.h5")["participation/steps"].tolist() == [[8, 4, 2]] * 3
+    runs.run(simulated(str(path), **{"participation.mode": "deadline", "participation.deadline_s": "2x"}),
+             tmp_path / "x.h5")
+    np.testing.assert_allclose(read_run(tmp_path / "x.h5")["attrs"]["deadline_s"], 0.04, rtol=1e-12)
+    cost = hwprofile.load_profile(str(path)).rank  # another model: the largest entry's, scaled by size
+    assert cost.round_seconds("cnn", 6100) == pytest.approx(0.01)
+
+
 def test_an_adaptive_deadline_lets_a_share_q_finish(tmp_path, board):
     """Predicted rounds of 12, 22 and 42 ms: q = 0.5 gives 22 ms, so the slowest is cut to 5 steps."""
     cfg = simulated(board, **{"participation.mode": "deadline", "participation.deadline_s": "adaptive",

@@ -66,6 +66,10 @@ def test_step_seconds_scales_by_parameters_and_is_linear_in_the_batch(tmp_path):
     (profile_text([("rnn", 10, 10, 1.0)]), r"speed\[0\].model must be one of logreg, mlp, cnn"),
     (profile_text([("mlp", 10, 10, 1.0), ("mlp", 10, 10, 2.0)]), r"speed\[1\] repeats model 'mlp' at batch 10"),
     ("format = ", "cannot be read"),
+    (profile_text([("mlp", 10, 10, 1.0)]) + "[rank]\nlost_share = 1.0\n", r"rank.lost_share must be a share"),
+    (profile_text([("mlp", 10, 10, 1.0)]) + '[rank]\nround_s = {mlp = 0.1}\n', r"rank.round_params.mlp must be"),
+    (profile_text([("mlp", 10, 10, 1.0)]) + '[rank]\nround_s = {mlp = nan}\nround_params = {mlp = 10}\n',
+     r"rank.round_s.mlp must be a finite number of seconds"),
 ])
 def test_a_bad_profile_is_named_with_its_key(tmp_path, body, message):
     path = tmp_path / "bad.toml"
@@ -121,10 +125,13 @@ def test_cli_profile_of_a_config_times_its_layer_list_and_drives_an_auto_deadlin
     assert run.returncode == 0, run.stderr
     assert "deadlines 1.1x the profiled time" in run.stdout
     log = read_run(tmp_path / "r.h5")
-    np.testing.assert_allclose(log["attrs"]["deadline_s"], 1.1 * 400 / speed.steps_per_s)
+    # a step as a device rank takes it: the share it loses as one, and a round's own work ([rank], measured)
+    assert 0 <= prof.rank.lost_share < 0.5 and 0 < prof.rank.round_s[speed.key] < 0.01
+    step_s = 1 / speed.steps_per_s / (1 - prof.rank.lost_share)
+    np.testing.assert_allclose(log["attrs"]["deadline_s"], 1.1 * 400 * step_s)
     # with a profile the simulator's clock is the profile's: 1.1x the profiled time fits the whole budget
     assert log["attrs"]["clock"] == "simulated" and (log["participation/steps"] == 400).all()
-    np.testing.assert_allclose(np.diff(log["metrics/clock_s"]), 400 / speed.steps_per_s, rtol=1e-9)
+    np.testing.assert_allclose(np.diff(log["metrics/clock_s"]), 400 * step_s + prof.rank.round_s[speed.key], rtol=1e-9)
 
 
 def test_warmup_fills_the_cache_so_a_run_compiles_nothing(tmp_path):

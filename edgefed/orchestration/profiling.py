@@ -7,7 +7,8 @@ compiles them into its on-disk cache once per board instead of inside a round's 
 A profile (hwprofile.py's format) measures, on this machine: local SGD steps per second of every model at
 its usual batch sizes (one thread, float32), the start-up of a fresh process that builds a device and takes
 its first step with an empty cache (cold: Numba compiles) and with a filled one (warm), that process's
-resident memory, and, under `mpirun`, the broadcast and gather of each model's parameters. Under `mpirun`
+resident memory, what a device rank costs its board beside its steps (rank_cost.py), and, under
+`mpirun`, the broadcast and gather of each model's parameters. Under `mpirun`
 one leader rank per host measures it while the others sleep; rank 0 checks every input and target file
 before anything is measured, and any failure ends every rank (exit 2), so no rank waits forever.
 """
@@ -34,6 +35,7 @@ from edgefed import layers as layer_lib
 from edgefed.errors import EXIT_BAD_INPUT, EdgefedError
 from edgefed.kernels import jit_compilations, ops
 from edgefed.models import Quadratic, Sequential, warm_model
+from edgefed.orchestration import rank_cost
 from edgefed.outputs import check_output
 from edgefed.problems.data import ClassificationData, QuadraticData
 from edgefed.rng import Purpose, kernel_state
@@ -274,7 +276,7 @@ def measure(specs=tuple(BENCH_MODELS), cold: bool = True, out=print) -> dict:
     of specs (built-in kinds, or CONFIG + a config file's path)."""
     facts = machine_facts()
     name = facts.get("board") or f"{facts['cpu']} ({facts['arch']})"
-    speeds, cold_s, warm_s, rss, recommended = [], {}, {}, {}, {}
+    speeds, cold_s, warm_s, rss, recommended, timed = [], {}, {}, {}, {}, {}
     for spec in specs:
         tag = label(spec)
         if cold:
@@ -287,6 +289,7 @@ def measure(specs=tuple(BENCH_MODELS), cold: bool = True, out=print) -> dict:
         out(f"{tag}: warm start {warm_s[tag]:.2f} s, one device's process {rss[tag]:.0f} MB resident")
         for batch in batches(spec):
             model, sps = steps_per_second(spec, batch)
+            timed[model.profile_key()] = model
             speeds.append(speed_entry(model, batch, sps, prefix_samples_per_second(model) if model.prefix_end else None))
             prefix = speeds[-1].get("prefix_samples_per_s")
             once = f"; its frozen prefix, once a sample: {prefix:,.0f} samples/s" if prefix else ""
@@ -300,6 +303,7 @@ def measure(specs=tuple(BENCH_MODELS), cold: bool = True, out=print) -> dict:
             tag: round(max(cold_s[tag] - warm_s[tag], 0.0), 2) for tag in cold_s}} if cold else {})},
         "memory": {"rank_rss_mb": rss},
         "speed": speeds,
+        "rank": rank_cost.measure(timed, out),
     }
     return profile
 
@@ -342,7 +346,9 @@ def header_comment(profile: dict) -> str:
             "system_mb: what the machine's own system took as it was profiled (total less available, less edgefed).\n"
             "speed: local SGD steps per second, one thread, float32 (sustained over calls of ~50 ms, a round's work).\n"
             "startup: seconds from a fresh interpreter to one device's first step; cold = empty Numba cache;\n"
-            "compile_s = cold - warm, what a run's first start on this board spends compiling (it says so).")
+            "compile_s = cold - warm, what a run's first start on this board spends compiling (it says so).\n"
+            "rank: what a device rank costs the board beside its devices' steps: lost_share of a device's steps in a\n"
+            "deadline (its chunks, its rank's polls), round_s a round's own work (state unpacked, a report packed).")
 
 
 def host_name() -> str:

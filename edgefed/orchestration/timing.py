@@ -31,17 +31,27 @@ def board_names(cfg, n_devices: int, owners: np.ndarray | None) -> list[str] | N
 
 
 def _board_step_seconds(setup, names, profiles: dict) -> np.ndarray:
-    """Each device's seconds per local step on its board, at its batch (the profiles' [[speed]], by name)."""
+    """Each device's seconds per local step on its board, at its batch (the profiles' [[speed]], by name), as a
+    device rank takes them (less the share its [rank] loses)."""
     cfg, model, problem = setup.cfg, setup.model, setup.problem
     batches = problem.n_train if cfg.train.batch_size == "full" else np.minimum(cfg.train.batch_size, problem.n_train)
     key = model.profile_key()
-    return np.array([profiles[names[k]].step_seconds(key, int(batches[k]), model.n_trainable)
+    return np.array([profiles[names[k]].rank_step_seconds(key, int(batches[k]), model.n_trainable)
                      for k in range(problem.n_devices)])
 
 
 def _comm_seconds(setup, names, profiles) -> np.ndarray:
-    seconds = [profiles[name].comm_seconds(setup.model.profile_key(), setup.model.n_trainable) for name in names]
-    return np.array([np.nan if s is None else s for s in seconds])
+    """Each device's seconds of a round besides its steps: its profile's collectives, plus its rank's own work
+    of a round ([rank] round_s); NaN where the profile has neither."""
+    key, params = setup.model.profile_key(), setup.model.n_trainable
+    out = np.full(len(names), np.nan)
+    for name in dict.fromkeys(names):
+        prof = profiles[name]
+        comm = prof.comm_seconds(key, params)
+        own = None if prof.rank is None or not prof.rank.round_s else prof.rank.round_seconds(key, params)
+        if comm is not None or own is not None:
+            out[[k for k, n in enumerate(names) if n == name]] = (comm or 0.0) + (own or 0.0)
+    return out
 
 
 def link_speeds(cfg, n_devices: int) -> np.ndarray | None:

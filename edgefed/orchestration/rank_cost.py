@@ -1,0 +1,121 @@
+"""What a device rank costs its board beside its devices' steps, measured by `edgefed profile` ([rank]).
+
+A device under a deadline runs its steps in short chunks that read the clock (runtime/deadline.py), while
+its rank's main thread keeps polling (the next command's broadcast, a stop, the heartbeat); in every round
+the rank also unpacks the broadcast and packs its devices' reports. On a board of one core, or a virtual
+board's share of one, those take CPU time from the steps inside the deadline; on a board whose other cores
+are idle they take almost none. Measured on the board itself, the difference is whatever the board makes
+of it:
+
+- lost_share: 1 − (steps a device completes in a window as a rank runs it) / (steps the profile's way),
+  logistic-regression steps (batch 20) in a worker thread over alternating windows: calls of about 2 ms
+  with the main thread asleep, or a DeadlineRunner's chunks with the main thread waiting as a working
+  device rank waits (comm.wait at the working poll interval, probing for a stop, sending the heartbeat);
+- round_s: per model, the median seconds of one round's own work, the state unpacked and one report packed
+  (protocol.Wire, as the rank does it).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+
+WINDOW_S = 0.2  # one window; the windows alternate (alone, beside the polls) so a drift hits both alike
+WINDOWS = 4  # of each kind
+
+
+class _Until:
+    """A request that completes at a time: the broadcast a working rank waits on while its devices train."""
+
+    def __init__(self, end: float):
+        self.end = end
+
+    def Test(self) -> bool:  # noqa: N802 - mpi4py's name
+        return time.perf_counter() >= self.end
+
+
+def lost_share(window_s: float = WINDOW_S, windows: int = WINDOWS) -> float:
+    """The share of a device's steps in a deadline window lost to running as a device rank on this machine,
+    in [0, 0.9] (see the module)."""
+    from mpi4py import MPI
+
+    from edgefed.orchestration.board_speed import BATCH, MODEL
+    from edgefed.orchestration.profiling import stepping
+    from edgefed.runtime.mpi.comm import wait
+    from edgefed.runtime.mpi.device_server import WORKING_POLL_S
+    from edgefed.runtime.mpi.protocol import TAG_ALIVE, TAG_CANCEL
+    from edgefed.runtime.deadline import DeadlineRunner
+
+    step = stepping(MODEL, BATCH)[1]
+    cpu = time.process_time()
+    step(1000)
+    k = max(1, int(1000 * 0.002 / max(time.process_time() - cpu, 1e-6)))  # calls of about 2 ms
+    comm, beat, heard = MPI.COMM_SELF, np.zeros(1, np.int64), np.zeros(1, np.int64)
+
+    def poll() -> None:  # what a working rank does at each wake: take stops, send a heartbeat when due
+        comm.Iprobe(source=MPI.ANY_SOURCE, tag=TAG_CANCEL)
+        if time.perf_counter() - last[0] > 1.0:
+            sent = comm.Isend(beat, dest=0, tag=TAG_ALIVE)
+            comm.Recv(heard, source=0, tag=TAG_ALIVE)  # (to itself: taken at once, nothing left pending)
+            sent.Wait()
+            last[0] = time.perf_counter()
+
+    last = [time.perf_counter()]
+    counts = {False: 0, True: 0}
+    for i in range(2 * windows):
+        polling, done = bool(i % 2), []
+
+        def work(end: float) -> None:
+            if polling:  # as a device runs in a deadline: DeadlineRunner's chunks, to the end of the window
+                done.append(DeadlineRunner(end - time.perf_counter())(lambda n: step(n), 1 << 60))
+                return
+            steps = 0
+            while time.perf_counter() < end:
+                step(k)
+                steps += k
+            done.append(steps)
+
+        end = time.perf_counter() + window_s
+        worker = threading.Thread(target=work, args=(end,))
+        worker.start()
+        if polling:
+            wait(_Until(end), WORKING_POLL_S, also=poll)
+        worker.join()
+        counts[polling] += done[0]
+    return float(min(max(1.0 - counts[True] / max(counts[False], 1), 0.0), 0.9))
+
+
+def round_seconds(model, repeats: int = 21) -> float:
+    """The median seconds of one round's own work on a device rank for `model`: the broadcast state
+    unpacked and one device's report packed into its record."""
+    from edgefed.runtime.mpi.protocol import TAG_WORK, Wire
+    from edgefed.transport import LocalResults
+
+    dim = model.n_trainable
+    wire = Wire(1, dim, model.dtype, ("delta",))
+    state, records = wire.state_buffer(), np.zeros(1, wire.tags[TAG_WORK])
+    one = lambda dtype, value: np.full(1, value, dtype)  # noqa: E731
+    res = LocalResults({"delta": np.zeros((1, dim), model.dtype)}, one(np.int32, 1), one(np.float32, 0.1),
+                       one(np.float32, 100.0), one(bool, False), one(np.float32, np.nan), one(np.float32, np.nan),
+                       one(bool, False), one(np.float64, 0.1), one(np.float32, 0.0), one(np.int16, -1),
+                       one(np.float32, 0.0))
+    took = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        wire.unpack_state(state)
+        wire.pack_work(records, 1, np.zeros(1, np.int64), res)
+        took.append(time.perf_counter() - t)
+    return float(np.median(took))
+
+
+def measure(models: dict, out=print) -> dict:
+    """The profile's [rank] table on this machine: models {key: built model} to time a round's work of."""
+    share = lost_share()
+    round_s = {key: round(round_seconds(m), 6) for key, m in models.items()}
+    out(f"device rank: a device loses {share:.1%} of its steps to its deadline's chunks and its rank's polls; "
+        "a round's own work "
+        + ", ".join(f"{key} {s * 1e3:.2f} ms" for key, s in round_s.items()))
+    return {"lost_share": round(share, 4), "round_s": round_s,
+            "round_params": {key: int(m.n_trainable) for key, m in models.items()}}
