@@ -43,12 +43,9 @@ def meter(lines=sys.stdin, out=sys.stdout) -> None:
     second of wall time, steps a second of this process's CPU time, and the share of a core it got. A call's
     steps are fixed (about 2 ms of CPU), so a pause of the board's share falls inside the window wherever it
     comes, not into a call's own timing."""
-    from edgefed.orchestration.profiling import stepping
+    from edgefed.orchestration.profiling import metered
 
-    step = stepping(MODEL, BATCH)[1]
-    cpu = time.process_time()
-    step(1000)
-    k = max(1, int(1000 * 0.002 / max(time.process_time() - cpu, 1e-6)))
+    step, k = metered(MODEL, BATCH)
     for line in lines:
         steps, t0, c0 = 0, time.perf_counter(), time.process_time()
         while time.perf_counter() - t0 < float(line):

@@ -36,22 +36,16 @@ class _Until:
         return time.perf_counter() >= self.end
 
 
-def lost_share(window_s: float = WINDOW_S, windows: int = WINDOWS) -> float:
+def lost_share(step, k: int, window_s: float = WINDOW_S, windows: int = WINDOWS) -> float:
     """The share of a device's steps in a deadline window lost to running as a device rank on this machine,
-    in [0, 0.9] (see the module)."""
+    in [0, 0.9] (see the module); step(k) runs k steps, a call of about 2 ms (profiling.metered)."""
     from mpi4py import MPI
 
-    from edgefed.orchestration.board_speed import BATCH, MODEL
-    from edgefed.orchestration.profiling import stepping
+    from edgefed.runtime.deadline import DeadlineRunner
     from edgefed.runtime.mpi.comm import wait
     from edgefed.runtime.mpi.device_server import WORKING_POLL_S
     from edgefed.runtime.mpi.protocol import TAG_ALIVE, TAG_CANCEL
-    from edgefed.runtime.deadline import DeadlineRunner
 
-    step = stepping(MODEL, BATCH)[1]
-    cpu = time.process_time()
-    step(1000)
-    k = max(1, int(1000 * 0.002 / max(time.process_time() - cpu, 1e-6)))  # calls of about 2 ms
     comm, beat, heard = MPI.COMM_SELF, np.zeros(1, np.int64), np.zeros(1, np.int64)
 
     def poll() -> None:  # what a working rank does at each wake: take stops, send a heartbeat when due
@@ -110,9 +104,10 @@ def round_seconds(model, repeats: int = 21) -> float:
     return float(np.median(took))
 
 
-def measure(models: dict, out=print) -> dict:
-    """The profile's [rank] table on this machine: models {key: built model} to time a round's work of."""
-    share = lost_share()
+def measure(models: dict, step, k: int, out=print) -> dict:
+    """The profile's [rank] table on this machine: models {key: built model} to time a round's work of;
+    step, k: the steps the share is measured in (lost_share)."""
+    share = lost_share(step, k)
     round_s = {key: round(round_seconds(m), 6) for key, m in models.items()}
     out(f"device rank: a device loses {share:.1%} of its steps to its deadline's chunks and its rank's polls; "
         "a round's own work "
