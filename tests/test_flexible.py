@@ -152,6 +152,41 @@ def test_membership_learning_rate_restart_and_boost(run_experiment):
     assert log["participation/coeff"][7, 0] == pytest.approx(w_other, rel=1e-12)
 
 
+def test_a_board_away_silences_its_devices_and_fast_reboot_boosts_their_return(tmp_path, run_experiment):
+    """[[mpi.away]] (what edgefed launch writes): devices 1 and 3 away in rounds 3..5 (back in round 6), in the
+    objective all along; with fast-reboot their coefficients from round 6 are the run's without it times
+    1 + (b - 1) / (r - 6 + 1)^2 (b = 3), every other one the same; the config resumes and validates."""
+    base = {"rounds": 8, "data.clients": 4, "train.clients_per_round": "all", "train.local_steps": 4,
+            "log.eval_every": 100, "mpi.away": [{"devices": [1, 3], "round": 3, "back": 6}]}
+    plain = run_experiment(base)
+    boosted = run_experiment({**base, "dynamics.fast_reboot": True}, "boosted.h5")
+    steps, active = boosted["participation/steps"], boosted["participation/active"]
+    assert active.all() and boosted["participation/selected"].all()  # no objective shift
+    assert (steps[2:5][:, [1, 3]] == 0).all() and (steps[2:5][:, [0, 2]] == 4).all() and (steps[5:] == 4).all()
+    assert (steps[:2] == 4).all()
+    absent = plain["participation/coeff"] == 0  # nothing applied: logged as 0
+    assert (absent == (steps == 0)).all() and (boosted["participation/coeff"][absent] == 0).all()
+    ratio = boosted["participation/coeff"] / np.where(absent, 1, plain["participation/coeff"])
+    expected = np.where(absent, 0.0, 1.0)
+    for r in range(6, 9):
+        expected[r - 1, [1, 3]] = 1 + 2 / (r - 6 + 1) ** 2
+    np.testing.assert_allclose(ratio, expected, rtol=1e-12)
+    # a replay of the log silences and boosts as it ran (the log keeps its boards away), to the byte
+    replay = run_experiment({**base, "mpi.away": [], "dynamics.fast_reboot": True, "participation.mode": "trace",
+                             "participation.trace": str(tmp_path / "boosted.h5")})
+    for name in ("participation/coeff", "participation/steps", "trajectory/x"):
+        assert replay[name].tobytes() == boosted[name].tobytes(), name
+    # still away (no back yet): silent to the end; and the key is checked
+    open_ended = run_experiment({**base, "mpi.away": [{"devices": [2], "round": 7}]})
+    assert (open_ended["participation/steps"][6:, 2] == 0).all() and (open_ended["participation/steps"][:6] == 4).all()
+    for away, message in (([{"devices": [4], "round": 2}], r"mpi.away\[0\].devices holds 4, not a device id"),
+                          ([{"devices": [1], "round": 3, "back": 3}], r"mpi.away\[0\].back = 3 must come after"),
+                          ([{"devices": [1], "round": 2}, {"devices": [1], "round": 5, "back": 6}],
+                           r"mpi.away\[1\]: device 1 is already away then \(mpi.away\[0\]\)")):
+        with pytest.raises(ConfigError, match=message):
+            config_with({**base, "mpi.away": away})
+
+
 @pytest.mark.parametrize("selection", ["all", 3])
 def test_scaffold_invariant_holds_across_shifts(tmp_path, run_experiment, selection):
     overrides = {

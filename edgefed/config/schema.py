@@ -123,6 +123,13 @@ class DynamicsConfig:
 
 
 @dataclass(frozen=True)
+class AwayConfig:
+    devices: tuple[int, ...]  # the devices a board hosted when `edgefed launch` left it out
+    round: int  # the first round the world ran without the board
+    back: int | None = None  # the first round the board was in the world again (None: not since)
+
+
+@dataclass(frozen=True)
 class MpiConfig:
     device_ranks: tuple[int, ...] = ()  # rank hosting each device; empty: round-robin over ranks 1..P-1
     threads_per_rank: int | None = None  # devices a rank runs at once, a core each; None: its share of its
@@ -131,6 +138,9 @@ class MpiConfig:
     # ends; None: 5 graces, at least 10 s (rank_timeout)
     rejoin: bool = True  # edgefed launch takes back a board it left out once it answers again
     rejoin_check_s: float = 10.0  # how often edgefed launch asks the boards it left out
+    away: tuple[AwayConfig, ...] = ()  # boards out of the world ([[mpi.away]], written by edgefed launch): their
+    # devices stay in the objective and report nothing until back; with [dynamics] fast_reboot their first
+    # rounds back are boosted like an arrival's
 
 
 @dataclass(frozen=True)
@@ -281,7 +291,7 @@ def rank_timeout(cfg: Config) -> float:
 
 # Keys that say where and how the devices run, not what the experiment is: a resume may change them (the
 # launcher moves the devices of a lost board to the others). In full and trace mode they change no byte.
-PLACEMENT = {"mpi": ("device_ranks", "threads_per_rank", "rank_timeout_s", "rejoin", "rejoin_check_s"),
+PLACEMENT = {"mpi": ("device_ranks", "threads_per_rank", "rank_timeout_s", "rejoin", "rejoin_check_s", "away"),
              "device": ("boards", "contention")}
 
 

@@ -67,6 +67,7 @@ def validate(cfg: Config) -> Config:
     if cfg.mpi.rank_timeout_s is not None:
         positive(cfg.mpi.rank_timeout_s, "mpi.rank_timeout_s", "rank_timeout_s = 30")
     positive(cfg.mpi.rejoin_check_s, "mpi.rejoin_check_s", "rejoin_check_s = 10")
+    _validate_away(cfg.mpi.away, cfg.data.clients, cfg.rounds)
     _validate_device(cfg.device, cfg.participation)
     compress = validate_compress(cfg.compress)
     validate_async(cfg, data, train, compress)
@@ -203,6 +204,27 @@ def _validate_dynamics(dyn: DynamicsConfig, n_clients: int | None, rounds: int) 
                               f"not after it arrives (round {arrivals[e.device]})")
     if not (dyn.boost >= 1 and math.isfinite(dyn.boost)):
         raise ConfigError(f"config: dynamics.boost = {dyn.boost} must be a finite number >= 1 (the paper uses 3)")
+
+
+def _validate_away(away, n_clients: int | None, rounds: int) -> None:
+    """[[mpi.away]]: device ids, a first round away in 1..rounds, a round back after it; no device away twice at
+    once."""
+    spans = {}
+    for i, e in enumerate(away):
+        key = f"mpi.away[{i}]"
+        bad = [k for k in e.devices if k < 0 or (n_clients is not None and k >= n_clients)]
+        if bad:
+            raise ConfigError(f"config: {key}.devices holds {bad[0]}, not a device id (0-based)")
+        if not 1 <= e.round <= rounds:
+            raise ConfigError(f"config: {key}.round = {e.round} is not a round (1..{rounds})")
+        if e.back is not None and e.back <= e.round:
+            raise ConfigError(f"config: {key}.back = {e.back} must come after its round ({e.round})")
+        end = math.inf if e.back is None else e.back
+        for k in e.devices:
+            clash = [j for j, (r0, r1) in spans.get(k, []) if r0 < end and e.round < r1]
+            if clash:
+                raise ConfigError(f"config: {key}: device {k} is already away then (mpi.away[{clash[0]}])")
+            spans.setdefault(k, []).append((i, (e.round, end)))
 
 
 def _validate_data(d: DataConfig) -> DataConfig:

@@ -17,8 +17,7 @@ def to_dict(cfg: Config) -> dict:
     for f in dataclasses.fields(cfg):
         value = getattr(cfg, f.name)
         if dataclasses.is_dataclass(value):
-            table = {k: list(v) if isinstance(v, tuple) else v
-                     for k, v in dataclasses.asdict(value).items() if v is not None}
+            table = _plain(dataclasses.asdict(value))
             if table:
                 out[TOML_NAMES.get(f.name, f.name)] = table
         elif isinstance(value, tuple):
@@ -27,6 +26,16 @@ def to_dict(cfg: Config) -> dict:
         elif value is not None:
             out[f.name] = value
     return out
+
+
+def _plain(table: dict) -> dict:
+    """A table's values as TOML takes them: tuples as lists (tables in them too), None left out."""
+    def plain(v):
+        if isinstance(v, (tuple, list)):
+            return [plain(item) for item in v]
+        return _plain(v) if isinstance(v, dict) else v
+
+    return {k: plain(v) for k, v in table.items() if v is not None}
 
 
 def to_toml(cfg: Config) -> str:

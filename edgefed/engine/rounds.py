@@ -76,7 +76,7 @@ class RoundEngine:
         self.transport = transport
         self.log = log
         self.on_round = on_round or (lambda summary: None)
-        self.dynamics = Dynamics(cfg.dynamics, self.n_devices)
+        self.dynamics = Dynamics(cfg.dynamics, self.n_devices, cfg.mpi.away)
         self.members: Membership = self.dynamics.at(0)  # the federation of the round under way
         self._budgets = local_budgets(cfg.train, self.n_train)
         self.timing = timing or Timing()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import json
 import math
 import os
 import time
@@ -220,6 +221,9 @@ def build_setup(cfg: Config, log_path: Path, resume_point, on_info, config_toml:
     same_data(resume_point, problem.n_train)
     cfg = config_mod.with_clients(cfg, problem.n_devices)
     trace = _trace(cfg, problem)
+    if isinstance(trace, ReplayTrace) and trace.away and not cfg.mpi.away:  # its silences and boosts, as they ran
+        cfg = dataclasses.replace(cfg, mpi=dataclasses.replace(cfg.mpi, away=tuple(
+            config_mod.AwayConfig(tuple(e["devices"]), e["round"], e.get("back")) for e in trace.away)))
     algorithm = build_algorithm(cfg)
     if resume_point is None or resume_point.fresh:  # the config as run: with the clients a problem file fixes
         config_toml = config_mod.to_toml(cfg)
@@ -231,6 +235,8 @@ def build_setup(cfg: Config, log_path: Path, resume_point, on_info, config_toml:
     on_info(f"{problem.describe()}; model {model.kind}, d = {model.n_trainable} {model.dtype.name}{frozen_text(model)}; "
             f"{cfg.train.algorithm}, {cfg.rounds} rounds; {stores}")
     header = log_header(cfg, algorithm, problem, model, layout, config_toml, restarts)
+    if cfg.mpi.away:  # the boards away as this world ran (a replay silences and boosts alike)
+        header.attrs["away"] = json.dumps([dataclasses.asdict(e) for e in cfg.mpi.away])
     need = check_device_memory(algorithm, cfg, problem, model, log_path, on_info, distributed)
     header.attrs["rank_memory_estimate_mb"] = np.array([need / 2 ** 20])  # (device ranks' added under mpiexec)
     if cfg.privacy.mechanism != "none":

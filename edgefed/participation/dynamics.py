@@ -7,6 +7,11 @@ is multiplied by 1 + (b - 1) / (r - r0 + 1)^2: b at arrival, decaying as O(r^-2)
 A device that departs in round r1 is gone from r1 on: with `exclude` it leaves the federation (an objective
 shift, like an arrival); with `include` it stays in the objective and may still be selected, but it never
 reports again (its steps are 0).
+A device whose board is away ([[mpi.away]]: `edgefed launch` left the board out from `round` until it was
+taken `back`) is silent like a departed `include` device over those rounds: in the objective, selectable,
+reporting nothing, its state kept. Its return is no objective shift; with fast-reboot its coefficient is
+boosted from its round back r_b as an arrival's is, 1 + (b - 1) / (r - r_b + 1)^2 (the latest of its
+arrival and its returns counts).
 """
 
 from __future__ import annotations
@@ -14,6 +19,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+
+from edgefed.errors import ConfigError
 
 
 @dataclass(frozen=True)
@@ -37,10 +44,15 @@ class Membership:
 
 
 class Dynamics:
-    def __init__(self, cfg, n_devices: int):
-        """cfg: the [dynamics] table (arrive, depart, fast_reboot, boost)."""
+    def __init__(self, cfg, n_devices: int, away=()):
+        """cfg: the [dynamics] table (arrive, depart, fast_reboot, boost); away: [[mpi.away]]."""
         self.cfg = cfg
         self.n = n_devices
+        self.away = tuple(away)
+        for i, e in enumerate(self.away):
+            if e.devices and max(e.devices) >= n_devices:
+                raise ConfigError(f"config: mpi.away[{i}].devices holds {max(e.devices)}, but the federation has "
+                                  f"{n_devices} devices (0..{n_devices - 1})")
         self.arrival = {e.device: e.round for e in cfg.arrive}
         self.departure = {e.device: (e.round, e.policy) for e in cfg.depart}
         shifts = [r for r in self.arrival.values()]
@@ -53,7 +65,7 @@ class Dynamics:
         if self.cfg.fast_reboot:
             b = self.cfg.boost
             boosted = {k: 1.0 + (b - 1.0) / (round_idx - r0 + 1) ** 2
-                       for k, r0 in self.arrival.items() if round_idx >= r0}
+                       for k, r0 in self.rebooted(round_idx).items()}
         return Membership(self.active(round_idx), self.silent(round_idx), self.shift_round(round_idx),
                           round_idx in self._shifts, self.arriving(round_idx), boosted)
 
@@ -68,11 +80,23 @@ class Dynamics:
         return mask
 
     def silent(self, round_idx: int) -> np.ndarray:
-        """Devices still in the objective that no longer report (departed with `include`)."""
+        """Devices in the objective that report nothing this round (departed with `include`, or away)."""
         mask = np.zeros(self.n, dtype=bool)
         for k, (r1, policy) in self.departure.items():
             mask[k] = policy == "include" and round_idx >= r1
+        for e in self.away:
+            if e.round <= round_idx and (e.back is None or round_idx < e.back):
+                mask[list(e.devices)] = True
         return mask
+
+    def rebooted(self, round_idx: int) -> dict:
+        """{device: the round it last arrived or came back in, at or before round_idx}."""
+        start = {k: r0 for k, r0 in self.arrival.items() if round_idx >= r0}
+        for e in self.away:
+            if e.back is not None and e.back <= round_idx:
+                for k in e.devices:
+                    start[k] = max(start.get(k, 0), e.back)
+        return start
 
     def shift_round(self, round_idx: int) -> int:
         """r_shift: the round before the last objective shift at or before round_idx (0 without one)."""

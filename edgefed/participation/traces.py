@@ -32,6 +32,7 @@ class ReplayTrace:
     utility: np.ndarray | None = None  # (R, N) float64: their scores
     per_round: object = None  # an over-selected run's train.clients_per_round (its quorum S), as it was set
     energy_j: np.ndarray | None = None  # (R, N): the recorded energy (None: the log kept none)
+    away: tuple = ()  # the boards away as it ran ([[mpi.away]] entries as dicts), whose returns it boosted
 
     @classmethod
     def checked(cls, recorded, source: str, n_devices: int, rounds: int, budgets: np.ndarray) -> "ReplayTrace":
@@ -57,7 +58,7 @@ class ReplayTrace:
         considered = [None if v is None else v[:rounds].copy() for v in (recorded.candidate, recorded.utility)]
         energy = None if recorded.energy_j is None else recorded.energy_j[:rounds].copy()
         return cls(selected.copy(), steps.astype(np.int32), recorded.late[:rounds].copy(), clock, comm,
-                   recorded.overselected, *considered, energy_j=energy)
+                   recorded.overselected, *considered, energy_j=energy, away=recorded.away)
 
     def recorded(self, round_idx: int) -> tuple[np.ndarray, np.ndarray]:
         """(selected device ids ascending, steps each completes) of round round_idx (1-based)."""

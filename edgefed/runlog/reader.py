@@ -3,6 +3,8 @@ line), every dataset up to the last completed round, the resume point, the recor
 
 from __future__ import annotations
 
+import json
+
 import contextlib
 import ctypes
 import functools
@@ -324,6 +326,7 @@ class RecordedParticipation:
     candidate: np.ndarray | None = None  # (R, N) bool: a selection policy's considered devices; None: uniform
     utility: np.ndarray | None = None  # (R, N) float64: their scores
     energy_j: np.ndarray | None = None  # (R, N) float64: each device-round's energy; None: not logged
+    away: tuple = ()  # the boards away as it ran ([[mpi.away]] entries as dicts: devices, round, back)
 
 
 def read_participation(path: str | Path) -> RecordedParticipation:
@@ -344,8 +347,9 @@ def read_participation(path: str | Path) -> RecordedParticipation:
                 tomllib.loads(text).get("participation", {}).get("overselect", 0) > 0)
             staleness = p["staleness"][()] if "staleness" in p else None
             considered = [p[name][()] if name in p else None for name in ("candidate", "utility", "energy_j")]
+            away = tuple(json.loads(str(f.attrs["away"]))) if "away" in f.attrs else ()
             return RecordedParticipation(p["selected"][()], p["steps"][()], p["budget"][()], late, text, clock, comm,
-                                         overselected, staleness, *considered)
+                                         overselected, staleness, *considered, away)
         except KeyError as exc:
             raise _lacks(path, exc, "an edgefed run log with participation") from None
 
