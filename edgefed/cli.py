@@ -50,6 +50,8 @@ def build_parser() -> argparse.ArgumentParser:
     _run_options(run)
     run.add_argument("--launch-status", help=argparse.SUPPRESS)  # edgefed launch: where to name a lost rank
     run.add_argument("--launch-restarts", help=argparse.SUPPRESS)  # edgefed launch: its restarts so far (JSON)
+    # edgefed launch: its placement of the devices (a file of --set lines: a board list's devices can be many)
+    run.add_argument("--launch-placement", help=argparse.SUPPRESS)
     run.set_defaults(func=cmd_run)
 
     launch = verbs.add_parser(
@@ -245,6 +247,13 @@ def _launch_context(args):
 def cmd_run(args) -> int:
     from edgefed.orchestration.ranks import execute
 
+    if args.launch_placement:
+        try:
+            args.overrides += Path(args.launch_placement).read_text(encoding="utf-8").splitlines()
+        except OSError as exc:
+            raise EdgefedError(f"--launch-placement cannot be read ({exc}; it is edgefed launch's, not for use by "
+                               "hand)") from None
+
     result = execute(lambda: _resolve(args), args.force, _progress(args.quiet), _info, _error, _launch_context(args))
     if isinstance(result, int):
         return result
@@ -285,7 +294,7 @@ def cmd_launch(args) -> int:
     placement = {"device.boards": cfg.device.boards, "device.contention": cfg.device.contention,
                  "mpi.device_ranks": cfg.mpi.device_ranks}
     return Launcher(log, args.config, overrides, force=args.force, ranks=args.ranks, boards=boards,
-                    placement=None if boards else placement, restarts=args.restarts, mpiexec=args.mpiexec,
+                    placement=placement, restarts=args.restarts, mpiexec=args.mpiexec,
                     mpiexec_args=shlex.split(args.mpiexec_args), quiet=args.quiet, resume=bool(args.resume),
                     on_line=_info, rejoin_check_s=cfg.mpi.rejoin_check_s if cfg.mpi.rejoin else None).run()
 

@@ -126,14 +126,15 @@ def test_a_board_that_answers_again_is_taken_back_at_a_round_boundary(tmp_path, 
     """A board's rank stops: the coordinator declares it lost, the world ends and the launch goes on without
     the board. Asked again every [mpi] rejoin_check_s, the board answers, so the next world ends after a
     round and the one after runs on every board again, resuming the log: two restarts (ranks 3 -> 2, then
-    2 -> 3, "answered again") and, in trace mode, the log an uninterrupted simulator run writes."""
+    2 -> 3, "answered again"). The board's devices (the odd ones) were away meanwhile and come back with
+    fast-reboot: in trace mode, the log a simulator run writes given those rounds away ([[mpi.away]])."""
     tag, log = uuid.uuid4().hex, tmp_path / "run.h5"
     env = clean_env(tag)
     for key in set(os.environ) - set(env):
         monkeypatch.delenv(key)
     for key, value in env.items():
         monkeypatch.setenv(key, value)
-    overrides = TRACE + ["mpi.rank_timeout_s=1.5"]
+    overrides = TRACE + ["mpi.rank_timeout_s=1.5", "dynamics.fast_reboot=true"]
     boards = [Board("localhost", None)] + [Board("localhost", "x86-64-laptop")] * 2  # (MPICH: local, no SSH)
     asked, lines = [], []
 
@@ -159,7 +160,13 @@ def test_a_board_that_answers_again_is_taken_back_at_a_round_boundary(tmp_path, 
                                            r"\S+ stopped answering for [\d.]+ s; ranks 3 -> 2", said[0]), said
     assert re.fullmatch(r"launch restart 2: the world ended after round \d+ \(\S+\): localhost answered again; "
                         r"ranks 2 -> 3", said[1]), said
-    same_as(data, simulator_log(tmp_path, overrides))
+    away, back = first["round"] + 1, second["round"] + 1
+    assert f"launch: the 4 devices of localhost are away from round {away} until it is back" in lines
+    steps = data["participation/steps"]
+    assert (steps[away - 1:back - 1, 1::2] == 0).all() and (steps[back - 1:, 1::2] > 0).any()
+    assert (data["participation/active"]).all()  # in the objective all along
+    same_as(data, simulator_log(tmp_path, overrides + [f"mpi.away=[{{devices = [1, 3, 5, 7], round = {away}, "
+                                                       f"back = {back}}}]"]))
 
 
 @needs_mpi

@@ -21,7 +21,10 @@ import pytest
 from edgefed import cli
 from edgefed.analysis.logs import Run
 from edgefed.analysis.summary import summary_lines
+from edgefed.orchestration import run as runs
 from edgefed.orchestration.board_speed import meter, write_share
+from edgefed.runlog import read_run
+from conftest import config_with
 from edgefed.tracefiles import read_trace_file
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -292,6 +295,8 @@ grace_s = 0.5
 [mpi]
 rank_timeout_s = 4.0
 rejoin_check_s = 1.0
+[dynamics]
+fast_reboot = true
 """
 
 
@@ -299,9 +304,9 @@ def test_a_deadline_run_follows_the_boards_shares_survives_a_cut_and_takes_a_sto
     """Two boards at a half and a quarter of a core, one device each: the slower completes fewer steps in
     every round (about half). Its link cut after round 2 for longer than the deadline and grace, shorter than
     the rank timeout: a round goes on without it, and it rejoins. Then the board stopped after round 5:
-    edgefed launch starts the world again without it; the board powered on again (`start`) answers, so the
-    launch takes it back at a round boundary, its device runs on it again, the run completes, and its
-    summary says both."""
+    edgefed launch starts the world again without it, its device away (silent, in the objective); the board
+    powered on again (`start`) answers, so the launch takes it back at a round boundary, its device runs on
+    it again with fast-reboot's boost, the run completes, and its summary says both."""
     folder, env = cluster
     config = folder / "deadline.toml"
     config.write_text(DEADLINE)
@@ -335,9 +340,23 @@ def test_a_deadline_run_follows_the_boards_shares_survives_a_cut_and_takes_a_sto
     said = [line for line in summary_lines(Run.read(log)) if line.startswith("launch restart")]
     assert len(said) == 2 and "rank 2 on vb-quarter.local stopped answering" in said[0] and "ranks 3 -> 2" in said[0]
     assert "the world ended" in said[1] and "10.232.0.3 answered again; ranks 2 -> 3" in said[1], said
-    back = int(Run.read(log).restarts[1]["round"])
-    assert 5 <= back < 10 and (steps[5:] > 0).all(), steps  # both devices on the board left, then on both
+    lost, back = (int(r["round"]) for r in Run.read(log).restarts)
+    assert 5 <= lost < back < 10 and (steps[:, 0] > 0).all(), steps
+    assert (steps[lost:back, 1] == 0).all() and (steps[back:, 1] > 0).all(), steps  # away, then back on its board
     assert steps[-1, 1] < 0.8 * steps[-1, 0], steps  # device 1 on its own, slower board again
+    # its first rounds back boosted by 1 + 2 / (r - r_b + 1)^2: a replay without fast-reboot weighs them that
+    # much less, and one with it to the byte
+    coeff = {}
+    for reboot in (True, False):
+        runs.run(config_with({"rounds": 10, "data.clients": 2, "train.clients_per_round": "all",
+                              "train.local_steps": 1000000, "participation.mode": "trace",
+                              "participation.trace": str(log), "dynamics.fast_reboot": reboot}), folder / f"r{reboot}.h5")
+        coeff[reboot] = read_run(folder / f"r{reboot}.h5")["participation/coeff"]
+    with h5py.File(log) as f:
+        assert coeff[True].tobytes() == f["participation/coeff"][()].tobytes()
+    boost = np.ones((10, 2))
+    boost[back:, 1] = 1 + 2 / (np.arange(back, 10) - back + 1) ** 2
+    np.testing.assert_allclose(coeff[True], coeff[False] * boost, rtol=1e-12)
     # powered on again: its sshd answers in its namespaces, its processes in its cgroup; a board that is up refused
     assert subprocess.run(["ssh", "-o", "ConnectTimeout=2", "10.232.0.3", "hostname"], capture_output=True,
                           text=True).stdout.strip() == "vb-quarter.local"

@@ -29,11 +29,14 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
+
 from edgefed import hwprofile
 from edgefed.errors import EXIT_BAD_INPUT, EXIT_INTERRUPTED, EXIT_RANK_LOST, EXIT_REJOIN, EdgefedError
 from edgefed.orchestration.resume import Launch
-from edgefed.runlog import last_completed_round, run_status
+from edgefed.runlog import device_count, last_completed_round, run_status
 from edgefed.runtime.mpi.comm import local_mpiexec
+from edgefed.runtime.mpi.placement import device_owners
 
 STOP_GRACE_S = 5.0  # after Ctrl-C, how long the ranks get to leave on their own before they are killed
 FINISH_GRACE_S = 30.0  # after the log is complete, how long the world gets to end on its own
@@ -193,6 +196,8 @@ class Launcher:
         self.rejoin_check_s, self.ready = (rejoin_check_s if boards else None), ready
         self.placement = {k: list(v) for k, v in (placement or {}).items() if v}
         self._moved: list[str] = []  # placement overrides after ranks were left out
+        self.homes: np.ndarray | None = None  # with a board list: each device's board (its line), as first placed
+        self.absences: list[dict] = []  # boards left out: line, its devices, the rounds they were away ([[mpi.away]])
         self.mpiexec, self.mpiexec_args = find_mpiexec(mpiexec), list(mpiexec_args)
         self.flavour = mpi_flavour(self.mpiexec)
         self.quiet, self.resume, self.say, self.answers, self.oom_kills = quiet, resume, on_line, answers, oom_kills
@@ -226,6 +231,10 @@ class Launcher:
             args = ([self.config] if self.config else []) + ["--out", str(self.log)] + (["--force"] if self.force else [])
         sets = self.overrides + (board_overrides(self.boards) if self.boards else []) + self._moved
         args += [a for o in sets for a in ("--set", o)]
+        if self.absences:
+            placed = status.with_name("placement")
+            placed.write_text("\n".join(self._placement_sets()) + "\n", encoding="utf-8")
+            args += ["--launch-placement", str(placed)]
         if self.quiet:
             args.append("--quiet")
         args += ["--launch-status", str(status)]
@@ -400,9 +409,13 @@ class Launcher:
                  f"resuming {self.log} ({self.restarts_left} restarts left)")
 
     def _take_back(self) -> None:
-        """The boards found back join the next world, in their places in the board list."""
+        """The boards found back join the next world, in their places in the board list, with their devices."""
         for i in self.back:
             self.say(f"launch: taking back {self.every_board[i].host}: it answers again")
+        back = max(last_completed_round(self.log), 0) + 1
+        for absence in self.absences:
+            if absence["line"] in self.back and absence["back"] is None:
+                absence["back"] = back
         self.taken_back |= set(self.back)
         self.away = [i for i in self.away if i not in self.back]
         self.present = sorted(self.present + self.back)
@@ -472,8 +485,45 @@ class Launcher:
         # a board that ran out of memory would again, and one lost again after it was taken back may keep
         # failing (a restart each time): only the other silent ones are asked whether they are back
         self.away += [self.present[i] for i in sorted(drop - set(starved)) if self.present[i] not in self.taken_back]
+        self._devices_away([self.present[i] for i in sorted(drop)])
         self.present = [line for i, line in enumerate(self.present) if i not in drop]
         self.ranks = len(self.present) if len(self.present) > 1 else 0
+
+
+    # -- a board's devices are its own -------------------------------------------------------------------
+    def _devices_away(self, lines: list[int]) -> None:
+        """The devices at home on the boards left out are away from the next round until their board is back:
+        in the objective, silent ([[mpi.away]]; the others stay on their boards). Before the log knows its
+        devices (a world lost while starting) nothing is away: the next world places them over the boards left."""
+        if not lines:
+            return
+        if self.homes is None:
+            n = device_count(self.log)
+            if n is None:
+                return
+            # the first world's placement, every board present: rank = line
+            self.homes = device_owners(n, len(self.every_board), self.placement.get("mpi.device_ranks", ()))
+        start = max(last_completed_round(self.log), 0) + 1
+        for line in lines:
+            devices = np.flatnonzero(self.homes == line)
+            if devices.size:
+                self.absences.append({"line": line, "devices": devices, "round": start, "back": None})
+                self.say(f"launch: the {devices.size} devices of {self.every_board[line].host} are away from round "
+                         f"{start} until it is back")
+
+    def _placement_sets(self) -> list[str]:
+        """The next world's placement as --set lines: every device on its board, those of a board left out
+        held (silent) by the others in turn; and every board's absences so far."""
+        rank_of = np.zeros(len(self.every_board), np.int64)
+        rank_of[self.present] = np.arange(len(self.present))
+        present = np.zeros(len(self.every_board), bool)
+        present[self.present] = True
+        ranks = rank_of[self.homes]
+        held = np.flatnonzero(~present[self.homes])
+        ranks[held] = 1 + np.arange(held.size) % max(len(self.present) - 1, 1)
+        away = ", ".join(f"{{devices = {_toml_list(a['devices'].tolist(), False)}, round = {a['round']}"
+                         + ("" if a["back"] is None else f", back = {a['back']}") + "}" for a in self.absences)
+        return [f"mpi.device_ranks={_toml_list(ranks.tolist(), False)}", f"mpi.away=[{away}]"]
 
 
 def _memory_mb(profile: str | None) -> str:

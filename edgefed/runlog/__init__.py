@@ -20,7 +20,7 @@ file and swaps it in atomically, so nothing logged is lost if the resume itself 
 """
 
 from edgefed.runlog.files import discard_stub, exists_error, hold, let_go, write_stub
-from edgefed.runlog.reader import (LazyRun, RecordedParticipation, ResumePoint, last_completed_round, no_round_yet,
+from edgefed.runlog.reader import (LazyRun, RecordedParticipation, ResumePoint, device_count, last_completed_round, no_round_yet,
                                    nonfinite_counts, open_run, read_participation, read_resume_point, read_run,
                                    reading, root_attrs, run_status)
 from edgefed.runlog.rows import read_rows, stored_rows, write_rows
@@ -30,6 +30,6 @@ from edgefed.runlog.writer import RunLogWriter
 
 __all__ = ["EVALUATED", "FORMAT", "FORMAT_VERSION", "FROZEN", "LIBVER", "MEASURED", "MEASURED_ATTRS", "MEASURED_CLOCK",
            "RESTART", "Column", "Header", "LazyRun", "RecordedParticipation", "ResumePoint", "RunLogWriter", "columns",
-           "last_completed_round", "discard_stub", "exists_error", "hold", "let_go", "measured", "no_round_yet",
+           "device_count", "last_completed_round", "discard_stub", "exists_error", "hold", "let_go", "measured", "no_round_yet",
            "nonfinite_counts", "open_run", "read_participation", "read_resume_point", "read_rows", "read_run", "reading",
            "restart_records", "root_attrs", "run_status", "stored_rows", "write_rows", "write_stub"]

@@ -171,6 +171,16 @@ def last_completed_round(path: str | Path) -> int:
         return -1
 
 
+def device_count(path: str | Path) -> int | None:
+    """The federation's size in the log (its devices' table), or None when it holds none yet or cannot be read
+    now."""
+    try:
+        with reading(path) as f:
+            return int(f["devices/n_train"].shape[0]) if "devices/n_train" in f else None
+    except (RunLogError, OSError, KeyError):
+        return None
+
+
 def run_status(path: str | Path) -> str | None:
     """The log's status attribute (starting, running, complete), or None when it cannot be read now."""
     try:
