@@ -26,6 +26,7 @@ SECTIONS = {  # docs/config.md heading -> (dataclass, where its resolved default
        for name in schema.TABLES},
     "`[[dynamics.arrive]]`": (schema.ArrivalConfig, None),
     "`[[dynamics.depart]]`": (schema.DepartureConfig, None),
+    "`[[mpi.away]]`": (schema.AwayConfig, None),
     "`[[fault]]`": (schema.FaultConfig, None),
 }
 
