@@ -7,6 +7,8 @@ import numpy as np
 import pytest
 
 from edgefed import config as config_mod
+from edgefed.analysis.logs import Run
+from edgefed.analysis.summary import summary_lines
 from edgefed.orchestration import run as runs
 from edgefed.errors import ConfigError
 from edgefed.participation.dynamics import Dynamics
@@ -171,6 +173,8 @@ def test_a_board_away_silences_its_devices_and_fast_reboot_boosts_their_return(t
     for r in range(6, 9):
         expected[r - 1, [1, 3]] = 1 + 2 / (r - 6 + 1) ** 2
     np.testing.assert_allclose(ratio, expected, rtol=1e-12)
+    said = [line for line in summary_lines(Run.read(tmp_path / "boosted.h5")) if line.startswith("devices away")]
+    assert said == ["devices away with their board: 2 (1, 3) rounds 3..5, back in round 6"]
     # a replay of the log silences and boosts as it ran (the log keeps its boards away), to the byte
     replay = run_experiment({**base, "mpi.away": [], "dynamics.fast_reboot": True, "participation.mode": "trace",
                              "participation.trace": str(tmp_path / "boosted.h5")})

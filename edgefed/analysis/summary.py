@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 
 import numpy as np
@@ -10,6 +11,12 @@ from edgefed.analysis.logs import Run
 from edgefed.memory import size_text
 
 DEVICE_ROWS = 1000  # the per-device table lists at most this many devices
+
+
+def _ids(devices, shown: int = 8) -> str:
+    """Device ids, the first few of many ("1, 3, 5, ... 4,093 more")."""
+    head = ", ".join(str(k) for k in devices[:shown])
+    return head if len(devices) <= shown else f"{head}, ... {len(devices) - shown:,} more"
 
 
 def _num(value: float, spec: str = ".4f") -> str:
@@ -30,6 +37,10 @@ def summary_lines(run: Run, target: float | None = None) -> list[str]:
         ended = "ended" if r["cause"].endswith("answered again") else "died"  # (a board taken back)
         lines.append(f"launch restart {i}: the world {ended} after round {r['round']} ({r['time']}): {r['cause']}; "
                      f"ranks {r['ranks_before']} -> {r['ranks_after']}")
+    for e in json.loads(str(run.attrs.get("away", "[]"))):  # whose board was out of the world, and when
+        until = (f"rounds {e['round']}..{e['back'] - 1}, back in round {e['back']}" if e.get("back") is not None
+                 else f"from round {e['round']}, not back")
+        lines.append(f"devices away with their board: {len(e['devices'])} ({_ids(e['devices'])}) {until}")
     dropped = run.nonfinite()
     if dropped["reports"] or dropped["no_update"]:
         lines.append(f"non-finite: {dropped['reports']} reports dropped as non-finite (NaN or infinity in the update) "
