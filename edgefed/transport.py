@@ -65,6 +65,9 @@ class LocalResults:
     # every sample trained on, and how many (a sample drawn twice counts twice); None: not reported
     loss_sq: np.ndarray | None = None  # (S,) float64
     samples: np.ndarray | None = None  # (S,) int64
+    # what the boards' own meters read (runtime/power.py): each device's share of its board's energy in the
+    # round, J (NaN: its board has none); None: not read (the simulator)
+    energy_read_j: np.ndarray | None = None  # (S,) float64
 
 
 @dataclass(frozen=True)

@@ -206,3 +206,63 @@ def test_devices_on_boards_without_power_are_not_counted_as_zero():
     assert energy["total"] == 3.0 and energy["partial"] and math.isnan(energy["device"][1])
     data["participation/selected"][:, 1] = False  # (only a device never selected has no energy: nothing missing)
     assert not Run(Path("r.h5"), data, "").energy()["partial"]
+
+
+class _Counter:
+    """A board meter whose every reading adds one joule: a round's reading is then the number of reports
+    its rank sent in it."""
+
+    source = "test"
+
+    def __init__(self):
+        self.total = 0.0
+
+    def joules(self) -> float:
+        self.total += 1.0
+        return self.total
+
+
+def test_boards_that_read_their_own_energy_log_it_beside_the_model(tmp_path, board, monkeypatch):
+    """Under mpiexec on a measured clock each device rank reads its board's meter at the start of its work and
+    at each report it sends; a rank's reading of a round is split evenly among its devices that worked, so
+    each board's devices sum to what its meter read (here one joule a message: one message a round)."""
+    from edgefed.runtime import power
+    from test_protocol import loopback_run
+
+    monkeypatch.setattr(power, "meter", _Counter)
+    cfg = board("metered.toml", **{"device.profile": None, "device.speed": [],
+                                   "device.boards": [str(tmp_path / "metered.toml")] * 2})
+    log = loopback_run(cfg, tmp_path / "read.h5", 3)
+    read, selected = log["participation/energy_read_j"], log["participation/selected"]
+    board_of = log["attrs"]["device_board"]
+    for b in (0, 1):
+        mine = selected & (board_of == b)[None, :]
+        np.testing.assert_allclose(np.where(mine, read, 0.0).sum(axis=1)[mine.any(axis=1)], 1.0, rtol=1e-12)
+    assert np.isfinite(read[selected]).all() and np.isnan(read[~selected]).all()
+    assert np.isfinite(log["participation/energy_j"][selected]).all()  # the model's, beside it
+    monkeypatch.setattr(power, "meter", lambda: None)  # boards without a meter: NaN beside the model
+    assert np.isnan(loopback_run(cfg, tmp_path / "none.h5", 3)["participation/energy_read_j"]).all()
+
+
+def test_rapl_counters_wrap_and_a_pmic_is_sampled(tmp_path, monkeypatch):
+    from edgefed.runtime import power
+
+    zone = tmp_path / "intel-rapl:0"
+    zone.mkdir()
+    (tmp_path / "intel-rapl:0:0").mkdir()  # a subzone (a core's): part of the package, not counted again
+    (zone / "max_energy_range_uj").write_text("1000000\n")
+    (zone / "energy_uj").write_text("900000\n")
+    monkeypatch.setattr(power, "POWERCAP", tmp_path)
+    meter = power.meter()
+    assert meter.source == "RAPL" and meter.zones == [zone]
+    (zone / "energy_uj").write_text("950000\n")
+    assert meter.joules() == pytest.approx(0.05)
+    (zone / "energy_uj").write_text("100000\n")  # wrapped: 50,000 to the range, then 100,000
+    assert meter.joules() == pytest.approx(0.2)
+    text = ("  VDD_CORE_A current(7)=2.00000000A\n  VDD_CORE_V volt(15)=0.80000000V\n"
+            "  EXT5V_V volt(24)=5.10000000V\n  3V3_SYS_A current(2)=0.50000000A\n  3V3_SYS_V volt(10)=3.30000000V\n")
+    assert power.rails_watts(text) == pytest.approx(2 * 0.8 + 0.5 * 3.3)  # EXT5V has no current: not a rail here
+    clock = iter([10.0, 12.0])
+    monkeypatch.setattr(power.time, "monotonic", lambda: next(clock))
+    pmic = power.Pmic(lambda: text)
+    assert pmic.joules() == pytest.approx(2.0 * (1.6 + 1.65))  # 2 s at a steady 3.25 W

@@ -513,17 +513,24 @@ class RoundEngine:
                                    int(np.sum(settled.steps[~late & ~w.nonfinite])), int(plan.budgets.sum()),
                                    int(np.count_nonzero(w.coeffs)), evaluate, note))
 
-    def _energy_row(self, round_idx: int, ids: np.ndarray, busy_s: np.ndarray, held_s, shared: bool = True) -> dict:
+    def _energy_row(self, round_idx: int, ids: np.ndarray, busy_s: np.ndarray, held_s, shared: bool = True,
+                    read_j: np.ndarray | None = None) -> dict:
         """The devices' energy in the round (docs/design.md 2.21), where the boards' power is known; a replay
         logs the recorded energy. shared: a board's idle power over the round is split among its devices
-        (FedBuff: each report's task holds its board alone)."""
+        (FedBuff: each report's task holds its board alone). read_j: what the boards' own meters read, beside
+        it (a measured run under mpiexec)."""
         power = self.timing.power
         if power is None:
             return {}
         row = np.full(self.n_devices, np.nan)
         recorded = self.clock.recorded_energy(round_idx, ids)
         row[ids] = power.joules(ids, busy_s, held_s, shared) if recorded is None else recorded
-        return {"participation/energy_j": row}
+        out = {"participation/energy_j": row}
+        if self.timing.reads_energy:
+            out["participation/energy_read_j"] = read = np.full(self.n_devices, np.nan)
+            if read_j is not None:
+                read[ids] = read_j
+        return out
 
     def _stage_and_commit(self, round_idx, changes, store: bool, sets=None) -> None:
         """Resume state, the stored trajectory rows, then the round marker (last).
@@ -573,7 +580,7 @@ class RoundEngine:
             "participation/bytes_down": self._bytes_down(plan),
             **self._considered_row(plan.round_idx),
             **self._energy_row(plan.round_idx, ids, settled.busy_s, self.clock.round_s if held_s is None else held_s,
-                               held_s is None),
+                               held_s is None, res.energy_read_j),
             "metrics/lr": plan.lr,
             "metrics/n_applied": int(np.count_nonzero(coeffs)),
             "metrics/round_elapsed_s": elapsed,

@@ -81,6 +81,14 @@ def energy_column(n: int) -> Column:
                   "or no [power])", np.nan)
 
 
+def energy_read_column(n: int) -> Column:
+    """Beside the modelled energy, where boards read their own (docs/design.md 2.21)."""
+    return Column("participation/energy_read_j", (n,), np.float64, "round",
+                  "the device's share of its board's energy in the round as the board's own meter read it, J (RAPL, "
+                  "or a Pi 5's PMIC sampled; measured, beside the modelled energy_j; NaN: no meter, not selected)",
+                  np.nan)
+
+
 def stored_rounds(rounds: int, every: int) -> int:
     """Rounds whose model the log stores: 0, every k-th, and the last."""
     return rounds // every + 1 + (1 if rounds % every else 0)

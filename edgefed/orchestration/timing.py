@@ -14,7 +14,7 @@ from edgefed.errors import ConfigError
 from edgefed.participation.budgets import local_budgets
 from edgefed.participation.energy import BoardPower
 from edgefed.participation.timing import Boards, Timing
-from edgefed.orchestration.header import energy_column
+from edgefed.orchestration.header import energy_column, energy_read_column
 from edgefed.participation.asynchrony import Recorded
 from edgefed.participation.traces import ReplayTrace
 
@@ -132,8 +132,11 @@ def timing_for(setup, owners: np.ndarray | None = None, on_info=None, resume_poi
     if power is None and resume_point is not None and "participation/energy_j" in resume_point.logged:
         power = BoardPower(np.zeros(n, np.int64), np.array([np.nan]), np.array([np.nan]))  # (its rows go on, NaN)
     if power is not None:
-        timing = dataclasses.replace(timing, power=power)
-        header = dataclasses.replace(header, extra_columns=header.extra_columns + (energy_column(n),))
+        reads = (timing.clock == "measured" and distributed) or (
+            resume_point is not None and "participation/energy_read_j" in resume_point.logged)  # (its rows go on)
+        timing = dataclasses.replace(timing, power=power, reads_energy=reads)
+        read = (energy_read_column(n),) if reads else ()
+        header = dataclasses.replace(header, extra_columns=header.extra_columns + (energy_column(n),) + read)
     return dataclasses.replace(setup, timing=timing, header=header)
 
 

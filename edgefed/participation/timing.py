@@ -141,6 +141,7 @@ class Timing:
     link_mbps: np.ndarray | None = None  # (N,) each device's shaped link ([device] link_mbps); None: not shaped
     round_bytes: int = 0  # what a selected device's round moves (broadcast and report), for the links' prior
     power: BoardPower | None = None  # each device's board and what it draws; None: no energy is computed
+    reads_energy: bool = False  # the boards' own meters are read beside the modelled energy (measured, mpiexec)
 
     def delays(self, ids: np.ndarray, round_idx: int) -> np.ndarray:
         return np.array([self.link_delays.get((int(k), round_idx), 0.0) for k in ids])

@@ -14,6 +14,7 @@ that is gone ([mpi] rank_timeout_s).
 from __future__ import annotations
 
 import concurrent.futures
+import math
 import threading
 import time
 from collections import deque
@@ -22,6 +23,7 @@ import numpy as np
 
 from edgefed.algorithms.base import DeviceRows, ServerState
 from edgefed.memory import peak_rss
+from edgefed.runtime import power
 from edgefed.runtime.mpi import protocol
 from edgefed.runtime.mpi.comm import POLL_MAX_S, Backoff, mpi_of, wait
 from edgefed.runtime.mpi.protocol import Wire
@@ -97,6 +99,8 @@ class DeviceServer:
         self._task_due = None  # async: when the finished task's report may leave (after its link's time)
         self._tasks_ended = False  # async: rank 0's end-of-tasks record came
         self._secagg_sent = []  # (request, buffer) of secure aggregation's replies on their way
+        self.meter = power.meter()  # the board's own energy meter (None: it has none)
+        self._read_j = math.nan  # the meter's reading at the rank's last report of the round (or its start)
 
     def _records(self, tag: int, n: int) -> np.ndarray:
         """n zeroed records to fill, living in the next free send buffer (no allocation per round)."""
@@ -108,6 +112,17 @@ class DeviceServer:
         buf = self._send[i][: n * record.itemsize]
         buf[:] = 0
         return buf.view(record)
+
+    def _board_energy(self, records: np.ndarray, read: bool = True) -> None:
+        """The rank and what its board's meter read since its last report of the round, on the first record
+        (NaN: no meter, or read False)."""
+        records["rank"] = self.comm.Get_rank()
+        records["board_j"][1:] = 0.0
+        if self.meter is None or not read:
+            records["board_j"][0] = math.nan
+            return
+        now = self.meter.joules()
+        records["board_j"][0], self._read_j = now - self._read_j, now
 
     def _send_records(self, tag: int, records: np.ndarray) -> None:
         if "peak_rss" in records.dtype.names:  # (work and evaluation: the rank's memory goes into the log)
@@ -151,6 +166,7 @@ class DeviceServer:
             records = self._records(protocol.TAG_WORK, rows.size)
             self.wire.pack_work(records, plan.round_idx, plan.device_ids[rows], work.results(rows), wait_s,
                                 [work.payload[r] for r in rows])
+            self._board_energy(records)
             self._send_records(protocol.TAG_WORK, records)
             if work.residuals:  # right behind the reports: the coordinator keeps them for --resume
                 left = self._records(protocol.TAG_RESIDUAL, rows.size)
@@ -181,6 +197,7 @@ class DeviceServer:
                 return
             records = self._records(protocol.TAG_WORK, 1)
             self.wire.pack_work(records, plan.round_idx, plan.device_ids, work.results(), 0.0, work.payload)
+            self._board_energy(records, read=False)  # (a task is not a round: its board's energy is not read)
             self._send_records(protocol.TAG_WORK, records)
             self._task = self._task_due = None
         if self._task is None and self._tasks:
@@ -291,10 +308,12 @@ class DeviceServer:
             # still on an older round, or this one is over already: these devices cannot start in time
             records = self._records(protocol.TAG_WORK, plan.device_ids.size)
             self.wire.pack_work(records, plan.round_idx, plan.device_ids, None)
+            self._board_energy(records, read=False)  # (the meter's reading goes on with the older round)
             self._send_records(protocol.TAG_WORK, records)
             return
         self._finished.clear()
         self._due, self._sent, self._begun = [], set(), time.perf_counter()
+        self._read_j = math.nan if self.meter is None else self.meter.joules()
 
         def finished(row):
             self._finished.append((row, time.perf_counter()))

@@ -104,6 +104,9 @@ class Wire:
             ("loss_sq", "<f8"),  # the squared losses of the samples its steps trained on, summed (Oort's utility)
             ("samples", "<i8"),  # how many samples those were
             ("peak_rss", "<i8"),  # the rank's peak resident memory so far, bytes (the log's rank_peak_rss_mb)
+            ("rank", "<i4"),  # the rank that sent it
+            ("board_j", "<f8"),  # its board's energy since the rank's last report of the round (or its start) as
+            # the board's own meter read it, on the first record of a message (0 on the others); NaN: no meter
             ("payload", "u1", (payload,)),  # the report vectors, encoded, back to back (or the masked input)
         ], align=True)
         self.residual = np.dtype([("round", "<i8"), ("device", "<i8"),
@@ -360,7 +363,8 @@ class Wire:
                             measured["cpu_freq_mhz"], measured["temperature_c"], compiled, finish,
                             comm.astype(np.float32), core, (comm - wait_s).astype(np.float32), bytes_up=bytes_up,
                             masked=masked, nonfinite=nonfinite if secure else None,
-                            secagg_s=secagg_s if secure else None, loss_sq=loss_sq, samples=samples)
+                            secagg_s=secagg_s if secure else None, loss_sq=loss_sq, samples=samples,
+                            energy_read_j=boards_read(messages, row, n_sel))
 
     # -- up: evaluation --------------------------------------------------------------------------------
     @staticmethod
@@ -401,3 +405,20 @@ class Wire:
 
     def _row_names(self, records: np.ndarray) -> tuple:
         return self.restored if records.dtype == self.load else self.device
+
+
+def boards_read(messages, row: dict, n_sel: int) -> np.ndarray:
+    """Each device's share of what its board's meter read in the round: a rank's readings summed over its
+    messages, split evenly among its devices that worked (all of them where none did); NaN where a rank has
+    no meter."""
+    read, rows = {}, {}
+    for records in messages:
+        for rec in records:
+            rank = int(rec["rank"])
+            read[rank] = read.get(rank, 0.0) + float(rec["board_j"])
+            rows.setdefault(rank, []).append((row[int(rec["device"])], not rec["late"] and rec["steps"] > 0))
+    out = np.full(n_sel, np.nan)
+    for rank, held in rows.items():
+        worked = [i for i, did in held if did] or [i for i, _ in held]
+        out[worked] = read[rank] / len(worked)
+    return out
