@@ -240,6 +240,12 @@ def test_boards_that_read_their_own_energy_log_it_beside_the_model(tmp_path, boa
         np.testing.assert_allclose(np.where(mine, read, 0.0).sum(axis=1)[mine.any(axis=1)], 1.0, rtol=1e-12)
     assert np.isfinite(read[selected]).all() and np.isnan(read[~selected]).all()
     assert np.isfinite(log["participation/energy_j"][selected]).all()  # the model's, beside it
+    rounds = int(selected.any(axis=1).sum())
+    modelled = log["participation/energy_j"][selected].sum()
+    lines = summary_lines(Run.read(tmp_path / "read.h5"))
+    assert (f"energy read by the boards' own meters (RAPL, a Pi 5's PMIC; measured): {2 * rounds:.4g} J over "
+            f"{selected.sum()} device-rounds, where the model says {modelled:.4g} J") in lines
+    assert sum(line.endswith(f"; its meter read {rounds:.4g} J") for line in lines) == 2, lines
     monkeypatch.setattr(power, "meter", lambda: None)  # boards without a meter: NaN beside the model
     assert np.isnan(loopback_run(cfg, tmp_path / "none.h5", 3)["participation/energy_read_j"]).all()
 

@@ -20,7 +20,8 @@ CSV_FILES = ("metrics.csv", "participation.csv")  # what --csv writes into its f
 PER_ROUND = ("lr", "n_applied", "round_elapsed_s")  # round rows only (no round 0)
 PER_EVAL = ("train_loss", "test_loss", "test_accuracy", "clock_s")  # round 0 too
 PER_DEVICE = ("selected", "active", "budget", "steps", "coeff", "late", "nonfinite", "elapsed_s", "cpu_percent",
-              "cpu_freq_mhz", "temperature_c", "deadline_s", "comm_s", "core", "compiled", "energy_j")
+              "cpu_freq_mhz", "temperature_c", "deadline_s", "comm_s", "core", "compiled", "energy_j",
+              "energy_read_j")
 
 
 def _cell(value) -> str:

@@ -162,6 +162,11 @@ class Run:
         out = {"total": total, "per_round": total / joules.shape[0], "device": per_device,
                "device_rounds": charged.sum(axis=0), "boards": None, "since": self.since_restart(),
                "partial": bool((self["participation/selected"] & ~charged).any())}
+        read = self.data.get("participation/energy_read_j")  # what the boards' own meters read, beside it
+        if read is not None:
+            known = np.isfinite(read)
+            out["read"] = {"total": float(read[known].sum()), "modelled": float(joules[known & charged].sum()),
+                           "device_rounds": int(known.sum())} if known.any() else None
         board = self.attrs.get("device_board")
         if board is not None:  # (the last world's boards: the rounds since its restart)
             board, since = np.asarray(board, np.int64), out["since"]
@@ -171,8 +176,11 @@ class Run:
                 mine = board == b
                 worked = int(charged[since:, mine].any(axis=1).sum())
                 spent = float(later[:, mine].sum()) if worked else math.nan
+                metered = None if read is None else read[since:, mine]
                 out["boards"].append({"board": b, "devices": int(mine.sum()), "total": spent, "rounds": worked,
-                                      "per_round": spent / worked if worked else math.nan})
+                                      "per_round": spent / worked if worked else math.nan,
+                                      "read": float(np.nansum(metered)) if metered is not None
+                                      and np.isfinite(metered).any() else math.nan})
         return out
 
     def since_restart(self) -> int:

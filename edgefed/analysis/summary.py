@@ -109,12 +109,17 @@ def _energy_lines(run: Run, energy: dict | None) -> list[str]:
     lines = [f"energy (modelled from the boards' [power]): {energy['total']:.4g} J in all, {energy['per_round']:.4g} J "
              "a round" + ("" if energy["boards"] is not None else "; each simulated device is a board of its own")
              + ("; devices on boards without [power] not counted" if energy["partial"] else "")]
+    if energy.get("read"):
+        read = energy["read"]
+        lines.append(f"energy read by the boards' own meters (RAPL, a Pi 5's PMIC; measured): {read['total']:.4g} J over "
+                     f"{read['device_rounds']} device-rounds, where the model says {read['modelled']:.4g} J")
     if energy["boards"] and energy["since"]:
         lines.append(f"  per board, rounds {energy['since'] + 1}..{run.rounds} (the last world's boards):")
     for board in energy["boards"] or ():
         devices = f"{board['devices']} device" + ("" if board["devices"] == 1 else "s")
+        metered = "" if math.isnan(board["read"]) else f"; its meter read {board['read']:.4g} J"
         lines.append(f"  {_board_name(run, board['board'])}: {devices}, {_num(board['total'], '.4g')} J, "
-                     f"{_num(board['per_round'], '.4g')} J a round it worked")
+                     f"{_num(board['per_round'], '.4g')} J a round it worked{metered}")
     return lines
 
 
