@@ -489,7 +489,6 @@ class Launcher:
         self.present = [line for i, line in enumerate(self.present) if i not in drop]
         self.ranks = len(self.present) if len(self.present) > 1 else 0
 
-
     # -- a board's devices are its own -------------------------------------------------------------------
     def _devices_away(self, lines: list[int]) -> None:
         """The devices at home on the boards left out are away from the next round until their board is back:

@@ -48,10 +48,10 @@ class Dynamics:
         """cfg: the [dynamics] table (arrive, depart, fast_reboot, boost); away: [[mpi.away]]."""
         self.cfg = cfg
         self.n = n_devices
-        self.away = tuple(away)
-        for i, e in enumerate(self.away):
-            if e.devices and max(e.devices) >= n_devices:
-                raise ConfigError(f"config: mpi.away[{i}].devices holds {max(e.devices)}, but the federation has "
+        self.away = [(np.asarray(e.devices, np.int64), e.round, e.back) for e in away]
+        for i, (devices, _, _) in enumerate(self.away):
+            if devices.size and devices.max() >= n_devices:
+                raise ConfigError(f"config: mpi.away[{i}].devices holds {devices.max()}, but the federation has "
                                   f"{n_devices} devices (0..{n_devices - 1})")
         self.arrival = {e.device: e.round for e in cfg.arrive}
         self.departure = {e.device: (e.round, e.policy) for e in cfg.depart}
@@ -84,18 +84,18 @@ class Dynamics:
         mask = np.zeros(self.n, dtype=bool)
         for k, (r1, policy) in self.departure.items():
             mask[k] = policy == "include" and round_idx >= r1
-        for e in self.away:
-            if e.round <= round_idx and (e.back is None or round_idx < e.back):
-                mask[list(e.devices)] = True
+        for devices, start, back in self.away:
+            if start <= round_idx and (back is None or round_idx < back):
+                mask[devices] = True
         return mask
 
     def rebooted(self, round_idx: int) -> dict:
         """{device: the round it last arrived or came back in, at or before round_idx}."""
         start = {k: r0 for k, r0 in self.arrival.items() if round_idx >= r0}
-        for e in self.away:
-            if e.back is not None and e.back <= round_idx:
-                for k in e.devices:
-                    start[k] = max(start.get(k, 0), e.back)
+        for devices, _, back in self.away:
+            if back is not None and back <= round_idx:
+                for k in devices.tolist():
+                    start[k] = max(start.get(k, 0), back)
         return start
 
     def shift_round(self, round_idx: int) -> int:
