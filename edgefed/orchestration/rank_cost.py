@@ -7,9 +7,12 @@ board's share of one, those take CPU time from the steps inside the deadline; on
 are idle they take almost none. Measured on the board itself, the difference is whatever the board makes
 of it:
 
-- lost_share: 1 − (steps a device completes in a window as a rank runs it) / (steps the profile's way),
-  logistic-regression steps (batch 20) in a worker thread over alternating windows: calls of about 2 ms
-  with the main thread asleep, or a DeadlineRunner's chunks with the main thread waiting as a working
+- lost_share: the median over ten pairs of windows of 0.1 s of 1 − (steps a second a device completes in a
+  deadline as a rank runs it) / (steps a second the profile's way, in the window before), logistic-regression
+  steps (batch 20) in a worker thread: calls
+  of about 2 ms with the main thread asleep, as a rate over the calls to the end of the last one (a call
+  past the window's end counted with its time, which on a throttled board is a whole quota period), or a
+  DeadlineRunner given the window, its steps over the window, with the main thread waiting as a working
   device rank waits (comm.wait at the working poll interval, probing for a stop, sending the heartbeat);
 - round_s: per model, the median seconds of one round's own work, the state unpacked and one report packed
   (protocol.Wire, as the rank does it).
@@ -22,8 +25,8 @@ import time
 
 import numpy as np
 
-WINDOW_S = 0.2  # one window; the windows alternate (alone, beside the polls) so a drift hits both alike
-WINDOWS = 4  # of each kind
+WINDOW_S = 0.1  # one window; the windows alternate (alone, beside the polls), a pair at a time
+WINDOWS = 10  # pairs
 
 
 class _Until:
@@ -57,28 +60,32 @@ def lost_share(step, k: int, window_s: float = WINDOW_S, windows: int = WINDOWS)
             last[0] = time.perf_counter()
 
     last = [time.perf_counter()]
-    counts = {False: 0, True: 0}
+    rates = {False: [], True: []}
     for i in range(2 * windows):
         polling, done = bool(i % 2), []
 
-        def work(end: float) -> None:
-            if polling:  # as a device runs in a deadline: DeadlineRunner's chunks, to the end of the window
-                done.append(DeadlineRunner(end - time.perf_counter())(lambda n: step(n), 1 << 60))
+        def work(start: float, end: float) -> None:
+            if polling:  # as a device runs in a deadline: the steps a window of window_s yields
+                done.append(DeadlineRunner(end - time.perf_counter())(lambda n: step(n), 1 << 60) / window_s)
                 return
-            steps = 0
+            count = 0  # the profile's way: a rate over whole calls, to the end of the last one
             while time.perf_counter() < end:
                 step(k)
-                steps += k
-            done.append(steps)
+                count += k
+            done.append(count / (time.perf_counter() - start))
 
-        end = time.perf_counter() + window_s
-        worker = threading.Thread(target=work, args=(end,))
+        start = time.perf_counter()
+        end = start + window_s
+        worker = threading.Thread(target=work, args=(start, end))
         worker.start()
         if polling:
             wait(_Until(end), WORKING_POLL_S, also=poll)
         worker.join()
-        counts[polling] += done[0]
-    return float(min(max(1.0 - counts[True] / max(counts[False], 1), 0.0), 0.9))
+        rates[polling].append(done[0])
+    # each polled window against the window alone before it: a drift of the machine's speed between pairs
+    # (this VM's moves 20 % within a minute) cancels, and the median keeps a pair a pause fell into out
+    lost = [1.0 - ranked / alone for alone, ranked in zip(rates[False], rates[True])]
+    return float(min(max(float(np.median(lost)), 0.0), 0.9))
 
 
 def round_seconds(model, repeats: int = 21) -> float:
