@@ -12,7 +12,7 @@
 # name is the board's name in BOARDS; a veth link from it to the bridge ef-br0 in this (the head's) namespace;
 # the address 10.231.0.(N+1) of the private subnet 10.231.0.0/24, the only addresses this script uses (the
 # head is 10.231.0.1; no route, forwarding or NAT leads anywhere else); an sshd listening only there, with
-# host and client keys made for this cluster (this machine's ssh reaches the boards through an Include of
+# host and client keys made for this cluster (this machine's ssh reaches the boards, by address and by name, through an Include of
 # STATE/ssh_config at the top of ~/.ssh/config in ssh's own home, whatever $HOME says, removed by `down`); and
 # the board's CPU share: its sshd, and
 # so every process started on the board, runs in a cgroup whose CPU quota is the board profile's speed (the
@@ -268,6 +268,9 @@ EOF
         fi
         ssh-keygen -q -t ed25519 -N "" -C "edgefed-virtual $host" -f "$dir/host_key"
         echo "$address $(cut -d' ' -f1,2 "$dir/host_key.pub")" >> "$STATE/known_hosts"
+        # its name reaches it too while the cluster is up (`ssh vzero-0.local`), with the same keys
+        printf 'Host %s\n    HostName %s\n    HostKeyAlias %s\n    IdentityFile %s\n    UserKnownHostsFile %s\n    StrictHostKeyChecking yes\n    BatchMode yes\n' \
+            "$host" "$address" "$address" "$STATE/client_key" "$STATE/known_hosts" >> "$STATE/ssh_config"
         cat > "$dir/sshd_config" <<EOF
 ListenAddress $address
 HostKey $dir/host_key

@@ -211,8 +211,9 @@ def test_up_writes_the_board_list_with_addresses_shares_and_links(cluster):
     for verb, args in (("up", (folder / "one.txt", folder / "two.txt")), ("down", (folder / "two.txt",))):
         done = script(verb, *args, env=two)
         assert done.returncode == 0, done.stderr
-    reach = subprocess.run(["ssh", "10.232.0.2", "hostname"], capture_output=True, text=True, timeout=30)
-    assert reach.stdout == "vb-half.local\n", reach.stderr
+    for name in ("10.232.0.2", "vb-half.local"):  # by its address, and by its name while the cluster is up
+        reach = subprocess.run(["ssh", name, "hostname"], capture_output=True, text=True, timeout=30)
+        assert reach.stdout == "vb-half.local\n", reach.stderr
 
 
 def test_check_lists_one_rank_per_board_from_its_own_host_name(cluster):
