@@ -12,8 +12,9 @@
 # name is the board's name in BOARDS; a veth link from it to the bridge ef-br0 in this (the head's) namespace;
 # the address 10.231.0.(N+1) of the private subnet 10.231.0.0/24, the only addresses this script uses (the
 # head is 10.231.0.1; no route, forwarding or NAT leads anywhere else); an sshd listening only there, with
-# host and client keys made for this cluster (this machine's ssh reaches the boards, by address and by name, through an Include of
-# STATE/ssh_config at the top of ~/.ssh/config in ssh's own home, whatever $HOME says, removed by `down`); and
+# host and client keys made for this cluster (this machine's ssh reaches the boards, by address and by name,
+# through an Include of STATE/ssh_config at the top of ~/.ssh/config in ssh's own home, whatever $HOME says,
+# removed by `down`); and
 # the board's CPU share: its sshd, and
 # so every process started on the board, runs in a cgroup whose CPU quota is the board profile's speed (the
 # logistic-regression step) against this machine's, at most one core, on one core (a board is one of its
