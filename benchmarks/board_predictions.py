@@ -1,6 +1,6 @@
 """Predicted = measured: a calibrated virtual cluster's boards against their profiles, run after run. Run as root:
 
-    python benchmarks/board_predictions.py [--runs 4] [--rounds 6] [--deadline 1.0] [--keep FOLDER]
+    python benchmarks/board_predictions.py [--runs 4] [--rounds 6] [--deadline 1.0] [--keep FOLDER] [--profiled]
 
 Four boards, one device each: a Pi 4B and a Pi Zero 2 W, each unloaded and beside a CPU competitor at 0.5
 (launch/virtual-cluster.sh up, calibrated: every board measured at once and its quota rescaled until it is
@@ -26,6 +26,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from edgefed import hwprofile  # noqa: E402
 from edgefed.analysis.logs import Run  # noqa: E402
 
 VIRTUAL = ROOT / "launch" / "virtual-cluster.sh"
@@ -43,12 +44,30 @@ def run(command: list[str], env: dict) -> str:
     return done.stdout + done.stderr
 
 
+def profiled(folder: Path, virtual: Path, env: dict) -> None:
+    """Every board profiled at once (its logistic regression's speed and its rank's cost), and the board list
+    naming those profiles."""
+    out = folder / "profiles"
+    run(["bash", str(PI_CLUSTER), "profile", str(virtual), "--models", "logreg", "--no-cold",
+         "--out", f"{out}/{{host}}.toml"], env)
+    lines = virtual.read_text().splitlines()
+    for n, (host, _, _) in enumerate(BOARDS, 1):
+        address, _, rest = lines[n].split(None, 2)
+        prof = hwprofile.load_profile(str(out / f"{host.split('.')[0]}.toml"))
+        print(f"{host}: {prof.speeds[0].steps_per_s:,.0f} steps/s, lost_share {prof.rank.lost_share:.3f}")
+        lines[n] = f"{address}  {prof.source}  {rest}"
+    virtual.write_text("\n".join(lines) + "\n")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--runs", type=int, default=4)
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--deadline", type=float, default=1.0)
     parser.add_argument("--keep", type=Path, help="a folder to keep the board list and the logs in")
+    parser.add_argument("--profiled", action="store_true",
+                        help="profile every board once it is up (launch/pi-cluster.sh profile: its speed and its "
+                             "rank's cost, [rank]) and run on those profiles, as a real cluster's users do")
     args = parser.parse_args()
     folder = args.keep or Path(tempfile.mkdtemp(prefix="edgefed-predictions-"))
     folder.mkdir(parents=True, exist_ok=True)
@@ -66,6 +85,8 @@ def main() -> None:
     try:
         said = run(["bash", str(VIRTUAL), "up", str(listed), str(virtual)], env)
         print("\n".join(line for line in said.splitlines() if "calibrat" in line or "cannot" in line))
+        if args.profiled:
+            profiled(folder, virtual, env)
         rows = []
         for r in range(1, args.runs + 1):
             log = folder / f"run{r}.h5"
@@ -78,7 +99,7 @@ def main() -> None:
             print(f"run {r}: " + "; ".join(drift))
     finally:
         run(["bash", str(VIRTUAL), "down", str(virtual)], env)
-    print(f"\n| run | board | profile | competitor | predicted steps | measured steps | gap |")
+    print("\n| run | board | profile | competitor | predicted steps | measured steps | gap |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
     for r, host, profile, load, p, m, gap in rows:
         print(f"| {r} | {host} | {profile} | {load:g} | {p:,} | {m:,} | {gap:+.1%} |")
