@@ -131,7 +131,6 @@ class Profile:
                 per_param = t0 * batch / b0
         return per_param * params
 
-
     def rank_step_seconds(self, model: str, batch: int, params: int) -> float:
         """step_seconds as a device rank's device takes them: the share it loses to running as one ([rank])."""
         share = 0.0 if self.rank is None else self.rank.lost_share

@@ -9,11 +9,11 @@ of it:
 
 - lost_share: the median over ten pairs of windows of 0.1 s of 1 − (steps a second a device completes in a
   deadline as a rank runs it) / (steps a second the profile's way, in the window before), logistic-regression
-  steps (batch 20) in a worker thread: calls
-  of about 2 ms with the main thread asleep, as a rate over the calls to the end of the last one (a call
-  past the window's end counted with its time, which on a throttled board is a whole quota period), or a
-  DeadlineRunner given the window, its steps over the window, with the main thread waiting as a working
-  device rank waits (comm.wait at the working poll interval, probing for a stop, sending the heartbeat);
+  steps (batch 20) in a worker thread: calls of about 2 ms with the main thread asleep, as a rate over the
+  calls to the end of the last one (a call past the window's end counted with its time, which on a
+  throttled board is a whole quota period), or a DeadlineRunner given the window, its steps over the
+  window, with the main thread waiting as a working device rank waits (comm.wait at the working poll
+  interval, probing for a stop, sending the heartbeat);
 - round_s: per model, the median seconds of one round's own work, the state unpacked and one report packed
   (protocol.Wire, as the rank does it).
 """

@@ -313,7 +313,6 @@ class DeviceServer:
             return
         self._finished.clear()
         self._due, self._sent, self._begun = [], set(), time.perf_counter()
-        self._read_j = math.nan if self.meter is None else self.meter.joules()
 
         def finished(row):
             self._finished.append((row, time.perf_counter()))
@@ -322,6 +321,8 @@ class DeviceServer:
         future, work = self.transport.submit(plan, state, finished)
         future.add_done_callback(lambda _: self._done.set())
         self._future = (plan, future, work)
+        # the board's meter from here (a PMIC's reading spawns vcgencmd: not before the devices start)
+        self._read_j = math.nan if self.meter is None else self.meter.joules()
 
     def _secagg(self) -> None:
         """A phase of secure aggregation: take the records rank 0 relays, answer for this rank's devices. It
