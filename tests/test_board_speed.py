@@ -45,7 +45,8 @@ def test_a_board_out_of_reach_is_named_with_why():
     result = calibrate([0.6, 0.6], [120_000.0, 120_000.0], measure, apply, tries=3)
     assert out_of_reach(["pi-a", "pi-b"], [0, 0], result, [120_000.0, 120_000.0]) == (
         "board pi-a cannot be brought to its profile's 120,000 steps/s: 100,000 steps/s, -16.7% off after 3 "
-        "measurements (the shares of the boards on its core (core 0: pi-a, pi-b) add up to 1.73 cores)")
+        "measurements (the shares of the boards on its core (core 0: pi-a, pi-b) add up to 1.73 cores); also off: "
+        "pi-b")
     # (each share 0.6, then 0.72, then 0.864: rescaled twice)
     # a board faster than a whole core of this machine
     apply, measure = machine([0])
@@ -55,6 +56,11 @@ def test_a_board_out_of_reach_is_named_with_why():
     # a meter that never answered
     silent = Calibrated([0.5], [float("nan")], CORE, 1)
     assert "no answer from its meter" in out_of_reach(["pi-a"], [0], silent, [100_000.0])
+    # several off: the furthest named, the others after it
+    both = Calibrated([0.3, 0.3, 0.3], [95_000.0, 50_000.0, 100_000.0], CORE, 6)
+    said = out_of_reach(["pi-a", "pi-b", "pi-c"], [0, 1, 2], both, [100_000.0] * 3)
+    assert said.startswith("board pi-b cannot be brought to its profile's 100,000 steps/s: 50,000 steps/s, -50.0% off")
+    assert said.endswith("; also off: pi-a")
 
 
 def test_the_meter_answers_each_line_with_its_speeds_and_share():

@@ -401,7 +401,7 @@ def test_calibrating_brings_each_board_to_its_profile(cluster):
         within = all(abs(float(off)) <= 3.0 for off in said.groups())
         assert (done.returncode, len(lines)) == ((0, 1) if within else (1, 2)), done.stdout
         assert within or re.fullmatch(r"virtual-cluster.sh: board vb-\w+.local cannot be brought to its profile's "
-                                      r"[\d,]+ steps/s: .* after 6 measurements \(.*\)", lines[1]), lines
+                                      r"[\d,]+ steps/s: .* after 6 measurements \(.*\)(; also off: .*)?", lines[1]), lines
         shares = [float(line.split()[4]) for line in boards.read_text().splitlines()]
         assert 0.55 < shares[0] <= 1.0 and 0.27 < shares[1] < 0.5, shares  # (this machine drifts)
     finally:

@@ -137,23 +137,29 @@ def calibrate(shares: list[float], target: list[float], measure, apply, toleranc
 
 def out_of_reach(names: list[str], cores: list[int], result: Calibrated, target: list[float],
                  tolerance: float = TOLERANCE) -> str | None:
-    """One line naming the first board off its target after calibrating, and why; None when all are within."""
-    for i, (v, t) in enumerate(zip(result.speeds, target)):
-        if math.isfinite(v) and abs(v / t - 1) <= tolerance:
-            continue
-        gap = "no answer from its meter" if not math.isfinite(v) else f"{v:,.0f} steps/s, {v / t - 1:+.1%} off"
-        mates = [j for j, c in enumerate(cores) if c == cores[i]]
-        load = sum(result.shares[j] for j in mates)
-        if result.shares[i] >= 1.0 and math.isfinite(v) and v < t:
-            why = "a whole core of this machine is slower than the board's profile"
-        elif load > 1.0 + tolerance:
-            why = (f"the shares of the boards on its core (core {cores[i]}: "
-                   f"{', '.join(names[j] for j in mates)}) add up to {load:.2f} cores")
-        else:
-            why = "the share it got moved under it: this machine is loaded; try again on a quieter one"
-        return (f"board {names[i]} cannot be brought to its profile's {t:,.0f} steps/s: {gap} after "
-                f"{result.tries} measurements ({why})")
-    return None
+    """One line naming the board furthest off its target after calibrating (a silent meter first), why, and
+    the others off; None when all are within."""
+    def gap(i: int) -> float:
+        v, t = result.speeds[i], target[i]
+        return math.inf if not math.isfinite(v) else abs(v / t - 1)
+
+    off = sorted((i for i in range(len(target)) if gap(i) > tolerance), key=lambda i: (-gap(i), i))
+    if not off:
+        return None
+    i, v, t = off[0], result.speeds[off[0]], target[off[0]]
+    said = "no answer from its meter" if not math.isfinite(v) else f"{v:,.0f} steps/s, {v / t - 1:+.1%} off"
+    mates = [j for j, c in enumerate(cores) if c == cores[i]]
+    load = sum(result.shares[j] for j in mates)
+    if result.shares[i] >= 1.0 and math.isfinite(v) and v < t:
+        why = "a whole core of this machine is slower than the board's profile"
+    elif load > 1.0 + tolerance:
+        why = (f"the shares of the boards on its core (core {cores[i]}: "
+               f"{', '.join(names[j] for j in mates)}) add up to {load:.2f} cores")
+    else:
+        why = "the share it got moved under it: this machine is loaded; try again on a quieter one"
+    others = "" if len(off) == 1 else f"; also off: {', '.join(names[j] for j in off[1:])}"
+    return (f"board {names[i]} cannot be brought to its profile's {t:,.0f} steps/s: {said} after "
+            f"{result.tries} measurements ({why}){others}")
 
 
 # -- a virtual cluster's quotas --------------------------------------------------------------------------------
