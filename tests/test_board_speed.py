@@ -57,7 +57,7 @@ def test_a_board_out_of_reach_is_named_with_why():
     silent = Calibrated([0.5], [float("nan")], CORE, 1)
     assert "no answer from its meter" in out_of_reach(["pi-a"], [0], silent, [100_000.0])
     # several off: the furthest named, the others after it
-    both = Calibrated([0.3, 0.3, 0.3], [95_000.0, 50_000.0, 100_000.0], CORE, 6)
+    both = Calibrated([0.5, 0.5, 0.5], [0.475, 0.25, 0.5], CORE, 6)  # 95,000, 50,000 and 100,000 steps/s
     said = out_of_reach(["pi-a", "pi-b", "pi-c"], [0, 1, 2], both, [100_000.0] * 3)
     assert said.startswith("board pi-b cannot be brought to its profile's 100,000 steps/s: 50,000 steps/s, -50.0% off")
     assert said.endswith("; also off: pi-a")
