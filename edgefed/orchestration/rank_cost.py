@@ -7,13 +7,14 @@ board's share of one, those take CPU time from the steps inside the deadline; on
 are idle they take almost none. Measured on the board itself, the difference is whatever the board makes
 of it:
 
-- lost_share: the median over ten pairs of windows of 0.1 s of 1 − (steps a second a device completes in a
-  deadline as a rank runs it) / (steps a second the profile's way, in the window before), logistic-regression
-  steps (batch 20) in a worker thread: calls of about 2 ms with the main thread asleep, as a rate over the
-  calls to the end of the last one (a call past the window's end counted with its time, which on a
-  throttled board is a whole quota period), or a DeadlineRunner given the window, its steps over the
-  window, with the main thread waiting as a working device rank waits (comm.wait at the working poll
-  interval, probing for a stop, sending the heartbeat);
+- lost_share: the median over ten pairs of windows of 1 − (steps a second a device completes in a deadline
+  as a rank runs it) / (steps a second the profile's way, in the window before), logistic-regression steps
+  (batch 20) in a worker thread: calls of about 2 ms with the main thread asleep, as a rate over the calls
+  to the end of the last one (a call past the window's end counted with its time, which on a throttled
+  board is a whole quota period), or a DeadlineRunner given the window, its steps over the window, with the
+  main thread waiting as a working device rank waits (comm.wait at the working poll interval, probing for a
+  stop, sending the heartbeat). A window is 0.1 s, or 20 ms of CPU over the share of a core the board gets
+  where that is longer (0.4 s on a virtual Zero at 5 %): ten of its quota's periods;
 - round_s: per model, the median seconds of one round's own work, the state unpacked and one report packed
   (protocol.Wire, as the rank does it).
 """
@@ -25,8 +26,9 @@ import time
 
 import numpy as np
 
-WINDOW_S = 0.1  # one window; the windows alternate (alone, beside the polls), a pair at a time
+WINDOW_S = 0.1  # one window at least; the windows alternate (alone, beside the polls), a pair at a time
 WINDOWS = 10  # pairs
+PERIODS, CALL_S = 10, 0.002  # a window holds at least 10 calls' CPU time (a throttled board's quota periods)
 
 
 class _Until:
@@ -39,9 +41,23 @@ class _Until:
         return time.perf_counter() >= self.end
 
 
-def lost_share(step, k: int, window_s: float = WINDOW_S, windows: int = WINDOWS) -> float:
+def core_share(step, k: int, seconds: float = 0.2) -> float:
+    """The share of a core this process gets: its CPU time over the wall time of calls of steps (a virtual
+    board's quota; about 1 on a real board's idle core)."""
+    cpu, wall = time.process_time(), time.perf_counter()
+    while time.perf_counter() - wall < seconds:
+        step(k)
+    return min(max((time.process_time() - cpu) / (time.perf_counter() - wall), 1e-3), 1.0)
+
+
+def lost_share(step, k: int, window_s: float | None = None, windows: int = WINDOWS) -> float:
     """The share of a device's steps in a deadline window lost to running as a device rank on this machine,
-    in [0, 0.9] (see the module); step(k) runs k steps, a call of about 2 ms (profiling.metered)."""
+    in [0, 0.9] (see the module); step(k) runs k steps, a call of about 2 ms (profiling.metered). window_s:
+    each window (None: WINDOW_S, longer on a board that gets a small share of a core, so that a window holds
+    PERIODS of its quota's periods of about a call's CPU each: a window of 2.5 periods counts 40 % more or
+    less as one falls in or out)."""
+    if window_s is None:
+        window_s = max(WINDOW_S, PERIODS * CALL_S / core_share(step, k))
     from mpi4py import MPI
 
     from edgefed.runtime.deadline import DeadlineRunner
