@@ -120,6 +120,29 @@ def test_a_large_federations_rows_are_deflated_and_read_the_same(tmp_path, monke
     assert_same_logs(read_run(tmp_path / "plain.h5"), read_run(tmp_path / "deflated.h5"))
 
 
+def test_a_large_federations_rows_hold_only_the_rounds_devices_and_read_the_same(tmp_path, monkeypatch):
+    """From SPARSE_FROM devices a round's (N,) rows are chunked in pieces and only the values other than the
+    column's fill are written: HDF5 allocates the chunks of the round's devices alone, and every value reads
+    as a whole row's would (an arrival's inactive rounds too: active's fill is true)."""
+    import h5py
+
+    from edgefed import runlog
+
+    cfg = config_with({"data.clients": 200, "data.samples": 30, "rounds": 3, "train.clients_per_round": 4,
+                       "train.local_steps": 2, "log.eval_devices": 10,
+                       "dynamics.arrive": [{"device": 7, "round": 2}]})
+    runs.run(cfg, tmp_path / "whole.h5")
+    monkeypatch.setattr(runlog.schema, "SPARSE_FROM", 200)
+    monkeypatch.setattr(runlog.schema, "SPARSE_CHUNK", 8)
+    runs.run(cfg, tmp_path / "sparse.h5")
+    assert_same_logs(read_run(tmp_path / "whole.h5"), read_run(tmp_path / "sparse.h5"))
+    with h5py.File(tmp_path / "sparse.h5") as f:
+        assert f["participation/steps"].chunks == (1, 8)
+        assert f["participation/steps"].id.get_num_chunks() <= 3 * 4  # a chunk for each device a round, at most
+        assert f["participation/active"].id.get_num_chunks() == 1  # device 7 before it arrived: its chunk only
+        assert f["participation/cpu_percent"].id.get_num_chunks() <= 3 * 4
+
+
 def test_a_file_backed_federation_with_a_tiny_cache_writes_the_same_log_on_ranks_too(tmp_path):
     from test_datasets import arrays_file
 

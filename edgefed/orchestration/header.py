@@ -166,8 +166,8 @@ def _label_counts(problem) -> np.ndarray | None:
     the run fills as it builds each device's data."""
     if not hasattr(problem, "label_counts"):
         return None
-    if getattr(problem, "labels_later", False):
-        return np.full((problem.n_devices, problem.n_classes), -1, np.int64)
+    if getattr(problem, "labels_later", False):  # (a view of one -1: no memory, and no bytes written for it)
+        return np.broadcast_to(np.int64(-1), (problem.n_devices, problem.n_classes))
     return problem.label_counts()
 
 

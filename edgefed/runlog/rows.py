@@ -28,6 +28,23 @@ def _write_row(ds: h5py.Dataset, index: int, value, dtype, row_shape: tuple | No
     ds.id.write(mem_space, file_space, row, mtype=mem_type)
 
 
+def write_sparse_row(ds: h5py.Dataset, index: int, value, dtype, fill) -> None:
+    """Row `index` of a large federation's (R, N) dataset, its values other than the fill alone (a fresh row
+    reads as the fill: HDF5 allocates only the chunks written to); a row mostly not the fill goes whole."""
+    row = np.ascontiguousarray(value, dtype=np.dtype(dtype)).reshape(-1)
+    differ = ~np.isnan(row) if isinstance(fill, float) and np.isnan(fill) else row != fill
+    ids = np.flatnonzero(differ)
+    if ids.size > row.size // 16:
+        _write_row(ds, index, row, dtype, row.shape)
+        return
+    if not ids.size:
+        return
+    file_space = ds.id.get_space()
+    file_space.select_elements(np.column_stack([np.full(ids.size, index, np.uint64), ids.astype(np.uint64)]))
+    mem_type = _memory_layout(np.dtype(dtype), ())[1]
+    ds.id.write(h5py.h5s.create_simple((ids.size,)), file_space, np.ascontiguousarray(row[ids]), mtype=mem_type)
+
+
 def _runs(ids: np.ndarray):
     """(first id, count, position) of each run of consecutive ids (ascending)."""
     if ids.size == 0:

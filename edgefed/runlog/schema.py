@@ -110,15 +110,17 @@ def columns(n: int, d: int, dtype) -> tuple[Column, ...]:
         Column("trajectory/round", (), np.int64, "stored", "rounds whose server model is stored"),
         Column("trajectory/x", (d,), dtype, "stored", "server model after those rounds (round 0: x_0)"),
         Column("participation/selected", (n,), np.bool_, "round", "device was selected (k in S_r)"),
-        Column("participation/active", (n,), np.bool_, "round", "device was in the federation (k in C_r)"),
+        Column("participation/active", (n,), np.bool_, "round", "device was in the federation (k in C_r)", True),
         Column("participation/budget", (n,), np.int32, "round", "local steps asked (0 if not selected)"),
         Column("participation/steps", (n,), np.int32, "round", "local steps completed s_k"),
         Column("participation/coeff", (n,), np.float64, "round", "aggregation coefficient p_k applied to Delta_k"),
         Column("participation/nonfinite", (n,), np.bool_, "round", "update had NaN/inf and was dropped"),
         Column("participation/elapsed_s", (n,), np.float32, "round", "wall time of the local work, s"),
-        Column("participation/cpu_percent", (n,), np.float32, "round", "CPU share the device's work got, %"),
-        Column("participation/cpu_freq_mhz", (n,), np.float32, "round", "CPU frequency after the work (NaN: unknown)"),
-        Column("participation/temperature_c", (n,), np.float32, "round", "board temperature after the work (NaN: unknown)"),
+        Column("participation/cpu_percent", (n,), np.float32, "round", "CPU share the device's work got, %", np.nan),
+        Column("participation/cpu_freq_mhz", (n,), np.float32, "round", "CPU frequency after the work (NaN: unknown)",
+               np.nan),
+        Column("participation/temperature_c", (n,), np.float32, "round", "board temperature after the work (NaN: unknown)",
+               np.nan),
         Column("participation/late", (n,), np.bool_, "round", "answered after deadline + grace; its work was dropped"),
         Column("participation/compiled", (n,), np.bool_, "round",
                "the device's work included Numba compilation (a cold kernel cache; see edgefed warmup)"),
@@ -146,11 +148,22 @@ def columns(n: int, d: int, dtype) -> tuple[Column, ...]:
 
 
 COMPRESS_FROM = 10_000  # devices from which the (R, N) datasets are stored deflated
+SPARSE_FROM = 65_537  # devices from which a round's (N,) row is chunked in pieces and only its values other
+# than the column's fill are written: HDF5 never allocates a chunk no value was written to (it reads as the
+# fill), so a round of S devices writes about S chunks, not N values
+SPARSE_CHUNK = 4096  # devices a chunk of such a row holds
+
+
+def sparse_rows(row_shape: tuple) -> bool:
+    return len(row_shape) == 1 and row_shape[0] >= SPARSE_FROM
 
 
 def _chunk(row_shape: tuple) -> tuple:
-    """Several small rows per chunk; a large row is chunked along its last axis only."""
+    """Several small rows per chunk; a large row is chunked along its last axis only (a federation's (N,) row
+    in pieces: sparse_rows)."""
     per_row = int(np.prod(row_shape, dtype=np.int64)) if row_shape else 1
+    if sparse_rows(tuple(row_shape)):
+        return (1, SPARSE_CHUNK)
     if per_row > 65536 and len(row_shape) > 1:
         return (1,) * len(row_shape) + (row_shape[-1],)
     return (max(1, min(256, 65536 // max(per_row, 1))),) + tuple(row_shape)

@@ -20,7 +20,7 @@ from edgefed.memory import size_text
 import edgefed.runlog.schema as schema
 from edgefed.runlog.files import _swap_in, _write_restarts
 from edgefed.runlog.reader import ResumePoint
-from edgefed.runlog.rows import _write_row, read_rows, write_rows
+from edgefed.runlog.rows import _write_row, read_rows, write_rows, write_sparse_row
 from edgefed.runlog.schema import EVALUATED, FROZEN, Header, _chunk, _root_attrs, columns
 
 class RunLogWriter:
@@ -31,6 +31,7 @@ class RunLogWriter:
         self._f = f
         cols = columns(header.n_devices, header.dim, header.dtype) + header.extra_columns
         self._cols = {c.path: (f[c.path], np.dtype(c.dtype), tuple(c.row_shape)) for c in cols}
+        self._fill = {c.path: c.fill for c in cols if schema.sparse_rows(tuple(c.row_shape))}
         self._rows = {name: ds.shape[0] for name, (ds, _, _) in self._cols.items()}
         self._state_ds = {}
         self._row_names = [name for name, _, _ in header.row_states]
@@ -91,7 +92,10 @@ class RunLogWriter:
             ds, dtype, row_shape = self._cols[name]
             n = self._rows[name]
             ds.id.set_extent((n + 1,) + row_shape)
-            _write_row(ds, n, value, dtype, row_shape)
+            if name in self._fill:
+                write_sparse_row(ds, n, value, dtype, self._fill[name])
+            else:
+                _write_row(ds, n, value, dtype, row_shape)
             self._rows[name] = n + 1
 
     def fill_rows(self, name: str, ids: np.ndarray, values: np.ndarray) -> None:
@@ -235,7 +239,12 @@ def _write_skeleton(f: h5py.File, header: Header) -> None:
     f.create_dataset("devices/n_train", data=np.asarray(header.n_train, dtype=np.int64))
     f["devices/n_train"].attrs["meaning"] = "training samples n_k of each device (device_id = index)"
     if header.label_counts is not None:
-        f.create_dataset("devices/label_counts", data=np.asarray(header.label_counts, dtype=np.int64))
+        counts = np.asarray(header.label_counts, dtype=np.int64)
+        if counts.size and counts.strides == (0, 0) and counts.flat[0] == -1:  # filled as devices are built
+            f.create_dataset("devices/label_counts", shape=counts.shape, dtype=np.int64, fillvalue=-1,
+                             chunks=(min(counts.shape[0], 4096), counts.shape[1]))
+        else:
+            f.create_dataset("devices/label_counts", data=counts)
         f["devices/label_counts"].attrs["meaning"] = ("training samples of each label on each device "
                                                       "(device_id, label)")
     if header.frozen is not None and header.frozen.size:

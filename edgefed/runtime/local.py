@@ -234,8 +234,9 @@ class LocalTransport:
         self.seed, self.batch_size = seed, batch_size
         n = problem.n_devices
         self.device_ids = np.arange(n) if device_ids is None else np.asarray(device_ids, dtype=np.int64)
-        self._row = {int(k): i for i, k in enumerate(self.device_ids)}
-        self.evaluated = self.device_ids if evaluated is None else np.intersect1d(self.device_ids, evaluated)
+        # membership by search in the ascending ids, not a dict of every device (a GB and seconds at 10^7)
+        self._hosted = np.sort(self.device_ids)
+        self.evaluated = self.device_ids if evaluated is None else evaluated[self.hosts(evaluated)]
         if hasattr(problem, "host"):
             problem.host(self.device_ids)
         self.data = DeviceCache(problem.device, cache_mb * 2.0 ** 20)
@@ -526,10 +527,18 @@ class LocalTransport:
     def probe(self, round_idx: int, x: np.ndarray, device_ids: np.ndarray) -> np.ndarray:
         """The training loss at x of each of these devices this process hosts (NaN: hosted elsewhere)."""
         out = np.full(len(device_ids), np.nan)
+        hosted = self.hosts(device_ids)
         for i, k in enumerate(device_ids):
-            if int(k) in self._row:
+            if hosted[i]:
                 out[i] = self.eval_model.train_loss(x, self.data(int(k)))
         return out
+
+    def hosts(self, device_ids) -> np.ndarray:
+        """Whether this process hosts each of these devices."""
+        ids = np.asarray(device_ids, np.int64)
+        if not self._hosted.size:
+            return np.zeros(ids.size, bool)
+        return self._hosted[np.minimum(np.searchsorted(self._hosted, ids), self._hosted.size - 1)] == ids
 
     def peak_rss(self) -> dict[int, int]:
         return {}  # (the devices are this process's: its own peak is the caller's)
