@@ -242,7 +242,7 @@ def _write_skeleton(f: h5py.File, header: Header) -> None:
         counts = np.asarray(header.label_counts, dtype=np.int64)
         if counts.size and counts.strides == (0, 0) and counts.flat[0] == -1:  # filled as devices are built
             f.create_dataset("devices/label_counts", shape=counts.shape, dtype=np.int64, fillvalue=-1,
-                             chunks=(min(counts.shape[0], 4096), counts.shape[1]))
+                             chunks=(min(counts.shape[0], 64), counts.shape[1]))  # (rows scattered over N)
         else:
             f.create_dataset("devices/label_counts", data=counts)
         f["devices/label_counts"].attrs["meaning"] = ("training samples of each label on each device "
