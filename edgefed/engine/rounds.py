@@ -25,6 +25,7 @@ from edgefed.participation.budgets import local_budgets
 from edgefed.participation.dynamics import Dynamics, Membership
 from edgefed.participation.sampling import evaluation_sample
 from edgefed.participation.selection import Choice, Feedback, View, build_policy
+from edgefed.runlog import Scattered
 from edgefed.participation.timing import Timing, overselected
 from edgefed.participation.traces import ReplayTrace
 from edgefed.rng import Purpose, generator
@@ -553,10 +554,8 @@ class RoundEngine:
         """held_s: the seconds the round held each device's board (None: the round's length)."""
         n, ids = self.n_devices, plan.device_ids
 
-        def scatter(values, dtype, fill=0):
-            row = np.full(n, fill, dtype=dtype)
-            row[ids] = values
-            return row
+        def scatter(values, dtype, fill=0):  # (a large federation's log writes the round's devices alone)
+            return Scattered(n, ids, values, fill)
 
         raced = plan.deadline_s is not None  # the core matters where the work raced a wall clock
         return {

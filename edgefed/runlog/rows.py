@@ -4,6 +4,7 @@ sparse state (the rows that are not zero, read where HDF5 allocated chunks)."""
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import h5py
 import numpy as np
@@ -28,21 +29,53 @@ def _write_row(ds: h5py.Dataset, index: int, value, dtype, row_shape: tuple | No
     ds.id.write(mem_space, file_space, row, mtype=mem_type)
 
 
+@dataclass(frozen=True)
+class Scattered:
+    """A per-device row given at some devices only (a round's): `values` at the ascending `ids`, `rest`
+    everywhere else; a large federation's log writes the ids alone where `rest` is the dataset's fill."""
+
+    n: int
+    ids: np.ndarray
+    values: object
+    rest: object
+
+    def dense(self, dtype) -> np.ndarray:
+        row = np.full(self.n, self.rest, dtype=dtype)
+        row[self.ids] = self.values
+        return row
+
+
+def _is_fill(value, fill) -> bool:
+    return (isinstance(fill, float) and np.isnan(fill) and np.isnan(value)) or value == fill
+
+
 def write_sparse_row(ds: h5py.Dataset, index: int, value, dtype, fill) -> None:
     """Row `index` of a large federation's (R, N) dataset, its values other than the fill alone (a fresh row
-    reads as the fill: HDF5 allocates only the chunks written to); a row mostly not the fill goes whole."""
-    row = np.ascontiguousarray(value, dtype=np.dtype(dtype)).reshape(-1)
+    reads as the fill: HDF5 allocates only the chunks written to); a row mostly not the fill goes whole. A
+    Scattered row whose rest is the fill writes its ids alone, without an N-wide array."""
+    dtype = np.dtype(dtype)
+    if isinstance(value, Scattered):
+        if _is_fill(value.rest, fill):
+            _write_points(ds, index, value.ids, np.broadcast_to(np.asarray(value.values, dtype), value.ids.shape))
+            return
+        value = value.dense(dtype)
+    row = np.ascontiguousarray(value, dtype=dtype).reshape(-1)
     differ = ~np.isnan(row) if isinstance(fill, float) and np.isnan(fill) else row != fill
     ids = np.flatnonzero(differ)
     if ids.size > row.size // 16:
         _write_row(ds, index, row, dtype, row.shape)
         return
+    _write_points(ds, index, ids, row[ids])
+
+
+def _write_points(ds: h5py.Dataset, index: int, ids: np.ndarray, values: np.ndarray) -> None:
+    """Row `index` at these devices only."""
     if not ids.size:
         return
     file_space = ds.id.get_space()
     file_space.select_elements(np.column_stack([np.full(ids.size, index, np.uint64), ids.astype(np.uint64)]))
-    mem_type = _memory_layout(np.dtype(dtype), ())[1]
-    ds.id.write(h5py.h5s.create_simple((ids.size,)), file_space, np.ascontiguousarray(row[ids]), mtype=mem_type)
+    mem_type = _memory_layout(values.dtype, ())[1]
+    ds.id.write(h5py.h5s.create_simple((ids.size,)), file_space, np.ascontiguousarray(values), mtype=mem_type)
 
 
 def _runs(ids: np.ndarray):

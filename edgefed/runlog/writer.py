@@ -20,7 +20,7 @@ from edgefed.memory import size_text
 import edgefed.runlog.schema as schema
 from edgefed.runlog.files import _swap_in, _write_restarts
 from edgefed.runlog.reader import ResumePoint
-from edgefed.runlog.rows import _write_row, read_rows, write_rows, write_sparse_row
+from edgefed.runlog.rows import Scattered, _write_row, read_rows, write_rows, write_sparse_row
 from edgefed.runlog.schema import EVALUATED, FROZEN, Header, _chunk, _root_attrs, columns
 
 class RunLogWriter:
@@ -95,7 +95,7 @@ class RunLogWriter:
             if name in self._fill:
                 write_sparse_row(ds, n, value, dtype, self._fill[name])
             else:
-                _write_row(ds, n, value, dtype, row_shape)
+                _write_row(ds, n, value.dense(dtype) if isinstance(value, Scattered) else value, dtype, row_shape)
             self._rows[name] = n + 1
 
     def fill_rows(self, name: str, ids: np.ndarray, values: np.ndarray) -> None:

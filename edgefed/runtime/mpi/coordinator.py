@@ -198,7 +198,10 @@ class MpiTransport:
                 break
             if timeout_s is not None and backoff.elapsed() > timeout_s:
                 break
-            self._check_alive(lambda: np.unique(self.owners[np.fromiter(pending, np.int64)]))
+            # every device rank, not only those whose reports are awaited: one stopped after it reported can
+            # hold another's next broadcast up (a collective passes through it), and that one, alive and
+            # beating, would be waited for forever
+            self._check_alive(self._heard)
             backoff.pause()
         ended = (time.perf_counter() if stopped_at is None else stopped_at) - t0
         return messages, arrivals, ended
@@ -239,7 +242,7 @@ class MpiTransport:
                     self._keep_residuals(raw)
                 backoff.reset()  # anything else is a late report: dropped
                 continue
-            self._check_alive(lambda: np.unique(self.owners[missing()]))
+            self._check_alive(self._heard)  # (every device rank: as for the work)
             backoff.pause()
         got = self._residuals[1]
         return {name: np.array([got[k]["vectors"][j] for k in wanted]).reshape(len(wanted), self.wire.dim)
