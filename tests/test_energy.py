@@ -235,8 +235,10 @@ def test_boards_that_read_their_own_energy_log_it_beside_the_model(tmp_path, boa
     log = loopback_run(cfg, tmp_path / "read.h5", 3)
     read, selected = log["participation/energy_read_j"], log["participation/selected"]
     board_of = log["attrs"]["device_board"]
+    assert (~selected).any()  # (5 of 8 a round: some not selected, whose reading must stay NaN)
     for b in (0, 1):
         mine = selected & (board_of == b)[None, :]
+        assert mine.any(axis=1).all()  # (5 of 8 over two boards of 4: each board works every round)
         np.testing.assert_allclose(np.where(mine, read, 0.0).sum(axis=1)[mine.any(axis=1)], 1.0, rtol=1e-12)
     assert np.isfinite(read[selected]).all() and np.isnan(read[~selected]).all()
     assert np.isfinite(log["participation/energy_j"][selected]).all()  # the model's, beside it

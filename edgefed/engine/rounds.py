@@ -523,14 +523,12 @@ class RoundEngine:
         power = self.timing.power
         if power is None:
             return {}
-        row = np.full(self.n_devices, np.nan)
         recorded = self.clock.recorded_energy(round_idx, ids)
-        row[ids] = power.joules(ids, busy_s, held_s, shared) if recorded is None else recorded
-        out = {"participation/energy_j": row}
+        joules = power.joules(ids, busy_s, held_s, shared) if recorded is None else recorded
+        out = {"participation/energy_j": Scattered(self.n_devices, ids, joules, np.nan)}
         if self.timing.reads_energy:
-            out["participation/energy_read_j"] = read = np.full(self.n_devices, np.nan)
-            if read_j is not None:
-                read[ids] = read_j
+            out["participation/energy_read_j"] = Scattered(self.n_devices, ids, np.nan if read_j is None else read_j,
+                                                           np.nan)
         return out
 
     def _stage_and_commit(self, round_idx, changes, store: bool, sets=None) -> None:

@@ -187,7 +187,7 @@ def apply_shares(state: Path, cgroup: Path) -> None:
 def calibrate_virtual(state: Path, cgroup: Path, say=print) -> int:
     """Calibrate the boards of the virtual cluster in STATE (its boards file: N HOST ADDRESS PROFILE SHARE LINK
     MEMORY), whose cgroups are under cgroup; the boards file gets the shares set. 0 when every board is within
-    3 %, else 1 with one line naming the first that is not."""
+    3 %, else 1 with one line naming the board furthest off (out_of_reach)."""
     rows = board_rows(state)
     names, target = [r[1] for r in rows], [profile_speed(r[3]) for r in rows]
     cores = [(int(r[0]) - 1) % (os.cpu_count() or 1) for r in rows]  # (as `up` pins them)

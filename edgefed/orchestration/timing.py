@@ -44,14 +44,14 @@ def _comm_seconds(setup, names, profiles) -> np.ndarray:
     """Each device's seconds of a round besides its steps: its profile's collectives, plus its rank's own work
     of a round ([rank] round_s); NaN where the profile has neither."""
     key, params = setup.model.profile_key(), setup.model.n_trainable
-    out = np.full(len(names), np.nan)
-    for name in dict.fromkeys(names):
-        prof = profiles[name]
+
+    def seconds(prof) -> float:
         comm = prof.comm_seconds(key, params)
         own = None if prof.rank is None or not prof.rank.round_s else prof.rank.round_seconds(key, params)
-        if comm is not None or own is not None:
-            out[[k for k, n in enumerate(names) if n == name]] = (comm or 0.0) + (own or 0.0)
-    return out
+        return np.nan if comm is None and own is None else (comm or 0.0) + (own or 0.0)
+
+    of_board = {name: seconds(prof) for name, prof in profiles.items()}  # (a profile once, not once a device)
+    return np.array([of_board[name] for name in names])
 
 
 def link_speeds(cfg, n_devices: int) -> np.ndarray | None:
