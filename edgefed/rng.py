@@ -74,6 +74,13 @@ def device_generators(seed: int, purpose: Purpose, device_ids):
         yield int(k), g
 
 
+def stream_words(seed: int, purpose: Purpose, round_idx: int = 0) -> np.ndarray:
+    """The SeedSequence entropy words of generator(seed, purpose, round, device), the device's word last and
+    left 0 for a kernel to fill with device + 1 (one word: devices below 2^32 - 1)."""
+    run = _words(int(seed))
+    return np.array(run + [0] * (4 - len(run)) + _words(int(purpose)) + _words(int(round_idx)) + [0], np.uint64)
+
+
 def kernel_state(seed: int, purpose: Purpose, round_idx: int, device_id: int) -> np.ndarray:
     """A fresh xoshiro256** state (4 x uint64) for the in-kernel generator of one stream: the words
     seed_sequence(seed, purpose, round, device).generate_state(4, uint64) gives, computed in a kernel."""

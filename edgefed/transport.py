@@ -72,12 +72,21 @@ class LocalResults:
 
 @dataclass(frozen=True)
 class Evaluation:
-    """Per-device evaluation at one server model, indexed by device id."""
+    """The evaluated devices' evaluation at one server model: a row per device of `ids` (ascending), so that
+    evaluating a sample of a large federation moves and holds the sample alone."""
 
-    train_loss: np.ndarray  # (N,) F_k(x), mean over the device's training samples
-    test_loss_sum: np.ndarray  # (N,) summed held-out loss
-    test_correct: np.ndarray  # (N,) correct held-out predictions
-    n_test: np.ndarray  # (N,) held-out samples
+    ids: np.ndarray  # the devices evaluated, ascending
+    train_loss: np.ndarray  # F_k(x), mean over the device's training samples
+    test_loss_sum: np.ndarray  # summed held-out loss
+    test_correct: np.ndarray  # correct held-out predictions (-1: no accuracy, a regression)
+    n_test: np.ndarray  # held-out samples
+
+    def rows(self, device_ids: np.ndarray) -> np.ndarray:
+        """The rows of these devices (each evaluated)."""
+        at = np.minimum(np.searchsorted(self.ids, device_ids), max(self.ids.size - 1, 0))
+        if self.ids.size == 0 or not np.array_equal(self.ids[at], device_ids):
+            raise ValueError("the evaluation lacks some of the devices asked for")
+        return at
 
 
 class Transport(Protocol):

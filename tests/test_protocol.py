@@ -73,12 +73,17 @@ def test_work_reports_come_back_in_plan_order_and_a_silent_device_is_late():
 
 def test_evaluations_and_device_vectors_round_trip():
     wire = Wire(5, 3, np.float64, ("delta_x",), device=("c_clients", "h"))
-    ev = Evaluation(np.arange(5.0), np.arange(5.0) * 2, np.arange(5) * 3, np.full(5, 10))
-    records = np.zeros(2, wire.evaluation)
-    wire.pack_evaluation(records, np.array([1, 4]), ev)
-    back = wire.unpack_evaluation([records])
-    assert back.train_loss[[1, 4]].tolist() == [1.0, 4.0] and np.isnan(back.train_loss[[0, 2, 3]]).all()
-    assert back.test_correct.tolist() == [0, 3, 0, 0, 12] and back.n_test.tolist() == [0, 10, 0, 0, 10]
+    evaluated = np.zeros(2, wire.evaluation)
+    wire.pack_evaluation(evaluated, Evaluation(np.array([1, 4]), np.array([1.0, 4.0]), np.array([2.0, 8.0]),
+                                               np.array([3, 12]), np.full(2, 10)))
+    none = np.zeros(1, wire.evaluation)  # a rank that evaluates no device still reports (its memory)
+    wire.pack_evaluation(none, Evaluation(*(np.zeros(0, np.int64),) * 5))
+    other = np.zeros(1, wire.evaluation)
+    wire.pack_evaluation(other, Evaluation(np.array([2]), np.array([2.0]), np.array([4.0]), np.array([6]), np.full(1, 10)))
+    back = wire.unpack_evaluation([evaluated, none, other])
+    assert back.ids.tolist() == [1, 2, 4] and back.train_loss.tolist() == [1.0, 2.0, 4.0]
+    assert back.test_correct.tolist() == [3, 6, 12] and back.n_test.tolist() == [10, 10, 10]
+    assert back.rows(np.array([2, 4])).tolist() == [1, 2]
     rows = {"c_clients": np.arange(6.0).reshape(2, 3), "h": -np.arange(6.0).reshape(2, 3)}
     records = np.zeros(2, wire.rows)
     wire.pack_rows(records, np.array([3, 0]), rows)

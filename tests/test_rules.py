@@ -70,24 +70,24 @@ def test_with_full_work_fednova_is_scheme_b_and_drop_with_uniform_weights_is_sch
     n_train, budgets, steps, _ = _round(draw)
     budgets = np.full(budgets.size, budgets[0])
     steps = np.minimum(steps, budgets)
-    ids = np.arange(n_train.size)
+    ids, everyone = np.arange(n_train.size), schemes.Federation(np.ones(n_train.size, bool), n_train)
     for weighting in ("uniform", "count_selected"):
-        full = schemes.coefficients(weighting, "fednova", ids, ids, n_train, budgets, budgets)
-        np.testing.assert_allclose(full, schemes.coefficients(weighting, "B", ids, ids, n_train, budgets, budgets),
+        full = schemes.coefficients(weighting, "fednova", ids, everyone, n_train, budgets, budgets)
+        np.testing.assert_allclose(full, schemes.coefficients(weighting, "B", ids, everyone, n_train, budgets, budgets),
                                    rtol=1e-12)
-    np.testing.assert_allclose(schemes.coefficients("uniform", "drop", ids, ids, n_train, steps, budgets),
-                               schemes.coefficients("uniform", "A", ids, ids, n_train, steps, budgets), rtol=1e-12)
+    np.testing.assert_allclose(schemes.coefficients("uniform", "drop", ids, everyone, n_train, steps, budgets),
+                               schemes.coefficients("uniform", "A", ids, everyone, n_train, steps, budgets), rtol=1e-12)
 
 
 @settings(max_examples=60, deadline=None)
 @given(rounds)
 def test_no_rule_depends_on_the_order_of_the_devices(draw):
     n_train, budgets, steps, perm = _round(draw)
-    ids = np.arange(n_train.size)
+    ids, everyone = np.arange(n_train.size), schemes.Federation(np.ones(n_train.size, bool), n_train)
     for name in schemes.SCHEMES:
         for weighting in ("uniform", "count_global", "count_selected"):
-            ref = schemes.coefficients(weighting, name, ids, ids, n_train, steps, budgets)
-            got = schemes.coefficients(weighting, name, ids[perm], ids, n_train, steps[perm], budgets[perm])
+            ref = schemes.coefficients(weighting, name, ids, everyone, n_train, steps, budgets)
+            got = schemes.coefficients(weighting, name, ids[perm], everyone, n_train, steps[perm], budgets[perm])
             assert got.tobytes() == ref[perm].tobytes(), (name, weighting)
 
 

@@ -25,7 +25,8 @@ def test_every_rule_is_a_common_factor_times_what_the_device_knows(weighting, sc
     pool = ~late if surplus else np.ones(selected.size, bool)
     p = np.zeros(selected.size)
     if pool.any():
-        p[pool] = schemes.coefficients(weighting, scheme, selected[pool], active, n_train, steps[pool], budgets[pool])
+        federation = schemes.Federation(np.isin(np.arange(n_train.size), active), n_train)
+        p[pool] = schemes.coefficients(weighting, scheme, selected[pool], federation, n_train, steps[pool], budgets[pool])
     p *= boost
     p[steps == 0] = 0.0
     a = schemes.device_factors(scheme, schemes.prescales(weighting, selected, n_train) * boost, steps, budgets)

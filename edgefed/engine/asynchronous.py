@@ -105,7 +105,7 @@ class AsyncEngine(RoundEngine):
     def start(self, x0: np.ndarray) -> ServerState:
         state = super().start(x0)
         self.versions[0] = state
-        self.schedule.fill(np.flatnonzero(self.active))
+        self.schedule.fill(self.federation.ids)
         return state
 
     def resume(self, state: dict, done: int, logged: dict | None = None) -> ServerState:
@@ -117,9 +117,9 @@ class AsyncEngine(RoundEngine):
         if self._kept_schedule():
             self.schedule.restore(resumed)
         else:
-            self.schedule.fill(np.flatnonzero(self.active))
+            self.schedule.fill(self.federation.ids)
             for _ in range(done):
-                self.schedule.next_update(np.flatnonzero(self.active))
+                self.schedule.next_update(self.federation.ids)
         stored = dict(zip(logged["trajectory/round"].tolist(), logged["trajectory/x"]))
         for v in range(max(done - self.window, 0), done + 1):
             self.versions[v] = ServerState(stored[v].copy()) if v < done else state
@@ -160,7 +160,7 @@ class AsyncEngine(RoundEngine):
     def round(self, round_idx: int) -> ServerState:
         wall0 = time.perf_counter()
         a, t = self.cfg.asynchronous, self.cfg.train
-        update = self.schedule.next_update(np.flatnonzero(self.active))
+        update = self.schedule.next_update(self.federation.ids)
         res = self._reports(update.taken)
         ids = np.array(sorted(task.device for task in update.taken), np.int64)
         version_of = {task.device: task.version for task in update.taken}
@@ -171,7 +171,7 @@ class AsyncEngine(RoundEngine):
         coeffs = np.where(nonfinite, 0.0, buffer_coefficients(staleness, a.buffer, a.staleness, a.staleness_exponent))
         reported = (coeffs != 0.0) & (res.steps > 0)
         coeffs[~reported] = 0.0
-        reports = RoundReports(ids, res.vectors, coeffs, reported, t.lr_global, int(self.active.sum()))
+        reports = RoundReports(ids, res.vectors, coeffs, reported, t.lr_global, self.federation.ids.size)
         # central privacy: w(tau_k) Delta_k clipped to C, a_k = M p_k (docs/design.md 2.19)
         state, extra = self.privacy.server_update(self.algorithm, self.state, reports, a.buffer, round_idx)
         self.state = self._declared(state, "server_update")
@@ -181,7 +181,7 @@ class AsyncEngine(RoundEngine):
             del self.versions[v]  # no task of it can be taken any more
         self.clock.clock_s = update.time_s
         if round_idx < self.cfg.rounds:  # the last update starts no task: none of them would be used
-            self.schedule.after_update(np.flatnonzero(self.active))
+            self.schedule.after_update(self.federation.ids)
 
         evaluate, store = self._due(round_idx)
         metrics = self.metrics(self.transport.evaluate(self.state.x)) if evaluate else (math.nan,) * 3
@@ -192,7 +192,7 @@ class AsyncEngine(RoundEngine):
         self._count_labels(ids)
         self._stage_and_commit(round_idx, None, store)
         discarded = sum(1 for task in update.discarded if task.device not in set(ids.tolist()))  # as the row says
-        self.on_round(RoundSummary(round_idx, self.cfg.rounds, *metrics, int(reported.sum()), int(self.active.sum()),
+        self.on_round(RoundSummary(round_idx, self.cfg.rounds, *metrics, int(reported.sum()), self.federation.ids.size,
                                    int(nonfinite.sum()), elapsed, discarded, int(res.steps.sum()),
                                    int(self._budgets[ids].sum()), int(reported.sum()), evaluate))
         return self.state

@@ -79,6 +79,7 @@ class RoundEngine:
         self.on_round = on_round or (lambda summary: None)
         self.dynamics = Dynamics(cfg.dynamics, self.n_devices, cfg.mpi.away)
         self.members: Membership = self.dynamics.at(0)  # the federation of the round under way
+        self._federation: schemes.Federation | None = None
         self._budgets = local_budgets(cfg.train, self.n_train)
         self.timing = timing or Timing()
         self.clock = RoundClock(self.timing, self.n_devices, cfg.participation.mode,
@@ -112,6 +113,13 @@ class RoundEngine:
         """(N,) bool: the devices in the federation (the objective) this round."""
         return self.members.active
 
+    @property
+    def federation(self) -> schemes.Federation:
+        """The members' ids and sample total, made again only when the membership changed."""
+        if self._federation is None or self._federation.active is not self.members.active:
+            self._federation = schemes.Federation(self.members.active, self.n_train)
+        return self._federation
+
     # -- planning ----------------------------------------------------------------------------------------
     def learning_rate(self, round_idx: int, shift_round: int = 0) -> float:
         t = self.cfg.train
@@ -127,7 +135,7 @@ class RoundEngine:
         self._choice, self._probed = None, None
         quorum = None
         if not isinstance(self.trace, ReplayTrace):  # the policy's selection
-            active_ids = np.flatnonzero(self.active)
+            active_ids = self.federation.ids
             count = self.cfg.clients_per_round_count(active_ids.size)
             if self.timing.overselect > 0:  # over-commit: the first S to complete are taken
                 quorum, count = count, overselected(count, self.timing.overselect, active_ids.size)
@@ -163,8 +171,9 @@ class RoundEngine:
         if self.selection.reads_speeds:
             forecast = self.clock.forecast(np.arange(self.n_devices), self._budgets)
             work, seconds = forecast.work_s, forecast.round_s
-        return View(round_idx, members, count,
-                    schemes.objective_weights(self.cfg.train.weighting, members, self.n_train), seconds, work,
+        weights = (schemes.weights_among(self.cfg.train.weighting, members, self.n_train)
+                   if self.selection.reads_weights else None)
+        return View(round_idx, members, count, weights, seconds, work,
                     self._sizes, self._budgets,
                     least=2 if self.cfg.secagg.enabled else 1, window=lambda c: self.clock.windows(c, self._budgets[c]),
                     deadline_s=None if self.timing.quantile is not None else self.timing.deadlines,
@@ -209,7 +218,7 @@ class RoundEngine:
         if plan.quorum is not None:
             return plan.quorum
         if self._recorded_quorum is not None:
-            return self._recorded_quorum.clients_per_round_count(int(self.active.sum()))
+            return self._recorded_quorum.clients_per_round_count(self.federation.ids.size)
         return plan.device_ids.size
 
     # -- the wire ----------------------------------------------------------------------------------------
@@ -239,6 +248,8 @@ class RoundEngine:
         """The broadcast's bytes each device received: the selected ones the model; with a compressed
         downlink every member the difference (each keeps the copy it adds to), and an arriving device the
         whole copy (x_0, which every device builds from the seed, is never sent)."""
+        if self._probed is None and not self.downlink.lossy:
+            return Scattered(self.n_devices, plan.device_ids, plan.down_bytes, 0)
         row = self._probe_bytes(0)
         if not self.downlink.lossy:
             row[plan.device_ids] += plan.down_bytes
@@ -260,8 +271,11 @@ class RoundEngine:
 
     def _bytes_up(self, plan: RoundPlan, res) -> np.ndarray:
         """Each report's payload, and each candidate's loss."""
+        payload = 0 if res.bytes_up is None else res.bytes_up
+        if self._probed is None:
+            return Scattered(self.n_devices, plan.device_ids, payload, 0)
         row = self._probe_bytes(1)
-        row[plan.device_ids] += 0 if res.bytes_up is None else res.bytes_up
+        row[plan.device_ids] += payload
         return row
 
     @staticmethod
@@ -277,21 +291,25 @@ class RoundEngine:
     def metrics(self, ev: Evaluation) -> tuple[float, float, float]:
         """(train objective, test loss, test accuracy) over the federation, reduced in ascending device id;
         with [log] eval_devices over the members of its sample, weighted as the objective weighs them."""
-        active_ids = np.flatnonzero(self.active)
-        weights = schemes.objective_weights(self.cfg.train.weighting, active_ids, self.n_train)
-        if self.evaluated is not None:
-            kept = np.isin(active_ids, self.evaluated)
-            if not kept.any():  # every sampled device has left the federation
+        federation = self.federation
+        if self.evaluated is None:
+            active_ids = federation.ids
+            weights = schemes.objective_weights(self.cfg.train.weighting, federation, self.n_train)
+        else:
+            active_ids = self.evaluated[self.active[self.evaluated]]
+            if not active_ids.size:  # every sampled device has left the federation
                 return math.nan, math.nan, math.nan
-            active_ids, weights = active_ids[kept], weights[kept] / math.fsum(weights[kept])
+            weights = schemes.objective_weights(self.cfg.train.weighting, federation, self.n_train, active_ids)
+            weights = weights / math.fsum(weights)
+        rows = ev.rows(active_ids)
         # math.fsum, not np.dot: BLAS's ddot sums in a CPU-dependent order (aarch64 and x86-64 differed by 2 ULPs)
-        train = math.fsum(weights * ev.train_loss[active_ids])
-        n_test = int(ev.n_test[active_ids].sum())
+        train = math.fsum(weights * ev.train_loss[rows])
+        n_test = int(ev.n_test[rows].sum())
         if n_test == 0:
             return train, math.nan, math.nan
-        correct = ev.test_correct[active_ids]
+        correct = ev.test_correct[rows]
         accuracy = math.nan if (correct < 0).any() else float(correct.sum() / n_test)  # < 0: no accuracy (mse)
-        return train, float(ev.test_loss_sum[active_ids].sum() / n_test), accuracy
+        return train, float(ev.test_loss_sum[rows].sum() / n_test), accuracy
 
     def _due(self, round_idx: int) -> tuple[bool, bool]:
         """(evaluate now, store the model now)."""
@@ -310,8 +328,7 @@ class RoundEngine:
 
     # -- device vectors (SCAFFOLD's controls): kept on the devices, mirrored in the log, sparse ------------------
     def _members(self, rows: dict[str, DeviceRows]) -> dict[str, DeviceRows]:
-        active_ids = np.flatnonzero(self.active)
-        return {name: r.take(active_ids) for name, r in rows.items()}
+        return {name: r.take(self.federation.ids) for name, r in rows.items()}
 
     def _held_rows(self) -> dict[str, DeviceRows]:
         """The log's rows of the devices that may hold one other than zero (the others are zero)."""
@@ -350,7 +367,7 @@ class RoundEngine:
                          "metrics/test_accuracy": test_acc, "metrics/clock_s": 0.0,
                          **self.privacy.first_row()})
         self._stage_and_commit(0, None, store=True)
-        self.on_round(RoundSummary(0, self.cfg.rounds, train, test_loss, test_acc, 0, int(self.active.sum()), 0, 0.0))
+        self.on_round(RoundSummary(0, self.cfg.rounds, train, test_loss, test_acc, 0, self.federation.ids.size, 0, 0.0))
         return self.state
 
     def resume(self, state: dict, done: int, logged: dict | None = None) -> ServerState:
@@ -461,7 +478,7 @@ class RoundEngine:
         coeffs = np.zeros(plan.device_ids.size)
         if pool.any():
             coeffs[pool] = schemes.coefficients(self.cfg.train.weighting, self.cfg.participation.scheme,
-                                                plan.device_ids[pool], np.flatnonzero(self.active), self.n_train,
+                                                plan.device_ids[pool], self.federation, self.n_train,
                                                 counted[pool], plan.budgets[pool])
         coeffs *= self.members.boost(plan.device_ids)  # fast-reboot of arriving devices
         coeffs[counted == 0] = 0.0  # nothing applied: log 0 (Scheme B's w_k would multiply a zero update)
@@ -471,7 +488,7 @@ class RoundEngine:
         """The server update from the weighed reports (through secure aggregation's one sum when it is on,
         and the run's privacy around the algorithm's update); the policy told what the reports said. Returns
         the round's further log columns and what its progress line should add."""
-        lr_global, n_federation = self.cfg.train.lr_global, int(np.count_nonzero(self.active))
+        lr_global, n_federation = self.cfg.train.lr_global, self.federation.ids.size
         reports = RoundReports(plan.device_ids, res.vectors, w.coeffs, w.reported, lr_global, n_federation)
         extra, note = {}, ""
         if self.secure is not None:  # the one sum of the survivors' scaled updates, never one of them
@@ -510,7 +527,7 @@ class RoundEngine:
         self._stage_and_commit(round_idx, changes, store, sets)
         late = settled.late
         self.on_round(RoundSummary(round_idx, self.cfg.rounds, *metrics, int(np.count_nonzero(w.counted)),
-                                   int(self.active.sum()), int(w.nonfinite.sum()), elapsed, int(late.sum()),
+                                   self.federation.ids.size, int(w.nonfinite.sum()), elapsed, int(late.sum()),
                                    int(np.sum(settled.steps[~late & ~w.nonfinite])), int(plan.budgets.sum()),
                                    int(np.count_nonzero(w.coeffs)), evaluate, note))
 
@@ -558,7 +575,7 @@ class RoundEngine:
         raced = plan.deadline_s is not None  # the core matters where the work raced a wall clock
         return {
             "participation/selected": scatter(True, np.bool_, False),
-            "participation/active": self.active.copy(),
+            "participation/active": Scattered(n, self.federation.absent, False, True),
             "participation/budget": scatter(plan.budgets, np.int32),
             "participation/steps": scatter(settled.steps, np.int32),
             "participation/coeff": scatter(coeffs, np.float64),

@@ -16,6 +16,7 @@ arrival and its returns counts).
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass
 
 import numpy as np
@@ -58,6 +59,12 @@ class Dynamics:
         shifts = [r for r in self.arrival.values()]
         shifts += [r for r, policy in self.departure.values() if policy == "exclude"]
         self._shifts = sorted(set(shifts))
+        # the rounds the masks change in: between two of them a round's masks are the last one's, the same
+        # arrays (so what is computed once per federation stays computed: engine.rounds' Federation)
+        changes = set(shifts) | {r for r, _ in self.departure.values()}
+        changes |= {r for _, start, back in self.away for r in (start, back) if r is not None}
+        self._changes = sorted(changes)
+        self._masks = (None, None, None)  # (its epoch, active, silent)
 
     def at(self, round_idx: int) -> Membership:
         """The federation in round round_idx; round 0 is the start."""
@@ -66,7 +73,13 @@ class Dynamics:
             b = self.cfg.boost
             boosted = {k: 1.0 + (b - 1.0) / (round_idx - r0 + 1) ** 2
                        for k, r0 in self.rebooted(round_idx).items()}
-        return Membership(self.active(round_idx), self.silent(round_idx), self.shift_round(round_idx),
+        epoch = bisect.bisect_right(self._changes, round_idx)
+        if self._masks[0] != epoch:
+            active, silent = self.active(round_idx), self.silent(round_idx)
+            active.setflags(write=False)  # shared by the epoch's rounds
+            silent.setflags(write=False)
+            self._masks = (epoch, active, silent)
+        return Membership(self._masks[1], self._masks[2], self.shift_round(round_idx),
                           round_idx in self._shifts, self.arriving(round_idx), boosted)
 
     def active(self, round_idx: int) -> np.ndarray:

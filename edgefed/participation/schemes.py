@@ -18,6 +18,7 @@ over the devices that reported, say) is one more entry here and nothing else.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Callable
 
@@ -26,13 +27,29 @@ import numpy as np
 WEIGHTINGS = ("uniform", "count_global", "count_selected")
 
 
-def base_weights(weighting: str, selected: np.ndarray, active: np.ndarray, n_train: np.ndarray) -> np.ndarray:
+class Federation:
+    """The devices in one round's objective (ascending ids) and the sum of their sample counts: what the
+    weights need of the federation, computed once while it is unchanged rather than over N every round."""
+
+    def __init__(self, active: np.ndarray, n_train: np.ndarray):
+        self.active = active
+        self.ids = np.flatnonzero(active)
+        # (an exact integer: a float64 sum of the counts is the same number while it stays below 2^53)
+        self.samples = int(n_train[self.ids].sum())
+
+    @functools.cached_property
+    def absent(self) -> np.ndarray:
+        """The devices outside it, ascending."""
+        return np.flatnonzero(~self.active)
+
+
+def base_weights(weighting: str, selected: np.ndarray, federation: Federation, n_train: np.ndarray) -> np.ndarray:
     """w_k for the selected device ids (float64, in their order)."""
     if weighting == "uniform":
         return np.full(selected.size, 1.0 / selected.size)
     counts = n_train[selected].astype(np.float64)
     if weighting == "count_global":
-        return counts / float(n_train[active].sum())
+        return counts / float(federation.samples)
     if weighting == "count_selected":
         return counts / counts.sum()
     raise ValueError(f"unknown weighting {weighting!r}")
@@ -103,20 +120,30 @@ def scheme_multipliers(scheme: str, steps: np.ndarray, budgets: np.ndarray) -> n
     return MULTIPLIERS[scheme](np.asarray(steps, dtype=np.int64), np.asarray(budgets, dtype=np.int64))
 
 
-def coefficients(weighting: str, scheme: str, selected, active, n_train, steps, budgets) -> np.ndarray:
+def coefficients(weighting: str, scheme: str, selected, federation: Federation, n_train, steps,
+                 budgets) -> np.ndarray:
     """p_k for the selected devices: the scheme's rule over their base weights."""
     if scheme not in SCHEMES:
         raise ValueError(f"unknown scheme {scheme!r}")
-    return SCHEMES[scheme](base_weights(weighting, selected, active, n_train), np.asarray(steps, dtype=np.int64),
+    return SCHEMES[scheme](base_weights(weighting, selected, federation, n_train), np.asarray(steps, dtype=np.int64),
                            np.asarray(budgets, dtype=np.int64))
 
 
-def objective_weights(weighting: str, active: np.ndarray, n_train: np.ndarray) -> np.ndarray:
-    """Weights of the global objective the weighting minimizes, over the active devices: 1/N_r or n_k/n."""
+def weights_among(weighting: str, members: np.ndarray, n_train: np.ndarray) -> np.ndarray:
+    """The objective's weights renormalized over these members (a selection policy's draw among them)."""
     if weighting == "uniform":
-        return np.full(active.size, 1.0 / active.size)
-    counts = n_train[active].astype(np.float64)
+        return np.full(members.size, 1.0 / members.size)
+    counts = n_train[members].astype(np.float64)
     return counts / counts.sum()
+
+
+def objective_weights(weighting: str, federation: Federation, n_train: np.ndarray, ids=None) -> np.ndarray:
+    """Weights of the global objective the weighting minimizes, 1/N_r or n_k/n, of the members `ids` (default:
+    every member)."""
+    ids = federation.ids if ids is None else ids
+    if weighting == "uniform":
+        return np.full(ids.size, 1.0 / federation.ids.size)
+    return n_train[ids].astype(np.float64) / float(federation.samples)
 
 
 # Secure aggregation (docs/design.md 2.15) sums a_k Delta_k without showing the server any one of them, so

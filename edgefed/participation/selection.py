@@ -57,7 +57,8 @@ class View:
     round_idx: int
     members: np.ndarray  # the federation's device ids, ascending
     count: int  # how many to select (S, or over-selection's ceil((1 + o) S))
-    weights: np.ndarray  # (members,) the objective's weights of the members
+    weights: np.ndarray | None  # (members,) the objective's weights of the members; None for a policy that
+    # reads none
     seconds: np.ndarray | None  # (N,) each device's predicted round: K_k x its seconds per step + its links; NaN
     # unknown; None for a policy that reads no speeds
     work_s: np.ndarray | None  # (N,) of that, the K_k steps alone
@@ -99,6 +100,7 @@ class Uniform:
     name = "uniform"
     reads_losses = False  # whether it reads what the devices' steps say of their losses
     reads_speeds = False  # whether it reads the devices' predicted times (View.seconds, work_s)
+    reads_weights = False  # whether it reads the members' objective weights (View.weights)
 
     def __init__(self, seed: int, settings, n_train: np.ndarray, rounds: int):
         self.seed, self.n_train = seed, np.asarray(n_train, np.int64)
@@ -111,7 +113,8 @@ class Uniform:
 
     def select(self, view: View) -> Choice:
         chosen = select_devices(self.seed, view.key, view.members, view.count)
-        return Choice(chosen, view.members, np.full(view.members.size, np.nan))
+        # (a read-only view: no N-wide array a round for scores a uniform draw does not have)
+        return Choice(chosen, view.members, np.broadcast_to(np.nan, view.members.shape))
 
     def observe(self, fb: Feedback) -> None:
         pass
@@ -171,6 +174,7 @@ class PowerOfChoice(_FromCandidates):
     """Cho, Wang and Joshi's pi_pow-d: d candidates by weight, the S with the highest local loss F_k(x)."""
 
     name = "power_of_choice"
+    reads_weights = True
 
     def select(self, view: View) -> Choice:
         p = view.weights / math.fsum(view.weights)

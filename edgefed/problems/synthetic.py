@@ -14,7 +14,8 @@ from __future__ import annotations
 import numpy as np
 
 from edgefed.problems.data import PARETO_DEFAULT_MAX, PARETO_INDEX, ClassificationData
-from edgefed.rng import Purpose, device_generators, generator
+from edgefed.kernels.first_draws import LOGNORMAL, PARETO, first_draws
+from edgefed.rng import Purpose, device_generators, generator, stream_words
 
 N_FEATURES = 60
 N_CLASSES = 10
@@ -22,29 +23,35 @@ EAGER_LABELS_UP_TO = 10_000  # devices whose labels are counted before round 1; 
 _SIGMA_SQRT = np.arange(1, N_FEATURES + 1, dtype=np.float64) ** (-1.2 / 2)
 
 
-def total_samples(cfg, seed: int, n_devices: int) -> list[int]:
-    """Samples (train + test) of each device, one draw from each device's own stream."""
+def total_samples(cfg, seed: int, n_devices: int) -> np.ndarray:
+    """(N,) int64: samples (train + test) of each device, one draw from each device's own stream (the first
+    draws of all streams in one kernel pass; the ~1 % the ziggurat's first try rejects drawn by NumPy)."""
     if not isinstance(cfg.samples, str):
-        return [int(cfg.samples)] * n_devices
-    streams = device_generators(seed, Purpose.DATA_COUNT, range(n_devices))
-    if cfg.samples == "lognormal":
-        cap = cfg.samples_max
-        draws = (int(g.lognormal(4.0, 2.0)) + 50 for _, g in streams)
+        return np.full(n_devices, int(cfg.samples), np.int64)
+    lognormal = cfg.samples == "lognormal"
+    draws = np.empty(n_devices, np.float64)
+    done = np.empty(n_devices, np.bool_)
+    first_draws(stream_words(seed, Purpose.DATA_COUNT), np.arange(n_devices, dtype=np.int64),
+                LOGNORMAL if lognormal else PARETO, 4.0, 2.0 if lognormal else PARETO_INDEX, draws, done,
+                np.zeros(4, np.uint64), np.zeros(4, np.uint64))
+    for k, g in device_generators(seed, Purpose.DATA_COUNT, np.flatnonzero(~done)):
+        draws[k] = g.lognormal(4.0, 2.0) if lognormal else g.pareto(PARETO_INDEX)
+    if lognormal:
+        cap, counts = cfg.samples_max, draws.astype(np.int64) + 50
     else:
-        cap = cfg.samples_max or PARETO_DEFAULT_MAX
         # numpy's pareto is Lomax: shifted for Type I
-        draws = (int(cfg.samples_min * (1.0 + g.pareto(PARETO_INDEX))) for _, g in streams)
-    return [min(n, cap) if cap is not None else n for n in draws]
+        cap, counts = cfg.samples_max or PARETO_DEFAULT_MAX, (cfg.samples_min * (1.0 + draws)).astype(np.int64)
+    return counts if cap is None else np.minimum(counts, cap)
 
 
 def _label_counts(y: np.ndarray) -> np.ndarray:
     return np.bincount(y, minlength=N_CLASSES)
 
 
-def split_train(n_total: int, test_fraction: float) -> int:
-    """Training samples out of n_total; at least one of each part."""
-    n_train = int((1.0 - test_fraction) * n_total + 1e-9)
-    return min(max(n_train, 1), n_total - 1)
+def split_train(n_total: np.ndarray, test_fraction: float) -> np.ndarray:
+    """Training samples out of each n_total; at least one of each part."""
+    n_train = ((1.0 - test_fraction) * n_total + 1e-9).astype(np.int64)
+    return np.minimum(np.maximum(n_train, 1), n_total - 1)
 
 
 class SyntheticProblem:
@@ -58,9 +65,8 @@ class SyntheticProblem:
         self.seed = seed
         self.dtype = dtype
         self.n_devices = cfg.clients
-        totals = total_samples(cfg, seed, self.n_devices)
-        self.n_train = np.array([split_train(n, cfg.test_fraction) for n in totals], dtype=np.int64)
-        self.n_total = np.array(totals, dtype=np.int64)
+        self.n_total = total_samples(cfg, seed, self.n_devices)
+        self.n_train = split_train(self.n_total, cfg.test_fraction)
 
     def _global_model(self):
         g = generator(self.seed, Purpose.DATA_GLOBAL)

@@ -236,7 +236,7 @@ class LocalTransport:
         self.device_ids = np.arange(n) if device_ids is None else np.asarray(device_ids, dtype=np.int64)
         # membership by search in the ascending ids, not a dict of every device (a GB and seconds at 10^7)
         self._hosted = np.sort(self.device_ids)
-        self.evaluated = self.device_ids if evaluated is None else evaluated[self.hosts(evaluated)]
+        self.evaluated = self._hosted if evaluated is None else evaluated[self.hosts(evaluated)]
         if hasattr(problem, "host"):
             problem.host(self.device_ids)
         self.data = DeviceCache(problem.device, cache_mb * 2.0 ** 20)
@@ -544,21 +544,19 @@ class LocalTransport:
         return {}  # (the devices are this process's: its own peak is the caller's)
 
     def evaluate(self, x: np.ndarray) -> Evaluation:
-        """Evaluation of the hosted devices that are evaluated (others NaN / 0), indexed by device id."""
-        n = self.problem.n_devices
-        train = np.full(n, np.nan)
-        test_loss = np.zeros(n)
-        correct = np.zeros(n, np.int64)
-        n_test = np.zeros(n, np.int64)
-        for k in self.evaluated:
+        """Evaluation of the hosted devices that are evaluated."""
+        n = self.evaluated.size
+        train, test_loss = np.full(n, np.nan), np.zeros(n)
+        correct, n_test = np.zeros(n, np.int64), np.zeros(n, np.int64)
+        for i, k in enumerate(self.evaluated):
             data = self.data(int(k))
-            train[k] = self.eval_model.train_loss(x, data)
+            train[i] = self.eval_model.train_loss(x, data)
             if self.problem.has_test:
-                test_loss[k], correct[k] = self.eval_model.loss_correct(x, data.X_test, data.y_test)
+                test_loss[i], correct[i] = self.eval_model.loss_correct(x, data.X_test, data.y_test)
                 if not self.eval_model.has_accuracy:  # a regression: its test metric is the loss only
-                    correct[k] = -1
-                n_test[k] = data.y_test.shape[0]  # samples (float targets are (n, width))
-        return Evaluation(train, test_loss, correct, n_test)
+                    correct[i] = -1
+                n_test[i] = data.y_test.shape[0]  # samples (float targets are (n, width))
+        return Evaluation(np.asarray(self.evaluated, np.int64), train, test_loss, correct, n_test)
 
     def close(self, failed: bool = False) -> None:
         for lane in self.lanes:

@@ -366,8 +366,8 @@ class DeviceServer:
 
     def _evaluate(self, x) -> None:
         ev = self.heart.beating(self.transport.evaluate, x)
-        records = self._records(protocol.TAG_EVAL, self.own.size)
-        self.wire.pack_evaluation(records, self.own, ev)
+        records = self._records(protocol.TAG_EVAL, max(ev.ids.size, 1))
+        self.wire.pack_evaluation(records, ev)
         self._send_records(protocol.TAG_EVAL, records)
 
     def _probe(self, x) -> None:

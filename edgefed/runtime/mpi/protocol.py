@@ -368,19 +368,23 @@ class Wire:
 
     # -- up: evaluation --------------------------------------------------------------------------------
     @staticmethod
-    def pack_evaluation(records: np.ndarray, ids: np.ndarray, ev: Evaluation) -> None:
-        records["device"] = ids
-        records["train_loss"], records["test_loss_sum"] = ev.train_loss[ids], ev.test_loss_sum[ids]
-        records["test_correct"], records["n_test"] = ev.test_correct[ids], ev.n_test[ids]
+    def pack_evaluation(records: np.ndarray, ev: Evaluation) -> None:
+        """records: max(1, evaluated) of them; a rank that evaluates none sends one marked device -1, which
+        still carries its peak memory."""
+        if not ev.ids.size:
+            records["device"] = -1
+            return
+        records["device"] = ev.ids
+        records["train_loss"], records["test_loss_sum"] = ev.train_loss, ev.test_loss_sum
+        records["test_correct"], records["n_test"] = ev.test_correct, ev.n_test
 
     def unpack_evaluation(self, messages) -> Evaluation:
-        n = self.n_devices
-        ev = Evaluation(np.full(n, np.nan), np.zeros(n), np.zeros(n, np.int64), np.zeros(n, np.int64))
-        for records in messages:
-            k = records["device"]
-            ev.train_loss[k], ev.test_loss_sum[k] = records["train_loss"], records["test_loss_sum"]
-            ev.test_correct[k], ev.n_test[k] = records["test_correct"], records["n_test"]
-        return ev
+        records = np.concatenate([np.zeros(0, self.evaluation), *messages])
+        records = records[records["device"] >= 0]
+        records = records[np.argsort(records["device"], kind="stable")]
+        return Evaluation(records["device"].astype(np.int64), records["train_loss"].astype(np.float64),
+                          records["test_loss_sum"].astype(np.float64), records["test_correct"].astype(np.int64),
+                          records["n_test"].astype(np.int64))
 
     # -- both ways: device vectors ---------------------------------------------------------------------
     def pack_rows(self, records: np.ndarray, ids: np.ndarray, rows: dict[str, np.ndarray]) -> None:
