@@ -61,8 +61,11 @@ def test_the_data_cache_keeps_its_bound_and_a_small_one_writes_the_same_log(tmp_
     one = problem.device(0)
     size = sum(v.nbytes for v in vars(one).values())
     cache = DeviceCache(problem.device, budget=3.5 * size)
+    cache(7)
+    assert not cache._data  # built once: not kept (in a large federation most devices are drawn once)
     for k in range(40):
-        data = cache(k)
+        cache(k)
+        assert cache(k) is cache(k)  # kept from the second build on
         assert cache.nbytes <= 3.5 * size or len(cache._data) == 1  # (one device larger than the bound stays)
     assert len(cache._data) <= 5 and list(cache._data)[-1] == 39  # the most recent kept
     assert cache(39) is cache(39) and np.array_equal(cache(0).X_train, one.X_train)  # built again, the same

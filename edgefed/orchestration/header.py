@@ -176,5 +176,6 @@ def label_counter(problem, transport):
     in one process from the transport's built data, under MPI rank 0 builds the selected devices' itself."""
     if not getattr(problem, "labels_later", False):
         return None
-    data = transport.data if isinstance(transport, LocalTransport) else problem.device
-    return lambda ids: np.stack([problem.labels_of(data(int(k))) for k in ids]) if len(ids) else None
+    if isinstance(transport, LocalTransport):
+        return lambda ids: transport.label_counts(ids) if len(ids) else None
+    return lambda ids: np.stack([problem.labels_of(problem.device(int(k))) for k in ids]) if len(ids) else None

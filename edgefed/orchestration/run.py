@@ -336,7 +336,6 @@ def drive(setup: Setup, transport, log_path: Path, *, resume_point=None, on_roun
     if resume_point is not None and resume_point.complete:
         transport.close()
         return _summary(log_path, resume_point.logged, 0, 0.0, tally, already_complete=True)
-    wall0 = time.perf_counter()
     new = resume_point is None  # (from here the file at log_path is this run's own: a whole new log)
     with released_on_failure(log_path, new and setup.stub):
         try:
@@ -354,6 +353,7 @@ def drive(setup: Setup, transport, log_path: Path, *, resume_point=None, on_roun
         else:
             done = resume_point.rounds_done
             engine.resume(resume_point.state, done, resume_point.logged)
+        wall0 = time.perf_counter()  # the rounds alone: the log, the engine and round 0's metrics are start-up
         engine.run(done)
     wall = time.perf_counter() - wall0
     # complete before the devices are let go: a rank lost in the final drain then costs nothing logged

@@ -151,7 +151,7 @@ COMPRESS_FROM = 10_000  # devices from which the (R, N) datasets are stored defl
 SPARSE_FROM = 65_537  # devices from which a round's (N,) row is chunked in pieces and only its values other
 # than the column's fill are written: HDF5 never allocates a chunk no value was written to (it reads as the
 # fill), so a round of S devices writes about S chunks, not N values
-SPARSE_CHUNK = 4096  # devices a chunk of such a row holds
+SPARSE_CHUNK = 1024  # devices a chunk of such a row holds
 
 
 def sparse_rows(row_shape: tuple) -> bool:

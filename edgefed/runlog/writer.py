@@ -225,8 +225,11 @@ def _write_skeleton(f: h5py.File, header: Header) -> None:
         # (and every reader through HDF5) read them
         squeeze = ({"compression": "gzip", "compression_opts": 1, "shuffle": True}
                    if header.n_devices >= schema.COMPRESS_FROM and tuple(col.row_shape) == (header.n_devices,) else {})
+        # a large federation's row is indexed by a B-tree of the chunks written (HDF5 picks one for two unlimited
+        # dimensions), not an array of every chunk of every row: the index grows with the rounds' devices, not N
+        maxshape = (None,) + ((None,) if schema.sparse_rows(tuple(col.row_shape)) else tuple(col.row_shape))
         ds = f.create_dataset(
-            col.path, shape=(0,) + col.row_shape, maxshape=(None,) + col.row_shape, dtype=col.dtype,
+            col.path, shape=(0,) + col.row_shape, maxshape=maxshape, dtype=col.dtype,
             chunks=_chunk(col.row_shape), fillvalue=col.fill, **squeeze,
         )
         ds.attrs["rows"] = col.rows

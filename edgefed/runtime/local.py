@@ -87,6 +87,7 @@ class RoundWork:
         self.core = np.full(n_sel, -1, np.int16)
         self.started = np.full(n_sel, np.nan)  # perf_counter when each device began
         self.loss_sq, self.samples = np.zeros(n_sel), np.zeros(n_sel, np.int64)  # what its steps said of their losses
+        self.data: dict[int, object] = {}  # the devices' data, built before the lanes start, held for the round
 
     def results(self, rows=slice(None)) -> LocalResults:
         """In one process the link is all the communication there is (a slow_link fault's, or none). Under
@@ -124,11 +125,16 @@ class Streams:
 class DeviceCache:
     """The devices' data this process has built, the least recently used dropped beyond `budget` bytes: a
     device's data is a pure function of (seed, device), so dropping it costs only the time to build it again.
-    Lanes share it from their threads."""
+    A device's data is kept from its second build on: in a large federation most devices are drawn once in
+    a run, and keeping those would fill the budget with data nobody asks for again (the evaluation sample,
+    asked for at every evaluation, is kept from the second). Lanes share it from their threads."""
+
+    SEEN = 65_536  # the devices built once that are remembered (the oldest forgotten)
 
     def __init__(self, build, budget: float):
         self.build, self.budget = build, budget
         self._data: OrderedDict[int, object] = OrderedDict()
+        self._seen: OrderedDict[int, None] = OrderedDict()  # built once, not kept
         self.nbytes = 0
         self._lock = threading.Lock()
         self._building: dict[int, threading.Event] = {}  # a device being built: the others wait for it
@@ -144,10 +150,17 @@ class DeviceCache:
                 if pending is None:  # this thread builds it (a problem's build is not safe twice at once)
                     pending = self._building[device_id] = threading.Event()
                     break
+                self._seen[device_id] = None  # asked for again while being built: kept
             pending.wait()
         try:
             data = self.build(device_id)  # outside the lock: other devices' lanes go on meanwhile
             with self._lock:
+                if device_id not in self._seen:  # a first build: remembered, not kept
+                    self._seen[device_id] = None
+                    if len(self._seen) > self.SEEN:
+                        self._seen.popitem(last=False)
+                    return data
+                del self._seen[device_id]
                 self._data[device_id] = data
                 self.nbytes += _nbytes(data)
                 while self.nbytes > self.budget and len(self._data) > 1:
@@ -162,6 +175,7 @@ class DeviceCache:
     def clear(self) -> None:
         with self._lock:
             self._data.clear()
+            self._seen.clear()
             self.nbytes = 0
 
 
@@ -235,11 +249,13 @@ class LocalTransport:
         n = problem.n_devices
         self.device_ids = np.arange(n) if device_ids is None else np.asarray(device_ids, dtype=np.int64)
         # membership by search in the ascending ids, not a dict of every device (a GB and seconds at 10^7)
-        self._hosted = np.sort(self.device_ids)
+        ids = self.device_ids
+        self._hosted = ids if device_ids is None or (ids[1:] > ids[:-1]).all() else np.sort(ids)
         self.evaluated = self._hosted if evaluated is None else evaluated[self.hosts(evaluated)]
         if hasattr(problem, "host"):
             problem.host(self.device_ids)
-        self.data = DeviceCache(problem.device, cache_mb * 2.0 ** 20)
+        self._labels: dict[int, np.ndarray] = {}  # label counts of devices built, until the log takes them
+        self.data = DeviceCache(self._build, cache_mb * 2.0 ** 20)
         self._faults = {(f.device, f.round): f for f in faults}
         self.vectors = None  # {device vector: its HeldRows}, e.g. SCAFFOLD's c_k
         self._pending = None  # (round, device ids, {delta name: rows}, {report: residual rows}) until accepted
@@ -378,7 +394,7 @@ class LocalTransport:
             self._pending = (plan.round_idx, plan.device_ids.copy(),
                              {v.delta: work.vectors[v.delta] for v in self.algorithm.device_vectors}, work.residuals)
         for k in plan.device_ids:  # data is built here, once, not by the lanes at the same time
-            self.data(int(k))
+            work.data[int(k)] = self.data(int(k))
         lanes = [(lane, list(range(t, plan.device_ids.size, len(self.lanes)))) for t, lane in enumerate(self.lanes)]
         lanes = [(lane, rows) for lane, rows in lanes if rows]
         if len(self.lanes) == 1 and self.lanes[0].core is None:  # one unpinned lane: right here
@@ -426,7 +442,7 @@ class LocalTransport:
             lane.competitor.set_load(0.0)
 
     def _run_device(self, lane: Lane, i: int, k: int, plan: RoundPlan, x, server, work: RoundWork, stoppable):
-        data = self.data(k)
+        data = work.data[k] if k in work.data else self.data(k)
         if lane.competitor is not None:
             lane.competitor.set_load(self.contention[k % len(self.contention)])
         own = {name: held.get(k) for name, held in self.vectors.items()}
@@ -532,6 +548,17 @@ class LocalTransport:
             if hosted[i]:
                 out[i] = self.eval_model.train_loss(x, self.data(int(k)))
         return out
+
+    def _build(self, device_id: int):
+        data = self.problem.device(device_id)
+        if getattr(self.problem, "labels_later", False):  # counted now: the cache may not keep the data
+            self._labels[device_id] = self.problem.labels_of(data)
+        return data
+
+    def label_counts(self, device_ids) -> np.ndarray:
+        """(ids, C) these devices' label counts, for a log that fills them as devices are built."""
+        return np.stack([self._labels.pop(int(k), None) if int(k) in self._labels else
+                         self.problem.labels_of(self.data(int(k))) for k in device_ids])
 
     def hosts(self, device_ids) -> np.ndarray:
         """Whether this process hosts each of these devices."""
