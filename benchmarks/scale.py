@@ -19,6 +19,7 @@ import argparse
 import os
 import platform
 import re
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -60,6 +61,7 @@ def main() -> None:
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     parser.add_argument("--pfl", metavar="PYTHON", help="also run pfl-research's (benchmarks/pfl_scale.py) on the "
                         "same work with this interpreter, each N right after edgefed's")
+    parser.add_argument("--repeat", type=int, default=1, help="runs of each N, interleaved; the table has medians")
     args = parser.parse_args()
     settings = WORKLOAD + args.set
     print(f"# {platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}; command: "
@@ -67,17 +69,22 @@ def main() -> None:
     print("| devices N | wall s | start-up s | ms a round | peak RSS MB | log MB | log KB a round |"
           + (" pfl start-up s | pfl ms a round | pfl peak RSS MB |" if args.pfl else "") + "\n"
           "| --- | --- | --- | --- | --- | --- | --- |" + (" --- | --- | --- |" if args.pfl else ""))
+    ours, theirs = {n: [] for n in args.devices}, {n: [] for n in args.devices}
     with tempfile.TemporaryDirectory() as tmp:
-        for n in sorted(args.devices):
-            r = one(n, Path(tmp), settings)
-            line = (f"| {n:,} | {r['wall']:.1f} | {r['wall'] - r['rounds_s']:.1f} | {r['ms_round']:.0f} | "
-                    f"{r['peak_mb']:.0f} | {r['log_mb']:.1f} | {1024 * r['log_mb'] / r['rounds']:.0f} |")
-            if args.pfl:
-                from pfl_scale import measure
-                p = measure(args.pfl, n, settings)
-                line += f" {p['start']:.1f} | {p['ms_round']:.0f} | {p['peak_mb']:.0f} |"
-            print(line, flush=True)
-
+        for _ in range(args.repeat):  # interleaved: a drift of the machine's speed touches every N alike
+            for n in sorted(args.devices):
+                ours[n].append(one(n, Path(tmp), settings))
+                if args.pfl:
+                    from pfl_scale import measure
+                    theirs[n].append(measure(args.pfl, n, settings))
+    for n in sorted(args.devices):
+        r = {key: statistics.median(run[key] for run in ours[n]) for key in ours[n][0]}
+        line = (f"| {n:,} | {r['wall']:.1f} | {r['wall'] - r['rounds_s']:.1f} | {r['ms_round']:.0f} | "
+                f"{r['peak_mb']:.0f} | {r['log_mb']:.1f} | {1024 * r['log_mb'] / r['rounds']:.0f} |")
+        if args.pfl:
+            p = {key: statistics.median(run[key] for run in theirs[n]) for key in theirs[n][0]}
+            line += f" {p['start']:.1f} | {p['ms_round']:.0f} | {p['peak_mb']:.0f} |"
+        print(line, flush=True)
 
 if __name__ == "__main__":
     main()

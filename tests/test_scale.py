@@ -63,6 +63,8 @@ def test_the_data_cache_keeps_its_bound_and_a_small_one_writes_the_same_log(tmp_
     cache = DeviceCache(problem.device, budget=3.5 * size)
     cache(7)
     assert not cache._data  # built once: not kept (in a large federation most devices are drawn once)
+    evaluated = DeviceCache(problem.device, budget=3.5 * size, keep=np.array([2, 5]))
+    assert evaluated(5) is evaluated(5) and evaluated(3) is not evaluated(3)  # kept from the first build
     for k in range(40):
         cache(k)
         assert cache(k) is cache(k)  # kept from the second build on

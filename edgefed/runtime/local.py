@@ -125,14 +125,15 @@ class Streams:
 class DeviceCache:
     """The devices' data this process has built, the least recently used dropped beyond `budget` bytes: a
     device's data is a pure function of (seed, device), so dropping it costs only the time to build it again.
-    A device's data is kept from its second build on: in a large federation most devices are drawn once in
-    a run, and keeping those would fill the budget with data nobody asks for again (the evaluation sample,
-    asked for at every evaluation, is kept from the second). Lanes share it from their threads."""
+    A device's data is kept from its second build on, or from its first if it is one of `keep` (the devices
+    evaluated at every evaluation): in a large federation most devices are drawn once in a run, and keeping
+    those would fill the budget with data nobody asks for again. Lanes share it from their threads."""
 
     SEEN = 65_536  # the devices built once that are remembered (the oldest forgotten)
 
-    def __init__(self, build, budget: float):
+    def __init__(self, build, budget: float, keep=None):
         self.build, self.budget = build, budget
+        self._keep = np.zeros(0, np.int64) if keep is None else np.asarray(keep, np.int64)  # ascending
         self._data: OrderedDict[int, object] = OrderedDict()
         self._seen: OrderedDict[int, None] = OrderedDict()  # built once, not kept
         self.nbytes = 0
@@ -155,12 +156,14 @@ class DeviceCache:
         try:
             data = self.build(device_id)  # outside the lock: other devices' lanes go on meanwhile
             with self._lock:
-                if device_id not in self._seen:  # a first build: remembered, not kept
+                kept = self._keep.size and self._keep[min(np.searchsorted(self._keep, device_id),
+                                                          self._keep.size - 1)] == device_id
+                if not kept and device_id not in self._seen:  # a first build: remembered, not kept
                     self._seen[device_id] = None
                     if len(self._seen) > self.SEEN:
                         self._seen.popitem(last=False)
                     return data
-                del self._seen[device_id]
+                self._seen.pop(device_id, None)
                 self._data[device_id] = data
                 self.nbytes += _nbytes(data)
                 while self.nbytes > self.budget and len(self._data) > 1:
@@ -255,7 +258,7 @@ class LocalTransport:
         if hasattr(problem, "host"):
             problem.host(self.device_ids)
         self._labels: dict[int, np.ndarray] = {}  # label counts of devices built, until the log takes them
-        self.data = DeviceCache(self._build, cache_mb * 2.0 ** 20)
+        self.data = DeviceCache(self._build, cache_mb * 2.0 ** 20, keep=self.evaluated)
         self._faults = {(f.device, f.round): f for f in faults}
         self.vectors = None  # {device vector: its HeldRows}, e.g. SCAFFOLD's c_k
         self._pending = None  # (round, device ids, {delta name: rows}, {report: residual rows}) until accepted
