@@ -11,6 +11,7 @@ from edgefed.analysis.logs import Run
 from edgefed.analysis.summary import summary_lines
 from edgefed.orchestration import run as runs
 from edgefed.errors import ConfigError
+from edgefed.participation import schemes
 from edgefed.participation.dynamics import Dynamics
 from edgefed.tracefiles import BUILTIN, read_trace_file, sampled_traces, write_trace_file
 from conftest import config_with
@@ -229,6 +230,13 @@ def test_dynamics_validation():
     assert at3.boost(np.array([2, 1])).tolist() == [1.0, 3.0]  # 1 + (b - 1) / (3 - 3 + 1)^2
     assert at4.boost(np.array([1])).tolist() == [1.5] and not at4.shifts and at4.arriving.size == 0
     assert at4.active.tolist() == [True, True, True] and at4.silent.tolist() == [False, False, True]
+    # computed once between changes (what a large federation's round must not redo over N), anew at each
+    assert dyn.at(5).active is dyn.at(9).active and dyn.at(5).silent is dyn.at(9).silent
+    assert dyn.at(2).active is not dyn.at(3).active and dyn.at(3).silent is not dyn.at(4).silent
+    assert dyn.at(2).active.tolist() == [True, False, True] and dyn.at(9).silent.tolist() == [False, False, True]
+    federation = schemes.Federation(dyn.at(2).active, np.array([5, 7, 11]))
+    assert federation.ids.tolist() == [0, 2] and federation.samples == 16 and federation.absent.tolist() == [1]
+    assert schemes.objective_weights("count_global", federation, np.array([5, 7, 11]), np.array([2])).tolist() == [11 / 16]
 
 
 def test_trace_record_and_show(tmp_path):

@@ -20,9 +20,9 @@ from edgefed.participation.timing import overselected
 
 KERNEL_BYTES = 64 * 2 ** 20  # what loading a run's compiled kernels adds to the process (measured: 56-61 MB for
 # each built-in model, LLVM's own state the most of it; benchmarks/RESULTS.md, "Data at the edge")
-PER_DEVICE_BYTES = 700  # what the coordinator keeps per device (weights, sizes, label counts, a round's log rows,
-# the selection's and the clock's arrays): benchmarks/scale.py's peaks grow 0.44 KB a device from 10^5 to
-# 10^6 (637 -> 1028 MB); 700 leaves room for what that slope hides
+PER_DEVICE_BYTES = 150  # what the coordinator keeps per device (sizes, budgets, the membership, the clock's and
+# the selection's arrays, the drawing of the sizes): benchmarks/scale.py's peaks grow 104 B a device from 10^5
+# to 10^6 and 78 B from 10^6 to 10^7 (423 -> 517 -> 1188 MB); 150 leaves room for what that slope hides
 RANK_DEVICE_BYTES = 100  # what a device rank keeps per device of the federation (sizes, owners, the command
 # record's per-device fields: about 70 B by their dtypes; not measured apart)
 
