@@ -46,13 +46,18 @@ def test_clients_per_round_count_fraction_and_all(setting, n, expected):
     assert cfg.clients_per_round_count(n) == expected
 
 
+def members(n: np.ndarray, ids=None) -> schemes.Federation:
+    """The federation of these ids (default: every device)."""
+    return schemes.Federation(np.ones(n.size, bool) if ids is None else np.isin(np.arange(n.size), ids), n)
+
+
 def test_base_weights_by_hand():
     n = np.array([10, 20, 30, 40])
-    sel, active = np.array([1, 3]), np.arange(4)
+    sel, active = np.array([1, 3]), members(n)
     assert schemes.base_weights("uniform", sel, active, n).tolist() == [0.5, 0.5]
     assert schemes.base_weights("count_global", sel, active, n).tolist() == [0.2, 0.4]
     assert schemes.base_weights("count_selected", sel, active, n).tolist() == [1 / 3, 2 / 3]
-    assert schemes.base_weights("count_global", sel, np.array([1, 2, 3]), n).tolist() == [20 / 90, 40 / 90]
+    assert schemes.base_weights("count_global", sel, members(n, [1, 2, 3]), n).tolist() == [20 / 90, 40 / 90]
 
 
 def test_scheme_multipliers_by_hand():
@@ -65,7 +70,7 @@ def test_scheme_multipliers_by_hand():
 
 def test_coefficients_are_products():
     n = np.array([1, 3])
-    p = schemes.coefficients("count_global", "C", np.array([0, 1]), np.arange(2), n, np.array([2, 4]),
+    p = schemes.coefficients("count_global", "C", np.array([0, 1]), members(n), n, np.array([2, 4]),
                              np.array([4, 4]))
     assert p.tolist() == [0.25 * 2.0, 0.75 * 1.0]
 
@@ -89,9 +94,9 @@ def test_device_order_does_not_change_weights_or_server_update(n_dev, seed):
     sel = np.sort(g.choice(10, n_dev, replace=False))
     perm = g.permutation(n_dev)
     for weighting in ("uniform", "count_global", "count_selected"):
-        w = schemes.base_weights(weighting, sel, np.arange(10), n)
-        np.testing.assert_array_equal(schemes.base_weights(weighting, sel[perm], np.arange(10), n), w[perm])
+        w = schemes.base_weights(weighting, sel, members(n), n)
+        np.testing.assert_array_equal(schemes.base_weights(weighting, sel[perm], members(n), n), w[perm])
     x, deltas = g.normal(size=5), g.normal(size=(n_dev, 5))
-    w = schemes.base_weights("count_selected", sel, np.arange(10), n)
+    w = schemes.base_weights("count_selected", sel, members(n), n)
     ref = server_update(x, sel, deltas, w, 0.9)
     assert server_update(x, sel[perm], deltas[perm], w[perm], 0.9).tobytes() == ref.tobytes()
