@@ -22,9 +22,12 @@ def test_a_round_plan_reaches_each_rank_as_its_own_share():
     plan = RoundPlan(7, np.array([1, 2, 4]), np.array([10, 20, 30], np.int32), 0.125,
                      steps=np.array([3, 0, 30], np.int32), deadline_s=np.array([0.5, 0.25, 2.0]), grace_s=1.5)
     buf = wire.command_buffer()
-    wire.encode_command(buf, protocol.ROUND, plan, accepted=(6, np.array([0, 4])))
-    received = np.frombuffer(buf.tobytes(), np.uint8).copy().view(wire.command)  # as the bytes arrive
-    assert int(received[0]["command"]) == protocol.ROUND
+    wire.encode_command(buf, protocol.ROUND, plan, accepted=(6, np.array([4, 0])))
+    received = wire.command_buffer()  # as the bytes arrive: the head, then the body the head sizes
+    received.head.view(np.uint8)[:] = buf.head.view(np.uint8)
+    received.body()[:] = buf.body()
+    assert received.body().size == 3 * protocol.COMMAND_ENTRY.itemsize + 2 * 8  # the round's devices, not N's
+    assert int(received["command"]) == protocol.ROUND
     assert wire.accepted(received)[0] == 6 and wire.accepted(received)[1].tolist() == [0, 4]
     mine = wire.decode_plan(received, np.array([0, 2, 4, 5]))  # this rank hosts devices 0, 2, 4, 5
     assert (mine.round_idx, mine.lr, mine.grace_s) == (7, 0.125, 1.5)
@@ -35,6 +38,10 @@ def test_a_round_plan_reaches_each_rank_as_its_own_share():
     wire.encode_command(buf, protocol.ROUND, full)
     again = wire.decode_plan(buf, np.arange(6))
     assert again.steps is None and again.deadline_s is None and wire.accepted(buf) is None
+    wire.encode_command(buf, protocol.PROBE, devices=np.array([4, 1]))  # in any order: addressed ascending
+    assert wire.addressed(buf, np.array([0, 1, 2, 4])).tolist() == [1, 4] and not wire.addressed(buf, np.array([3])).size
+    wire.encode_command(buf, protocol.STOP)
+    assert buf.body().size == 0  # nothing follows the head
 
 
 def _results(n, d, late=()):

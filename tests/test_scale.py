@@ -242,3 +242,23 @@ def test_a_device_rank_counts_only_the_vectors_its_devices_can_touch(monkeypatch
     monkeypatch.setattr(budget, "memory_limit", lambda: (runtime + rows - 2 ** 20, "the memory available"))
     with pytest.raises(ResourceError, match="its devices' vectors"):
         budget.check_rank_memory(cfg, build_algorithm(cfg), problem, model, np.arange(0, 1000, 2), 1)
+
+
+def test_a_device_rank_draws_its_own_devices_sizes_alone():
+    """A device rank of a large federation holds no array of every device: its round-robin share is computed
+    where it runs, and a generated problem draws the sizes of the devices it hosts alone, the same ones."""
+    from edgefed.problems.synthetic import SyntheticProblem
+    from edgefed.runtime.mpi.placement import device_owners, round_robin_devices
+
+    for rank in (1, 2, 3):
+        assert round_robin_devices(rank, 11, 4).tolist() == np.flatnonzero(device_owners(11, 4) == rank).tolist()
+    cfg = config_with({"data.clients": 50})
+    whole = SyntheticProblem(cfg.data, cfg.seed, np.dtype(np.float32))
+    rank = SyntheticProblem(cfg.data, cfg.seed, np.dtype(np.float32))
+    own = round_robin_devices(2, 50, 3)
+    rank.host(own)
+    assert np.array_equal(rank.device_bytes(own), whole.device_bytes()[own])
+    for k in (own[0], own[-1], 3):  # (3 is another rank's: drawn alone)
+        a, b = rank.device(int(k)), whole.device(int(k))
+        assert np.array_equal(a.X_train, b.X_train) and np.array_equal(a.y_test, b.y_test)
+    assert rank._all is None  # nothing drew every device's size

@@ -68,8 +68,7 @@ def data_held(cfg: Config, problem, own: np.ndarray | None = None) -> int:
     evaluated), the largest first, up to data.cache_mb and the one device its cache keeps beyond it."""
     if not hasattr(problem, "device_bytes"):
         return 0
-    sizes = problem.device_bytes()
-    sizes = sizes if own is None else sizes[own]
+    sizes = problem.device_bytes() if own is None else problem.device_bytes(own)
     if not sizes.size:
         return 0
     built = sizes.size if cfg.log.eval_devices is None else min(

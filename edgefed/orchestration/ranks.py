@@ -32,7 +32,7 @@ from edgefed.runtime.mpi import protocol
 from edgefed.runtime.mpi.comm import abort_with, mpi_of, wait, world
 from edgefed.runtime.mpi.coordinator import MpiTransport, gather_setup, receive_setup, send_setup
 from edgefed.runtime.mpi.device_server import DeviceServer, Heart
-from edgefed.runtime.mpi.placement import device_owners
+from edgefed.runtime.mpi.placement import device_owners, round_robin_devices
 from edgefed.compression import codecs
 from edgefed.runtime.mpi.protocol import Wire
 
@@ -122,7 +122,8 @@ def _coordinate(comm, resolve, force: bool, on_round, on_info, on_error, launch,
         _complete(send_setup(comm, {"error": f"{type(exc).__name__}: {exc}"}))
         raise
     # the weights the run starts from, so that model.weights is read on this board alone
-    sent = send_setup(comm, {"config": config_mod.to_toml(setup.cfg), "owners": owners, "weights": setup.weights,
+    sent = send_setup(comm, {"config": config_mod.to_toml(setup.cfg),
+                             "owners": owners if setup.cfg.mpi.device_ranks else None, "weights": setup.weights,
                              "data": data})
     setup = dataclasses.replace(setup, weights=None)
     try:
@@ -248,7 +249,11 @@ def _build_devices(cfg, info, rank: int, machines):
         if shard is not None:  # (of other data: said before anything is built from it)
             check_made_from(shard, cfg.data.path, info["data"])
         problem, model = run_mod.problem_and_model(cfg, start=info.pop("weights"), convert=False, shard=shard)
-        own = np.flatnonzero(info["owners"] == rank)
+        owners = info.pop("owners")  # (None: round-robin, each rank's own computed here, no array of every device)
+        own = (round_robin_devices(rank, problem.n_devices, len(machines)) if owners is None
+               else np.flatnonzero(owners == rank))
+        if hasattr(problem, "host"):  # before anything asks for its devices' sizes
+            problem.host(own)
         if shard is not None:
             check_shard(problem, own)
         algorithm = build_algorithm(cfg)

@@ -30,7 +30,8 @@ class FeatureProblem:
             return ClassificationData(self._extractor.features(data.X_train), data.y_train,
                                       self._extractor.features(data.X_test), data.y_test)
 
-    def device_bytes(self) -> np.ndarray:
-        """(N,) each built device's data: the samples as features (the raw ones are dropped once passed through)."""
-        raw = self._problem.device_bytes()
+    def device_bytes(self, device_ids=None) -> np.ndarray:
+        """Each built device's data (of device_ids; None: every device): the samples as features (the raw ones
+        are dropped once passed through)."""
+        raw = self._problem.device_bytes(device_ids)
         return (raw * (self._model.n_features / max(self._model.n_inputs, 1))).astype(np.int64)

@@ -111,10 +111,12 @@ class ImageProblem:
             self._read.update(todo if k in todo else [k])
         return self._cache.pop(k)
 
-    def device_bytes(self) -> np.ndarray:
-        """(N,) what each device's data takes once built: its images in the model dtype, int64 labels."""
+    def device_bytes(self, device_ids=None) -> np.ndarray:
+        """What each device's data (of device_ids; None: every device) takes once built: its images in the
+        model dtype, int64 labels."""
         n_test = np.array([r.size for r in self.test_rows], np.int64)
-        return (self.n_train + n_test) * (self.n_features * np.dtype(self.dtype).itemsize + 8)
+        sizes = (self.n_train + n_test) * (self.n_features * np.dtype(self.dtype).itemsize + 8)
+        return sizes if device_ids is None else sizes[np.asarray(device_ids, np.int64)]
 
     def input_normalization(self) -> tuple:
         """Pixels scaled to [0, 1]: x' = (x - 0) / 255."""

@@ -366,12 +366,14 @@ class PoolProblem:
             self._read.update(batch)
         return self._cache.pop(k)
 
-    def device_bytes(self) -> np.ndarray:
-        """(N,) what each device's data takes once built: its samples in the model dtype, its labels."""
+    def device_bytes(self, device_ids=None) -> np.ndarray:
+        """What each device's data (of device_ids; None: every device) takes once built: its samples in the
+        model dtype, its labels."""
         n_test = self.test_rows.sizes if isinstance(self.test_rows, RowRanges) else np.array(
             [r.size for r in self.test_rows], np.int64)
         label = self.n_outputs * self.dtype.itemsize if self.regression else 8
-        return (self.n_train + n_test) * (self.n_features * self.dtype.itemsize + label)
+        sizes = (self.n_train + n_test) * (self.n_features * self.dtype.itemsize + label)
+        return sizes if device_ids is None else sizes[np.asarray(device_ids, np.int64)]
 
     def input_normalization(self) -> tuple | None:
         """(shift, scale) per channel the samples were normalized by, x' = (x - shift) / scale (None: as read)."""

@@ -23,19 +23,21 @@ EAGER_LABELS_UP_TO = 10_000  # devices whose labels are counted before round 1; 
 _SIGMA_SQRT = np.arange(1, N_FEATURES + 1, dtype=np.float64) ** (-1.2 / 2)
 
 
-def total_samples(cfg, seed: int, n_devices: int) -> np.ndarray:
-    """(N,) int64: samples (train + test) of each device, one draw from each device's own stream (the first
-    draws of all streams in one kernel pass; the ~1 % the ziggurat's first try rejects drawn by NumPy)."""
+def total_samples(cfg, seed: int, device_ids: np.ndarray) -> np.ndarray:
+    """int64: samples (train + test) of each of these devices, one draw from each device's own stream (the
+    first draws of all their streams in one kernel pass; the ~1 % the ziggurat's first try rejects drawn by
+    NumPy)."""
+    device_ids = np.asarray(device_ids, np.int64)
     if not isinstance(cfg.samples, str):
-        return np.full(n_devices, int(cfg.samples), np.int64)
+        return np.full(device_ids.size, int(cfg.samples), np.int64)
     lognormal = cfg.samples == "lognormal"
-    draws = np.empty(n_devices, np.float64)
-    done = np.empty(n_devices, np.bool_)
-    first_draws(stream_words(seed, Purpose.DATA_COUNT), np.arange(n_devices, dtype=np.int64),
-                LOGNORMAL if lognormal else PARETO, 4.0, 2.0 if lognormal else PARETO_INDEX, draws, done,
-                np.zeros(4, np.uint64), np.zeros(4, np.uint64))
-    for k, g in device_generators(seed, Purpose.DATA_COUNT, np.flatnonzero(~done)):
-        draws[k] = g.lognormal(4.0, 2.0) if lognormal else g.pareto(PARETO_INDEX)
+    draws = np.empty(device_ids.size, np.float64)
+    done = np.empty(device_ids.size, np.bool_)
+    first_draws(stream_words(seed, Purpose.DATA_COUNT), device_ids, LOGNORMAL if lognormal else PARETO, 4.0,
+                2.0 if lognormal else PARETO_INDEX, draws, done, np.zeros(4, np.uint64), np.zeros(4, np.uint64))
+    rejected = np.flatnonzero(~done)
+    for i, (_, g) in zip(rejected, device_generators(seed, Purpose.DATA_COUNT, device_ids[rejected])):
+        draws[i] = g.lognormal(4.0, 2.0) if lognormal else g.pareto(PARETO_INDEX)
     if lognormal:
         cap, counts = cfg.samples_max, draws.astype(np.int64) + 50
     else:
@@ -50,6 +52,7 @@ def _label_counts(y: np.ndarray) -> np.ndarray:
 
 def split_train(n_total: np.ndarray, test_fraction: float) -> np.ndarray:
     """Training samples out of each n_total; at least one of each part."""
+    n_total = np.asarray(n_total, np.int64)
     n_train = ((1.0 - test_fraction) * n_total + 1e-9).astype(np.int64)
     return np.minimum(np.maximum(n_train, 1), n_total - 1)
 
@@ -65,8 +68,42 @@ class SyntheticProblem:
         self.seed = seed
         self.dtype = dtype
         self.n_devices = cfg.clients
-        self.n_total = total_samples(cfg, seed, self.n_devices)
-        self.n_train = split_train(self.n_total, cfg.test_fraction)
+        self._all = None  # (n_total, n_train) of every device, drawn when first asked for
+        self._hosted = None  # (ids, their n_total): a process that builds some devices alone draws theirs alone
+
+    @property
+    def n_total(self) -> np.ndarray:
+        """(N,) each device's samples, train and test."""
+        return self._sizes()[0]
+
+    @property
+    def n_train(self) -> np.ndarray:
+        """(N,) each device's training samples."""
+        return self._sizes()[1]
+
+    def _sizes(self):
+        if self._all is None:
+            total = total_samples(self.cfg, self.seed, np.arange(self.n_devices))
+            self._all = (total, split_train(total, self.cfg.test_fraction))
+        return self._all
+
+    def host(self, device_ids) -> None:
+        """The devices this process builds (a device rank's): their counts alone are drawn, so that a rank of a
+        large federation holds no array of every device."""
+        ids = np.unique(np.asarray(device_ids, np.int64))
+        if self._all is None and (self._hosted is None or not np.array_equal(self._hosted[0], ids)):
+            self._hosted = (ids, total_samples(self.cfg, self.seed, ids))
+
+    def totals(self, device_ids) -> np.ndarray:
+        """These devices' samples, train and test (from the hosted devices' where they are among them)."""
+        ids = np.asarray(device_ids, np.int64)
+        if self._all is not None or self._hosted is None:
+            return self.n_total[ids]
+        hosted, totals = self._hosted
+        at = np.minimum(np.searchsorted(hosted, ids), max(hosted.size - 1, 0))
+        if hosted.size and (hosted[at] == ids).all():
+            return totals[at]
+        return total_samples(self.cfg, self.seed, ids)  # (a device another process hosts: drawn alone)
 
     def _global_model(self):
         g = generator(self.seed, Purpose.DATA_GLOBAL)
@@ -93,7 +130,7 @@ class SyntheticProblem:
         """(X, y) of all the device's samples in float64, before the split."""
         g = generator(self.seed, Purpose.DATA_DEVICE, device_id=device_id)
         v, W, b = self._device_law(g)
-        n = int(self.n_total[device_id])
+        n = int(self.totals([device_id])[0])
         X = v + g.standard_normal((n, N_FEATURES)) * _SIGMA_SQRT
         y = np.argmax(X @ W + b, axis=1)  # softmax is monotone: argmax of the logits is the argmax
         return X, y.astype(np.int64)
@@ -101,7 +138,7 @@ class SyntheticProblem:
     def device(self, device_id: int) -> ClassificationData:
         X, y = self.generate(device_id)
         X = X.astype(self.dtype)
-        k = int(self.n_train[device_id])
+        k = int(split_train(self.totals([device_id]), self.cfg.test_fraction)[0])
         return ClassificationData(
             np.ascontiguousarray(X[:k]), y[:k].copy(), np.ascontiguousarray(X[k:]), y[k:].copy()
         )
@@ -114,9 +151,11 @@ class SyntheticProblem:
         counting needs every device's samples generated, about 0.8 ms a device here (80 s at 10^5 devices)."""
         return self.n_devices > EAGER_LABELS_UP_TO
 
-    def device_bytes(self) -> np.ndarray:
-        """(N,) what each device's data takes once built (features in the model dtype, int64 labels)."""
-        return self.n_total.astype(np.int64) * (N_FEATURES * np.dtype(self.dtype).itemsize + 8)
+    def device_bytes(self, device_ids=None) -> np.ndarray:
+        """What each device's data (of device_ids; None: every device) takes once built (features in the model
+        dtype, int64 labels)."""
+        totals = self.n_total if device_ids is None else self.totals(device_ids)
+        return totals.astype(np.int64) * (N_FEATURES * np.dtype(self.dtype).itemsize + 8)
 
     def labels_of(self, data: ClassificationData) -> np.ndarray:
         return _label_counts(data.y_train)

@@ -71,7 +71,10 @@ class MpiTransport:
         self.wire.encode_command(self.command, command, plan, devices, self._accepted, downlink=encoded,
                                  payload_bytes=nbytes, **fields)
         self._accepted = None
-        wait(self.comm.Ibcast(self.command.view(np.uint8), root=0), self.poll, also=self._listen)
+        wait(self.comm.Ibcast(self.command.head.view(np.uint8), root=0), self.poll, also=self._listen)
+        body = self.command.body()
+        if body.size:  # (every rank knows it follows from the head)
+            wait(self.comm.Ibcast(body, root=0), self.poll, also=self._listen)
         if nbytes:
             wait(self.comm.Ibcast(relayed, root=0), self.poll, also=self._listen)
         elif encoded:

@@ -235,8 +235,11 @@ class DeviceServer:
     def serve(self) -> None:
         self._mpi_byte = mpi_of(self.comm).BYTE
         while True:
-            self._wait_broadcast(self.command.view(np.uint8))
-            command = int(self.command[0]["command"])
+            self._wait_broadcast(self.command.head.view(np.uint8))
+            body = self.command.body()
+            if body.size:
+                self._wait_broadcast(body)
+            command = int(self.command["command"])
             accepted = self.wire.accepted(self.command)
             if accepted is not None:
                 self.transport.accept(*accepted)
@@ -262,7 +265,7 @@ class DeviceServer:
     def _receive_state(self, command: int):
         """(x, server vectors) of the command: in full, or a compressed downlink's differences added to the
         copy this rank holds (which a round's full state replaces)."""
-        if self.command[0]["downlink"]:
+        if self.command["downlink"]:
             self._wait_broadcast(self.downlink)
             self.copy = self.wire.apply_downlink(self.downlink, self.copy)
         else:
@@ -327,24 +330,24 @@ class DeviceServer:
     def _secagg(self) -> None:
         """A phase of secure aggregation: take the records rank 0 relays, answer for this rank's devices. It
         runs here, on the main thread, while a late device may still be working on the worker."""
-        rec = self.command[0]
-        round_idx, phase, nbytes = int(rec["round"]), int(rec["phase"]), int(rec["payload_bytes"])
+        cmd = self.command
+        round_idx, phase, nbytes = int(cmd["round"]), int(cmd["phase"]), int(cmd["payload_bytes"])
         relayed = np.zeros(nbytes, np.uint8)
         if nbytes:
             self._wait_broadcast(relayed)
-        addressed = np.flatnonzero(rec["devices"])
+        addressed = cmd.entries["device"].copy()
         secure = self.transport.secure
         if phase == protocol.KEYS:
             out = secure.keys(round_idx, addressed)
         elif phase == protocol.SHARES:
             out = secure.shares(round_idx, relayed.view(secagg.KEYS))
         elif phase == protocol.DELIVER:  # the shares for this rank's devices follow, point to point
-            if np.isin(addressed, self.own).any():
+            if self.transport.hosts(addressed).any():
                 secure.deliver(round_idx, self._receive_shares(round_idx))
             return
         else:
             out = secure.reveal(round_idx, addressed)
-        if not np.isin(addressed, self.own).any():
+        if not self.transport.hosts(addressed).any():
             return
         self._secagg_sent = [(req, buf) for req, buf in self._secagg_sent if not req.Test()]
         raw = self.wire.pack_secagg(round_idx, phase, out)
@@ -374,7 +377,7 @@ class DeviceServer:
         ids = self.wire.addressed(self.command, self.own)
         if ids.size == 0:
             return
-        losses = self.heart.beating(self.transport.probe, int(self.command[0]["round"]), x, ids)
+        losses = self.heart.beating(self.transport.probe, int(self.command["round"]), x, ids)
         records = self._records(protocol.TAG_PROBE, ids.size)
         records["device"], records["loss"] = ids, losses
         self._send_records(protocol.TAG_PROBE, records)

@@ -7,6 +7,12 @@ import numpy as np
 from edgefed.errors import ConfigError
 
 
+def round_robin_devices(rank: int, n_devices: int, size: int) -> np.ndarray:
+    """The devices device rank `rank` hosts under the default placement (device_owners without device_ranks),
+    computed on the rank itself: no array of every device travels or is held."""
+    return np.arange(rank - 1, n_devices, size - 1, dtype=np.int64)
+
+
 def device_owners(n_devices: int, size: int, device_ranks=()) -> np.ndarray:
     """The rank hosting each device: round-robin over 1..P-1, or the config's `[mpi] device_ranks`."""
     if not device_ranks:

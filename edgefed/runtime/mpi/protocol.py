@@ -40,6 +40,60 @@ KEYS, SHARES, DELIVER, REVEAL = range(4)
 SECAGG_HEADER = np.dtype([("round", "<i8"), ("phase", "<i8")])
 NO_ROUND = -1
 
+# A command travels as a head of fixed size, then (when it names any) its devices' entries and the ids of the
+# reports applied, in one second broadcast sized by the head: what a round sends grows with its devices, not
+# with the federation (a mask of every device was 34 bytes a device, 340 MB a command at 10^7).
+COMMAND_HEAD = np.dtype([
+    ("command", "<i8"),
+    ("round", "<i8"),
+    ("lr", "<f8"),
+    ("grace_s", "<f8"),
+    ("accepted_round", "<i8"),  # the round whose reports the accepted ids name; NO_ROUND: none
+    ("by_arrival", "?"),  # over-selection: a device may be told to stop
+    ("downlink", "?"),  # the state follows as encoded differences to the ranks' copy (else in full)
+    ("down_bytes", "<i8"),  # what the broadcast brings each selected device (a shaped link's time)
+    ("phase", "<i8"),  # SECAGG: which of the protocol's phases (KEYS, SHARES, DELIVER, REVEAL)
+    ("payload_bytes", "<i8"),  # SECAGG: the bytes of the records that follow by broadcast (0: none)
+    ("n_devices", "<i8"),  # the entries that follow: the devices the command is for (ROUND: the selected)
+    ("n_accepted", "<i8"),  # the accepted ids that follow them
+], align=True)
+COMMAND_ENTRY = np.dtype([
+    ("device", "<i8"),  # ascending
+    ("budget", "<i4"),  # K_k of a selected device
+    ("steps", "<i4"),  # the exact steps (a trace); -1: all of the budget, or what fits
+    ("deadline_s", "<f8"),  # what the device computes for; NaN: no deadline
+    ("due_s", "<f8"),  # the round deadline its report is due by; NaN: none
+    ("prescale", "<f8"),  # secure aggregation: c_k, what the device scales its update by
+], align=True)
+
+
+class Command:
+    """One command's buffers, kept from one command to the next: the head, and the body its counts size."""
+
+    def __init__(self):
+        self.head = np.zeros(1, COMMAND_HEAD)
+        self._body = np.zeros(0, np.uint8)
+
+    def __getitem__(self, field: str):
+        return self.head[0][field]
+
+    def body(self) -> np.ndarray:
+        """The body's bytes as the head sizes them (empty: no second broadcast); grown, never per command."""
+        rec = self.head[0]
+        nbytes = int(rec["n_devices"]) * COMMAND_ENTRY.itemsize + int(rec["n_accepted"]) * 8
+        if nbytes > self._body.size:
+            self._body = np.zeros(max(nbytes, 2 * self._body.size), np.uint8)
+        return self._body[:nbytes]
+
+    @property
+    def entries(self) -> np.ndarray:
+        return self._body[:int(self.head[0]["n_devices"]) * COMMAND_ENTRY.itemsize].view(COMMAND_ENTRY)
+
+    @property
+    def accepted_ids(self) -> np.ndarray:
+        start = int(self.head[0]["n_devices"]) * COMMAND_ENTRY.itemsize
+        return self._body[start:start + int(self.head[0]["n_accepted"]) * 8].view("<i8")
+
 
 class Wire:
     """The record types of one run, identical on every rank.
@@ -65,26 +119,7 @@ class Wire:
         self.restored = self.device + self.residuals  # what LOAD_DEVICES carries per device
         self._up = uplink.nbytes(dim, self.dtype)  # one encoded report vector
         self._down = downlink.nbytes(dim, self.dtype)  # one encoded broadcast vector
-        n = n_devices
-        self.command = np.dtype([
-            ("command", "<i8"),
-            ("round", "<i8"),
-            ("lr", "<f8"),
-            ("grace_s", "<f8"),
-            ("accepted_round", "<i8"),  # the round whose reports `accepted` names; NO_ROUND: none
-            ("devices", "?", (n,)),  # the devices the command is for (ROUND: the selected ones)
-            ("budget", "<i4", (n,)),  # K_k of the selected devices
-            ("steps", "<i4", (n,)),  # the exact steps (a trace); -1: all of the budget, or what fits
-            ("deadline_s", "<f8", (n,)),  # what each device computes for; NaN: no deadline
-            ("due_s", "<f8", (n,)),  # the round deadline its report is due by; NaN: none
-            ("by_arrival", "?"),  # over-selection: a device may be told to stop
-            ("downlink", "?"),  # the state follows as encoded differences to the ranks' copy (else in full)
-            ("down_bytes", "<i8"),  # what the broadcast brings each selected device (a shaped link's time)
-            ("accepted", "?", (n,)),  # the coordinator applied these devices' reports of accepted_round
-            ("prescale", "<f8", (n,)),  # secure aggregation: c_k, what each device scales its update by
-            ("phase", "<i8"),  # SECAGG: which of the protocol's phases (KEYS, SHARES, DELIVER, REVEAL)
-            ("payload_bytes", "<i8"),  # SECAGG: the bytes of the records that follow by broadcast (0: none)
-        ], align=True)
+        self.command = COMMAND_HEAD
         payload = len(self.reports) * self._up if self.masked is None else (dim + 1) * self.masked.itemsize
         self.work = np.dtype([
             ("round", "<i8"),
@@ -161,8 +196,9 @@ class Wire:
         """The broadcast buffer of the server state: x, then the server vectors, one row each."""
         return np.zeros((1 + len(self.server), self.dim), self.dtype)
 
-    def command_buffer(self) -> np.ndarray:
-        return np.zeros(1, self.command)
+    @staticmethod
+    def command_buffer() -> Command:
+        return Command()
 
     def downlink_buffer(self) -> np.ndarray:
         """The broadcast buffer of a compressed downlink: x's encoding, then each server vector's."""
@@ -184,68 +220,75 @@ class Wire:
         return out
 
     # -- down: commands --------------------------------------------------------------------------------
-    def encode_command(self, buf: np.ndarray, command: int, plan: RoundPlan | None = None,
+    @staticmethod
+    def encode_command(cmd: Command, command: int, plan: RoundPlan | None = None,
                        devices: np.ndarray | None = None, accepted: tuple[int, np.ndarray] | None = None,
                        downlink: bool = False, round_idx: int = 0, phase: int = 0, payload_bytes: int = 0) -> None:
-        """Fill the command record: a round's plan, or the devices a command is for, and the reports of the
-        previous round the coordinator applied; downlink: the state follows encoded, not in full; phase,
+        """Fill the command: a round's plan, or the devices a command is for, and the reports of the previous
+        round the coordinator applied; downlink: the state follows encoded, not in full; phase,
         payload_bytes: a SECAGG command's (of round_idx)."""
-        rec = buf[0]
-        buf.view(np.uint8)[:] = 0
+        ids = plan.device_ids if plan is not None else np.zeros(0, np.int64) if devices is None else devices
+        ids = np.asarray(ids, np.int64)
+        order = np.argsort(ids, kind="stable")  # entries ascending, whatever order the ids came in
+        taken = np.zeros(0, np.int64) if accepted is None else np.sort(np.asarray(accepted[1], np.int64))
+        cmd.head[:] = 0
+        rec = cmd.head[0]
         rec["command"] = command
         rec["round"] = round_idx if plan is None else plan.round_idx
         rec["phase"], rec["payload_bytes"] = phase, payload_bytes
-        rec["accepted_round"] = NO_ROUND
-        rec["steps"] = -1
-        rec["deadline_s"] = rec["due_s"] = math.nan
-        if accepted is not None:
-            rec["accepted_round"], rec["accepted"][accepted[1]] = accepted[0], True
-        if devices is not None:
-            rec["devices"][devices] = True
-        if plan is not None:
-            ids = plan.device_ids
-            rec["lr"], rec["grace_s"] = plan.lr, plan.grace_s
-            rec["devices"][ids] = True
-            rec["budget"][ids] = plan.budgets
-            if plan.steps is not None:
-                rec["steps"][ids] = plan.steps
-            if plan.deadline_s is not None:
-                rec["deadline_s"][ids] = plan.deadline_s
-            if plan.round_deadline_s is not None:
-                rec["due_s"][ids] = plan.round_deadline_s
-            rec["by_arrival"] = plan.by_arrival
-            rec["down_bytes"] = plan.down_bytes
-            if plan.prescale is not None:
-                rec["prescale"][ids] = plan.prescale
+        rec["accepted_round"] = NO_ROUND if accepted is None else accepted[0]
+        rec["n_devices"], rec["n_accepted"] = ids.size, taken.size
         rec["downlink"] = downlink
+        cmd.body()[:] = 0
+        entries = cmd.entries
+        entries["device"] = ids[order]
+        entries["steps"] = -1
+        entries["deadline_s"] = entries["due_s"] = math.nan
+        cmd.accepted_ids[:] = taken
+        if plan is None:
+            return
+        rec["lr"], rec["grace_s"] = plan.lr, plan.grace_s
+        rec["by_arrival"], rec["down_bytes"] = plan.by_arrival, plan.down_bytes
+        entries["budget"] = np.asarray(plan.budgets)[order]
+        for field, values in (("steps", plan.steps), ("deadline_s", plan.deadline_s),
+                              ("due_s", plan.round_deadline_s), ("prescale", plan.prescale)):
+            if values is not None:
+                entries[field] = np.broadcast_to(values, ids.shape)[order]
 
     @staticmethod
-    def accepted(buf: np.ndarray) -> tuple[int, np.ndarray] | None:
+    def accepted(cmd: Command) -> tuple[int, np.ndarray] | None:
         """(round, device ids) of the reports the coordinator applied, if the command names any."""
-        rec = buf[0]
-        if rec["accepted_round"] == NO_ROUND:
+        if cmd["accepted_round"] == NO_ROUND:
             return None
-        return int(rec["accepted_round"]), np.flatnonzero(rec["accepted"])
+        return int(cmd["accepted_round"]), cmd.accepted_ids.copy()
 
     @staticmethod
-    def addressed(buf: np.ndarray, own: np.ndarray) -> np.ndarray:
-        """Which of `own` (ascending device ids) the command is for."""
-        return own[buf[0]["devices"][own]]
+    def _own_entries(cmd: Command, own: np.ndarray) -> np.ndarray:
+        """The command's entries of devices in `own` (ascending ids), found by search: O(its devices)."""
+        entries = cmd.entries
+        if not own.size or not entries.size:
+            return entries[:0]
+        at = np.minimum(np.searchsorted(own, entries["device"]), own.size - 1)
+        return entries[own[at] == entries["device"]]
 
-    def decode_plan(self, buf: np.ndarray, own: np.ndarray) -> RoundPlan | None:
+    @classmethod
+    def addressed(cls, cmd: Command, own: np.ndarray) -> np.ndarray:
+        """Which of `own` (ascending device ids) the command is for, ascending."""
+        return cls._own_entries(cmd, own)["device"].copy()
+
+    def decode_plan(self, cmd: Command, own: np.ndarray) -> RoundPlan | None:
         """The part of a ROUND command's plan for the devices in `own`; None when none of them is selected."""
-        rec = buf[0]
-        ids = self.addressed(buf, own)
-        if ids.size == 0:
+        mine = self._own_entries(cmd, own)
+        if mine.size == 0:
             return None
-        steps, deadlines, due = rec["steps"][ids], rec["deadline_s"][ids], rec["due_s"][ids]
-        return RoundPlan(int(rec["round"]), ids, rec["budget"][ids].astype(np.int32), float(rec["lr"]),
+        steps, deadlines, due = mine["steps"], mine["deadline_s"], mine["due_s"]
+        return RoundPlan(int(cmd["round"]), mine["device"].copy(), mine["budget"].astype(np.int32), float(cmd["lr"]),
                          steps=None if steps[0] < 0 else steps.astype(np.int32),
                          deadline_s=None if np.isnan(deadlines).all() else deadlines.astype(np.float64),
-                         grace_s=float(rec["grace_s"]),
+                         grace_s=float(cmd["grace_s"]),
                          round_deadline_s=None if np.isnan(due).all() else due.astype(np.float64),
-                         by_arrival=bool(rec["by_arrival"]), down_bytes=int(rec["down_bytes"]),
-                         prescale=None if self.masked is None else rec["prescale"][ids].astype(np.float64))
+                         by_arrival=bool(cmd["by_arrival"]), down_bytes=int(cmd["down_bytes"]),
+                         prescale=None if self.masked is None else mine["prescale"].astype(np.float64))
 
     # -- both ways: secure aggregation's records ----------------------------------------------------------
     @staticmethod
