@@ -384,10 +384,18 @@ class Quadratic(Model):
         return self.loss_grad(params, data, np.empty_like(params))
 
 
-def minibatch_rows(batch_size, n_train: np.ndarray) -> int:
+def minibatch_rows(batch_size, largest: int) -> int:
     """The most samples one local step holds at once: the minibatch, or the largest device's (a full batch)."""
-    largest = int(np.max(n_train, initial=1))
+    largest = max(int(largest), 1)
     return largest if batch_size == "full" else min(int(batch_size), largest)
+
+
+def largest_train(problem) -> int:
+    """The most training samples a device of the federation has (the same on every rank, so every rank's model
+    has the same workspaces: a generated problem on a device rank finds it without holding every size)."""
+    if hasattr(problem, "largest_train"):
+        return problem.largest_train()
+    return int(np.max(problem.n_train, initial=1))
 
 
 def build_model(model, problem, init: np.random.Generator, memory: tuple[int, str] | None = None,
@@ -398,7 +406,7 @@ def build_model(model, problem, init: np.random.Generator, memory: tuple[int, st
     ResourceError, before its buffers are allocated."""
     dtype = np.dtype(model.dtype)
     if model.kind not in ("quadratic", "torch"):
-        return _sequential(model, problem, init, dtype, memory, minibatch_rows(batch_size, problem.n_train))
+        return _sequential(model, problem, init, dtype, memory, minibatch_rows(batch_size, largest_train(problem)))
     if model.kind == "quadratic":
         return Quadratic(problem.dim, problem.x0, dtype)
     from edgefed.torchmodel import TorchModel

@@ -261,4 +261,5 @@ def test_a_device_rank_draws_its_own_devices_sizes_alone():
     for k in (own[0], own[-1], 3):  # (3 is another rank's: drawn alone)
         a, b = rank.device(int(k)), whole.device(int(k))
         assert np.array_equal(a.X_train, b.X_train) and np.array_equal(a.y_test, b.y_test)
-    assert rank._all is None  # nothing drew every device's size
+    assert rank.largest_train() == whole.n_train.max()  # (what sizes the model's workspaces on every rank)
+    assert rank._all is None  # nothing held every device's size

@@ -160,7 +160,7 @@ def test_the_runs_estimate_counts_the_models_lanes_and_a_rounds_vectors(monkeypa
     cfg = config_mod.load_config("examples/digits-cnn.toml", TINY + ["mpi.threads_per_rank=2"])
     problem, model = runs.problem_and_model(cfg)
     extra = budget.model_bytes(cfg, runs.build_algorithm(cfg), problem, model, 2)
-    one = model.memory_bytes(minibatch_rows(cfg.train.batch_size, problem.n_train))
+    one = model.memory_bytes(minibatch_rows(cfg.train.batch_size, problem.n_train.max()))
     assert model.memory_bytes() == one  # (built for the run's minibatches)
     assert extra >= 2 * one + (2 + 4) * model.n_trainable * 4  # two lanes, two reports and the server's vectors
     runtime = budget.psutil.Process().memory_info().rss + budget.KERNEL_BYTES

@@ -248,12 +248,14 @@ def _build_devices(cfg, info, rank: int, machines):
         shard = Path(cfg.data.shards) / shard_name(rank) if cfg.data.shards else None
         if shard is not None:  # (of other data: said before anything is built from it)
             check_made_from(shard, cfg.data.path, info["data"])
-        problem, model = run_mod.problem_and_model(cfg, start=info.pop("weights"), convert=False, shard=shard)
+        problem = run_mod.shared_problem(cfg, convert=False, shard=shard)
         owners = info.pop("owners")  # (None: round-robin, each rank's own computed here, no array of every device)
         own = (round_robin_devices(rank, problem.n_devices, len(machines)) if owners is None
                else np.flatnonzero(owners == rank))
-        if hasattr(problem, "host"):  # before anything asks for its devices' sizes
+        if hasattr(problem, "host"):  # before anything asks for its devices' sizes (the model does)
             problem.host(own)
+        weights = info.pop("weights")
+        problem, model = run_mod.model_for(cfg, problem, run_mod.start_weights(cfg) if weights is None else weights)
         if shard is not None:
             check_shard(problem, own)
         algorithm = build_algorithm(cfg)

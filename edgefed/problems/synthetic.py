@@ -19,6 +19,7 @@ from edgefed.rng import Purpose, device_generators, generator, stream_words
 
 N_FEATURES = 60
 N_CLASSES = 10
+SIZE_BLOCK = 1 << 20  # devices whose sizes are drawn at once where all are not kept
 EAGER_LABELS_UP_TO = 10_000  # devices whose labels are counted before round 1; beyond, as each is built
 _SIGMA_SQRT = np.arange(1, N_FEATURES + 1, dtype=np.float64) ** (-1.2 / 2)
 
@@ -70,6 +71,7 @@ class SyntheticProblem:
         self.n_devices = cfg.clients
         self._all = None  # (n_total, n_train) of every device, drawn when first asked for
         self._hosted = None  # (ids, their n_total): a process that builds some devices alone draws theirs alone
+        self._largest = None  # the most training samples a device has, once found without drawing every size
 
     @property
     def n_total(self) -> np.ndarray:
@@ -90,9 +92,23 @@ class SyntheticProblem:
     def host(self, device_ids) -> None:
         """The devices this process builds (a device rank's): their counts alone are drawn, so that a rank of a
         large federation holds no array of every device."""
-        ids = np.unique(np.asarray(device_ids, np.int64))
+        ids = np.asarray(device_ids, np.int64)
+        if ids.size > 1 and not (ids[1:] > ids[:-1]).all():  # (a rank's share is ascending already)
+            ids = np.unique(ids)
         if self._all is None and (self._hosted is None or not np.array_equal(self._hosted[0], ids)):
             self._hosted = (ids, total_samples(self.cfg, self.seed, ids))
+
+    def largest_train(self) -> int:
+        """The most training samples a device has: from every size when they are drawn, else drawn a block at
+        a time and let go (a device rank holds its own devices' sizes alone)."""
+        if self._all is not None or self._hosted is None:
+            return int(np.max(self.n_train, initial=1))
+        if self._largest is None:
+            blocks = range(0, self.n_devices, SIZE_BLOCK)
+            self._largest = max((int(split_train(total_samples(self.cfg, self.seed, np.arange(a, min(a + SIZE_BLOCK,
+                                                                                                  self.n_devices))),
+                                                 self.cfg.test_fraction).max()) for a in blocks), default=1)
+        return self._largest
 
     def totals(self, device_ids) -> np.ndarray:
         """These devices' samples, train and test (from the hosted devices' where they are among them)."""
