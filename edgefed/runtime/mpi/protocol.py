@@ -6,7 +6,8 @@ process: `encode_*` / `pack_*` write what a sender puts in its buffer, `decode_*
 receiver makes of it. The buffers themselves are allocated once (in the coordinator and device server) and
 travel as bytes with the buffer collectives; nothing on the per-round path is pickled.
 
-Per round: down, a command record (Ibcast) and then the server state (Ibcast, x and the algorithm's server
+Per round: down, a command (its fixed head by Ibcast, then, in a second Ibcast the head sizes, an entry per
+device it is for and the ids of the reports applied) and then the server state (Ibcast, x and the algorithm's server
 vectors as rows of one array), or with a compressed downlink the encoded differences to the copy every rank
 holds (Ibcast of their bytes); up, one message per device rank holding a work record per device it ran,
 whose payload is each report vector as the uplink encodes it (int8 codes, top-k index/value pairs: the
