@@ -263,3 +263,21 @@ def test_a_device_rank_draws_its_own_devices_sizes_alone():
         assert np.array_equal(a.X_train, b.X_train) and np.array_equal(a.y_test, b.y_test)
     assert rank.largest_train() == whole.n_train.max()  # (what sizes the model's workspaces on every rank)
     assert rank._all is None  # nothing held every device's size
+
+
+def test_a_rounds_elapsed_time_holds_its_writes_to_the_log(tmp_path, monkeypatch):
+    """round_elapsed_s is the whole round: the resume state it stages (slowed here) is inside it."""
+    import time
+
+    from edgefed.runlog.writer import RunLogWriter
+
+    staged = RunLogWriter.stage
+
+    def slow(self, *args, **kwargs):
+        time.sleep(0.05)
+        return staged(self, *args, **kwargs)
+
+    monkeypatch.setattr(RunLogWriter, "stage", slow)
+    runs.run(config_with({"data.clients": 8, "rounds": 2, "train.clients_per_round": 2, "train.local_steps": 2}),
+             tmp_path / "r.h5")
+    assert (read_run(tmp_path / "r.h5")["metrics/round_elapsed_s"][1:] >= 0.05).all()

@@ -190,7 +190,7 @@ class AsyncEngine(RoundEngine):
         self.log.append({**self._update_row(round_idx, update, ids, res, coeffs, nonfinite, staleness, metrics,
                                             elapsed), **extra})
         self._count_labels(ids)
-        self._stage_and_commit(round_idx, None, store)
+        elapsed = self._stage_and_commit(round_idx, None, store, wall0=wall0)
         discarded = sum(1 for task in update.discarded if task.device not in set(ids.tolist()))  # as the row says
         self.on_round(RoundSummary(round_idx, self.cfg.rounds, *metrics, int(reported.sum()), self.federation.ids.size,
                                    int(nonfinite.sum()), elapsed, discarded, int(res.steps.sum()),

@@ -524,7 +524,7 @@ class RoundEngine:
         if changes:
             self._held[accepted] = True
         sets = {**(sets or {}), **{name: (accepted, rows) for name, rows in residuals.items()}}
-        self._stage_and_commit(round_idx, changes, store, sets)
+        elapsed = self._stage_and_commit(round_idx, changes, store, sets, wall0)
         late = settled.late
         self.on_round(RoundSummary(round_idx, self.cfg.rounds, *metrics, int(np.count_nonzero(w.counted)),
                                    self.federation.ids.size, int(w.nonfinite.sum()), elapsed, int(late.sum()),
@@ -548,10 +548,12 @@ class RoundEngine:
                                                            np.nan)
         return out
 
-    def _stage_and_commit(self, round_idx, changes, store: bool, sets=None) -> None:
+    def _stage_and_commit(self, round_idx, changes, store: bool, sets=None, wall0: float | None = None):
         """Resume state, the stored trajectory rows, then the round marker (last).
 
-        changes: {device vector: (reporting ids, their Deltas)} of the round (None at the start).
+        changes: {device vector: (reporting ids, their Deltas)} of the round (None at the start). wall0: when
+        the round began: its row's round_elapsed_s is rewritten, before the marker, to cover every write of
+        the round but the marker's own flush; returned (None without wall0).
         """
         state, algo = self.state, self.algorithm
         slots = {"x": state.x, **{v.name: state.vectors[v.name] for v in algo.server_vectors}, **self._replica_slots(),
@@ -563,7 +565,12 @@ class RoundEngine:
             if self.cfg.log.client_controls:
                 stored.update({v.column: self.log.rows(v.name) for v in algo.device_vectors})
             self.log.append(stored)
+        elapsed = None
+        if wall0 is not None:
+            elapsed = time.perf_counter() - wall0
+            self.log.amend("metrics/round_elapsed_s", elapsed)
         self.log.commit(round_idx)
+        return elapsed
 
     def _round_row(self, plan, res, settled, coeffs, nonfinite, metrics, elapsed, clock, held_s=None) -> dict:
         """held_s: the seconds the round held each device's board (None: the round's length)."""

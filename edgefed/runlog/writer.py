@@ -98,6 +98,11 @@ class RunLogWriter:
                 _write_row(ds, n, value.dense(dtype) if isinstance(value, Scattered) else value, dtype, row_shape)
             self._rows[name] = n + 1
 
+    def amend(self, name: str, value) -> None:
+        """Rewrite the last row appended to a dataset (before the round's commit, as the rest of it)."""
+        ds, dtype, row_shape = self._cols[name]
+        _write_row(ds, self._rows[name] - 1, value, dtype, row_shape)
+
     def fill_rows(self, name: str, ids: np.ndarray, values: np.ndarray) -> None:
         """Write these (ascending) rows of a per-device dataset, e.g. /devices/label_counts as devices are
         built."""
