@@ -84,6 +84,8 @@ class Evaluation:
     def rows(self, device_ids: np.ndarray) -> np.ndarray:
         """The rows of these devices (each evaluated)."""
         at = np.minimum(np.searchsorted(self.ids, device_ids), max(self.ids.size - 1, 0))
+        if not len(device_ids):
+            return at
         if self.ids.size == 0 or not np.array_equal(self.ids[at], device_ids):
             raise ValueError("the evaluation lacks some of the devices asked for")
         return at
@@ -120,7 +122,7 @@ class Transport(Protocol):
         device itself: a selection policy's candidates (power of choice)."""
 
     def evaluate(self, x: np.ndarray) -> Evaluation:
-        """Every device's train loss and held-out counts at x."""
+        """The evaluated devices' train losses and held-out counts at x, a row each (ids ascending)."""
 
     def start_devices(self, x: np.ndarray, device_ids: np.ndarray) -> dict[str, np.ndarray]:
         """Fresh device vectors for these devices (joining at x); returns their rows, in their order."""

@@ -333,13 +333,14 @@ def test_first_draws_are_numpys_lognormal_and_pareto_bit_for_bit():
     from edgefed.kernels.first_draws import LOGNORMAL, PARETO, first_draws
     from edgefed.rng import generator, stream_words
 
-    ids = np.r_[np.arange(3000), 4_000_000_000]
+    ids = np.r_[np.arange(3000), 4_000_000_000, 2 ** 32 - 1, 2 ** 33 + 5]  # (the last two keys take two words)
     for seed in (0, 2 ** 40 + 3):
         for kind, draw in ((LOGNORMAL, lambda g: g.lognormal(4.0, 2.0)), (PARETO, lambda g: g.pareto(0.5))):
             out, done = np.empty(ids.size), np.empty(ids.size, np.bool_)
             first_draws(stream_words(seed, Purpose.DATA_COUNT), ids, kind, 4.0, 2.0 if kind == LOGNORMAL else 0.5,
                         out, done, np.zeros(4, np.uint64), np.zeros(4, np.uint64))
             assert 0.97 < done.mean() < 1.0  # the ziggurat's rejections are left to NumPy, and there are some
+            assert not done[-2:].any()  # as are keys of two words
             ref = np.array([draw(generator(seed, Purpose.DATA_COUNT, device_id=int(k))) for k in ids[done]])
             assert out[done].tobytes() == ref.tobytes()
 

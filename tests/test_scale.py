@@ -65,6 +65,9 @@ def test_the_data_cache_keeps_its_bound_and_a_small_one_writes_the_same_log(tmp_
     assert not cache._data  # built once: not kept (in a large federation most devices are drawn once)
     evaluated = DeviceCache(problem.device, budget=3.5 * size, keep=np.array([2, 5]))
     assert evaluated(5) is evaluated(5) and evaluated(3) is not evaluated(3)  # kept from the first build
+    with evaluated.held([8, 9]):  # a round's: kept while it runs, let go after as built once
+        assert evaluated(8) is evaluated(8)
+    assert 8 not in evaluated._data and evaluated(8) is evaluated(8)  # (the next build is its second)
     for k in range(40):
         cache(k)
         assert cache(k) is cache(k)  # kept from the second build on
@@ -236,7 +239,7 @@ def test_a_device_rank_counts_only_the_vectors_its_devices_can_touch(monkeypatch
     rows = 150 * model.n_trainable * 4  # float32
     lanes = budget.model_bytes(cfg, build_algorithm(cfg), problem, model, 1, 500, distributed=True)
     data = budget.data_held(cfg, problem, np.arange(0, 1000, 2))  # (the one device a tiny cache still keeps)
-    runtime = budget.psutil.Process().memory_info().rss + budget.KERNEL_BYTES + 1000 * budget.PER_DEVICE_BYTES + lanes + data
+    runtime = budget.psutil.Process().memory_info().rss + budget.KERNEL_BYTES + 500 * budget.RANK_DEVICE_BYTES + lanes + data
     monkeypatch.setattr(budget, "memory_limit", lambda: (runtime + rows + 2 ** 20, "the memory available"))
     budget.check_rank_memory(cfg, build_algorithm(cfg), problem, model, np.arange(0, 1000, 2), 1)  # fits
     monkeypatch.setattr(budget, "memory_limit", lambda: (runtime + rows - 2 ** 20, "the memory available"))
@@ -281,3 +284,22 @@ def test_a_rounds_elapsed_time_holds_its_writes_to_the_log(tmp_path, monkeypatch
     runs.run(config_with({"data.clients": 8, "rounds": 2, "train.clients_per_round": 2, "train.local_steps": 2}),
              tmp_path / "r.h5")
     assert (read_run(tmp_path / "r.h5")["metrics/round_elapsed_s"][1:] >= 0.05).all()
+
+
+def test_a_huge_size_draw_is_capped_not_wrapped(monkeypatch):
+    """A draw past 2^63 samples (a Pareto tail at 10^8 devices) is capped as a float: an int64 cast first
+    would wrap it negative."""
+    from types import SimpleNamespace
+
+    from edgefed.problems import synthetic
+
+    def huge(entropy, ids, kind, loc, scale, out, done, pool, words):
+        out[:], done[:] = 1e300, True
+
+    monkeypatch.setattr(synthetic, "first_draws", huge)
+    ids = np.arange(3)
+    pareto = SimpleNamespace(samples="pareto", samples_min=50, samples_max=None)
+    assert synthetic.total_samples(pareto, 0, ids).tolist() == [synthetic.PARETO_DEFAULT_MAX] * 3
+    lognormal = SimpleNamespace(samples="lognormal", samples_min=None, samples_max=None)
+    assert (synthetic.total_samples(lognormal, 0, ids) > 0).all()
+    assert synthetic.total_samples(SimpleNamespace(**{**vars(lognormal), "samples_max": 60}), 0, ids).tolist() == [60] * 3

@@ -69,6 +69,9 @@ class AsyncEngine(RoundEngine):
         self._asked[1][answered] += PROBE_BYTES
         return int(choice.selected[0]), seconds
 
+    def _probes_sent(self) -> bool:
+        return self.considered  # (a policy's probes add up over the update's draws, in _asked)
+
     def _probe_bytes(self, up: int) -> np.ndarray:
         return self._asked[up].copy()
 

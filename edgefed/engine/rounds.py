@@ -80,6 +80,7 @@ class RoundEngine:
         self.dynamics = Dynamics(cfg.dynamics, self.n_devices, cfg.mpi.away)
         self.members: Membership = self.dynamics.at(0)  # the federation of the round under way
         self._federation: schemes.Federation | None = None
+        self._mean_samples: float | None = None  # secure aggregation's prescales' mean count
         self._budgets = local_budgets(cfg.train, self.n_train)
         self.timing = timing or Timing()
         self.clock = RoundClock(self.timing, self.n_devices, cfg.participation.mode,
@@ -157,7 +158,10 @@ class RoundEngine:
             steps = np.where(silent, 0, budgets if steps is None else steps).astype(np.int32)
         prescale = None
         if self.cfg.secagg.enabled:
-            prescale = schemes.prescales(self.cfg.train.weighting, selected, self.n_train) * members.boost(selected)
+            if self._mean_samples is None:  # (once: the devices' counts do not change)
+                self._mean_samples = float(self.n_train.mean())
+            prescale = (schemes.prescales(self.cfg.train.weighting, selected, self.n_train, self._mean_samples)
+                        * members.boost(selected))
         return RoundPlan(round_idx, selected, budgets, lr, steps=None if steps is None else np.minimum(steps, budgets),
                          deadline_s=deadlines.compute_s, grace_s=p.grace_s, round_deadline_s=deadlines.due_s,
                          quorum=quorum, by_arrival=quorum is not None and not self.clock.simulated,
@@ -248,7 +252,7 @@ class RoundEngine:
         """The broadcast's bytes each device received: the selected ones the model; with a compressed
         downlink every member the difference (each keeps the copy it adds to), and an arriving device the
         whole copy (x_0, which every device builds from the seed, is never sent)."""
-        if self._probed is None and not self.downlink.lossy:
+        if not self._probes_sent() and not self.downlink.lossy:
             return Scattered(self.n_devices, plan.device_ids, plan.down_bytes, 0)
         row = self._probe_bytes(0)
         if not self.downlink.lossy:
@@ -259,6 +263,10 @@ class RoundEngine:
             x = self.state.x
             row[self.members.arriving] = (1 + len(self.algorithm.server_vectors)) * x.size * x.itemsize
         return row
+
+    def _probes_sent(self) -> bool:
+        """Whether the row's bytes hold probes (else they are the round's devices' alone)."""
+        return self._probed is not None
 
     def _probe_bytes(self, up: int) -> np.ndarray:
         """What asking for the candidates' losses moved (power of choice): x, whole, down to each candidate
@@ -272,7 +280,7 @@ class RoundEngine:
     def _bytes_up(self, plan: RoundPlan, res) -> np.ndarray:
         """Each report's payload, and each candidate's loss."""
         payload = 0 if res.bytes_up is None else res.bytes_up
-        if self._probed is None:
+        if not self._probes_sent():
             return Scattered(self.n_devices, plan.device_ids, payload, 0)
         row = self._probe_bytes(1)
         row[plan.device_ids] += payload

@@ -69,10 +69,14 @@ def _first_output(words):
 def first_draws(entropy, ids, kind, loc, scale, out, done, pool, words):
     """out[i] <- the first draw of device ids[i]'s stream: exp(loc + scale * z) with z NumPy's standard normal
     (kind LOGNORMAL), or expm1(e / scale) with e its standard exponential (kind PARETO, NumPy's pareto(scale));
-    done[i] False where the ziggurat's first try rejects. entropy: the stream key's words with a last slot
-    for the device word (ids[i] + 1 < 2^32); pool, words: uint64[4] scratch."""
+    done[i] False where the ziggurat's first try rejects, or where the device's key takes two words (ids[i] + 1
+    >= 2^32, which SeedSequence splits): NumPy draws those. entropy: the stream key's words with a last slot
+    for the device word; pool, words: uint64[4] scratch."""
     last = entropy.shape[0] - 1
     for i in range(ids.shape[0]):
+        if ids[i] + 1 >= 4294967296:
+            done[i] = False
+            continue
         entropy[last] = np.uint64(ids[i] + 1)
         seed_sequence_state(entropy, pool, words)
         r = _first_output(words)

@@ -23,8 +23,9 @@ KERNEL_BYTES = 64 * 2 ** 20  # what loading a run's compiled kernels adds to the
 PER_DEVICE_BYTES = 150  # what the coordinator keeps per device (sizes, budgets, the membership, the clock's and
 # the selection's arrays, the drawing of the sizes): benchmarks/scale.py's peaks grow 104 B a device from 10^5
 # to 10^6 and 78 B from 10^6 to 10^7 (423 -> 517 -> 1188 MB); 150 leaves room for what that slope hides
-RANK_DEVICE_BYTES = 100  # what a device rank keeps per device of the federation (sizes, owners, the command
-# record's per-device fields: about 70 B by their dtypes; not measured apart)
+RANK_DEVICE_BYTES = 64  # what a device rank keeps per device it hosts (their ids and sizes, and while they are
+# drawn and its data estimated, their draws and data sizes: about 50 B by their dtypes); it holds nothing per
+# device of the federation. Measured: 20 B a hosted device from 10^5 to 10^7 (316 -> 412 MB, 2 ranks)
 
 
 def memory_need(cfg: Config, n: int, data_bytes: int = 0, state_bytes: int = 0, state_what: str = "",
@@ -126,12 +127,11 @@ def residual_bytes(algorithm: Algorithm, cfg: Config, n: int, d: int, dtype) -> 
 def _rank_terms(cfg: Config, algorithm: Algorithm, problem, model, own: np.ndarray, lanes: int) -> tuple:
     """memory_need's terms for a device rank hosting `own` with `lanes` lanes: the devices' data it may hold,
     the vectors of its devices a run can touch, and its lanes' models."""
-    n = problem.n_devices
-    touched = min(own.size, touched_rows(cfg, n))
+    touched = min(own.size, touched_rows(cfg, problem.n_devices))
     rows = len(algorithm.device_vectors) * (touched if algorithm.zero_start else own.size)
     rows += len(algorithm.reports) * touched if cfg.compress.error_feedback else 0
     state = rows * model.n_trainable * np.dtype(model.dtype).itemsize
-    return (cfg, n, data_held(cfg, problem, own), state, "its devices' vectors", RANK_DEVICE_BYTES,
+    return (cfg, own.size, data_held(cfg, problem, own), state, "its devices' vectors", RANK_DEVICE_BYTES,
             model_bytes(cfg, algorithm, problem, model, lanes, own.size, distributed=True))
 
 

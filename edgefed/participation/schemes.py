@@ -34,6 +34,7 @@ class Federation:
     def __init__(self, active: np.ndarray, n_train: np.ndarray):
         self.active = active
         self.ids = np.flatnonzero(active)
+        self.ids.setflags(write=False)  # shared by the rounds while the federation holds
         # (an exact integer: a float64 sum of the counts is the same number while it stays below 2^53)
         self.samples = int(n_train[self.ids].sum())
 
@@ -163,12 +164,13 @@ def _per_step(steps: np.ndarray, budgets: np.ndarray) -> np.ndarray:
 DEVICE_MULTIPLIERS = {"A": _complete, "B": _unit, "C": _scaled_by_work, "fednova": _per_step, "drop": _complete}
 
 
-def prescales(weighting: str, selected: np.ndarray, n_train: np.ndarray) -> np.ndarray:
+def prescales(weighting: str, selected: np.ndarray, n_train: np.ndarray, mean: float | None = None) -> np.ndarray:
     """c_k before the work: 1 for uniform weights, else n_k over the federation's mean count (a number of
-    order 1, so one clip suits every device); the server's G holds the normalisation."""
+    order 1, so one clip suits every device; mean: float(n_train.mean()), when known); the server's G holds
+    the normalisation."""
     if weighting == "uniform":
         return np.ones(selected.size)
-    return n_train[selected].astype(np.float64) / float(n_train.mean())
+    return n_train[selected].astype(np.float64) / (float(n_train.mean()) if mean is None else mean)
 
 
 def device_factors(scheme: str, prescale: np.ndarray, steps: np.ndarray, budgets: np.ndarray) -> np.ndarray:

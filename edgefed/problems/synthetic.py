@@ -19,6 +19,7 @@ from edgefed.rng import Purpose, device_generators, generator, stream_words
 
 N_FEATURES = 60
 N_CLASSES = 10
+UNCAPPED = 2 ** 62  # a count no device reaches (a lognormal draw past it is a normal draw past 20)
 SIZE_BLOCK = 1 << 20  # devices whose sizes are drawn at once where all are not kept
 EAGER_LABELS_UP_TO = 10_000  # devices whose labels are counted before round 1; beyond, as each is built
 _SIGMA_SQRT = np.arange(1, N_FEATURES + 1, dtype=np.float64) ** (-1.2 / 2)
@@ -39,12 +40,14 @@ def total_samples(cfg, seed: int, device_ids: np.ndarray) -> np.ndarray:
     rejected = np.flatnonzero(~done)
     for i, (_, g) in zip(rejected, device_generators(seed, Purpose.DATA_COUNT, device_ids[rejected])):
         draws[i] = g.lognormal(4.0, 2.0) if lognormal else g.pareto(PARETO_INDEX)
-    if lognormal:
-        cap, counts = cfg.samples_max, draws.astype(np.int64) + 50
-    else:
-        # numpy's pareto is Lomax: shifted for Type I
-        cap, counts = cfg.samples_max or PARETO_DEFAULT_MAX, (cfg.samples_min * (1.0 + draws)).astype(np.int64)
-    return counts if cap is None else np.minimum(counts, cap)
+    # capped while a float, since an int64 cast of a draw past 2^63 would wrap: min(int(x), c) = int(min(x, c))
+    # for an integer c >= 0
+    if lognormal:  # int(draw) + 50, at most samples_max
+        cap = UNCAPPED if cfg.samples_max is None else cfg.samples_max - 50
+        return np.minimum(draws, float(cap)).astype(np.int64) + 50
+    # numpy's pareto is Lomax: shifted for Type I
+    cap = cfg.samples_max or PARETO_DEFAULT_MAX
+    return np.minimum(cfg.samples_min * (1.0 + draws), float(cap)).astype(np.int64)
 
 
 def _label_counts(y: np.ndarray) -> np.ndarray:

@@ -14,6 +14,7 @@ only, so the lanes change no byte of a report.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import threading
@@ -87,7 +88,6 @@ class RoundWork:
         self.core = np.full(n_sel, -1, np.int16)
         self.started = np.full(n_sel, np.nan)  # perf_counter when each device began
         self.loss_sq, self.samples = np.zeros(n_sel), np.zeros(n_sel, np.int64)  # what its steps said of their losses
-        self.data: dict[int, object] = {}  # the devices' data, built before the lanes start, held for the round
 
     def results(self, rows=slice(None)) -> LocalResults:
         """In one process the link is all the communication there is (a slow_link fault's, or none). Under
@@ -122,11 +122,15 @@ class Streams:
         return sum(run.samples for run in self.runs)
 
 
+LABELS_KEPT = 4096  # label counts of devices built that wait for the log at once, at most
+
+
 class DeviceCache:
     """The devices' data this process has built, the least recently used dropped beyond `budget` bytes: a
     device's data is a pure function of (seed, device), so dropping it costs only the time to build it again.
     A device's data is kept from its second build on, or from its first if it is one of `keep` (the devices
-    evaluated at every evaluation): in a large federation most devices are drawn once in a run, and keeping
+    evaluated at every evaluation) or `held` (a round's, kept while it runs and let go after unless kept
+    for a reason of their own): in a large federation most devices are drawn once in a run, and keeping
     those would fill the budget with data nobody asks for again. Lanes share it from their threads."""
 
     SEEN = 65_536  # the devices built once that are remembered (the oldest forgotten)
@@ -136,6 +140,8 @@ class DeviceCache:
         self._keep = np.zeros(0, np.int64) if keep is None else np.asarray(keep, np.int64)  # ascending
         self._data: OrderedDict[int, object] = OrderedDict()
         self._seen: OrderedDict[int, None] = OrderedDict()  # built once, not kept
+        self._held: dict[int, int] = {}  # devices held by the rounds under way (how many hold each)
+        self._for_now: set[int] = set()  # kept only because they are held
         self.nbytes = 0
         self._lock = threading.Lock()
         self._building: dict[int, threading.Event] = {}  # a device being built: the others wait for it
@@ -158,10 +164,10 @@ class DeviceCache:
             with self._lock:
                 kept = self._keep.size and self._keep[min(np.searchsorted(self._keep, device_id),
                                                           self._keep.size - 1)] == device_id
-                if not kept and device_id not in self._seen:  # a first build: remembered, not kept
-                    self._seen[device_id] = None
-                    if len(self._seen) > self.SEEN:
-                        self._seen.popitem(last=False)
+                if not kept and device_id not in self._seen and device_id in self._held:
+                    self._for_now.add(device_id)
+                elif not kept and device_id not in self._seen:  # a first build: remembered, not kept
+                    self._remember(device_id)
                     return data
                 self._seen.pop(device_id, None)
                 self._data[device_id] = data
@@ -175,10 +181,41 @@ class DeviceCache:
                 del self._building[device_id]
             pending.set()
 
+    @contextlib.contextmanager
+    def held(self, device_ids):
+        """Keep these devices' data while the block runs (a round's: built before its lanes start, read by
+        them); after it, one kept only for that is let go and counts as built once."""
+        ids = [int(k) for k in device_ids]
+        with self._lock:
+            for k in ids:
+                self._held[k] = self._held.get(k, 0) + 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                for k in ids:
+                    self._held[k] -= 1
+                    if self._held[k]:
+                        continue
+                    del self._held[k]
+                    if k in self._for_now:
+                        self._for_now.discard(k)
+                        dropped = self._data.pop(k, None)
+                        if dropped is not None:
+                            self.nbytes -= _nbytes(dropped)
+                        self._remember(k)
+
+    def _remember(self, device_id: int) -> None:
+        """Note a device built once (the oldest such note forgotten beyond SEEN)."""
+        self._seen[device_id] = None
+        if len(self._seen) > self.SEEN:
+            self._seen.popitem(last=False)
+
     def clear(self) -> None:
         with self._lock:
             self._data.clear()
             self._seen.clear()
+            self._for_now.clear()
             self.nbytes = 0
 
 
@@ -257,7 +294,10 @@ class LocalTransport:
         self.evaluated = self._hosted if evaluated is None else evaluated[self.hosts(evaluated)]
         if hasattr(problem, "host"):
             problem.host(self.device_ids)
-        self._labels: dict[int, np.ndarray] = {}  # label counts of devices built, until the log takes them
+        # label counts of the devices built lately, until the log takes them (bounded: a device the log has
+        # counted may be built again, and an evaluated one is never asked for)
+        self._labels: OrderedDict[int, np.ndarray] = OrderedDict()
+        self._labels_lock = threading.Lock()  # (lanes build devices from their threads)
         self.data = DeviceCache(self._build, cache_mb * 2.0 ** 20, keep=self.evaluated)
         self._faults = {(f.device, f.round): f for f in faults}
         self.vectors = None  # {device vector: its HeldRows}, e.g. SCAFFOLD's c_k
@@ -396,21 +436,22 @@ class LocalTransport:
             # accepted as devices finish
             self._pending = (plan.round_idx, plan.device_ids.copy(),
                              {v.delta: work.vectors[v.delta] for v in self.algorithm.device_vectors}, work.residuals)
-        for k in plan.device_ids:  # data is built here, once, not by the lanes at the same time
-            work.data[int(k)] = self.data(int(k))
-        lanes = [(lane, list(range(t, plan.device_ids.size, len(self.lanes)))) for t, lane in enumerate(self.lanes)]
-        lanes = [(lane, rows) for lane, rows in lanes if rows]
-        if len(self.lanes) == 1 and self.lanes[0].core is None:  # one unpinned lane: right here
-            for lane, rows in lanes:
-                self._run_lane(lane, rows, plan, state, work, on_device, pin_thread=False)
-        else:
-            if self._pool is None:
-                initializer = _lowest_priority if self.contention else None
-                self._pool = ThreadPoolExecutor(len(self.lanes), initializer=initializer)
-            futures = [self._pool.submit(self._run_lane, lane, rows, plan, state, work, on_device, True)
-                       for lane, rows in lanes]
-            for future in futures:
-                future.result()  # a device's error surfaces here
+        with self.data.held(plan.device_ids):
+            for k in plan.device_ids:  # data is built here, once, not by the lanes at the same time
+                self.data(int(k))
+            lanes = [(lane, list(range(t, plan.device_ids.size, len(self.lanes)))) for t, lane in enumerate(self.lanes)]
+            lanes = [(lane, rows) for lane, rows in lanes if rows]
+            if len(self.lanes) == 1 and self.lanes[0].core is None:  # one unpinned lane: right here
+                for lane, rows in lanes:
+                    self._run_lane(lane, rows, plan, state, work, on_device, pin_thread=False)
+            else:
+                if self._pool is None:
+                    initializer = _lowest_priority if self.contention else None
+                    self._pool = ThreadPoolExecutor(len(self.lanes), initializer=initializer)
+                futures = [self._pool.submit(self._run_lane, lane, rows, plan, state, work, on_device, True)
+                           for lane, rows in lanes]
+                for future in futures:
+                    future.result()  # a device's error surfaces here
         return work
 
     def _run_lane(self, lane: Lane, rows, plan: RoundPlan, state, work: RoundWork, on_device, pin_thread: bool):
@@ -445,7 +486,7 @@ class LocalTransport:
             lane.competitor.set_load(0.0)
 
     def _run_device(self, lane: Lane, i: int, k: int, plan: RoundPlan, x, server, work: RoundWork, stoppable):
-        data = work.data[k] if k in work.data else self.data(k)
+        data = self.data(k)
         if lane.competitor is not None:
             lane.competitor.set_load(self.contention[k % len(self.contention)])
         own = {name: held.get(k) for name, held in self.vectors.items()}
@@ -555,13 +596,26 @@ class LocalTransport:
     def _build(self, device_id: int):
         data = self.problem.device(device_id)
         if getattr(self.problem, "labels_later", False):  # counted now: the cache may not keep the data
-            self._labels[device_id] = self.problem.labels_of(data)
+            labels = self.problem.labels_of(data)
+            with self._labels_lock:
+                self._labels[device_id] = labels
+                if len(self._labels) > LABELS_KEPT:
+                    self._labels.popitem(last=False)
         return data
 
     def label_counts(self, device_ids) -> np.ndarray:
         """(ids, C) these devices' label counts, for a log that fills them as devices are built."""
-        return np.stack([self._labels.pop(int(k), None) if int(k) in self._labels else
-                         self.problem.labels_of(self.data(int(k))) for k in device_ids])
+        out = []
+        for k in map(int, device_ids):
+            with self._labels_lock:
+                labels = self._labels.pop(k, None)
+            if labels is None:  # dropped, or its data kept from before: counted from its data
+                data = self.data(k)
+                with self._labels_lock:
+                    labels = self._labels.pop(k, None)
+                labels = self.problem.labels_of(data) if labels is None else labels
+            out.append(labels)
+        return np.stack(out)
 
     def hosts(self, device_ids) -> np.ndarray:
         """Whether this process hosts each of these devices."""

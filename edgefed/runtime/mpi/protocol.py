@@ -31,7 +31,8 @@ STOP, ROUND, EVAL, START_DEVICES, LOAD_DEVICES, SECAGG, PROBE = range(7)
 TAG_WORK, TAG_EVAL, TAG_ROWS, TAG_LOAD, TAG_BYE, TAG_CANCEL = 11, 12, 13, 14, 15, 16
 TAG_ALIVE = 17  # a device rank's heartbeat: one int64, the rank; says only "still here"
 TAG_SETUP = 18  # a device rank's report after building its devices (pickled: failure, warm-up, lanes)
-TAG_CONFIG = 19  # rank 0's setup for the device ranks (pickled: the config and the owners, or an error)
+TAG_CONFIG = 19  # rank 0's setup for the device ranks (pickled: the config, the owners when the config places
+# the devices, or an error)
 TAG_RESIDUAL = 20  # error feedback: the residuals a rank's reports of a round leave its devices
 TAG_TASK = 21  # async: one device's task, point to point to its rank (the model it starts from inside)
 TAG_SECAGG = 22  # secure aggregation: a rank's protocol records of one phase (a SECAGG header, then records)
