@@ -74,3 +74,19 @@ def test_a_stale_report_is_discarded_and_its_slot_starts_again():
     dropped = [task for u in updates for task in u.discarded]
     assert dropped and all(task.device == 3 for task in dropped)
     assert all(3 not in [task.device for task in u.taken] for u in updates)
+
+
+def test_an_idle_draw_is_the_choice_among_the_idle_members_without_listing_them():
+    """draw_idle steps past the busy members by search (FedBuff at ten million devices): the same device as
+    NumPy's choice over the list of idle members, which it no longer builds."""
+    from edgefed.participation.asynchrony import draw_idle, idle_members
+    from edgefed.rng import Purpose, generator
+
+    g = np.random.default_rng(1)
+    for trial in range(200):
+        members = np.sort(g.choice(200, size=g.integers(1, 60), replace=False))
+        busy = set(g.choice(220, size=g.integers(0, 40), replace=False).tolist())
+        idle = np.array([k for k in members if int(k) not in busy], np.int64)
+        assert np.array_equal(idle_members(members, busy), idle)
+        want = None if idle.size == 0 else int(generator(7, Purpose.ASYNC_SELECT, trial).choice(idle))
+        assert draw_idle(7, trial, members, busy) == want

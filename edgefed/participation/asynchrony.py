@@ -65,16 +65,35 @@ class Update:
 
 
 def draw_idle(seed: int, draw: int, members: np.ndarray, busy: set[int]) -> int | None:
-    """The device the draw-th draw (1-based) starts a task on: uniform over the idle members, from its own
-    stream; None when every member is busy."""
-    idle = idle_members(members, busy)
-    if idle.size == 0:
+    """The device the draw-th draw (1-based) starts a task on: uniform over the idle members (ascending), from
+    its own stream; None when every member is busy. The draw is an index into the idle members (NumPy's
+    choice of an array draws its index as of their count), found past the busy ones by search: no array of
+    every idle member is made."""
+    members = np.asarray(members, np.int64)
+    taken = _positions(members, busy)
+    if members.size - taken.size == 0:
         return None
-    return int(generator(seed, Purpose.ASYNC_SELECT, draw).choice(idle))
+    k = int(generator(seed, Purpose.ASYNC_SELECT, draw).choice(members.size - taken.size))
+    for p in taken:  # the k-th idle member: step over each busy one at or before it
+        if p > k:
+            break
+        k += 1
+    return int(members[k])
+
+
+def _positions(members: np.ndarray, busy: set[int]) -> np.ndarray:
+    """Where the busy devices that are members sit among the (ascending) members, ascending."""
+    ids = np.array(sorted(busy), np.int64)
+    if not ids.size or not members.size:
+        return np.zeros(0, np.int64)
+    at = np.minimum(np.searchsorted(members, ids), members.size - 1)
+    return at[members[at] == ids]
 
 
 def idle_members(members: np.ndarray, busy: set[int]) -> np.ndarray:
-    return np.array([k for k in np.asarray(members, np.int64) if int(k) not in busy], np.int64)
+    """The members not busy (a policy's view of whom it may start a task on)."""
+    members = np.asarray(members, np.int64)
+    return np.delete(members, _positions(members, busy))
 
 
 class Schedule:
