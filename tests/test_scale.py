@@ -149,6 +149,16 @@ def test_a_large_federations_rows_hold_only_the_rounds_devices_and_read_the_same
         assert f["participation/steps"].id.get_num_chunks() <= 3 * 4  # a chunk for each device a round, at most
         assert f["participation/active"].id.get_num_chunks() == 1  # device 7 before it arrived: its chunk only
         assert f["participation/cpu_percent"].id.get_num_chunks() <= 3 * 4
+    # a resume reads each round's written values, never R x N of them, and continues as the whole run went
+    from helpers import run_until
+
+    point = run_until(cfg, tmp_path / "part.h5", 2)
+    steps, active = point.logged["participation/steps"], point.logged["participation/active"]
+    assert isinstance(steps, runlog.SparseRounds) and steps.shape == (2, 200)
+    assert [a.tolist() for a in active.ids] == [[7], []]  # device 7 arrives in round 2
+    assert (steps.at(0, steps.ids[0]) > 0).all() and steps.at(0, [7]).tolist() == [0]
+    runs.run(cfg, tmp_path / "part.h5", resume_point=point)
+    assert_same_logs(read_run(tmp_path / "whole.h5"), read_run(tmp_path / "part.h5"))
 
 
 def test_a_file_backed_federation_with_a_tiny_cache_writes_the_same_log_on_ranks_too(tmp_path):

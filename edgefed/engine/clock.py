@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from edgefed.participation.energy import busy_seconds
+from edgefed.runlog import round_ids, round_values
 from edgefed.participation.timing import (Forecast, History, RoundDeadlines, Timing, compute_s, first_to_finish,
                                           forward_pass_s, round_deadlines, steps_by)
 from edgefed.transport import LocalResults, RoundPlan
@@ -181,12 +182,13 @@ class RoundClock:
         steps_all, late_all = logged["participation/steps"], logged["participation/late"]
         elapsed, comm_all = logged["participation/elapsed_s"], logged.get("participation/comm_s")
         for r in range(min(done, steps_all.shape[0])):
-            ids = np.flatnonzero(logged["participation/selected"][r])
-            steps, late = steps_all[r, ids], late_all[r, ids]
+            ids = round_ids(logged["participation/selected"], r)
+            steps, late = round_values(steps_all, r, ids), round_values(late_all, r, ids)
             if self.simulated:
                 work = steps * self.timing.boards.step_s[ids]
             else:
-                work = elapsed[r, ids].astype(np.float64)
-            comm = np.full(ids.size, np.nan) if comm_all is None else comm_all[r, ids].astype(np.float64)
+                work = round_values(elapsed, r, ids).astype(np.float64)
+            comm = (np.full(ids.size, np.nan) if comm_all is None
+                    else round_values(comm_all, r, ids).astype(np.float64))
             taken = ~late & (steps > 0)
             self.history.add_round(ids, steps, np.where(taken, work, np.nan), comm)

@@ -25,7 +25,7 @@ from edgefed.participation.budgets import local_budgets
 from edgefed.participation.dynamics import Dynamics, Membership
 from edgefed.participation.sampling import evaluation_sample
 from edgefed.participation.selection import Choice, Feedback, View, build_policy
-from edgefed.runlog import Scattered
+from edgefed.runlog import Scattered, round_ids
 from edgefed.participation.timing import Timing, overselected
 from edgefed.participation.traces import ReplayTrace
 from edgefed.rng import Purpose, generator
@@ -384,7 +384,9 @@ class RoundEngine:
         self.members = self.dynamics.at(done)
         if logged is not None:
             self.clock.restore(logged, done)
-            self._count_labels(np.flatnonzero(logged["participation/selected"][:done].any(axis=0)))
+            selected = logged["participation/selected"]
+            self._count_labels(np.concatenate([np.zeros(0, np.int64)] + [round_ids(selected, r)
+                                                                          for r in range(min(done, selected.shape[0]))]))
         algo = self.algorithm
         self.state = ServerState(state["x"], {v.name: state[v.name] for v in algo.server_vectors})
         self._secure_side(self.state.x.size)

@@ -23,12 +23,12 @@ from edgefed.runlog.files import discard_stub, exists_error, hold, let_go, write
 from edgefed.runlog.reader import (LazyRun, RecordedParticipation, ResumePoint, device_count, last_completed_round, no_round_yet,
                                    nonfinite_counts, open_run, read_participation, read_resume_point, read_run,
                                    reading, root_attrs, run_status)
-from edgefed.runlog.rows import Scattered, read_rows, stored_rows, write_rows
+from edgefed.runlog.rows import Scattered, SparseRounds, read_rows, round_ids, round_values, stored_rows, write_rows
 from edgefed.runlog.schema import (EVALUATED, FORMAT, FORMAT_VERSION, FROZEN, LIBVER, MEASURED, MEASURED_ATTRS,
                                    MEASURED_CLOCK, RESTART, Column, Header, columns, measured, restart_records)
 from edgefed.runlog.writer import RunLogWriter
 
-__all__ = ["Scattered", "EVALUATED", "FORMAT", "FORMAT_VERSION", "FROZEN", "LIBVER", "MEASURED", "MEASURED_ATTRS", "MEASURED_CLOCK",
+__all__ = ["Scattered", "SparseRounds", "round_ids", "round_values", "EVALUATED", "FORMAT", "FORMAT_VERSION", "FROZEN", "LIBVER", "MEASURED", "MEASURED_ATTRS", "MEASURED_CLOCK",
            "RESTART", "Column", "Header", "LazyRun", "RecordedParticipation", "ResumePoint", "RunLogWriter", "columns",
            "device_count", "last_completed_round", "discard_stub", "exists_error", "hold", "let_go", "measured", "no_round_yet",
            "nonfinite_counts", "open_run", "read_participation", "read_resume_point", "read_rows", "read_run", "reading",

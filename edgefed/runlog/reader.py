@@ -19,8 +19,9 @@ import numpy as np
 
 from edgefed.errors import RunLogError
 from edgefed.errors import reading as errors_reading
-from edgefed.runlog.rows import stored_rows
-from edgefed.runlog.schema import ATTR_TYPES, FORMAT, FORMAT_VERSION, SCHEMA_DATASETS, restart_records, row_limits
+from edgefed.runlog.rows import SparseRounds, read_sparse_rounds, stored_rows
+from edgefed.runlog.schema import (ATTR_TYPES, FORMAT, FORMAT_VERSION, SCHEMA_DATASETS, restart_records, row_limits,
+                                   sparse_rows)
 
 def open_run(path: str | Path) -> h5py.File:
     """Open a run log for reading, also while its run goes on or after the run was killed."""
@@ -156,7 +157,10 @@ def nonfinite_counts(data) -> dict:
     """Of a log's rounds (its datasets by name; an older log may lack them): the reports dropped as non-finite
     in all, the rounds in which any were, and the rounds that applied no update."""
     nonfinite, applied = data.get("participation/nonfinite"), data.get("metrics/n_applied")
-    dropped = np.zeros(0, np.int64) if nonfinite is None else np.asarray(nonfinite).sum(axis=1)
+    if isinstance(nonfinite, SparseRounds):
+        dropped = np.array([ids.size for ids in nonfinite.ids], np.int64)
+    else:
+        dropped = np.zeros(0, np.int64) if nonfinite is None else np.asarray(nonfinite).sum(axis=1)
     return {"reports": int(dropped.sum()), "rounds": int(np.count_nonzero(dropped)),
             "no_update": 0 if applied is None else int(np.count_nonzero(np.asarray(applied) == 0))}
 
@@ -262,7 +266,8 @@ class ResumePoint:
     config_toml: str
     rounds_done: int
     state: dict
-    logged: dict  # the completed rounds' rows of every per-round dataset, by path
+    logged: dict  # the completed rounds' rows of every per-round dataset, by path (a large federation's
+    # per-device ones as runlog.rows.SparseRounds)
     complete: bool
     limits: dict = field(default_factory=dict)  # rows kept per row mapping ("round", "round+1", "stored")
     attrs: dict = field(default_factory=dict)  # the log's root attributes (e.g. the deadlines it ran with)
@@ -290,7 +295,11 @@ def read_resume_point(path: str | Path) -> ResumePoint:
 
         def take(name, obj):
             if isinstance(obj, h5py.Dataset) and "rows" in obj.attrs:
-                logged[name] = obj[: limits[obj.attrs["rows"]]]
+                rows = limits[obj.attrs["rows"]]
+                if sparse_rows(tuple(obj.shape[1:])) and obj.chunks is not None and obj.chunks[1] < obj.shape[1]:
+                    logged[name] = read_sparse_rounds(obj, rows, obj.fillvalue.item())  # (never R x N values)
+                else:
+                    logged[name] = obj[:rows]
 
         f.visititems(take)
         st = f["state"]

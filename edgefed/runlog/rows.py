@@ -45,6 +45,73 @@ class Scattered:
         return row
 
 
+@dataclass(frozen=True)
+class SparseRounds:
+    """A large federation's (R, N) per-device dataset as a resume reads it: each round's devices whose value is
+    not the dataset's fill, and their values (what the round wrote), never R x N values."""
+
+    n: int
+    ids: tuple  # each round's device ids, ascending
+    values: tuple  # their values, in that order
+    fill: object
+
+    @property
+    def shape(self) -> tuple:
+        return (len(self.ids), self.n)
+
+    def at(self, r: int, device_ids) -> np.ndarray:
+        """Round r's values of these devices (the fill where the round wrote none)."""
+        ids, values = self.ids[r], self.values[r]
+        device_ids = np.asarray(device_ids, np.int64)
+        out = np.full(device_ids.size, self.fill, values.dtype)
+        if ids.size:
+            at = np.minimum(np.searchsorted(ids, device_ids), ids.size - 1)
+            hit = ids[at] == device_ids
+            out[hit] = values[at[hit]]
+        return out
+
+
+def round_ids(data, r: int) -> np.ndarray:
+    """The devices whose value in round r is not the fill (a bool dataset: those true), of an (R, N) dataset as
+    read whole or as SparseRounds."""
+    return data.ids[r] if isinstance(data, SparseRounds) else np.flatnonzero(data[r])
+
+
+def round_values(data, r: int, device_ids) -> np.ndarray:
+    """Round r's values of these devices, of an (R, N) dataset as read whole or as SparseRounds."""
+    return data.at(r, device_ids) if isinstance(data, SparseRounds) else data[r, device_ids]
+
+
+def read_sparse_rounds(ds: h5py.Dataset, rows: int, fill) -> SparseRounds:
+    """The first `rows` rows of a large federation's (R, N) dataset, their values other than the fill: each row's
+    written chunks read in one selection (chunks found in HDF5's index; a build without chunk_iter reads each
+    row whole)."""
+    n, width = ds.shape[1], ds.chunks[1]
+    columns = [[] for _ in range(rows)]
+    if hasattr(ds.id, "chunk_iter"):
+        if ds.id.get_num_chunks():
+            ds.id.chunk_iter(lambda info: columns[info.chunk_offset[0]].append(info.chunk_offset[1])
+                             if info.chunk_offset[0] < rows else None)
+    else:
+        columns = [list(range(0, n, width)) for _ in range(rows)]
+    ids, values = [], []
+    for r, starts in enumerate(columns):
+        starts = sorted(starts)
+        spans = [(a, min(width, n - a)) for a in starts]
+        buf = np.empty(sum(c for _, c in spans), ds.dtype)
+        if spans:
+            file_space = ds.id.get_space()
+            file_space.select_none()
+            for a, c in spans:
+                file_space.select_hyperslab((r, a), (1, c), op=h5py.h5s.SELECT_OR)
+            ds.id.read(h5py.h5s.create_simple((buf.size,)), file_space, buf)
+        where = np.concatenate([np.arange(a, a + c) for a, c in spans]) if spans else np.zeros(0, np.int64)
+        differ = ~np.isnan(buf) if isinstance(fill, float) and np.isnan(fill) else buf != fill
+        ids.append(where[differ].astype(np.int64))
+        values.append(buf[differ])
+    return SparseRounds(n, tuple(ids), tuple(values), fill)
+
+
 def _is_fill(value, fill) -> bool:
     return (isinstance(fill, float) and np.isnan(fill) and np.isnan(value)) or value == fill
 

@@ -20,7 +20,7 @@ from edgefed.memory import size_text
 import edgefed.runlog.schema as schema
 from edgefed.runlog.files import _swap_in, _write_restarts
 from edgefed.runlog.reader import ResumePoint
-from edgefed.runlog.rows import Scattered, _write_row, read_rows, write_rows, write_sparse_row
+from edgefed.runlog.rows import Scattered, SparseRounds, _write_row, read_rows, write_rows, write_sparse_row
 from edgefed.runlog.schema import EVALUATED, FROZEN, Header, _chunk, _root_attrs, columns
 
 class RunLogWriter:
@@ -194,7 +194,11 @@ def _write_resume_point(f: h5py.File, point: ResumePoint) -> None:
     for name, data in point.logged.items():
         ds = f[name]
         ds.resize(data.shape[0], axis=0)
-        if data.shape[0]:
+        if isinstance(data, SparseRounds):  # a large federation's: each round's written values, where they were
+            for r in range(data.shape[0]):
+                write_sparse_row(ds, r, Scattered(data.n, data.ids[r], data.values[r], data.fill), ds.dtype,
+                                 data.fill)
+        elif data.shape[0]:
             ds[...] = data
 
     def pad(name, obj):  # a column the resumed log's version did not write: its completed rounds hold the fill
