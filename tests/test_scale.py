@@ -159,6 +159,15 @@ def test_a_large_federations_rows_hold_only_the_rounds_devices_and_read_the_same
     assert (steps.at(0, steps.ids[0]) > 0).all() and steps.at(0, [7]).tolist() == [0]
     runs.run(cfg, tmp_path / "part.h5", resume_point=point)
     assert_same_logs(read_run(tmp_path / "whole.h5"), read_run(tmp_path / "part.h5"))
+    # FedBuff resumes from its stored models, whose (d,) rows are as long as a large federation's (d = 610)
+    fedbuff = config_with({"data.clients": 200, "data.samples": 30, "rounds": 4, "train.local_steps": 2,
+                           "log.eval_devices": 10, "participation.mode": "async", "device.profile": "pi4b",
+                           "async.concurrency": 4, "async.buffer": 2})
+    runs.run(fedbuff, tmp_path / "fedbuff.h5")
+    point = run_until(fedbuff, tmp_path / "fedbuff-part.h5", 2)
+    assert isinstance(point.logged["trajectory/x"], np.ndarray)
+    runs.run(fedbuff, tmp_path / "fedbuff-part.h5", resume_point=point)
+    assert_same_logs(read_run(tmp_path / "fedbuff.h5"), read_run(tmp_path / "fedbuff-part.h5"))
 
 
 def test_a_file_backed_federation_with_a_tiny_cache_writes_the_same_log_on_ranks_too(tmp_path):

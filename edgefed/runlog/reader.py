@@ -292,11 +292,14 @@ def read_resume_point(path: str | Path) -> ResumePoint:
                                fresh=True)
         limits = row_limits(done, f["trajectory/round"][()])
         logged = {}
+        n_devices = f["devices/n_train"].shape[0] if "devices/n_train" in f else None
 
         def take(name, obj):
             if isinstance(obj, h5py.Dataset) and "rows" in obj.attrs:
                 rows = limits[obj.attrs["rows"]]
-                if sparse_rows(tuple(obj.shape[1:])) and obj.chunks is not None and obj.chunks[1] < obj.shape[1]:
+                per_device = obj.attrs["rows"] == "round" and obj.shape[1:] == (n_devices,)  # (not a model's columns)
+                if per_device and sparse_rows(tuple(obj.shape[1:])) and obj.chunks is not None \
+                        and obj.chunks[1] < obj.shape[1]:
                     logged[name] = read_sparse_rounds(obj, rows, obj.fillvalue.item())  # (never R x N values)
                 else:
                     logged[name] = obj[:rows]

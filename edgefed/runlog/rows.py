@@ -87,6 +87,7 @@ def read_sparse_rounds(ds: h5py.Dataset, rows: int, fill) -> SparseRounds:
     written chunks read in one selection (chunks found in HDF5's index; a build without chunk_iter reads each
     row whole)."""
     n, width = ds.shape[1], ds.chunks[1]
+    rows = min(rows, ds.shape[0])
     columns = [[] for _ in range(rows)]
     if hasattr(ds.id, "chunk_iter"):
         if ds.id.get_num_chunks():

@@ -162,8 +162,7 @@ class DeviceCache:
         try:
             data = self.build(device_id)  # outside the lock: other devices' lanes go on meanwhile
             with self._lock:
-                kept = self._keep.size and self._keep[min(np.searchsorted(self._keep, device_id),
-                                                          self._keep.size - 1)] == device_id
+                kept = self.keeps(device_id)
                 if not kept and device_id not in self._seen and device_id in self._held:
                     self._for_now.add(device_id)
                 elif not kept and device_id not in self._seen:  # a first build: remembered, not kept
@@ -180,6 +179,11 @@ class DeviceCache:
             with self._lock:
                 del self._building[device_id]
             pending.set()
+
+    def keeps(self, device_id: int) -> bool:
+        """Whether this device's data is kept from its first build (one of `keep`)."""
+        return bool(self._keep.size) and self._keep[min(np.searchsorted(self._keep, device_id),
+                                                        self._keep.size - 1)] == device_id
 
     @contextlib.contextmanager
     def held(self, device_ids):
@@ -595,7 +599,8 @@ class LocalTransport:
 
     def _build(self, device_id: int):
         data = self.problem.device(device_id)
-        if getattr(self.problem, "labels_later", False):  # counted now: the cache may not keep the data
+        if getattr(self.problem, "labels_later", False) and not self.data.keeps(device_id):  # counted now: the
+            # cache may not keep the data (an evaluated device's it keeps, and counts from when asked)
             labels = self.problem.labels_of(data)
             with self._labels_lock:
                 self._labels[device_id] = labels
