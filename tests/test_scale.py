@@ -53,7 +53,7 @@ def test_metrics_on_a_sample_are_its_devices_weighted_as_the_objective_by_hand(t
 
 def test_the_data_cache_keeps_its_bound_and_a_small_one_writes_the_same_log(tmp_path):
     from edgefed.orchestration.run import problem_and_model
-    from edgefed.runtime.local import DeviceCache
+    from edgefed.runtime.device_cache import DeviceCache
 
     small = {"data.clients": 40, "rounds": 3, "train.clients_per_round": 10, "train.local_steps": 3}
     cfg = config_with(small)
@@ -188,7 +188,7 @@ def test_the_data_cache_builds_a_device_once_when_lanes_ask_for_it_at_once():
     import threading
     import time
 
-    from edgefed.runtime.local import DeviceCache
+    from edgefed.runtime.device_cache import DeviceCache
 
     built, inside = [], threading.Lock()
 

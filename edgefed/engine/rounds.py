@@ -19,13 +19,14 @@ from edgefed import compression
 from edgefed.algorithms.base import Algorithm, DeviceRows, RoundReports, ServerState, nonzero_rows
 from edgefed.config import Config
 from edgefed.engine.clock import RoundClock
+from edgefed.engine.round_rows import RoundRows
 from edgefed.engine.secure import SecureSum
 from edgefed.participation import privacy, schemes
 from edgefed.participation.budgets import local_budgets
 from edgefed.participation.dynamics import Dynamics, Membership
 from edgefed.participation.sampling import evaluation_sample
 from edgefed.participation.selection import Choice, Feedback, View, build_policy
-from edgefed.runlog import Scattered, round_ids
+from edgefed.runlog import round_ids
 from edgefed.participation.timing import Timing, overselected
 from edgefed.participation.traces import ReplayTrace
 from edgefed.rng import Purpose, generator
@@ -63,7 +64,7 @@ class Weighed:
     reported: np.ndarray  # (S,) bool: the report is applied
 
 
-class RoundEngine:
+class RoundEngine(RoundRows):
     def __init__(self, cfg: Config, algorithm: Algorithm, n_train: np.ndarray, transport, log, on_round=None,
                  trace=None, timing: Timing | None = None, count_labels=None):
         """count_labels: ids -> their devices' label counts, for a log that fills /devices/label_counts as
@@ -204,18 +205,6 @@ class RoundEngine:
         samples = np.zeros(n, np.int64) if res.samples is None else res.samples
         self.selection.observe(Feedback(plan.round_idx, plan.device_ids, reported, loss_sq, samples))
 
-    def _considered_row(self, round_idx: int) -> dict:
-        """The log's /participation/candidate and /utility rows: the policy's, or a replay's recorded ones."""
-        if not self.considered:
-            return {}
-        candidate, utility = np.zeros(self.n_devices, bool), np.full(self.n_devices, np.nan)
-        if self._choice is not None:
-            candidate[self._choice.candidates] = True
-            utility[self._choice.candidates] = self._choice.utility
-        elif isinstance(self.trace, ReplayTrace) and self.trace.candidate is not None:
-            candidate, utility = self.trace.candidate[round_idx - 1], self.trace.utility[round_idx - 1]
-        return {"participation/candidate": candidate, "participation/utility": utility}
-
     def _fixed_s(self, plan: RoundPlan) -> int:
         """The round's fixed denominator S: the reports it takes (over-selection's quorum, also in a replay of
         such a run), so p_k = a_k / S (differential privacy's, docs/design.md 2.19)."""
@@ -247,44 +236,6 @@ class RoundEngine:
             copy[name] = held[name] + compression.decode(encoded[name], value.dtype)
         self.replica = ServerState(copy.pop("x"), copy)
         return self.replica, encoded
-
-    def _bytes_down(self, plan: RoundPlan) -> np.ndarray:
-        """The broadcast's bytes each device received: the selected ones the model; with a compressed
-        downlink every member the difference (each keeps the copy it adds to), and an arriving device the
-        whole copy (x_0, which every device builds from the seed, is never sent)."""
-        if not self._probes_sent() and not self.downlink.lossy:
-            return Scattered(self.n_devices, plan.device_ids, plan.down_bytes, 0)
-        row = self._probe_bytes(0)
-        if not self.downlink.lossy:
-            row[plan.device_ids] += plan.down_bytes
-            return row
-        row[self.active] += plan.down_bytes
-        if self.members.shifts:
-            x = self.state.x
-            row[self.members.arriving] = (1 + len(self.algorithm.server_vectors)) * x.size * x.itemsize
-        return row
-
-    def _probes_sent(self) -> bool:
-        """Whether the row's bytes hold probes (else they are the round's devices' alone)."""
-        return self._probed is not None
-
-    def _probe_bytes(self, up: int) -> np.ndarray:
-        """What asking for the candidates' losses moved (power of choice): x, whole, down to each candidate
-        (up = 0), or a float64 loss up from each that answered."""
-        row = np.zeros(self.n_devices, np.int64)
-        if self._probed is not None:
-            asked, _, answered = self._probed
-            row[answered if up else asked] = PROBE_BYTES if up else self.state.x.nbytes
-        return row
-
-    def _bytes_up(self, plan: RoundPlan, res) -> np.ndarray:
-        """Each report's payload, and each candidate's loss."""
-        payload = 0 if res.bytes_up is None else res.bytes_up
-        if not self._probes_sent():
-            return Scattered(self.n_devices, plan.device_ids, payload, 0)
-        row = self._probe_bytes(1)
-        row[plan.device_ids] += payload
-        return row
 
     @staticmethod
     def _vectors(state: ServerState) -> dict:
@@ -541,23 +492,6 @@ class RoundEngine:
                                    int(np.sum(settled.steps[~late & ~w.nonfinite])), int(plan.budgets.sum()),
                                    int(np.count_nonzero(w.coeffs)), evaluate, note))
 
-    def _energy_row(self, round_idx: int, ids: np.ndarray, busy_s: np.ndarray, held_s, shared: bool = True,
-                    read_j: np.ndarray | None = None) -> dict:
-        """The devices' energy in the round (docs/design.md 2.21), where the boards' power is known; a replay
-        logs the recorded energy. shared: a board's idle power over the round is split among its devices
-        (FedBuff: each report's task holds its board alone). read_j: what the boards' own meters read, beside
-        it (a measured run under mpiexec)."""
-        power = self.timing.power
-        if power is None:
-            return {}
-        recorded = self.clock.recorded_energy(round_idx, ids)
-        joules = power.joules(ids, busy_s, held_s, shared) if recorded is None else recorded
-        out = {"participation/energy_j": Scattered(self.n_devices, ids, joules, np.nan)}
-        if self.timing.reads_energy:
-            out["participation/energy_read_j"] = Scattered(self.n_devices, ids, np.nan if read_j is None else read_j,
-                                                           np.nan)
-        return out
-
     def _stage_and_commit(self, round_idx, changes, store: bool, sets=None, wall0: float | None = None):
         """Resume state, the stored trajectory rows, then the round marker (last).
 
@@ -581,42 +515,3 @@ class RoundEngine:
             self.log.amend("metrics/round_elapsed_s", elapsed)
         self.log.commit(round_idx)
         return elapsed
-
-    def _round_row(self, plan, res, settled, coeffs, nonfinite, metrics, elapsed, clock, held_s=None) -> dict:
-        """held_s: the seconds the round held each device's board (None: the round's length)."""
-        n, ids = self.n_devices, plan.device_ids
-
-        def scatter(values, dtype, fill=0):  # (a large federation's log writes the round's devices alone)
-            return Scattered(n, ids, values, fill)
-
-        raced = plan.deadline_s is not None  # the core matters where the work raced a wall clock
-        return {
-            "participation/selected": scatter(True, np.bool_, False),
-            "participation/active": Scattered(n, self.federation.absent, False, True),
-            "participation/budget": scatter(plan.budgets, np.int32),
-            "participation/steps": scatter(settled.steps, np.int32),
-            "participation/coeff": scatter(coeffs, np.float64),
-            "participation/nonfinite": scatter(nonfinite, np.bool_, False),
-            "participation/elapsed_s": scatter(res.elapsed_s, np.float32),
-            "participation/cpu_percent": scatter(res.cpu_percent, np.float32, np.nan),
-            "participation/cpu_freq_mhz": scatter(res.cpu_freq_mhz, np.float32, np.nan),
-            "participation/temperature_c": scatter(res.temperature_c, np.float32, np.nan),
-            "participation/late": scatter(settled.late, np.bool_, False),
-            "participation/compiled": scatter(res.compiled, np.bool_, False),
-            "participation/deadline_s": scatter(np.nan if plan.round_deadline_s is None else plan.round_deadline_s,
-                                                np.float64, np.nan),
-            "participation/comm_s": scatter(self.clock.comm_log(plan.round_idx, ids, settled), np.float32, np.nan),
-            "participation/core": scatter(res.core if raced else -1, np.int16, -1),
-            "participation/bytes_up": self._bytes_up(plan, res),
-            "participation/bytes_down": self._bytes_down(plan),
-            **self._considered_row(plan.round_idx),
-            **self._energy_row(plan.round_idx, ids, settled.busy_s, self.clock.round_s if held_s is None else held_s,
-                               held_s is None, res.energy_read_j),
-            "metrics/lr": plan.lr,
-            "metrics/n_applied": int(np.count_nonzero(coeffs)),
-            "metrics/round_elapsed_s": elapsed,
-            "metrics/train_loss": metrics[0],
-            "metrics/test_loss": metrics[1],
-            "metrics/test_accuracy": metrics[2],
-            "metrics/clock_s": clock,
-        }
