@@ -13,6 +13,8 @@ from typing import Mapping, Protocol
 
 import numpy as np
 
+from edgefed.ids import find
+
 from edgefed.algorithms.base import DeviceRows
 
 PROBE_BYTES = 8  # a device's answer when asked for its loss at the server model (power of choice): one float64
@@ -83,10 +85,8 @@ class Evaluation:
 
     def rows(self, device_ids: np.ndarray) -> np.ndarray:
         """The rows of these devices (each evaluated)."""
-        at = np.minimum(np.searchsorted(self.ids, device_ids), max(self.ids.size - 1, 0))
-        if not len(device_ids):
-            return at
-        if self.ids.size == 0 or not np.array_equal(self.ids[at], device_ids):
+        at, found = find(self.ids, device_ids)
+        if not found.all():
             raise ValueError("the evaluation lacks some of the devices asked for")
         return at
 

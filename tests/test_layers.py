@@ -9,7 +9,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "edgefed"
 
 # bottom to top; a top-level part is a subpackage (algorithms) or a top-level module (rng)
 LAYERS = [
-    {"__init__", "errors", "holds", "kernels", "memory", "outputs"},  # the version, the error hierarchy, the kernels;
+    {"__init__", "errors", "holds", "ids", "kernels", "memory", "outputs"},  # the version, the error hierarchy, the kernels;
     # what a process may hold and where a command may write
     {"rng"},  # random streams (their kernel lives in kernels/)
     {"algorithms", "participation", "compression", "secagg"},  # the math: pure, no I/O, no transport

@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from edgefed.ids import find
+
 from edgefed.rng import Purpose, generator
 
 STALENESS = ("constant", "polynomial")
@@ -83,11 +85,8 @@ def draw_idle(seed: int, draw: int, members: np.ndarray, busy: set[int]) -> int 
 
 def _positions(members: np.ndarray, busy: set[int]) -> np.ndarray:
     """Where the busy devices that are members sit among the (ascending) members, ascending."""
-    ids = np.array(sorted(busy), np.int64)
-    if not ids.size or not members.size:
-        return np.zeros(0, np.int64)
-    at = np.minimum(np.searchsorted(members, ids), members.size - 1)
-    return at[members[at] == ids]
+    at, found = find(members, sorted(busy))
+    return at[found]
 
 
 def idle_members(members: np.ndarray, busy: set[int]) -> np.ndarray:

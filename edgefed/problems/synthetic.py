@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from edgefed.ids import find
+
 from edgefed.problems.data import PARETO_DEFAULT_MAX, PARETO_INDEX, ClassificationData
 from edgefed.kernels.first_draws import LOGNORMAL, PARETO, first_draws
 from edgefed.rng import Purpose, device_generators, generator, stream_words
@@ -119,8 +121,8 @@ class SyntheticProblem:
         if self._all is not None or self._hosted is None:
             return self.n_total[ids]
         hosted, totals = self._hosted
-        at = np.minimum(np.searchsorted(hosted, ids), max(hosted.size - 1, 0))
-        if hosted.size and (hosted[at] == ids).all():
+        at, found = find(hosted, ids)
+        if found.all():
             return totals[at]
         return total_samples(self.cfg, self.seed, ids)  # (a device another process hosts: drawn alone)
 

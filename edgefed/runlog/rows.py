@@ -9,6 +9,8 @@ from dataclasses import dataclass
 import h5py
 import numpy as np
 
+from edgefed.ids import find
+
 from edgefed.algorithms.base import DeviceRows, nonzero_rows
 
 @functools.lru_cache(maxsize=None)
@@ -64,10 +66,8 @@ class SparseRounds:
         ids, values = self.ids[r], self.values[r]
         device_ids = np.asarray(device_ids, np.int64)
         out = np.full(device_ids.size, self.fill, values.dtype)
-        if ids.size:
-            at = np.minimum(np.searchsorted(ids, device_ids), ids.size - 1)
-            hit = ids[at] == device_ids
-            out[hit] = values[at[hit]]
+        at, hit = find(ids, device_ids)
+        out[hit] = values[at[hit]]
         return out
 
 

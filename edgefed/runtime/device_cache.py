@@ -9,6 +9,8 @@ from collections import OrderedDict
 
 import numpy as np
 
+from edgefed.ids import find
+
 
 class DeviceCache:
     """The devices' data this process has built, the least recently used dropped beyond `budget` bytes: a
@@ -67,8 +69,7 @@ class DeviceCache:
 
     def keeps(self, device_id: int) -> bool:
         """Whether this device's data is kept from its first build (one of `keep`)."""
-        return bool(self._keep.size) and self._keep[min(np.searchsorted(self._keep, device_id),
-                                                        self._keep.size - 1)] == device_id
+        return bool(find(self._keep, [device_id])[1][0])
 
     @contextlib.contextmanager
     def held(self, device_ids):

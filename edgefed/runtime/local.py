@@ -27,6 +27,7 @@ import numpy as np
 from edgefed import compression
 from edgefed.algorithms.base import DELTA_X, DeviceRows, LocalTask, nonzero_rows
 from edgefed.errors import EdgefedError
+from edgefed.ids import find
 from edgefed.kernels import jit_compilations
 from edgefed.models import warm_model
 from edgefed.rng import Purpose, generator, kernel_state
@@ -522,10 +523,7 @@ class LocalTransport:
 
     def hosts(self, device_ids) -> np.ndarray:
         """Whether this process hosts each of these devices."""
-        ids = np.asarray(device_ids, np.int64)
-        if not self._hosted.size:
-            return np.zeros(ids.size, bool)
-        return self._hosted[np.minimum(np.searchsorted(self._hosted, ids), self._hosted.size - 1)] == ids
+        return find(self._hosted, device_ids)[1]
 
     def peak_rss(self) -> dict[int, int]:
         return {}  # (the devices are this process's: its own peak is the caller's)

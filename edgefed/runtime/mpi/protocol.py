@@ -24,6 +24,7 @@ import numpy as np
 
 from edgefed import compression
 from edgefed.compression import Codec
+from edgefed.ids import find
 from edgefed.transport import Evaluation, LocalResults, RoundPlan
 
 # Commands (the command record's `command`), and the tags of the messages that answer them.
@@ -268,10 +269,7 @@ class Wire:
     def _own_entries(cmd: Command, own: np.ndarray) -> np.ndarray:
         """The command's entries of devices in `own` (ascending ids), found by search: O(its devices)."""
         entries = cmd.entries
-        if not own.size or not entries.size:
-            return entries[:0]
-        at = np.minimum(np.searchsorted(own, entries["device"]), own.size - 1)
-        return entries[own[at] == entries["device"]]
+        return entries[find(own, entries["device"])[1]]
 
     @classmethod
     def addressed(cls, cmd: Command, own: np.ndarray) -> np.ndarray:
