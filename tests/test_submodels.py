@@ -1,0 +1,140 @@
+"""Width-scaled submodels: a width's layer list, where its parameters sit in the whole model's vector (the leading
+slice of each of the whole model's PyTorch tensors), and a width's loss and gradients against the NumPy reference
+network and PyTorch on those sliced tensors, in float64."""
+
+import numpy as np
+import pytest
+
+from edgefed import layers as layer_lib
+from edgefed.errors import ConfigError
+from edgefed.layers.submodels import narrowed, slice_positions
+from edgefed.models import Sequential
+from edgefed.problems import ClassificationData
+from naive import network_loss_grad
+
+CNN = ((2, 8, 8), [{"type": "conv2d", "out": 8, "kernel": 3}, {"type": "groupnorm", "groups": 4}, {"type": "relu"},
+                   {"type": "maxpool2d", "size": 2}, {"type": "conv2d", "out": 4, "kernel": 3}, {"type": "relu"},
+                   {"type": "flatten"}, {"type": "dense", "out": 7}, {"type": "tanh"}, {"type": "dense", "out": 3}])
+MLP = ((5,), [{"type": "dense", "out": 8}, {"type": "relu"}, {"type": "dense", "out": 6}, {"type": "sigmoid"},
+              {"type": "dense", "out": 3}])
+
+
+def networks(case, width):
+    shape, layers = case
+    whole = layer_lib.build(layer_lib.check_layers(layers), shape, 3, np.float64)
+    part = layer_lib.build(layer_lib.check_layers(list(narrowed(layer_lib.check_layers(layers), width))), shape, 3,
+                           np.float64)
+    return whole, part
+
+
+def test_a_width_narrows_every_hidden_layer_and_keeps_the_input_and_the_output():
+    layers = layer_lib.check_layers(CNN[1])
+    half = narrowed(layers, 0.5)
+    assert [layer.get("out") for layer in half if "out" in layer] == [4, 2, 4, 3]  # ceil(w * out); the output whole
+    assert half[1]["groups"] == 2  # 2 channels a group, as in the whole model
+    whole, part = networks(MLP, 0.25)
+    assert part.input_shape == whole.input_shape and part.output_shapes[-1] == whole.output_shapes[-1]
+    assert [t.torch_shape for t in part.tensors if t.name == "weight"] == [(2, 5), (2, 2), (3, 2)]
+
+
+@pytest.mark.parametrize("layers,width,message", [
+    (MLP[1], 0.0, r"submodel.widths holds 0.0; a width is a fraction in \(0, 1\]"),
+    (MLP[1], 1.5, r"submodel.widths holds 1.5"),
+    ([{"type": "dense", "out": 3}], 0.5, r"has no hidden dense or convolution layer to narrow"),
+    ([{"type": "embedding", "num": 5, "dim": 4}, {"type": "lstm", "hidden": 4}, {"type": "dense", "out": 3}], 0.5,
+     r"model.layers\[0\] \(embedding\) cannot be narrowed"),
+    ([{"type": "dense", "out": 8}, {"type": "reshape", "shape": [2, 4]}, {"type": "flatten"}, {"type": "dense", "out": 3}],
+     0.5, r"model.layers\[1\] \(reshape\) follows a narrowed layer"),
+    (CNN[1], 0.3, r"model.layers\[1\] \(groupnorm\) has 2 channels a group, but width 0.3 keeps 3"),
+])
+def test_what_cannot_be_narrowed_is_refused_in_one_line_naming_the_layer(layers, width, message):
+    with pytest.raises(ConfigError, match=message):
+        narrowed(layer_lib.check_layers(layers), width)
+
+
+@pytest.mark.parametrize("case", [MLP, CNN], ids=["mlp", "cnn"])
+@pytest.mark.parametrize("width", [0.5, 1.0])
+def test_a_widths_parameters_are_the_leading_slices_of_the_whole_models_tensors(case, width):
+    whole, part = networks(case, width)
+    positions = slice_positions(whole, part)
+    assert positions.size == part.n_params and np.unique(positions).size == positions.size
+    values = np.random.default_rng(0).normal(size=whole.n_params)
+    full = layer_lib.state_dict(whole, values)
+    for name, tensor in layer_lib.state_dict(part, values[positions]).items():
+        np.testing.assert_array_equal(tensor, full[name][tuple(slice(0, n) for n in tensor.shape)], err_msg=name)
+    if width == 1.0:
+        assert positions.tolist() == list(range(whole.n_params))
+
+
+@pytest.mark.parametrize("case", [MLP, CNN], ids=["mlp", "cnn"])
+def test_a_widths_loss_and_gradients_are_those_of_the_sliced_tensors(case):
+    """The width's model at the whole model's sliced values against the NumPy reference network on the sliced
+    state_dict (float64, 1e-10), and against PyTorch where it is installed."""
+    whole, part = networks(case, 0.5)
+    positions = slice_positions(whole, part)
+    g = np.random.default_rng(1)
+    x = g.normal(size=whole.n_params) * 0.3
+    model = Sequential.seeded(part, np.float64, 3, "pytorch")
+    X = g.normal(size=(6, model.n_features))
+    y = g.integers(0, 3, 6)
+    data = ClassificationData(X, y, X[:2].copy(), y[:2].copy())
+    grad = np.zeros(part.n_params)
+    loss = model.loss_grad(x[positions], data, grad)
+    full = layer_lib.state_dict(whole, x)
+    sliced = {name: full[name][tuple(slice(0, n) for n in t.torch_shape)]
+              for name, t in ((f"{t.layer}.{t.name}", t) for t in part.tensors)}
+    ref_loss, ref_grads = network_loss_grad(part.layers, sliced, X.reshape(6, *part.input_shape), y)
+    assert loss == pytest.approx(ref_loss, rel=1e-10)
+    ours = layer_lib.state_dict(part, grad)
+    for name, value in ref_grads.items():
+        np.testing.assert_allclose(ours[name], value, rtol=1e-9, atol=1e-12, err_msg=name)
+    torch = pytest.importorskip("torch", reason="PyTorch is not installed (pip install torch): the NumPy reference "
+                                                "above checks the same")
+    namespace = {"nn": torch.nn, "torch": torch}
+    module = eval(layer_lib.torch_text(part), namespace).double()  # the width's nn.Sequential, as export prints it
+    module.load_state_dict({k: torch.from_numpy(v.copy()) for k, v in sliced.items()})
+    out = module(torch.from_numpy(X.reshape(6, *part.input_shape)))
+    torch_loss = torch.nn.functional.cross_entropy(out, torch.from_numpy(y))
+    torch_loss.backward()
+    assert loss == pytest.approx(float(torch_loss.detach()), rel=1e-10)
+    for name, p in module.named_parameters():
+        np.testing.assert_allclose(ours[name], p.grad.numpy(), rtol=1e-9, atol=1e-12, err_msg=name)
+
+
+def test_each_coordinate_takes_the_rule_over_the_devices_whose_slice_holds_it():
+    """Two devices, widths 0.5 and 1 of a 4-coordinate vector whose first 2 the narrow one holds: by hand."""
+    from edgefed.participation.submodels import aggregate
+
+    positions = {0.5: np.array([0, 1]), 1.0: np.arange(4)}
+    narrow, wide = np.array([2.0, 4.0]), np.array([6.0, 8.0, 10.0, 12.0])
+    uniform = aggregate(4, positions, np.array([0.5, 1.0]), [narrow, wide], np.array([0.5, 0.5]), np.array([5, 5]),
+                        np.array([5, 5]), "B")
+    assert uniform.tolist() == [4.0, 6.0, 10.0, 12.0]  # both hold: the mean; only the wide one: its own
+    # Scheme C with the narrow device at 2 of 5 steps, weights 1:3: K/s scales it by 2.5 where both hold
+    scaled = aggregate(4, positions, np.array([0.5, 1.0]), [narrow, wide], np.array([0.25, 0.75]), np.array([2, 5]),
+                       np.array([5, 5]), "C")
+    np.testing.assert_allclose(scaled, [0.25 * 2.5 * 2 + 0.75 * 6, 0.25 * 2.5 * 4 + 0.75 * 8, 10.0, 12.0], rtol=1e-15)
+    # FedNova over the holders of the first two coordinates: tau_eff p_k / s_k with p renormalized over them
+    nova = aggregate(4, positions, np.array([0.5, 1.0]), [narrow, wide], np.array([0.5, 0.5]), np.array([2, 4]),
+                     np.array([5, 5]), "fednova")
+    tau = 0.5 * 2 + 0.5 * 4
+    np.testing.assert_allclose(nova[:2], [tau * (0.5 / 2 * 2 + 0.5 / 4 * 6), tau * (0.5 / 2 * 4 + 0.5 / 4 * 8)])
+    np.testing.assert_allclose(nova[2:], [4 * (1 / 4) * 10, 4 * (1 / 4) * 12])  # the wide one alone: tau_eff = 4
+
+
+def test_aggregating_real_slices_of_one_width_is_the_plain_rule():
+    """Every device at the same width: the update on its slice is the scheme's plain sum, zero elsewhere."""
+    from edgefed.participation.schemes import SCHEMES
+    from edgefed.participation.submodels import aggregate
+
+    whole, part = networks(MLP, 0.5)
+    positions = slice_positions(whole, part)
+    g = np.random.default_rng(3)
+    deltas = [g.normal(size=part.n_params) for _ in range(3)]
+    weights, steps, budgets = np.array([0.2, 0.3, 0.5]), np.array([3, 5, 1]), np.array([5, 5, 5])
+    got = aggregate(whole.n_params, {0.5: positions}, np.full(3, 0.5), deltas, weights, steps, budgets, "C")
+    coeffs = SCHEMES["C"](weights, steps, budgets)
+    want = np.zeros(whole.n_params)
+    want[positions] = sum(c * d for c, d in zip(coeffs, deltas))
+    np.testing.assert_allclose(got, want, rtol=1e-14, atol=1e-15)
+    assert not np.delete(got, positions).any()
