@@ -36,6 +36,7 @@ class Purpose(IntEnum):
     EVALUATION_SAMPLE = 20  # [log] eval_devices: the fixed sample of devices the metrics are taken on
     DIRICHLET_REDRAW = 21  # data.partition = "dirichlet"'s redraw a (round = a >= 1) of label c's shares
     # (device = c), when a device got fewer than data.min_partition_size (the first draw is DATA_DEVICE's)
+    WIDTH = 22  # FjORD: the width each local step of a device's round trains ([submodel] method = "fjord")
 
 
 def seed_sequence(seed: int, purpose: Purpose, round_idx: int = 0, device_id: int | None = None):

@@ -36,6 +36,8 @@ class RoundPlan:
     by_arrival: bool = False  # the transport ends the round at the quorum's arrival and stops the others
     down_bytes: int = 0  # what the round's broadcast brings each selected device (for a shaped link's time)
     prescale: np.ndarray | None = None  # secure aggregation: (S,) c_k, each device's factor known before the work
+    widths: np.ndarray | None = None  # [submodel]: (S,) float64 each device's width (its slice alone travels,
+    # down_bytes scaled to it); None: the whole model
 
     def steps_to_run(self, i: int) -> int:
         return int(self.budgets[i] if self.steps is None else self.steps[i])

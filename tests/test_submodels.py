@@ -10,6 +10,15 @@ from edgefed.errors import ConfigError
 from edgefed.layers.submodels import narrowed, slice_positions
 from edgefed.models import Sequential
 from edgefed.problems import ClassificationData
+from edgefed.algorithms.base import DELTA_X, RoundReports, ServerState
+from edgefed.algorithms.fedavg import FedAvg
+from edgefed.participation.schemes import SCHEMES
+from edgefed.participation.submodels import Submodels, level_coefficients, server_update
+from edgefed.orchestration import run as runs
+from edgefed.rng import Purpose, generator
+from edgefed.runlog import read_run
+from conftest import config_with
+from helpers import problem_of
 from naive import network_loss_grad
 
 CNN = ((2, 8, 8), [{"type": "conv2d", "out": 8, "kernel": 3}, {"type": "groupnorm", "groups": 4}, {"type": "relu"},
@@ -101,40 +110,118 @@ def test_a_widths_loss_and_gradients_are_those_of_the_sliced_tensors(case):
         np.testing.assert_allclose(ours[name], p.grad.numpy(), rtol=1e-9, atol=1e-12, err_msg=name)
 
 
+def aggregated(positions: dict, widths, deltas, weights, steps, budgets, scheme: str) -> np.ndarray:
+    """The round's update x_1 - x_0 from x_0 = 0 (FedAvg's server, eta_g = 1), through the engine's pieces:
+    each width's coefficients, and the server update level by level."""
+    levels = Submodels("heterofl", tuple(sorted(positions)), positions, np.asarray(widths, np.float64)).levels
+    coeffs = level_coefficients(scheme, weights, steps, budgets, widths, tuple(sorted(positions)))
+    d = max(p.max() for p in positions.values()) + 1
+    rows = np.zeros((len(deltas), d))
+    for k, delta in enumerate(deltas):
+        rows[k, positions[float(widths[k])]] = delta
+    reports = RoundReports(np.arange(len(deltas)), {DELTA_X: rows}, coeffs[0], np.ones(len(deltas), bool), 1.0,
+                           len(deltas))
+    return server_update(FedAvg(), ServerState(np.zeros(d)), reports, coeffs, levels).x
+
+
 def test_each_coordinate_takes_the_rule_over_the_devices_whose_slice_holds_it():
     """Two devices, widths 0.5 and 1 of a 4-coordinate vector whose first 2 the narrow one holds: by hand."""
-    from edgefed.participation.submodels import aggregate
-
     positions = {0.5: np.array([0, 1]), 1.0: np.arange(4)}
     narrow, wide = np.array([2.0, 4.0]), np.array([6.0, 8.0, 10.0, 12.0])
-    uniform = aggregate(4, positions, np.array([0.5, 1.0]), [narrow, wide], np.array([0.5, 0.5]), np.array([5, 5]),
-                        np.array([5, 5]), "B")
+    widths = np.array([0.5, 1.0])
+    uniform = aggregated(positions, widths, [narrow, wide], np.array([0.5, 0.5]), np.array([5, 5]), np.array([5, 5]),
+                         "B")
     assert uniform.tolist() == [4.0, 6.0, 10.0, 12.0]  # both hold: the mean; only the wide one: its own
     # Scheme C with the narrow device at 2 of 5 steps, weights 1:3: K/s scales it by 2.5 where both hold
-    scaled = aggregate(4, positions, np.array([0.5, 1.0]), [narrow, wide], np.array([0.25, 0.75]), np.array([2, 5]),
-                       np.array([5, 5]), "C")
+    scaled = aggregated(positions, widths, [narrow, wide], np.array([0.25, 0.75]), np.array([2, 5]),
+                        np.array([5, 5]), "C")
     np.testing.assert_allclose(scaled, [0.25 * 2.5 * 2 + 0.75 * 6, 0.25 * 2.5 * 4 + 0.75 * 8, 10.0, 12.0], rtol=1e-15)
     # FedNova over the holders of the first two coordinates: tau_eff p_k / s_k with p renormalized over them
-    nova = aggregate(4, positions, np.array([0.5, 1.0]), [narrow, wide], np.array([0.5, 0.5]), np.array([2, 4]),
-                     np.array([5, 5]), "fednova")
+    nova = aggregated(positions, widths, [narrow, wide], np.array([0.5, 0.5]), np.array([2, 4]), np.array([5, 5]),
+                      "fednova")
     tau = 0.5 * 2 + 0.5 * 4
     np.testing.assert_allclose(nova[:2], [tau * (0.5 / 2 * 2 + 0.5 / 4 * 6), tau * (0.5 / 2 * 4 + 0.5 / 4 * 8)])
     np.testing.assert_allclose(nova[2:], [4 * (1 / 4) * 10, 4 * (1 / 4) * 12])  # the wide one alone: tau_eff = 4
+    # drop: the narrow device incomplete, so where both hold only the wide one counts, renormalized
+    dropped = aggregated(positions, widths, [narrow, wide], np.array([0.5, 0.5]), np.array([2, 5]), np.array([5, 5]),
+                         "drop")
+    assert dropped.tolist() == [6.0, 8.0, 10.0, 12.0]
 
 
-def test_aggregating_real_slices_of_one_width_is_the_plain_rule():
-    """Every device at the same width: the update on its slice is the scheme's plain sum, zero elsewhere."""
-    from edgefed.participation.schemes import SCHEMES
-    from edgefed.participation.submodels import aggregate
-
+def test_one_width_for_every_device_is_the_plain_rule():
+    """Every device at one width: the update on its slice is the scheme's plain sum, bit for bit, zero elsewhere."""
     whole, part = networks(MLP, 0.5)
     positions = slice_positions(whole, part)
     g = np.random.default_rng(3)
     deltas = [g.normal(size=part.n_params) for _ in range(3)]
     weights, steps, budgets = np.array([0.2, 0.3, 0.5]), np.array([3, 5, 1]), np.array([5, 5, 5])
-    got = aggregate(whole.n_params, {0.5: positions}, np.full(3, 0.5), deltas, weights, steps, budgets, "C")
+    got = aggregated({0.5: positions, 1.0: np.arange(whole.n_params)}, np.full(3, 0.5), deltas, weights, steps,
+                     budgets, "C")
     coeffs = SCHEMES["C"](weights, steps, budgets)
     want = np.zeros(whole.n_params)
-    want[positions] = sum(c * d for c, d in zip(coeffs, deltas))
-    np.testing.assert_allclose(got, want, rtol=1e-14, atol=1e-15)
-    assert not np.delete(got, positions).any()
+    for c, d in zip(coeffs, deltas):
+        want[positions] += c * d
+    assert got.tobytes() == want.tobytes()
+
+
+# -- a run: one round of two widths against NumPy, MPI, resume, replay, bad input ------------------------------
+
+LAYERS = [{"type": "dense", "out": 8}, {"type": "relu"}, {"type": "dense", "out": 3}]
+
+
+@pytest.fixture
+def tiny_arrays(tmp_path):
+    g = np.random.default_rng(0)
+    path = tmp_path / "tiny.npz"
+    np.savez(path, x_train=g.normal(size=(40, 5)).astype(np.float32), y_train=g.integers(0, 3, 40),
+             x_test=g.normal(size=(10, 5)).astype(np.float32), y_test=g.integers(0, 3, 10))
+    return path
+
+
+def two_widths(path, method="heterofl", **more):
+    return config_with({"rounds": 1, "data.kind": "arrays", "data.path": str(path), "data.clients": 2,
+                        "model.kind": "sequential", "model.dtype": "float64", "model.layers": LAYERS,
+                        "train.clients_per_round": 2, "train.local_steps": 1, "train.batch_size": "full",
+                        "train.lr_local": 0.5, "train.weighting": "uniform", "submodel.method": method,
+                        "submodel.widths": [0.5, 1.0], "submodel.assign": [0.5, 1.0], **more})
+
+
+def full_gradient(layers, width, x, data) -> np.ndarray:
+    """The NumPy reference network's mean-loss gradient of a width's slice of x (its own positions' order)."""
+    whole, part = [layer_lib.build(layer_lib.check_layers(list(narrowed(layer_lib.check_layers(layers), w))), (5,),
+                                   3, np.float64) for w in (1.0, width)]
+    at = slice_positions(whole, part)
+    state = layer_lib.state_dict(part, x[at])
+    _, grads = network_loss_grad(part.layers, state, data.X_train, data.y_train)
+    return at, layer_lib.whole_from_state(part, grads, "gradient", np.float64)
+
+
+@pytest.mark.parametrize("method,steps", [("heterofl", 1), ("fjord", 3)])
+def test_a_round_of_two_widths_is_the_numpy_reference_of_the_rule(tiny_arrays, tmp_path, method, steps):
+    """Device 0 trains width 0.5, device 1 the whole model (FjORD: each step the width its stream draws, 0.5 or 1),
+    full-batch steps from x_0; uniform weights, Scheme B: a coordinate both hold takes the mean of the two
+    updates, one only device 1 holds takes its update."""
+    cfg = two_widths(tiny_arrays, method, **{"train.local_steps": steps})
+    runs.run(cfg, tmp_path / "r.h5")
+    log = read_run(tmp_path / "r.h5")
+    x0 = log["trajectory/x"][0]
+    problem = problem_of(cfg)
+    deltas = []
+    for k, width in enumerate((0.5, 1.0)):
+        draws = generator(cfg.seed, Purpose.WIDTH, 1, k).integers(0, 1 + (width == 1.0), size=steps)
+        y = x0.copy()
+        for j in range(steps):  # (HeteroFL: the device's own width every step)
+            at, grad = full_gradient(LAYERS, width if method == "heterofl" else (0.5, 1.0)[draws[j]], y,
+                                     problem.device(k))
+            y[at] -= 0.5 * grad
+        deltas.append(y - x0)
+    half = slice_positions(*[layer_lib.build(layer_lib.check_layers(list(narrowed(layer_lib.check_layers(LAYERS), w))),
+                                             (5,), 3, np.float64) for w in (1.0, 0.5)])
+    want = x0 + deltas[1]
+    want[half] = x0[half] + 0.5 * (deltas[0][half] + deltas[1][half])
+    np.testing.assert_allclose(log["trajectory/x"][1], want, rtol=1e-10, atol=1e-12)
+    assert not deltas[0][np.setdiff1d(np.arange(x0.size), half)].any()  # the narrow device sent its slice alone
+    assert log["participation/width"].tolist() == [[0.5, 1.0]]
+    itemsize = 8
+    assert log["participation/bytes_up"].tolist() == [[half.size * itemsize, x0.size * itemsize]]
+    assert log["participation/bytes_down"].tolist() == log["participation/bytes_up"].tolist()

@@ -198,3 +198,61 @@ def validate_compress(c: CompressConfig) -> CompressConfig:
         raise ConfigError(f'config: compress.error_feedback = true needs a lossy compress.uplink (fp16, int8, topk), '
                           f'not {c.uplink!r}; remove error_feedback or choose an uplink')
     return c
+
+
+SUBMODEL_METHODS = ("heterofl", "fjord")
+DEFAULT_WIDTHS = (0.25, 0.5, 1.0)
+
+
+def validate_submodel(cfg: Config, train: TrainConfig, compress: CompressConfig):
+    """[submodel] checked against the run it joins; returns it with its widths and assignment resolved (the
+    layer list is narrowed, and refused where it cannot be, when the model is built)."""
+    s = cfg.submodel
+    if s.method is None:
+        given = [key for key in ("widths", "assign") if getattr(s, key) is not None]
+        if given:
+            raise ConfigError(f"config: submodel.{given[0]} is set but submodel.method is not; set method = "
+                              '"heterofl" or "fjord", or remove [submodel]')
+        return s
+    choice(s.method, SUBMODEL_METHODS, "submodel.method")
+    widths = DEFAULT_WIDTHS if s.widths is None else s.widths
+    if not widths:
+        raise ConfigError("config: submodel.widths is empty; give the widths devices train, e.g. widths = "
+                          "[0.25, 0.5, 1.0]")
+    for w in widths:
+        if not 0.0 < w <= 1.0:
+            raise ConfigError(f"config: submodel.widths holds {w}; a width is a fraction of a hidden layer's units "
+                              "in (0, 1], e.g. widths = [0.25, 0.5, 1.0]")
+    if any(b <= a for a, b in zip(widths, widths[1:])):
+        raise ConfigError(f"config: submodel.widths = {list(widths)} must ascend, each width once "
+                          f"(e.g. {sorted(set(widths))})")
+    assign = "speed" if s.assign is None else s.assign
+    if isinstance(assign, str):
+        choice(assign, ("speed",), "submodel.assign")
+    else:
+        n = cfg.data.clients
+        if n is not None and len(assign) != n:
+            raise ConfigError(f"config: submodel.assign lists {len(assign)} widths for {n} devices; give one a "
+                              'device, or assign = "speed"')
+        bad = next((w for w in assign if w not in widths), None)
+        if bad is not None:
+            raise ConfigError(f"config: submodel.assign holds {bad}, which is not one of submodel.widths "
+                              f"{list(widths)}")
+    p = cfg.participation
+    clash = [(key, fix) for key, used, fix in (
+        ('model.kind = "torch"', cfg.model.kind == "torch", "slice a layer list (a sequential or built-in model); "
+                                                            "a PyTorch module's units cannot be told apart"),
+        ('model.kind = "quadratic"', cfg.model.kind == "quadratic", "use a model with hidden layers"),
+        ('train.algorithm = "scaffold"', train.algorithm == "scaffold",
+         'use "fedavg" or "fedprox" (SCAFFOLD\'s controls are whole-model vectors kept per device)'),
+        ("compress.uplink", compress.uplink != "none", 'set compress.uplink = "none" (a submodel already sends '
+                                                      "its slice alone)"),
+        ("compress.downlink", compress.downlink != "none", 'set compress.downlink = "none"'),
+        ('participation.mode = "async"', p.mode == "async", "run synchronous rounds"),
+        ("[secagg]", cfg.secagg.enabled, "remove [secagg] (its masks span the whole model)"),
+        ("[privacy]", cfg.privacy.mechanism != "none", "remove [privacy] (a coordinate's holders differ, and so "
+                                                       "would its sensitivity)")) if used]
+    if clash:
+        key, fix = clash[0]
+        raise ConfigError(f"config: [submodel] cannot run with {key}; {fix}")
+    return dataclasses.replace(s, widths=tuple(widths), assign=assign)

@@ -226,6 +226,17 @@ class PrivacyConfig:
 
 
 @dataclass(frozen=True)
+class SubmodelConfig:
+    """[submodel]: width-scaled submodels, the other answer to a slow board (docs/design.md 2.23): HeteroFL
+    (Diao et al., ICLR 2021) trains a device's fixed width, FjORD (Horvath et al., NeurIPS 2021) draws a width
+    per local step up to the device's. Every key unset: every device trains the whole model."""
+
+    method: str | None = None  # "heterofl" or "fjord"
+    widths: tuple[float, ...] | None = None  # fractions of every hidden layer's units, ascending; None: 0.25, 0.5, 1
+    assign: str | tuple[float, ...] | None = None  # "speed" (None): the widest whose K steps fit; or one a device
+
+
+@dataclass(frozen=True)
 class FaultConfig:
     """A fault injected into one device's local work in one round, to test what the runtime does."""
 
@@ -268,6 +279,7 @@ class Config:
     secagg: SecAggConfig = field(default_factory=SecAggConfig)
     selection: SelectionConfig = field(default_factory=SelectionConfig)
     privacy: PrivacyConfig = field(default_factory=PrivacyConfig)
+    submodel: SubmodelConfig = field(default_factory=SubmodelConfig)
     fault: tuple[FaultConfig, ...] = ()
 
     @property

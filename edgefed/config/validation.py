@@ -17,7 +17,7 @@ from edgefed.algorithms import ALGORITHMS
 from edgefed.algorithms import scaffold
 from edgefed.config.checks import choice, positive
 from edgefed.config.policies import (validate_async, validate_compress, validate_privacy, validate_secagg,
-                                     validate_selection)
+                                     validate_selection, validate_submodel)
 from edgefed.config.schema import (Config, DataConfig, DeviceConfig, DynamicsConfig, FedProxConfig, ModelConfig,
                                    ParticipationConfig, TrainConfig)
 from edgefed.errors import ConfigError
@@ -75,6 +75,7 @@ def validate(cfg: Config) -> Config:
     _validate_dynamics(cfg.dynamics, cfg.data.clients, cfg.rounds)
     selection = validate_selection(cfg.selection, participation, train, data.clients, cfg.secagg.enabled)
     validate_privacy(cfg, participation, train)
+    submodel = validate_submodel(cfg, train, compress)
     for i, fault in enumerate(cfg.fault):
         choice(fault.kind, FAULT_KINDS, f"fault[{i}].kind")
         if fault.device < 0 or (cfg.data.clients is not None and fault.device >= cfg.data.clients):
@@ -94,7 +95,7 @@ def validate(cfg: Config) -> Config:
     if cfg.log.eval_devices is not None:
         positive(cfg.log.eval_devices, "log.eval_devices", "eval_devices = 1000")
     return dataclasses.replace(cfg, data=data, model=model, train=train, fedprox=fedprox, participation=participation,
-                               compress=compress, selection=selection)
+                               compress=compress, selection=selection, submodel=submodel)
 
 
 def _validate_fedprox(f: FedProxConfig, algorithm: str) -> FedProxConfig:

@@ -21,7 +21,7 @@ from edgefed.config import Config
 from edgefed.engine.clock import RoundClock
 from edgefed.engine.round_rows import RoundRows
 from edgefed.engine.secure import SecureSum
-from edgefed.participation import privacy, schemes
+from edgefed.participation import privacy, schemes, submodels
 from edgefed.participation.budgets import local_budgets
 from edgefed.participation.dynamics import Dynamics, Membership
 from edgefed.participation.sampling import evaluation_sample
@@ -62,13 +62,15 @@ class Weighed:
     counted: np.ndarray  # (S,) the steps that count: 0 for a late, non-finite or silent report
     coeffs: np.ndarray  # (S,) p_k applied to Delta x_k (0: nothing applied)
     reported: np.ndarray  # (S,) bool: the report is applied
+    levels: np.ndarray | None = None  # [submodel]: (widths, S) the coefficients of each width's coordinates
 
 
 class RoundEngine(RoundRows):
     def __init__(self, cfg: Config, algorithm: Algorithm, n_train: np.ndarray, transport, log, on_round=None,
-                 trace=None, timing: Timing | None = None, count_labels=None):
+                 trace=None, timing: Timing | None = None, count_labels=None, submodels=None):
         """count_labels: ids -> their devices' label counts, for a log that fills /devices/label_counts as
-        the devices are first selected (a large generated federation); None: the log has them all."""
+        the devices are first selected (a large generated federation); None: the log has them all.
+        submodels: [submodel] as run (participation.submodels.Submodels; None: every device the whole model)."""
         self.cfg = cfg
         self.count_labels = count_labels
         self.algorithm = algorithm
@@ -109,6 +111,8 @@ class RoundEngine(RoundRows):
                                if cfg.compress.error_feedback else ())
         self.replica: ServerState | None = None  # the model the devices hold, with a compressed downlink
         self.secure = None  # secure aggregation's server side, set once the model's size is known (start)
+        self.submodels = submodels
+        self._levels = None if submodels is None else submodels.levels  # each width's own coordinates
 
     @property
     def active(self) -> np.ndarray:
@@ -166,7 +170,15 @@ class RoundEngine(RoundRows):
         return RoundPlan(round_idx, selected, budgets, lr, steps=None if steps is None else np.minimum(steps, budgets),
                          deadline_s=deadlines.compute_s, grace_s=p.grace_s, round_deadline_s=deadlines.due_s,
                          quorum=quorum, by_arrival=quorum is not None and not self.clock.simulated,
-                         down_bytes=self.down_bytes(), prescale=prescale)
+                         down_bytes=self.down_bytes(), prescale=prescale, widths=self._widths(round_idx, selected))
+
+    def _widths(self, round_idx: int, selected: np.ndarray) -> np.ndarray | None:
+        """[submodel]: the selected devices' widths (a replay's as it recorded them)."""
+        if self.submodels is None:
+            return None
+        recorded = self.trace.width if isinstance(self.trace, ReplayTrace) else None
+        return (recorded[round_idx - 1, selected] if recorded is not None
+                else self.submodels.device_width[selected]).astype(np.float64)
 
     # -- selection ---------------------------------------------------------------------------------------
     def _view(self, round_idx: int, members: np.ndarray, count: int) -> View:
@@ -441,9 +453,20 @@ class RoundEngine(RoundRows):
             coeffs[pool] = schemes.coefficients(self.cfg.train.weighting, self.cfg.participation.scheme,
                                                 plan.device_ids[pool], self.federation, self.n_train,
                                                 counted[pool], plan.budgets[pool])
-        coeffs *= self.members.boost(plan.device_ids)  # fast-reboot of arriving devices
-        coeffs[counted == 0] = 0.0  # nothing applied: log 0 (Scheme B's w_k would multiply a zero update)
-        return Weighed(nonfinite, counted, coeffs, counted > 0)
+        levels = None
+        if plan.widths is not None:  # each width's coordinates: the rule over the devices that hold them
+            levels = np.zeros((len(self.submodels.widths), plan.device_ids.size))
+            if pool.any():
+                base = schemes.base_weights(self.cfg.train.weighting, plan.device_ids[pool], self.federation,
+                                            self.n_train)
+                levels[:, pool] = submodels.level_coefficients(self.cfg.participation.scheme, base, counted[pool],
+                                                               plan.budgets[pool], plan.widths[pool],
+                                                               self.submodels.widths)
+        boost = self.members.boost(plan.device_ids)  # fast-reboot of arriving devices
+        for values in (coeffs,) if levels is None else (coeffs, *levels):
+            values *= boost
+            values[counted == 0] = 0.0  # nothing applied: log 0 (Scheme B's w_k would multiply a zero update)
+        return Weighed(nonfinite, counted, coeffs, counted > 0, levels)
 
     def _aggregate(self, plan: RoundPlan, res, w: Weighed) -> tuple[dict, str]:
         """The server update from the weighed reports (through secure aggregation's one sum when it is on,
@@ -462,8 +485,11 @@ class RoundEngine(RoundRows):
                 w.reported[:] = False
             elif extra["metrics/secagg_clipped"]:  # the sum is not the plain one: say so
                 note = f"secagg clipped {extra['metrics/secagg_clipped']} coordinates"
-        state, private = self.privacy.server_update(self.algorithm, self.state, reports, self._fixed_s(plan),
-                                                    plan.round_idx)
+        if w.levels is not None:  # (no privacy: [submodel] refuses it)
+            state, private = submodels.server_update(self.algorithm, self.state, reports, w.levels, self._levels), {}
+        else:
+            state, private = self.privacy.server_update(self.algorithm, self.state, reports, self._fixed_s(plan),
+                                                        plan.round_idx)
         self.state = self._declared(state, "server_update")
         self._observe(plan, res, w.reported)
         return {**extra, **private}, note

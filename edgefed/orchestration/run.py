@@ -29,6 +29,7 @@ from edgefed.errors import ConfigError, RankLost
 from edgefed.layers import first_spatial, token_ids
 from edgefed.memory import peak_rss
 from edgefed.models import model_for
+from edgefed.width_models import width_models
 from edgefed.orchestration.budget import check_device_memory, check_memory, evaluates_apart
 from edgefed.orchestration.header import frozen_text, label_counter, log_header, log_layout, trajectory_every
 from edgefed.orchestration.resume import Launch, merged_restarts, same_data, start_weights
@@ -134,6 +135,8 @@ class Setup:
     timing: Timing = field(default_factory=Timing)  # the clock, the boards' times, the deadline policy
     stub: bool = False  # prepare wrote the log's stub (a new path, or a resumed stub): the run's own to remove
     weights: dict | None = None  # the state_dict the run starts from (model.weights): what device ranks get
+    widths: object | None = None  # [submodel]: the models of its widths (width_models.WidthModels)
+    submodels: object | None = None  # [submodel] as run: each device's width (participation.submodels), with timing
 
 
 def _trace(cfg: Config, problem):
@@ -242,14 +245,16 @@ def build_setup(cfg: Config, log_path: Path, resume_point, on_info, config_toml:
     if cfg.privacy.mechanism != "none":
         cfg = privacy.settled(cfg, problem.n_devices, header.attrs, on_info,
                               trace.selected if isinstance(trace, ReplayTrace) else None)
-    return Setup(cfg, algorithm, problem, model, header, trace, weights=weights)
+    return Setup(cfg, algorithm, problem, model, header, trace, weights=weights,
+                 widths=width_models(cfg, problem, model))
 
 
 def local_transport(cfg: Config, algorithm: Algorithm, problem, model, device_ids=None, cores=None,
-                    contention=None) -> LocalTransport:
+                    contention=None, widths=None) -> LocalTransport:
     """The devices this process hosts (all of them in the simulator), run in a lane per core of `cores`
     (None in the simulator: [mpi] threads_per_rank lanes on cores 0.., one unpinned lane by default);
-    contention: the competitor loads (cycled over devices), by default participation.contention."""
+    contention: the competitor loads (cycled over devices), by default participation.contention; widths:
+    [submodel]'s width models when already built (else built here)."""
     batch = None if cfg.train.batch_size == "full" else cfg.train.batch_size
     loads = cfg.participation.contention if contention is None else contention
     if cores is None and cfg.mpi.threads_per_rank and cfg.mpi.threads_per_rank > 1:
@@ -261,7 +266,8 @@ def local_transport(cfg: Config, algorithm: Algorithm, problem, model, device_id
                           report_losses=POLICY_CLASSES[cfg.selection.policy].reads_losses,
                           privacy=cfg.privacy if cfg.privacy.mechanism == "distributed" else None,
                           evaluated=evaluation_sample(cfg.seed, problem.n_devices, cfg.log.eval_devices),
-                          cache_mb=cfg.data.cache_mb, eval_apart=evaluates_apart(cfg))
+                          cache_mb=cfg.data.cache_mb, eval_apart=evaluates_apart(cfg),
+                          widths=width_models(cfg, problem, model) if widths is None else widths)
 
 
 def usable_cores() -> list[int]:
@@ -346,7 +352,7 @@ def drive(setup: Setup, transport, log_path: Path, *, resume_point=None, on_roun
     with released_on_failure(log_path, new), _closed_on_failure(log, transport):
         engine_class = AsyncEngine if cfg.participation.mode == "async" else RoundEngine
         engine = engine_class(cfg, setup.algorithm, setup.problem.n_train, transport, log, on_round, setup.trace,
-                              setup.timing, label_counter(setup.problem, transport))
+                              setup.timing, label_counter(setup.problem, transport), setup.submodels)
         if resume_point is None:
             engine.start(setup.model.initial_params())
             done = 0
@@ -387,7 +393,7 @@ def run(cfg: Config, log_path: Path, *, resume_point=None, force: bool = False, 
         setup = dataclasses.replace(setup, weights=None)  # (the model holds them: for device ranks only)
         with released_on_failure(log_path, setup.stub):
             setup = timing_for(setup, None, on_info, resume_point)
-            transport = local_transport(setup.cfg, setup.algorithm, setup.problem, setup.model)
+            transport = local_transport(setup.cfg, setup.algorithm, setup.problem, setup.model, widths=setup.widths)
             try:
                 compiled, seconds = transport.warmup(compile_notice(setup.cfg, setup.model, on_info))
             except BaseException:

@@ -13,6 +13,7 @@ from edgefed.compression import codecs
 from edgefed.errors import ConfigError
 from edgefed.participation.budgets import local_budgets
 from edgefed.participation.energy import BoardPower
+from edgefed.participation.submodels import ASSIGN_SPEED, Submodels, assign_by_speed, mean_step_s
 from edgefed.participation.timing import Boards, Timing
 from edgefed.orchestration.header import energy_column, energy_read_column
 from edgefed.participation.asynchrony import Recorded
@@ -30,13 +31,16 @@ def board_names(cfg, n_devices: int, owners: np.ndarray | None) -> list[str] | N
     return None
 
 
-def _board_step_seconds(setup, names, profiles: dict) -> np.ndarray:
+def _board_step_seconds(setup, names, profiles: dict, model=None) -> np.ndarray:
     """Each device's seconds per local step on its board, at its batch (the profiles' [[speed]], by name), as a
-    device rank takes them (less the share its [rank] loses)."""
-    cfg, model, problem = setup.cfg, setup.model, setup.problem
+    device rank takes them (less the share its [rank] loses). model: a submodel width's (default: the run's);
+    a profile that does not time it times it as the run's model per parameter."""
+    cfg, problem = setup.cfg, setup.problem
+    model = setup.model if model is None else model
     batches = problem.n_train if cfg.train.batch_size == "full" else np.minimum(cfg.train.batch_size, problem.n_train)
-    key = model.profile_key()
-    return np.array([profiles[names[k]].rank_step_seconds(key, int(batches[k]), model.n_trainable)
+    key, whole = model.profile_key(), setup.model.profile_key()
+    return np.array([profiles[names[k]].rank_step_seconds(key if profiles[names[k]].times(key) else whole,
+                                                          int(batches[k]), model.n_trainable)
                      for k in range(problem.n_devices)])
 
 
@@ -85,7 +89,7 @@ def timing_for(setup, owners: np.ndarray | None = None, on_info=None, resume_poi
                                         and cfg.device.profile is not None and not attrs.get("clock"))):
             raise ConfigError(hwprofile.not_timed(untimed, key))  # the run needs the board's speed for its model
     profiled = names is not None and untimed is None
-    boards = board_step = None
+    boards = board_step = speed = None
     if profiled:
         board_step = _board_step_seconds(setup, names, profiles)
         speed = np.array([cfg.device.speed[k % len(cfg.device.speed)] if cfg.device.speed else 1.0 for k in range(n)])
@@ -109,6 +113,11 @@ def timing_for(setup, owners: np.ndarray | None = None, on_info=None, resume_poi
         raise ConfigError('config: participation.clock = "simulated" times each device by its board\'s profile; '
                           'set [device] profile (or boards under mpirun), a profile that times the run\'s model')
     deadlines = _deadlines(setup, board_step, profiles, names, on_info, attrs)
+    submodels = None
+    if setup.widths is not None:  # a width's steps take its own time: the clock charges each device's
+        submodels, width_step = _submodels(setup, names, profiles, deadlines, speed, on_info)
+        if boards is not None:
+            boards = Boards(width_step, boards.comm_s)
     timing = Timing(clock=str(clock), boards=boards, deadlines=deadlines,
                     quantile=p.deadline_quantile if p.deadline_s == "adaptive" else None, covers=p.deadline_covers,
                     overselect=p.overselect,
@@ -137,7 +146,7 @@ def timing_for(setup, owners: np.ndarray | None = None, on_info=None, resume_poi
         timing = dataclasses.replace(timing, power=power, reads_energy=reads)
         read = (energy_read_column(n),) if reads else ()
         header = dataclasses.replace(header, extra_columns=header.extra_columns + (energy_column(n),) + read)
-    return dataclasses.replace(setup, timing=timing, header=header)
+    return dataclasses.replace(setup, timing=timing, header=header, submodels=submodels)
 
 
 def board_power(names: list[str] | None, profiles: dict, hosts: np.ndarray, timing: Timing):
@@ -169,6 +178,33 @@ def board_power(names: list[str] | None, profiles: dict, hosts: np.ndarray, timi
     note = (f"energy: modelled from the [power] of {', '.join(sorted(set(profiles) - set(missing)))}"
             + (f"; not computed for devices on {', '.join(missing)} (no [power])" if missing else ""))
     return BoardPower(board, idle, busy), note
+
+
+def _submodels(setup, names, profiles, deadlines, speed, on_info) -> tuple[Submodels, np.ndarray | None]:
+    """([submodel] as the coordinator runs it: each device's width, assigned as configured; each device's
+    seconds a step at its width at its speed (device.speed), None without profiles). A width's step time is its profile's
+    own speed entry where the profile times the width's layer list, else the whole model's per parameter
+    (hwprofile's rule), at the device's batch."""
+    cfg, widths = setup.cfg, setup.widths
+    s, n = cfg.submodel, setup.problem.n_devices
+    step = None
+    if speed is not None:
+        step = np.stack([_board_step_seconds(setup, names, profiles, widths.models[w]) for w in widths.widths]) / speed
+    if s.assign != ASSIGN_SPEED:
+        device_width = np.asarray(s.assign, np.float64)
+    elif step is None or deadlines is None:
+        device_width = np.full(n, widths.widths[-1])
+        if on_info is not None:
+            why = "no board profile times the model" if step is None else "the run has no fixed deadline"
+            on_info(f"submodel: assign = \"speed\", but {why}: every device trains width {widths.widths[-1]:g}")
+    else:
+        device_width = assign_by_speed(widths.widths, step, local_budgets(cfg.train, setup.problem.n_train),
+                                       deadlines)
+    if on_info is not None:
+        shares = ", ".join(f"{w:g}: {int(np.count_nonzero(device_width == w))}" for w in widths.widths)
+        on_info(f"submodel {s.method}: devices per width {shares}")
+    plan = Submodels(s.method, widths.widths, widths.positions, device_width)
+    return plan, None if step is None else mean_step_s(s.method, widths.widths, step, device_width)
 
 
 def _deadlines(setup, board_step, profiles, names, on_info, attrs) -> np.ndarray | None:

@@ -33,6 +33,7 @@ class ReplayTrace:
     per_round: object = None  # an over-selected run's train.clients_per_round (its quorum S), as it was set
     energy_j: np.ndarray | None = None  # (R, N): the recorded energy (None: the log kept none)
     away: tuple = ()  # the boards away as it ran ([[mpi.away]] entries as dicts), whose returns it boosted
+    width: np.ndarray | None = None  # (R, N): the submodel width each device trained (None: not logged)
 
     @classmethod
     def checked(cls, recorded, source: str, n_devices: int, rounds: int, budgets: np.ndarray) -> "ReplayTrace":
@@ -57,8 +58,9 @@ class ReplayTrace:
         comm = None if recorded.comm_s is None else recorded.comm_s[:rounds].copy()
         considered = [None if v is None else v[:rounds].copy() for v in (recorded.candidate, recorded.utility)]
         energy = None if recorded.energy_j is None else recorded.energy_j[:rounds].copy()
+        width = None if recorded.width is None else recorded.width[:rounds].copy()
         return cls(selected.copy(), steps.astype(np.int32), recorded.late[:rounds].copy(), clock, comm,
-                   recorded.overselected, *considered, energy_j=energy, away=recorded.away)
+                   recorded.overselected, *considered, energy_j=energy, away=recorded.away, width=width)
 
     def recorded(self, round_idx: int) -> tuple[np.ndarray, np.ndarray]:
         """(selected device ids ascending, steps each completes) of round round_idx (1-based)."""

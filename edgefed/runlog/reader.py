@@ -349,6 +349,7 @@ class RecordedParticipation:
     utility: np.ndarray | None = None  # (R, N) float64: their scores
     energy_j: np.ndarray | None = None  # (R, N) float64: each device-round's energy; None: not logged
     away: tuple = ()  # the boards away as it ran ([[mpi.away]] entries as dicts: devices, round, back)
+    width: np.ndarray | None = None  # (R, N) float32: each device-round's submodel width; None: not logged
 
 
 def read_participation(path: str | Path) -> RecordedParticipation:
@@ -371,7 +372,8 @@ def read_participation(path: str | Path) -> RecordedParticipation:
             considered = [p[name][()] if name in p else None for name in ("candidate", "utility", "energy_j")]
             away = tuple(json.loads(str(f.attrs["away"]))) if "away" in f.attrs else ()
             return RecordedParticipation(p["selected"][()], p["steps"][()], p["budget"][()], late, text, clock, comm,
-                                         overselected, staleness, *considered, away)
+                                         overselected, staleness, *considered, away,
+                                         p["width"][()] if "width" in p else None)
         except KeyError as exc:
             raise _lacks(path, exc, "an edgefed run log with participation") from None
 

@@ -67,6 +67,7 @@ class Lane:
     model: object
     readings: BoardReadings
     competitor: Competitor | None = None
+    widths: object | None = None  # [submodel]: the models of its widths (width_models.WidthModels), its own
 
 
 class RoundWork:
@@ -175,7 +176,7 @@ class LocalTransport:
                  faults=(), contention=(), cores=None, uplink: compression.Codec = compression.Codec(),
                  links: np.ndarray | None = None, secagg=None, scheme: str = "B", report_losses: bool = False,
                  privacy=None, evaluated: np.ndarray | None = None, cache_mb: float = 1024.0,
-                 eval_apart: bool = True):
+                 eval_apart: bool = True, widths=None):
         """cores: the cores this process's lanes are pinned to, one lane each (None: one unpinned lane;
         with contention, a lane on core 0); uplink: how reports are compressed; links: each device's
         shaped link in megabits per second (index: device id; None: not shaped); secagg: the [secagg] table
@@ -185,7 +186,8 @@ class LocalTransport:
         evaluated: the devices the metrics are taken on ([log] eval_devices; None: every device); cache_mb: the
         built devices' data this process keeps ([data] cache_mb); eval_apart: evaluation may run while a late
         worker still computes (deadlines, asynchrony, over-selection), so it gets a model of its own (else it
-        shares the first lane's: the memory of a model's workspaces, tens of MB on a board)."""
+        shares the first lane's: the memory of a model's workspaces, tens of MB on a board); widths: [submodel]'s
+        width models (width_models.WidthModels), by which a device of a plan's width trains its slice."""
         self.problem, self.model, self.algorithm = problem, model, algorithm
         self.eval_model = model.clone() if eval_apart else model
         self.seed, self.batch_size = seed, batch_size
@@ -217,8 +219,10 @@ class LocalTransport:
             pin(cores[0])  # competitors start before any priority drop, on their lanes' cores
         self.lanes = [Lane(core, model if i == 0 else model.clone(), BoardReadings(core),
                            Competitor(core) if self.contention else None) for i, core in enumerate(cores)]
-        for lane in self.lanes:
-            lane.model.report_losses = report_losses
+        for i, lane in enumerate(self.lanes):
+            lane.widths = None if widths is None else widths if i == 0 else widths.clone()
+            for model in [lane.model, *([] if widths is None else lane.widths.models.values())]:
+                model.report_losses = report_losses
         self._pool = None  # the lanes' threads, when there are several or competitors to yield to
         self._dispatch = None  # the thread a device rank's round runs on while its main thread serves MPI
         self._stop = threading.Event()  # set: the coordinator needs no more of this round's work
@@ -411,25 +415,48 @@ class LocalTransport:
             runner = DeadlineRunner(budget_s - (client.spent_s if client is not None else 0.0),
                                     stop=self._stop if stoppable else None)
         streams = self._streams(lane.model, data, plan.round_idx, k)
-        task = LocalTask(x, server, own, plan.steps_to_run(i), plan.lr, self.batch_size, runner, streams)
-        work.steps[i] = self.algorithm.client_update(lane.model, data, task,
-                                                     {name: rows[i] for name, rows in work.vectors.items()})
+        if plan.widths is None:
+            task = LocalTask(x, server, own, plan.steps_to_run(i), plan.lr, self.batch_size, runner, streams)
+            work.steps[i] = self.algorithm.client_update(lane.model, data, task,
+                                                         {name: rows[i] for name, rows in work.vectors.items()})
+        else:
+            work.steps[i] = self._train_slice(lane.widths, float(plan.widths[i]), i, k, plan, x, runner, streams,
+                                              work)
         if self.secure is None:  # under secure aggregation nothing of a device's training leaves it in the clear
             work.loss_sq[i], work.samples[i] = streams.loss_sq(), streams.samples()
         if client is not None:
             self._mask(client, i, plan, work)
         elif work.steps[i] > 0:
-            self._compress(i, k, plan.round_idx, work)
+            self._compress(i, k, plan.round_idx, work, None if plan.widths is None else plan.widths[i])
         wall = time.perf_counter() - wall0
         work.compiled[i] = jit_compilations() > compiled_before
         work.elapsed[i] = wall
         work.cpu[i] = 100.0 * (time.thread_time() - cpu0) / wall if wall > 0 else math.nan
         work.freq[i], work.temp[i] = lane.readings.frequency_mhz(), lane.readings.temperature_c()
-        delay = self.link_delay(k, plan.round_idx, plan.down_bytes + int(work.bytes_up[i]))
+        down = plan.down_bytes if plan.widths is None else self._slice_bytes(plan.down_bytes, lane, plan.widths[i])
+        delay = self.link_delay(k, plan.round_idx, down + int(work.bytes_up[i]))
         if delay:
             work.comm[i] = delay  # in one process the link is accounted for, not slept through
         work.finish[i] = wall + delay
         work.core[i] = -1 if lane.core is None else lane.core
+
+    def _train_slice(self, widths, width: float, i: int, k: int, plan: RoundPlan, x, runner, streams,
+                     work: RoundWork) -> int:
+        """[submodel]: the device trains x's slice of its width (HeteroFL), or ordered dropout up to it (FjORD:
+        its steps' widths from its own stream), and reports the slice's change, zero elsewhere."""
+        at, n_steps = widths.positions[width], plan.steps_to_run(i)
+        draws = widths.step_draws(width, generator(self.seed, Purpose.WIDTH, plan.round_idx, k), n_steps)
+        out = {name: np.zeros(at.size, x.dtype) for name in work.vectors}
+        task = LocalTask(x[at], {}, {}, n_steps, plan.lr, self.batch_size, runner, streams)
+        steps = self.algorithm.client_update(widths.trainer(width, draws), self.data(k), task, out)
+        for name, rows in work.vectors.items():
+            rows[i, at] = out[name]
+        return steps
+
+    @staticmethod
+    def _slice_bytes(nbytes: int, lane: Lane, width: float) -> int:
+        """A whole model's plain bytes, of a width's slice."""
+        return nbytes // lane.model.n_trainable * lane.widths.n_params(float(width))
 
     def _mask(self, client, i: int, plan: RoundPlan, work: RoundWork) -> None:
         """Secure aggregation: the device's masked input replaces its report; a non-finite update is not sent."""
@@ -445,12 +472,13 @@ class LocalTransport:
             rows[i] = 0  # the update never leaves the device in the clear
         work.secagg_s[i] = client.spent_s
 
-    def _compress(self, i: int, k: int, round_idx: int, work: RoundWork) -> None:
+    def _compress(self, i: int, k: int, round_idx: int, work: RoundWork, width=None) -> None:
         """Encode device k's report as the uplink sends it (with its residual added, under error feedback):
         the report rows become what the coordinator decodes, the new residuals wait for acceptance."""
         codec, d = self.uplink, work.vectors[DELTA_X].shape[1]
-        if not codec.lossy:
-            work.bytes_up[i] = len(work.vectors) * codec.nbytes(d, self.model.dtype)
+        if not codec.lossy:  # (a plain uplink: [submodel] refuses another, and sends its slice alone)
+            sent = len(work.vectors) * codec.nbytes(d, self.model.dtype)
+            work.bytes_up[i] = sent if width is None else self._slice_bytes(sent, self.lanes[0], width)
             return
         rng = generator(self.seed, Purpose.COMPRESS, round_idx, k) if codec.kind == "int8" else None
         sent = {}

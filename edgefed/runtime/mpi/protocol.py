@@ -67,6 +67,7 @@ COMMAND_ENTRY = np.dtype([
     ("deadline_s", "<f8"),  # what the device computes for; NaN: no deadline
     ("due_s", "<f8"),  # the round deadline its report is due by; NaN: none
     ("prescale", "<f8"),  # secure aggregation: c_k, what the device scales its update by
+    ("width", "<f8"),  # [submodel]: the width the device trains; NaN: the whole model
 ], align=True)
 
 
@@ -246,7 +247,7 @@ class Wire:
         entries = cmd.entries
         entries["device"] = ids[order]
         entries["steps"] = -1
-        entries["deadline_s"] = entries["due_s"] = math.nan
+        entries["deadline_s"] = entries["due_s"] = entries["width"] = math.nan
         cmd.accepted_ids[:] = taken
         if plan is None:
             return
@@ -254,7 +255,7 @@ class Wire:
         rec["by_arrival"], rec["down_bytes"] = plan.by_arrival, plan.down_bytes
         entries["budget"] = np.asarray(plan.budgets)[order]
         for field, values in (("steps", plan.steps), ("deadline_s", plan.deadline_s),
-                              ("due_s", plan.round_deadline_s), ("prescale", plan.prescale)):
+                              ("due_s", plan.round_deadline_s), ("prescale", plan.prescale), ("width", plan.widths)):
             if values is not None:
                 entries[field] = np.broadcast_to(values, ids.shape)[order]
 
@@ -281,14 +282,15 @@ class Wire:
         mine = self._own_entries(cmd, own)
         if mine.size == 0:
             return None
-        steps, deadlines, due = mine["steps"], mine["deadline_s"], mine["due_s"]
+        steps, deadlines, due, widths = mine["steps"], mine["deadline_s"], mine["due_s"], mine["width"]
         return RoundPlan(int(cmd["round"]), mine["device"].copy(), mine["budget"].astype(np.int32), float(cmd["lr"]),
                          steps=None if steps[0] < 0 else steps.astype(np.int32),
                          deadline_s=None if np.isnan(deadlines).all() else deadlines.astype(np.float64),
                          grace_s=float(cmd["grace_s"]),
                          round_deadline_s=None if np.isnan(due).all() else due.astype(np.float64),
                          by_arrival=bool(cmd["by_arrival"]), down_bytes=int(cmd["down_bytes"]),
-                         prescale=None if self.masked is None else mine["prescale"].astype(np.float64))
+                         prescale=None if self.masked is None else mine["prescale"].astype(np.float64),
+                         widths=None if np.isnan(widths).all() else widths.astype(np.float64))
 
     # -- both ways: secure aggregation's records ----------------------------------------------------------
     @staticmethod
