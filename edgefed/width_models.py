@@ -95,7 +95,7 @@ def width_models(cfg, problem, whole) -> WidthModels | None:
     """The models of [submodel]'s widths for the run's model `whole` on its problem, sized like it for this
     process (None: [submodel] is not set); a layer list that cannot be narrowed is refused in one line."""
     s = cfg.submodel
-    if s.method is None:
+    if not s.enabled:
         return None
     if not hasattr(whole, "network"):
         raise ConfigError(f"config: [submodel] slices a layer list; model.kind = {cfg.model.kind!r} has none")

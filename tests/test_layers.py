@@ -13,7 +13,8 @@ LAYERS = [
     # what a process may hold and where a command may write
     {"rng"},  # random streams (their kernel lives in kernels/)
     {"algorithms", "participation", "compression", "secagg"},  # the math: pure, no I/O, no transport
-    {"problems", "layers", "model_contract", "models", "torchmodel", "hwprofile", "tracefiles"},  # problems, layer lists, models
+    {"problems", "layers", "model_contract", "models", "width_models", "torchmodel", "hwprofile", "tracefiles"},  # problems,
+    # layer lists, models, the models of submodel widths
     {"config"},  # the schema, checked against the registries below it
     {"transport", "runlog"},  # the engine-transport interface; the run log's format
     {"engine", "runtime", "analysis"},  # the round loop beside the transports; reading logs for answers

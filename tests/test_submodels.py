@@ -11,14 +11,17 @@ from edgefed.layers.submodels import narrowed, slice_positions
 from edgefed.models import Sequential
 from edgefed.problems import ClassificationData
 from edgefed.algorithms.base import DELTA_X, RoundReports, ServerState
+from edgefed import hwprofile
 from edgefed.algorithms.fedavg import FedAvg
+from edgefed.cli import main
 from edgefed.participation.schemes import SCHEMES
 from edgefed.participation.submodels import Submodels, level_coefficients, server_update
 from edgefed.orchestration import run as runs
 from edgefed.rng import Purpose, generator
 from edgefed.runlog import read_run
+from edgefed.width_models import width_models
 from conftest import config_with
-from helpers import problem_of
+from helpers import assert_same_logs, interrupted_then_resumed, problem_of
 from naive import network_loss_grad
 
 CNN = ((2, 8, 8), [{"type": "conv2d", "out": 8, "kernel": 3}, {"type": "groupnorm", "groups": 4}, {"type": "relu"},
@@ -225,3 +228,81 @@ def test_a_round_of_two_widths_is_the_numpy_reference_of_the_rule(tiny_arrays, t
     itemsize = 8
     assert log["participation/bytes_up"].tolist() == [[half.size * itemsize, x0.size * itemsize]]
     assert log["participation/bytes_down"].tolist() == log["participation/bytes_up"].tolist()
+
+
+def by_speed(path, submodel=True, **more):
+    """Four devices at speeds 1, 0.5, 0.3 and 0.2 on a simulated Pi 4, FjORD widths by speed under a deadline of
+    0.8x the whole model's profiled time (submodel False: the same run without [submodel])."""
+    sub = {"submodel.method": "fjord", "submodel.widths": [0.25, 0.5, 1.0]} if submodel else {}
+    return config_with({"rounds": 3, "data.kind": "arrays", "data.path": str(path), "data.clients": 4,
+                        "model.kind": "mlp", "model.hidden": [16, 8], "train.clients_per_round": 3,
+                        "train.local_steps": 4, "train.batch_size": 8, "train.lr_local": 0.1,
+                        "participation.mode": "deadline", "participation.deadline_s": "0.8x",
+                        "participation.clock": "simulated", "device.profile": "pi4b",
+                        "device.speed": [1.0, 0.5, 0.3, 0.2], **sub, **more})
+
+
+def test_widths_by_speed_ranks_resume_and_replay_write_the_simulators_bytes(tiny_arrays, tmp_path):
+    from test_protocol import loopback_run
+
+    cfg = by_speed(tiny_arrays)
+    lines = []
+    runs.run(cfg, tmp_path / "sim.h5", on_info=lines.append)
+    log = read_run(tmp_path / "sim.h5")
+    # K steps of the whole model take 1/0.8 of the deadline at speed 1: each device gets the widest width whose
+    # steps fit, and the slowest, whose narrowest does not fit either, that width and the steps that fit
+    assert "submodel fjord: devices per width 0.25: 2, 0.5: 2, 1: 0" in lines
+    selected, widths, steps = (log[f"participation/{name}"] for name in ("selected", "width", "steps"))
+    assert np.isnan(widths[~selected]).all()
+    rows, cols = np.nonzero(selected)
+    assert widths[rows, cols].tolist() == [(0.5, 0.5, 0.25, 0.25)[k] for k in cols]
+    assert steps[rows, cols].tolist() == [(4, 4, 4, 3)[k] for k in cols]
+    assert_same_logs(log, loopback_run(cfg, tmp_path / "mpi.h5", 3))
+    assert_same_logs(*interrupted_then_resumed(cfg, tmp_path, 1))
+    # a measured run under the ranks replays bit for bit, its widths as recorded
+    measured = by_speed(tiny_arrays, **{"participation.clock": "measured", "participation.deadline_s": 0.05})
+    ran = loopback_run(measured, tmp_path / "measured.h5", 3)
+    replay = {"participation.mode": "trace", "participation.deadline_s": None,
+              "participation.trace": str(tmp_path / "measured.h5")}
+    runs.run(by_speed(tiny_arrays, **replay), tmp_path / "replay.h5")
+    again = read_run(tmp_path / "replay.h5")
+    for name in ("trajectory/x", "participation/width", "participation/coeff", "participation/steps",
+                 "participation/bytes_up", "metrics/train_loss"):
+        assert again[name].tobytes() == ran[name].tobytes(), name
+    with pytest.raises(ConfigError, match=r"ran submodels \(\[submodel\]\); replay it with the same \[submodel\]"):
+        runs.run(by_speed(tiny_arrays, False, **replay), tmp_path / "x.h5")
+
+
+@pytest.mark.parametrize("sets,line", [
+    (['submodel.widths=[0.5, 1.5]'], "submodel.widths holds 1.5; a width is a fraction of a hidden layer's units in (0, 1]"),
+    (['submodel.widths=[1.0, 0.5]'], "submodel.widths = [1.0, 0.5] must ascend, each width once (e.g. [0.5, 1.0])"),
+    (['submodel.widths=[]'], "submodel.widths is empty"),
+    (['submodel.assign=[0.5, 1.0]'], "submodel.assign lists 2 widths for 4 devices; give one a device"),
+    (['submodel.assign=[0.5, 0.5, 0.3, 1.0]'], "submodel.assign holds 0.3, which is not one of submodel.widths"),
+    (['model.kind="logreg"'], "submodel is set, but model.layers has no hidden dense or convolution layer to narrow"),
+    (['train.algorithm="scaffold"'], '[submodel] cannot run with train.algorithm = "scaffold"'),
+], ids=["outside", "unsorted", "empty", "assign-length", "assign-unknown", "nothing-to-slice", "scaffold"])
+def test_bad_submodel_input_is_one_line_and_exit_2(tmp_path, capsys, sets, line):
+    base = ["rounds=1", "data.clients=4", "train.clients_per_round=2", 'model.kind="mlp"', 'submodel.method="heterofl"',
+            "submodel.widths=[0.5, 1.0]"]
+    args = ["run", *[a for s in base + sets for a in ("--set", s)], "--out", str(tmp_path / "r.h5")]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and line in err and "Traceback" not in err, err
+    assert not (tmp_path / "r.h5").exists()
+
+
+def test_a_profile_that_times_a_width_gives_its_steps_their_own_time(tiny_arrays, tmp_path):
+    """By the profile's per-parameter rule the two fastest devices fit width 0.5 (the test above); a profile
+    whose own entry for that width's layer list (what `edgefed profile --config` writes) says it is slow gives
+    every device 0.25."""
+    cfg = by_speed(tiny_arrays, **{"submodel.method": "heterofl"})
+    half = width_models(cfg, *runs.problem_and_model(cfg)).models[0.5]
+    profile = tmp_path / "board.toml"
+    profile.write_text((hwprofile.SHIPPED / "pi4b.toml").read_text() + (
+        f'\n[[speed]]\nmodel = "sequential"\nparams = {half.n_trainable}\nbatch = 8\nsteps_per_s = 1.0\n'
+        f'layers = "{half.profile_key().split(": ", 1)[1]}"\n'))
+    lines = []
+    runs.run(by_speed(tiny_arrays, **{"submodel.method": "heterofl", "device.profile": str(profile)}),
+             tmp_path / "r.h5", on_info=lines.append)
+    assert "submodel heterofl: devices per width 0.25: 4, 0.5: 0, 1: 0" in lines

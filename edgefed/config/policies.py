@@ -200,7 +200,7 @@ def validate_compress(c: CompressConfig) -> CompressConfig:
     return c
 
 
-SUBMODEL_METHODS = ("heterofl", "fjord")
+SUBMODEL_METHODS = ("none", "heterofl", "fjord")
 DEFAULT_WIDTHS = (0.25, 0.5, 1.0)
 
 
@@ -215,6 +215,8 @@ def validate_submodel(cfg: Config, train: TrainConfig, compress: CompressConfig)
                               '"heterofl" or "fjord", or remove [submodel]')
         return s
     choice(s.method, SUBMODEL_METHODS, "submodel.method")
+    if not s.enabled:  # (inert, as [privacy] mechanism = "none": a sweep switches submodels off)
+        return s
     widths = DEFAULT_WIDTHS if s.widths is None else s.widths
     if not widths:
         raise ConfigError("config: submodel.widths is empty; give the widths devices train, e.g. widths = "

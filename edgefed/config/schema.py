@@ -231,9 +231,13 @@ class SubmodelConfig:
     (Diao et al., ICLR 2021) trains a device's fixed width, FjORD (Horvath et al., NeurIPS 2021) draws a width
     per local step up to the device's. Every key unset: every device trains the whole model."""
 
-    method: str | None = None  # "heterofl" or "fjord"
+    method: str | None = None  # "heterofl" or "fjord"; "none" (or unset): the whole model, the other keys inert
     widths: tuple[float, ...] | None = None  # fractions of every hidden layer's units, ascending; None: 0.25, 0.5, 1
     assign: str | tuple[float, ...] | None = None  # "speed" (None): the widest whose K steps fit; or one a device
+
+    @property
+    def enabled(self) -> bool:
+        return self.method not in (None, "none")
 
 
 @dataclass(frozen=True)

@@ -28,7 +28,8 @@ from edgefed.transport import PROBE_BYTES, LocalResults, RoundPlan
 
 class AsyncEngine(RoundEngine):
     def __init__(self, cfg, algorithm, n_train, transport, log, on_round=None, trace=None, timing=None,
-                 count_labels=None):
+                 count_labels=None, submodels=None):
+        """submodels: None ([submodel] refuses mode = "async")."""
         super().__init__(cfg, algorithm, n_train, transport, log, on_round, trace, timing, count_labels)
         a = cfg.asynchronous
         # a replay's schedule is the recorded one (participation.trace = RUN.h5); a measured clock's is the

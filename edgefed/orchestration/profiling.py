@@ -32,6 +32,7 @@ import numpy as np
 
 from edgefed import __version__, hwprofile
 from edgefed import layers as layer_lib
+from edgefed.config.policies import DEFAULT_WIDTHS
 from edgefed.errors import EXIT_BAD_INPUT, EdgefedError
 from edgefed.kernels import jit_compilations, ops
 from edgefed.models import Quadratic, Sequential, warm_model
@@ -51,12 +52,23 @@ BENCH_MODELS = {
 RECOMMENDED_BATCH = {"logreg": 20, "mlp": 10, "cnn": 10, "charlstm": 10}
 FULL_BATCH = 64  # a config with batch_size = "full" is measured at this batch (the profile scales linearly)
 CONFIG = "config:"  # a model spec naming a config file: its model, measured on random samples of its shape
+WIDTH = "@"  # CONFIG + path + WIDTH + w: the model of one of its [submodel] widths
 
 
 def _config(spec: str):
     from edgefed import config as config_mod
 
-    return config_mod.load_config(spec[len(CONFIG):])
+    return config_mod.load_config(spec[len(CONFIG):].split(WIDTH)[0])
+
+
+def width_specs(spec: str) -> list[str]:
+    """The specs of a config's [submodel] widths whose layer lists differ from its model's (none: not set)."""
+    if not spec.startswith(CONFIG) or not _config(spec).submodel.enabled:
+        return []
+    whole = _config_model(spec, "float32").network.signature()
+    widths = _config(spec).submodel.widths or DEFAULT_WIDTHS  # (as validation resolves it)
+    return [f"{spec}{WIDTH}{w}" for w in widths
+            if _config_model(f"{spec}{WIDTH}{w}", "float32").network.signature() != whole]
 
 
 def batches(spec: str) -> tuple[int, ...]:
@@ -96,8 +108,16 @@ def _config_model(spec: str, dtype: str):
     """A config's model, its data read once per process (only for the samples' shape and the classes)."""
     from edgefed.orchestration.run import problem_and_model
 
+    from edgefed.width_models import width_models
+
     cfg = _config(spec)
-    return problem_and_model(dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, dtype=dtype)))[1]
+    cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, dtype=dtype))
+    problem, model = problem_and_model(cfg)
+    if WIDTH not in spec:
+        return model
+    width = float(spec.rsplit(WIDTH, 1)[1])
+    return width_models(dataclasses.replace(cfg, submodel=dataclasses.replace(cfg.submodel, widths=(width,))),
+                        problem, model).models[width]
 
 
 def _random_samples(g, model, n: int, width: int, vocabulary: int) -> np.ndarray:
@@ -303,6 +323,11 @@ def measure(specs=tuple(BENCH_MODELS), cold: bool = True, out=print) -> dict:
             prefix = speeds[-1].get("prefix_samples_per_s")
             once = f"; its frozen prefix, once a sample: {prefix:,.0f} samples/s" if prefix else ""
             out(f"{tag}: batch {batch}: {sps:,.1f} steps/s ({1e3 / sps:.3f} ms per step){once}")
+        for part in width_specs(spec):  # a [submodel] width's steps, timed as its own layer list
+            for batch in batches(spec):
+                model, sps = steps_per_second(part, batch)
+                speeds.append(speed_entry(model, batch, sps))
+                out(f"{tag}: width {part.rsplit(WIDTH, 1)[1]}: batch {batch}: {sps:,.1f} steps/s")
         recommended[tag] = RECOMMENDED_BATCH.get(spec, batches(spec)[0])
     profile = {
         "format": 1, "name": name, "measured": True,
