@@ -242,7 +242,7 @@ def by_speed(path, submodel=True, **more):
                         "device.speed": [1.0, 0.5, 0.3, 0.2], **sub, **more})
 
 
-def test_widths_by_speed_ranks_resume_and_replay_write_the_simulators_bytes(tiny_arrays, tmp_path):
+def test_widths_by_speed_ranks_resume_and_replay_write_the_simulators_bytes(tiny_arrays, tmp_path, capsys):
     from test_protocol import loopback_run
 
     cfg = by_speed(tiny_arrays)
@@ -257,6 +257,11 @@ def test_widths_by_speed_ranks_resume_and_replay_write_the_simulators_bytes(tiny
     rows, cols = np.nonzero(selected)
     assert widths[rows, cols].tolist() == [(0.5, 0.5, 0.25, 0.25)[k] for k in cols]
     assert steps[rows, cols].tolist() == [(4, 4, 4, 3)[k] for k in cols]
+    assert main(["summary", str(tmp_path / "sim.h5")]) == 0
+    narrow = widths[rows, cols] == 0.25
+    done = steps[rows, cols][narrow].sum() / (4 * narrow.sum())
+    assert (f"submodel fjord: device-rounds per width 0.25: {narrow.sum()} ({done:.0%} of their steps), "
+            f"0.5: {(~narrow).sum()} (100% of their steps)") in capsys.readouterr().out
     assert_same_logs(log, loopback_run(cfg, tmp_path / "mpi.h5", 3))
     assert_same_logs(*interrupted_then_resumed(cfg, tmp_path, 1))
     # a measured run under the ranks replays bit for bit, its widths as recorded

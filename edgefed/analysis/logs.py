@@ -112,6 +112,19 @@ class Run:
                 "skew": float(0.5 * np.abs(shares - pooled).sum(axis=1).mean()),
                 "samples": (int(totals.min()), int(totals.max())), "of": int(known.size)}
 
+    def widths(self) -> dict | None:
+        """[submodel] runs only: the method, and the device-rounds that trained each width and their steps done
+        of those asked ({width: (device-rounds, share of the budget done)})."""
+        width = self.data.get("participation/width")
+        if width is None:
+            return None
+        out = {}
+        for w in np.unique(width[np.isfinite(width)]):
+            at = width == w
+            asked = int(self["participation/budget"][at].sum())
+            out[float(w)] = (int(at.sum()), self["participation/steps"][at].sum() / asked if asked else math.nan)
+        return {"method": self.config_dict().get("submodel", {}).get("method"), "widths": out}
+
     def secagg(self) -> dict | None:
         """Secure aggregation's cost and outcome ([secagg] runs only): mean protocol seconds and bytes per
         device and round (over the selected ones that reported a time), aborted rounds, coordinates clipped."""

@@ -61,6 +61,10 @@ def summary_lines(run: Run, target: float | None = None) -> list[str]:
         lines.append(f"wire per round: {size_text(up)} up, {size_text(down)} down "
                      f"(uplink {run.config_dict().get('compress', {}).get('uplink', 'none')}, "
                      f"downlink {run.config_dict().get('compress', {}).get('downlink', 'none')})")
+    sub = run.widths()
+    if sub is not None:
+        lines.append(f"submodel {sub['method']}: device-rounds per width " + ", ".join(
+            f"{w:g}: {n} ({_num(done, '.0%')} of their steps)" for w, (n, done) in sub["widths"].items()))
     private = run.privacy()
     if private is not None:
         clipped = ("each device clipped its own, unseen" if private["mechanism"] == "distributed" else
