@@ -311,3 +311,40 @@ def test_a_profile_that_times_a_width_gives_its_steps_their_own_time(tiny_arrays
     runs.run(by_speed(tiny_arrays, **{"submodel.method": "heterofl", "device.profile": str(profile)}),
              tmp_path / "r.h5", on_info=lines.append)
     assert "submodel heterofl: devices per width 0.25: 4, 0.5: 0, 1: 0" in lines
+
+
+def test_secure_aggregation_sums_each_slice_among_the_devices_that_hold_it(tiny_arrays, tmp_path, monkeypatch):
+    """Three devices of widths 0.5, 1 and 0.25: each masks its slice alone (its masked input is zero elsewhere:
+    nothing of the rest travels), a pair's masks cover the slice both hold, so every coordinate's masks cancel
+    among its holders, also when the whole model's device drops out in round 2 and the survivors' shares
+    unmask its pair masks. The round equals the plain one to the fixed point's resolution, each device sends
+    its slice's words and the clip count, and the ranks write the simulator's bytes."""
+    from edgefed.engine.secure import SecureSum
+    from test_protocol import loopback_run
+
+    more = {"data.clients": 3, "train.clients_per_round": 3, "train.local_steps": 2, "rounds": 2,
+            "submodel.widths": [0.25, 0.5, 1.0], "submodel.assign": [0.5, 1.0, 0.25],
+            "participation.mode": "deadline", "participation.deadline_s": 0.3, "participation.grace_s": 0.1,
+            "fault": [{"device": 1, "round": 2, "kind": "stall", "seconds": 0.6}]}
+    plain = two_widths(tiny_arrays, **more)
+    secure = two_widths(tiny_arrays, **more, **{"secagg.enabled": True, "secagg.key_source": "seeded",
+                                                "secagg.threshold": 2})
+    masked = []
+    reports = SecureSum.reports
+    monkeypatch.setattr(SecureSum, "reports", lambda self, plan, res, *rest: (
+        masked.append((plan.widths, res.masked.copy())), reports(self, plan, res, *rest))[1])
+    runs.run(plain, tmp_path / "plain.h5")
+    runs.run(secure, tmp_path / "secure.h5")
+    a, b = read_run(tmp_path / "plain.h5"), read_run(tmp_path / "secure.h5")
+    assert b["participation/late"].tolist() == [[False] * 3, [False, True, False]]
+    np.testing.assert_allclose(b["trajectory/x"], a["trajectory/x"], atol=1e-6)
+    assert np.abs(b["trajectory/x"][2] - b["trajectory/x"][1]).max() > 1e-3  # (round 2 moved x)
+    positions = width_models(secure, *runs.problem_and_model(secure)).positions
+    widths, values = masked[0]
+    for w, row in zip(widths, values):
+        outside = np.ones(row.size, bool)
+        outside[positions[w]] = outside[-1] = False
+        assert not row[outside].any() and row[~outside].any(), w
+    words = (a["participation/bytes_up"] // 8 + 1) * 4  # float64 coordinates -> 32-bit words, and the count
+    assert b["participation/bytes_up"][0].tolist() == words[0].tolist()
+    assert_same_logs(b, loopback_run(secure, tmp_path / "mpi.h5", 3))

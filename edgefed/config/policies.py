@@ -251,7 +251,6 @@ def validate_submodel(cfg: Config, train: TrainConfig, compress: CompressConfig)
                                                       "its slice alone)"),
         ("compress.downlink", compress.downlink != "none", 'set compress.downlink = "none"'),
         ('participation.mode = "async"', p.mode == "async", "run synchronous rounds"),
-        ("[secagg]", cfg.secagg.enabled, "remove [secagg] (its masks span the whole model)"),
         ("[privacy]", cfg.privacy.mechanism != "none", "remove [privacy] (a coordinate's holders differ, and so "
                                                        "would its sensitivity)")) if used]
     if clash:

@@ -112,7 +112,6 @@ class RoundEngine(RoundRows):
         self.replica: ServerState | None = None  # the model the devices hold, with a compressed downlink
         self.secure = None  # secure aggregation's server side, set once the model's size is known (start)
         self.submodels = submodels
-        self._levels = None if submodels is None else submodels.levels  # each width's own coordinates
 
     @property
     def active(self) -> np.ndarray:
@@ -372,7 +371,7 @@ class RoundEngine(RoundRows):
 
     def _secure_side(self, dim: int) -> None:
         if self.cfg.secagg.enabled:
-            self.secure = SecureSum(self.cfg, dim, self.transport, self.n_devices)
+            self.secure = SecureSum(self.cfg, dim, self.transport, self.n_devices, self.submodels)
 
     def _count_labels(self, ids: np.ndarray) -> None:
         """The label counts of the devices the log does not have yet, written to it (count_labels)."""
@@ -477,7 +476,7 @@ class RoundEngine(RoundRows):
         extra, note = {}, ""
         if self.secure is not None:  # the one sum of the survivors' scaled updates, never one of them
             reports, extra, aborted = self.secure.reports(plan, res, w.coeffs, w.reported, w.counted, lr_global,
-                                                          n_federation)
+                                                          n_federation, w.levels)
             if aborted is not None:  # Bonawitz et al.: too few survivors to unmask, the round is abandoned
                 note = (f"secagg aborted: {int(w.reported.sum())} of {plan.device_ids.size} survived, "
                         f"threshold {self.secure.setup.threshold}")
@@ -485,8 +484,9 @@ class RoundEngine(RoundRows):
                 w.reported[:] = False
             elif extra["metrics/secagg_clipped"]:  # the sum is not the plain one: say so
                 note = f"secagg clipped {extra['metrics/secagg_clipped']} coordinates"
-        if w.levels is not None:  # (no privacy: [submodel] refuses it)
-            state, private = submodels.server_update(self.algorithm, self.state, reports, w.levels, self._levels), {}
+        if w.levels is not None and self.secure is None:  # (no privacy: [submodel] refuses it)
+            state, private = submodels.server_update(self.algorithm, self.state, reports, w.levels,
+                                                     self.submodels.levels), {}
         else:
             state, private = self.privacy.server_update(self.algorithm, self.state, reports, self._fixed_s(plan),
                                                         plan.round_idx)

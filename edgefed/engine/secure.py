@@ -22,8 +22,12 @@ from edgefed.transport import LocalResults, RoundPlan
 class SecureSum:
     """One run's server side: a round's setup and keys from `begin` to `reports`."""
 
-    def __init__(self, cfg, dim: int, transport, n_devices: int):
+    def __init__(self, cfg, dim: int, transport, n_devices: int, submodels=None):
+        """submodels: [submodel] as run (participation.submodels.Submodels): each coordinate is summed among the
+        devices whose slice holds it, and scaled by its width's factor."""
         self.cfg, self.dim, self.transport, self.n_devices = cfg, dim, transport, n_devices
+        self.submodels = submodels
+        self.positions = None if submodels is None else submodels.positions
         self.setup = None
         self.keys = None
         self._row = {}  # device -> its row in the round's plan
@@ -34,7 +38,8 @@ class SecureSum:
         relayed to their holders."""
         s = self.cfg.secagg
         self.setup = protocol.round_setup(self.cfg.seed, plan.round_idx, plan.device_ids, s.neighbours, s.threshold,
-                                          s.bits, s.clip, self.dim)
+                                          s.bits, s.clip, self.dim,
+                                          protocol.slices_of(self.positions, plan.device_ids, plan.widths))
         self.keys = self.transport.secagg_keys(plan)
         shares = self.transport.secagg_shares(plan.round_idx, self.keys)
         self.transport.secagg_deliver(plan.round_idx, shares)
@@ -43,8 +48,10 @@ class SecureSum:
         np.add.at(self._sent, self._rows(shares["sender"]), protocol.SHARE.itemsize)
 
     def reports(self, plan: RoundPlan, res: LocalResults, coeffs: np.ndarray, reported: np.ndarray,
-                counted_steps: np.ndarray, lr_global: float, n_federation: int):
-        """(RoundReports of the one sum, the round's secagg columns, why the round was aborted or None)."""
+                counted_steps: np.ndarray, lr_global: float, n_federation: int, levels: np.ndarray | None = None):
+        """(RoundReports of the one sum, the round's secagg columns, why the round was aborted or None).
+        levels: [submodel]'s, the coefficients of each width's coordinates (the sum then comes as a row a
+        width, each its own coordinates, each with its width's factor G)."""
         survivors = plan.device_ids[reported]
         spent = res.secagg_s.astype(np.float64)  # NaN where the device's report never came
         sum_row = np.zeros((1, self.dim))
@@ -66,12 +73,33 @@ class SecureSum:
                 factors = schemes.device_factors(self.cfg.participation.scheme, plan.prescale[reported],
                                                  counted_steps[reported], plan.budgets[reported])
                 g = schemes.server_factor(coeffs[reported], factors)
+        if levels is not None:  # a coordinate's sum holds its holders' updates alone: their factor G, a width each
+            return self._by_width(sum_row[0], levels, plan, reported, counted_steps, lr_global, n_federation,
+                                  aborted), self._columns(plan, spent, clipped, aborted), aborted
         applied = RoundReports(np.zeros(1, np.int64), {DELTA_X: sum_row}, np.array([g]), np.array([g != 0.0]),
                                lr_global, n_federation)
-        columns = {"participation/secagg_s": self._scatter(plan, spent.astype(np.float32), np.float32, math.nan),
-                   "participation/secagg_bytes": self._scatter(plan, self._sent, np.int64, 0),
-                   "metrics/secagg_clipped": clipped, "metrics/secagg_aborted": aborted is not None}
-        return applied, columns, aborted
+        return applied, self._columns(plan, spent, clipped, aborted), aborted
+
+    def _columns(self, plan: RoundPlan, spent: np.ndarray, clipped: int, aborted) -> dict:
+        return {"participation/secagg_s": self._scatter(plan, spent.astype(np.float32), np.float32, math.nan),
+                "participation/secagg_bytes": self._scatter(plan, self._sent, np.int64, 0),
+                "metrics/secagg_clipped": clipped, "metrics/secagg_aborted": aborted is not None}
+
+    def _by_width(self, total: np.ndarray, levels: np.ndarray, plan: RoundPlan, reported: np.ndarray,
+                  counted_steps: np.ndarray, lr_global: float, n_federation: int, aborted) -> RoundReports:
+        """The sum as one row a width (its own coordinates), each with G over that width's holders."""
+        rows = np.zeros((len(levels), self.dim))
+        g = np.zeros(len(levels))
+        factors = np.zeros(plan.device_ids.size)
+        if reported.any():
+            factors[reported] = schemes.device_factors(self.cfg.participation.scheme, plan.prescale[reported],
+                                                       counted_steps[reported], plan.budgets[reported])
+        for j, (coeffs, coords) in enumerate(zip(levels, self.submodels.levels)):
+            rows[j, coords] = total[coords]
+            holders = reported & (plan.widths >= self.submodels.widths[j])
+            if aborted is None and holders.any():
+                g[j] = schemes.server_factor(coeffs[holders], factors[holders])
+        return RoundReports(np.zeros(len(levels), np.int64), {DELTA_X: rows}, g, g != 0.0, lr_global, n_federation)
 
     def _rows(self, devices) -> list[int]:
         return [self._row[int(k)] for k in devices]

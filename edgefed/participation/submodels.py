@@ -14,6 +14,7 @@ update.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from dataclasses import dataclass
 
@@ -34,7 +35,7 @@ class Submodels:
     positions: dict  # {width: (n_w,) int64, its parameters' positions in the whole vector}
     device_width: np.ndarray  # (N,) float64: each device's width (FjORD: the widest its steps draw)
 
-    @property
+    @functools.cached_property
     def levels(self) -> list[np.ndarray]:
         """The coordinates first held at each width (ascending widths): the width's positions less the
         narrower one's."""

@@ -227,7 +227,7 @@ class LocalTransport:
         self._dispatch = None  # the thread a device rank's round runs on while its main thread serves MPI
         self._stop = threading.Event()  # set: the coordinator needs no more of this round's work
         self.secure = None if secagg is None else SecureDevices(secagg, seed, scheme, model.n_trainable, self.device_ids,
-                                                                privacy)
+                                                                privacy, None if widths is None else widths.positions)
 
     @property
     def threads(self) -> int:
@@ -309,7 +309,7 @@ class LocalTransport:
 
     # -- secure aggregation: the protocol's phases before and after the work ----------------------------
     def secagg_keys(self, plan: RoundPlan) -> np.ndarray:
-        return self.secure.keys(plan.round_idx, plan.device_ids)
+        return self.secure.keys(plan.round_idx, plan.device_ids, plan.widths)
 
     def secagg_shares(self, round_idx: int, keys: np.ndarray) -> np.ndarray:
         return self.secure.shares(round_idx, keys)
@@ -465,7 +465,9 @@ class LocalTransport:
             if np.isfinite(update).all():
                 work.masked[i] = self.secure.mask(client, update, float(plan.prescale[i]), int(work.steps[i]),
                                                   int(plan.budgets[i]))
-                work.bytes_up[i] = work.masked[i].nbytes
+                keep = client.setup.kept(client.device)  # (a submodel's slice and the count: the words it holds)
+                work.bytes_up[i] = work.masked[i].itemsize * (work.masked.shape[1] if keep is None else
+                                                              int(np.count_nonzero(keep)))
             else:
                 work.nonfinite[i] = True
         for rows in work.vectors.values():

@@ -15,20 +15,24 @@ from edgefed.secagg import protocol
 
 
 class SecureDevices:
-    def __init__(self, settings, seed: int, scheme: str, dim: int, hosted: np.ndarray, private=None):
+    def __init__(self, settings, seed: int, scheme: str, dim: int, hosted: np.ndarray, private=None,
+                 positions: dict | None = None):
         """settings: the run's [secagg] table; hosted: the device ids this process hosts; private: the
-        [privacy] table when each device clips its scaled update and adds its share of the noise."""
+        [privacy] table when each device clips its scaled update and adds its share of the noise; positions:
+        [submodel]'s, each width's positions in the whole vector (a device masks its slice alone)."""
         self.settings, self.seed, self.scheme, self.dim, self.private = settings, seed, scheme, dim, private
+        self.positions = positions
         self.hosted = set(int(k) for k in hosted)
         # (round, {device: Client}) of the current round, replaced as one: a late device's worker still on an
         # older round must never see the new round's clients
         self._current = (None, {})
 
-    def keys(self, round_idx: int, selected: np.ndarray) -> np.ndarray:
-        """Phase 1: new clients for the hosted ones of the round's selected devices, their KEYS records."""
+    def keys(self, round_idx: int, selected: np.ndarray, widths: np.ndarray | None = None) -> np.ndarray:
+        """Phase 1: new clients for the hosted ones of the round's selected devices, their KEYS records;
+        widths: [submodel]'s, each selected device's (None: the whole model)."""
         s = self.settings
         setup = protocol.round_setup(self.seed, round_idx, selected, s.neighbours, s.threshold, s.bits, s.clip,
-                                     self.dim)
+                                     self.dim, protocol.slices_of(self.positions, selected, widths))
         clients = {int(k): protocol.Client(setup, k, protocol.Randomness(s.key_source, self.seed, round_idx, int(k)))
                    for k in setup.selected if int(k) in self.hosted}
         self._current = (round_idx, clients)
@@ -72,3 +76,4 @@ class SecureDevices:
     @staticmethod
     def _records(parts, dtype) -> np.ndarray:
         return np.concatenate(parts) if parts else np.zeros(0, dtype)
+

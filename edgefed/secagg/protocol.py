@@ -75,7 +75,12 @@ class RoundSetup:
     bits: int
     clip: float
     dim: int
+    # [submodel]: device -> the positions its slice holds (nested slices; None: every device the whole vector).
+    # A device masks only its slice, and a pair's masks only the slice both hold (the narrower's), so each
+    # coordinate's masks cancel among the devices that hold it: the sum of each slice among its holders
+    slices: dict | None = None
     share_x: dict = field(init=False, repr=False)  # owner -> {holder: the x of the share it holds}
+    _kept: dict = field(default_factory=dict, init=False, repr=False, compare=False)  # kept(), once a slice
 
     def __post_init__(self):
         # who holds a device's shares, in share order (x = position + 1): its neighbours and itself
@@ -86,6 +91,25 @@ class RoundSetup:
     @property
     def n(self) -> int:
         return int(self.selected.size)
+
+    def kept(self, *devices: int) -> np.ndarray | None:
+        """(words,) bool: the words a mask of these devices covers, the slice all of them hold and the clip
+        count; None: every word (no submodels)."""
+        if self.slices is None:
+            return None
+        held = min((self.slices[int(k)] for k in devices), key=len)
+        if id(held) not in self._kept:  # (one mask a width, not one a pair)
+            keep = np.zeros(self.words, bool)
+            keep[held] = keep[-1] = True
+            self._kept[id(held)] = (held, keep)
+        return self._kept[id(held)][1]
+
+    def restricted(self, stream: np.ndarray, *devices: int) -> np.ndarray:
+        """The stream with the words outside `kept(devices)` zeroed, in place."""
+        keep = self.kept(*devices)
+        if keep is not None:
+            stream[~keep] = 0
+        return stream
 
     def holders(self, device: int) -> list[int]:
         """Who holds device's shares, in share order: its neighbours and itself."""
@@ -107,9 +131,10 @@ class RoundSetup:
 
 
 def round_setup(seed: int, round_idx: int, selected, neighbours: int | None, threshold: int | None, bits: int,
-                clip: float, dim: int) -> RoundSetup:
+                clip: float, dim: int, slices: dict | None = None) -> RoundSetup:
     """The round's graph, drawn from (seed, SECAGG_GRAPH, round); k and t shrink to what |S| allows (a round
-    with fewer selected devices than k + 1, after departures, links them all)."""
+    with fewer selected devices than k + 1, after departures, links them all). slices: [submodel]'s, each
+    selected device's positions (RoundSetup.slices)."""
     selected = np.sort(np.asarray(selected, np.int64))
     n = selected.size
     k = linked(neighbours, n)
@@ -122,7 +147,14 @@ def round_setup(seed: int, round_idx: int, selected, neighbours: int | None, thr
         else:
             near = np.unique([ring[(p + step) % n] for h in range(1, k // 2 + 1) for step in (h, -h)])
         links[int(device)] = np.asarray(near, np.int64)
-    return RoundSetup(round_idx, selected, links, t, bits, clip, dim)
+    return RoundSetup(round_idx, selected, links, t, bits, clip, dim, slices)
+
+
+def slices_of(positions: dict | None, selected, widths) -> dict | None:
+    """{device: the positions its width holds} ([submodel]), or None: every device the whole vector."""
+    if positions is None or widths is None:
+        return None
+    return {int(k): positions[float(w)] for k, w in zip(selected, widths)}
 
 
 class Randomness:
@@ -238,10 +270,11 @@ class Client:
         t0 = time.perf_counter()
         setup = self.setup
         expander = Expander(setup)
-        mask = expander.mask(self._b).copy()
+        mask = setup.restricted(expander.mask(self._b), self.device).copy()
         for j in setup.neighbours[self.device]:
             j = int(j)
-            stream = expander.mask(pair_seed(setup, self._s_sk, bytes(self._keys[j]["s_pk"]), self.device, j))
+            stream = setup.restricted(expander.mask(pair_seed(setup, self._s_sk, bytes(self._keys[j]["s_pk"]),
+                                                              self.device, j)), self.device, j)
             if j > self.device:
                 mask += stream
             else:
@@ -349,7 +382,7 @@ def unmask(setup: RoundSetup, keys: np.ndarray, total: np.ndarray, survivors, re
         if crypto.commit(b) != bytes(keys[u]["b_commit"]):
             raise SecAggError(f"secure aggregation, round {setup.round_idx}: device {u}'s self-mask seed rebuilt "
                               "from its shares does not match its commitment (a share was changed)")
-        total -= expander.mask(b)
+        total -= setup.restricted(expander.mask(b), u)
     for j in setup.selected.tolist():
         near = [u for u in setup.neighbours[j].tolist() if u in alive]
         if j in alive or not near:
@@ -359,7 +392,7 @@ def unmask(setup: RoundSetup, keys: np.ndarray, total: np.ndarray, survivors, re
             raise SecAggError(f"secure aggregation, round {setup.round_idx}: device {j}'s mask key rebuilt from "
                               "its shares does not match its public key (a share was changed)")
         for u in near:
-            stream = expander.mask(pair_seed(setup, sk, bytes(keys[u]["s_pk"]), u, j))
+            stream = setup.restricted(expander.mask(pair_seed(setup, sk, bytes(keys[u]["s_pk"]), u, j)), u, j)
             if u < j:  # u added +PRG(s_uj)
                 total -= stream
             else:

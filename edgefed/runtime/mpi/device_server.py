@@ -338,7 +338,8 @@ class DeviceServer:
         addressed = cmd.entries["device"].copy()
         secure = self.transport.secure
         if phase == protocol.KEYS:
-            out = secure.keys(round_idx, addressed)
+            widths = cmd.entries["width"]
+            out = secure.keys(round_idx, addressed, None if np.isnan(widths).all() else widths.copy())
         elif phase == protocol.SHARES:
             out = secure.shares(round_idx, relayed.view(secagg.KEYS))
         elif phase == protocol.DELIVER:  # the shares for this rank's devices follow, point to point
