@@ -107,7 +107,6 @@ def build(spec: str, dtype: str = "float32", n: int = 200):
 def _config_model(spec: str, dtype: str):
     """A config's model, its data read once per process (only for the samples' shape and the classes)."""
     from edgefed.orchestration.run import problem_and_model
-
     from edgefed.width_models import width_models
 
     cfg = _config(spec)

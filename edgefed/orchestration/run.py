@@ -29,7 +29,6 @@ from edgefed.errors import ConfigError, RankLost
 from edgefed.layers import first_spatial, token_ids
 from edgefed.memory import peak_rss
 from edgefed.models import model_for
-from edgefed.width_models import width_models
 from edgefed.orchestration.budget import check_device_memory, check_memory, evaluates_apart
 from edgefed.orchestration.header import frozen_text, label_counter, log_header, log_layout, trajectory_every
 from edgefed.orchestration.resume import Launch, merged_restarts, same_data, start_weights
@@ -46,6 +45,7 @@ from edgefed.runlog import (Header, RunLogWriter, discard_stub, exists_error, ho
                             read_participation, write_stub)
 from edgefed.runtime.local import LocalTransport
 from edgefed.tracefiles import sampled_traces
+from edgefed.width_models import width_models
 
 
 @dataclass(frozen=True)

@@ -39,8 +39,8 @@ def _board_step_seconds(setup, names, profiles: dict, model=None) -> np.ndarray:
     model = setup.model if model is None else model
     batches = problem.n_train if cfg.train.batch_size == "full" else np.minimum(cfg.train.batch_size, problem.n_train)
     key, whole = model.profile_key(), setup.model.profile_key()
-    return np.array([profiles[names[k]].rank_step_seconds(key if profiles[names[k]].times(key) else whole,
-                                                          int(batches[k]), model.n_trainable)
+    keys = {name: key if prof.times(key) else whole for name, prof in profiles.items()}
+    return np.array([profiles[names[k]].rank_step_seconds(keys[names[k]], int(batches[k]), model.n_trainable)
                      for k in range(problem.n_devices)])
 
 
