@@ -13,6 +13,8 @@ from edgefed.problems import ClassificationData
 from edgefed.algorithms.base import DELTA_X, RoundReports, ServerState
 from edgefed import hwprofile
 from edgefed.algorithms.fedavg import FedAvg
+from edgefed.analysis.figures import participation
+from edgefed.analysis.logs import Run
 from edgefed.cli import main
 from edgefed.participation.schemes import SCHEMES
 from edgefed.participation.submodels import Submodels, level_coefficients, server_update
@@ -199,12 +201,13 @@ def full_gradient(layers, width, x, data) -> np.ndarray:
     return at, layer_lib.whole_from_state(part, grads, "gradient", np.float64)
 
 
-@pytest.mark.parametrize("method,steps", [("heterofl", 1), ("fjord", 3)])
-def test_a_round_of_two_widths_is_the_numpy_reference_of_the_rule(tiny_arrays, tmp_path, method, steps):
-    """Device 0 trains width 0.5, device 1 the whole model (FjORD: each step the width its stream draws, 0.5 or 1),
-    full-batch steps from x_0; uniform weights, Scheme B: a coordinate both hold takes the mean of the two
-    updates, one only device 1 holds takes its update."""
-    cfg = two_widths(tiny_arrays, method, **{"train.local_steps": steps})
+@pytest.mark.parametrize("method,steps,mu", [("heterofl", 1, 0.0), ("fjord", 3, 0.5)])
+def test_a_round_of_two_widths_is_the_numpy_reference_of_the_rule(tiny_arrays, tmp_path, method, steps, mu):
+    """Device 0 trains width 0.5, device 1 the whole model (FjORD: each step the width its stream draws, 0.5 or 1,
+    under FedProx's pull to x_0 on that width's slice), full-batch steps from x_0; uniform weights, Scheme B: a
+    coordinate both hold takes the mean of the two updates, one only device 1 holds takes its update."""
+    more = {"train.algorithm": "fedprox", "fedprox.mu": mu} if mu else {}
+    cfg = two_widths(tiny_arrays, method, **{"train.local_steps": steps, **more})
     runs.run(cfg, tmp_path / "r.h5")
     log = read_run(tmp_path / "r.h5")
     x0 = log["trajectory/x"][0]
@@ -216,7 +219,7 @@ def test_a_round_of_two_widths_is_the_numpy_reference_of_the_rule(tiny_arrays, t
         for j in range(steps):  # (HeteroFL: the device's own width every step)
             at, grad = full_gradient(LAYERS, width if method == "heterofl" else (0.5, 1.0)[draws[j]], y,
                                      problem.device(k))
-            y[at] -= 0.5 * grad
+            y[at] -= 0.5 * (grad + mu * (y[at] - x0[at]))
         deltas.append(y - x0)
     half = slice_positions(*[layer_lib.build(layer_lib.check_layers(list(narrowed(layer_lib.check_layers(LAYERS), w))),
                                              (5,), 3, np.float64) for w in (1.0, 0.5)])
@@ -258,6 +261,8 @@ def test_widths_by_speed_ranks_resume_and_replay_write_the_simulators_bytes(tiny
     assert widths[rows, cols].tolist() == [(0.5, 0.5, 0.25, 0.25)[k] for k in cols]
     assert steps[rows, cols].tolist() == [(4, 4, 4, 3)[k] for k in cols]
     assert main(["summary", str(tmp_path / "sim.h5")]) == 0
+    titles = [ax.get_title() for ax in participation(Run.read(tmp_path / "sim.h5"), "t").axes]
+    assert "submodel width trained (grey: not selected)" in titles
     narrow = widths[rows, cols] == 0.25
     done = steps[rows, cols][narrow].sum() / (4 * narrow.sum())
     assert (f"submodel fjord: device-rounds per width 0.25: {narrow.sum()} ({done:.0%} of their steps), "

@@ -149,14 +149,16 @@ def _device_axis(ids: np.ndarray, of: int) -> str:
 
 
 def participation(run: Run, title: str):
-    """Completed fraction per device and round (late and inactive marked), its spread per device, and the
-    coefficients applied."""
+    """Completed fraction per device and round (late and inactive marked), its spread per device, the
+    coefficients applied, and a submodel run's widths."""
     plt = pyplot()
     ids, of = _shown_devices(run)
     frac = run.fractions()[:, ids].T  # devices x rounds
     n, rounds = frac.shape
-    fig = plt.figure(figsize=(11, 3.2 + 0.06 * n), layout="constrained")
-    grid = fig.add_gridspec(2, 2, width_ratios=(3, 1), height_ratios=(1, 1))
+    width = run.data.get("participation/width")
+    panels = 2 if width is None else 3
+    fig = plt.figure(figsize=(11, (3.2 + 0.06 * n) * panels / 2), layout="constrained")
+    grid = fig.add_gridspec(panels, 2, width_ratios=(3, 1), height_ratios=(1,) * panels)
     ax = fig.add_subplot(grid[0, 0])
     cmap = plt.get_cmap("viridis").with_extremes(bad="#f2f2f2")  # bad: not selected
     extent = (0.5, rounds + 0.5, n - 0.5, -0.5)
@@ -196,6 +198,15 @@ def participation(run: Run, title: str):
     coef.set_ylabel(_device_axis(ids, of))
     coef.set_title("coefficient applied to $\\Delta_k$ (blank: nothing applied)")
     fig.colorbar(cim, ax=coef, fraction=0.03, pad=0.01)
+    if width is not None:
+        wax = fig.add_subplot(grid[2, 0])
+        wim = wax.imshow(np.ma.masked_invalid(width[:, ids].T), aspect="auto", cmap=cmap, vmin=0, vmax=1,
+                         extent=extent, interpolation="nearest")
+        _heatmap_axes(wax)
+        wax.set_xlabel("round")
+        wax.set_ylabel(_device_axis(ids, of))
+        wax.set_title("submodel width trained (grey: not selected)")
+        fig.colorbar(wim, ax=wax, fraction=0.03, pad=0.01)
     fig.suptitle(title)
     return fig
 

@@ -243,13 +243,13 @@ def build_setup(cfg: Config, log_path: Path, resume_point, on_info, config_toml:
     header = log_header(cfg, algorithm, problem, model, layout, config_toml, restarts)
     if cfg.mpi.away:  # the boards away as this world ran (a replay silences and boosts alike)
         header.attrs["away"] = json.dumps([dataclasses.asdict(e) for e in cfg.mpi.away])
+    widths = width_models(cfg, problem, model)  # (before the memory check: its process's memory holds them)
     need = check_device_memory(algorithm, cfg, problem, model, log_path, on_info, distributed)
     header.attrs["rank_memory_estimate_mb"] = np.array([need / 2 ** 20])  # (device ranks' added under mpiexec)
     if cfg.privacy.mechanism != "none":
         cfg = privacy.settled(cfg, problem.n_devices, header.attrs, on_info,
                               trace.selected if isinstance(trace, ReplayTrace) else None)
-    return Setup(cfg, algorithm, problem, model, header, trace, weights=weights,
-                 widths=width_models(cfg, problem, model))
+    return Setup(cfg, algorithm, problem, model, header, trace, weights=weights, widths=widths)
 
 
 def local_transport(cfg: Config, algorithm: Algorithm, problem, model, device_ids=None, cores=None,

@@ -14,6 +14,7 @@ only, so the lanes change no byte of a report.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import threading
@@ -420,8 +421,9 @@ class LocalTransport:
             work.steps[i] = self.algorithm.client_update(lane.model, data, task,
                                                          {name: rows[i] for name, rows in work.vectors.items()})
         else:
-            work.steps[i] = self._train_slice(lane.widths, float(plan.widths[i]), i, k, plan, x, runner, streams,
-                                              work)
+            task = LocalTask(x, {}, {}, plan.steps_to_run(i), plan.lr, self.batch_size, runner, streams)
+            work.steps[i] = self._train_slice(lane.widths, float(plan.widths[i]), plan.round_idx, k, data, task,
+                                              {name: rows[i] for name, rows in work.vectors.items()})
         if self.secure is None:  # under secure aggregation nothing of a device's training leaves it in the clear
             work.loss_sq[i], work.samples[i] = streams.loss_sq(), streams.samples()
         if client is not None:
@@ -440,17 +442,17 @@ class LocalTransport:
         work.finish[i] = wall + delay
         work.core[i] = -1 if lane.core is None else lane.core
 
-    def _train_slice(self, widths, width: float, i: int, k: int, plan: RoundPlan, x, runner, streams,
-                     work: RoundWork) -> int:
-        """[submodel]: the device trains x's slice of its width (HeteroFL), or ordered dropout up to it (FjORD:
-        its steps' widths from its own stream), and reports the slice's change, zero elsewhere."""
-        at, n_steps = widths.positions[width], plan.steps_to_run(i)
-        draws = widths.step_draws(width, generator(self.seed, Purpose.WIDTH, plan.round_idx, k), n_steps)
-        out = {name: np.zeros(at.size, x.dtype) for name in work.vectors}
-        task = LocalTask(x[at], {}, {}, n_steps, plan.lr, self.batch_size, runner, streams)
-        steps = self.algorithm.client_update(widths.trainer(width, draws), self.data(k), task, out)
-        for name, rows in work.vectors.items():
-            rows[i, at] = out[name]
+    def _train_slice(self, widths, width: float, round_idx: int, k: int, data, task: LocalTask, rows: dict) -> int:
+        """[submodel]: device k trains task.x's slice of its width (HeteroFL), or ordered dropout up to it
+        (FjORD: its steps' widths from its own stream), and reports the slice's change into rows, zero
+        elsewhere. (No server or device vectors: [submodel] runs FedAvg and FedProx.)"""
+        at, x = widths.positions[width], task.x
+        draws = widths.step_draws(width, generator(self.seed, Purpose.WIDTH, round_idx, k), task.n_steps)
+        out = {name: np.zeros(at.size, x.dtype) for name in rows}
+        steps = self.algorithm.client_update(widths.trainer(width, draws), data,
+                                             dataclasses.replace(task, x=x[at]), out)
+        for name, row in rows.items():
+            row[at] = out[name]
         return steps
 
     @staticmethod
