@@ -36,8 +36,13 @@ class RoundPlan:
     by_arrival: bool = False  # the transport ends the round at the quorum's arrival and stops the others
     down_bytes: int = 0  # what the round's broadcast brings each selected device (for a shaped link's time)
     prescale: np.ndarray | None = None  # secure aggregation: (S,) c_k, each device's factor known before the work
-    widths: np.ndarray | None = None  # [submodel]: (S,) float64 each device's width (its slice alone travels,
-    # down_bytes scaled to it); None: the whole model
+    widths: np.ndarray | None = None  # [submodel]: (S,) float64 each device's width (its slice alone travels);
+    # None: the whole model
+    down_each: np.ndarray | None = None  # [submodel]: (S,) what the broadcast brings each device (its slice's)
+
+    def down(self) -> np.ndarray | int:
+        """What the broadcast brings each device: down_bytes, or each slice's."""
+        return self.down_bytes if self.down_each is None else self.down_each
 
     def steps_to_run(self, i: int) -> int:
         return int(self.budgets[i] if self.steps is None else self.steps[i])

@@ -16,6 +16,7 @@ from edgefed.algorithms.fedavg import FedAvg
 from edgefed.analysis.figures import participation
 from edgefed.analysis.logs import Run
 from edgefed.cli import main
+from edgefed.config import load_config
 from edgefed.participation.schemes import SCHEMES
 from edgefed.participation.submodels import Submodels, level_coefficients, server_update
 from edgefed.orchestration import run as runs
@@ -242,7 +243,7 @@ def by_speed(path, submodel=True, **more):
                         "train.local_steps": 4, "train.batch_size": 8, "train.lr_local": 0.1,
                         "participation.mode": "deadline", "participation.deadline_s": "0.8x",
                         "participation.clock": "simulated", "device.profile": "pi4b",
-                        "device.speed": [1.0, 0.5, 0.3, 0.2], **sub, **more})
+                        "device.speed": [1.0, 0.5, 0.3, 0.2], "device.link_mbps": [1.0], **sub, **more})
 
 
 def test_widths_by_speed_ranks_resume_and_replay_write_the_simulators_bytes(tiny_arrays, tmp_path, capsys):
@@ -260,6 +261,9 @@ def test_widths_by_speed_ranks_resume_and_replay_write_the_simulators_bytes(tiny
     rows, cols = np.nonzero(selected)
     assert widths[rows, cols].tolist() == [(0.5, 0.5, 0.25, 0.25)[k] for k in cols]
     assert steps[rows, cols].tolist() == [(4, 4, 4, 3)[k] for k in cols]
+    moved = log["participation/bytes_down"] + log["participation/bytes_up"]  # each its slice, on a 1 Mbit/s link
+    np.testing.assert_allclose(log["participation/comm_s"][rows, cols], 8 * moved[rows, cols] / 1e6, rtol=1e-6)
+    assert moved[rows, cols].max() < 2 * 4 * log["trajectory/x"].shape[1] / 2
     assert main(["summary", str(tmp_path / "sim.h5")]) == 0
     titles = [ax.get_title() for ax in participation(Run.read(tmp_path / "sim.h5"), "t").axes]
     assert "submodel width trained (grey: not selected)" in titles
@@ -270,7 +274,8 @@ def test_widths_by_speed_ranks_resume_and_replay_write_the_simulators_bytes(tiny
     assert_same_logs(log, loopback_run(cfg, tmp_path / "mpi.h5", 3))
     assert_same_logs(*interrupted_then_resumed(cfg, tmp_path, 1))
     # a measured run under the ranks replays bit for bit, its widths as recorded
-    measured = by_speed(tiny_arrays, **{"participation.clock": "measured", "participation.deadline_s": 0.05})
+    measured = by_speed(tiny_arrays, **{"participation.clock": "measured", "participation.deadline_s": 0.05,
+                                        "submodel.assign": [0.25, 0.5, 1.0, 0.5]})
     ran = loopback_run(measured, tmp_path / "measured.h5", 3)
     replay = {"participation.mode": "trace", "participation.deadline_s": None,
               "participation.trace": str(tmp_path / "measured.h5")}
@@ -279,7 +284,7 @@ def test_widths_by_speed_ranks_resume_and_replay_write_the_simulators_bytes(tiny
     for name in ("trajectory/x", "participation/width", "participation/coeff", "participation/steps",
                  "participation/bytes_up", "metrics/train_loss"):
         assert again[name].tobytes() == ran[name].tobytes(), name
-    with pytest.raises(ConfigError, match=r"ran submodels \(\[submodel\]\); replay it with the same \[submodel\]"):
+    with pytest.raises(ConfigError, match=r"ran submodels of widths \[0.25, 0.5, 1.0\]; replay it with the same"):
         runs.run(by_speed(tiny_arrays, False, **replay), tmp_path / "x.h5")
 
 
@@ -287,11 +292,12 @@ def test_widths_by_speed_ranks_resume_and_replay_write_the_simulators_bytes(tiny
     (['submodel.widths=[0.5, 1.5]'], "submodel.widths holds 1.5; a width is a fraction of a hidden layer's units in (0, 1]"),
     (['submodel.widths=[1.0, 0.5]'], "submodel.widths = [1.0, 0.5] must ascend, each width once (e.g. [0.5, 1.0])"),
     (['submodel.widths=[]'], "submodel.widths is empty"),
+    (['submodel.widths=[0.25, 0.5]'], "submodel.widths = [0.25, 0.5] must end with 1.0: the metrics evaluate the whole"),
     (['submodel.assign=[0.5, 1.0]'], "submodel.assign lists 2 widths for 4 devices; give one a device"),
     (['submodel.assign=[0.5, 0.5, 0.3, 1.0]'], "submodel.assign holds 0.3, which is not one of submodel.widths"),
     (['model.kind="logreg"'], "submodel is set, but model.layers has no hidden dense or convolution layer to narrow"),
     (['train.algorithm="scaffold"'], '[submodel] cannot run with train.algorithm = "scaffold"'),
-], ids=["outside", "unsorted", "empty", "assign-length", "assign-unknown", "nothing-to-slice", "scaffold"])
+], ids=["outside", "unsorted", "empty", "not-whole", "assign-length", "assign-unknown", "nothing-to-slice", "scaffold"])
 def test_bad_submodel_input_is_one_line_and_exit_2(tmp_path, capsys, sets, line):
     base = ["rounds=1", "data.clients=4", "train.clients_per_round=2", 'model.kind="mlp"', 'submodel.method="heterofl"',
             "submodel.widths=[0.5, 1.0]"]
@@ -319,29 +325,31 @@ def test_a_profile_that_times_a_width_gives_its_steps_their_own_time(tiny_arrays
 
 
 def test_secure_aggregation_sums_each_slice_among_the_devices_that_hold_it(tiny_arrays, tmp_path, monkeypatch):
-    """Three devices of widths 0.5, 1 and 0.25: each masks its slice alone (its masked input is zero elsewhere:
+    """Four devices of widths 0.25, 1, 0.5 and 1: each masks its slice alone (its masked input is zero elsewhere:
     nothing of the rest travels), a pair's masks cover the slice both hold, so every coordinate's masks cancel
-    among its holders, also when the whole model's device drops out in round 2 and the survivors' shares
-    unmask its pair masks. The round equals the plain one to the fixed point's resolution, each device sends
-    its slice's words and the clip count, and the ranks write the simulator's bytes."""
+    among its holders, also when the width-0.5 device drops out in round 2 and the survivors' shares unmask
+    its pair masks. The round equals the plain one to the fixed point's resolution, each device sends its
+    slice's words and the clip count, and the ranks write the simulator's bytes."""
     from edgefed.engine.secure import SecureSum
     from test_protocol import loopback_run
 
-    more = {"data.clients": 3, "train.clients_per_round": 3, "train.local_steps": 2, "rounds": 2,
-            "submodel.widths": [0.25, 0.5, 1.0], "submodel.assign": [0.5, 1.0, 0.25],
-            "participation.mode": "deadline", "participation.deadline_s": 0.3, "participation.grace_s": 0.1,
-            "fault": [{"device": 1, "round": 2, "kind": "stall", "seconds": 0.6}]}
-    plain = two_widths(tiny_arrays, **more)
-    secure = two_widths(tiny_arrays, **more, **{"secagg.enabled": True, "secagg.key_source": "seeded",
-                                                "secagg.threshold": 2})
+    def cfg(assign, stalled, secure=True):
+        more = {"data.clients": 4, "train.clients_per_round": 4, "train.local_steps": 2, "rounds": 2,
+                "submodel.widths": [0.25, 0.5, 1.0], "submodel.assign": assign,
+                "participation.mode": "deadline", "participation.deadline_s": 0.3, "participation.grace_s": 0.1,
+                "fault": [{"device": stalled, "round": 2, "kind": "stall", "seconds": 0.6}]}
+        if secure:
+            more.update({"secagg.enabled": True, "secagg.key_source": "seeded", "secagg.threshold": 2})
+        return two_widths(tiny_arrays, **more)
+
     masked = []
     reports = SecureSum.reports
     monkeypatch.setattr(SecureSum, "reports", lambda self, plan, res, *rest: (
         masked.append((plan.widths, res.masked.copy())), reports(self, plan, res, *rest))[1])
-    runs.run(plain, tmp_path / "plain.h5")
-    runs.run(secure, tmp_path / "secure.h5")
+    runs.run(cfg([0.25, 1.0, 0.5, 1.0], 2, secure=False), tmp_path / "plain.h5")
+    runs.run(secure := cfg([0.25, 1.0, 0.5, 1.0], 2), tmp_path / "secure.h5")
     a, b = read_run(tmp_path / "plain.h5"), read_run(tmp_path / "secure.h5")
-    assert b["participation/late"].tolist() == [[False] * 3, [False, True, False]]
+    assert b["participation/late"].tolist() == [[False] * 4, [False, False, True, False]]
     np.testing.assert_allclose(b["trajectory/x"], a["trajectory/x"], atol=1e-6)
     assert np.abs(b["trajectory/x"][2] - b["trajectory/x"][1]).max() > 1e-3  # (round 2 moved x)
     positions = width_models(secure, *runs.problem_and_model(secure)).positions
@@ -353,3 +361,27 @@ def test_secure_aggregation_sums_each_slice_among_the_devices_that_hold_it(tiny_
     words = (a["participation/bytes_up"] // 8 + 1) * 4  # float64 coordinates -> 32-bit words, and the count
     assert b["participation/bytes_up"][0].tolist() == words[0].tolist()
     assert_same_logs(b, loopback_run(secure, tmp_path / "mpi.h5", 3))
+    # a width only one selected device reaches is not summed over one: that device trains the next widest; a
+    # width whose holders drop to one survivor aborts the round, as a sum of one device would
+    runs.run(cfg([0.25, 1.0, 0.5, 0.5], 3), tmp_path / "capped.h5")
+    assert read_run(tmp_path / "capped.h5")["participation/width"][0].tolist() == [0.25, 0.5, 0.5, 0.5]
+    runs.run(cfg([0.25, 1.0, 1.0, 0.25], 2), tmp_path / "alone.h5")
+    alone = read_run(tmp_path / "alone.h5")
+    assert alone["metrics/secagg_aborted"].tolist() == [False, True]
+    assert alone["trajectory/x"][2].tobytes() == alone["trajectory/x"][1].tobytes()
+
+def test_edgefed_profile_times_each_width_as_its_own_layer_list(tiny_arrays, tmp_path):
+    """`edgefed profile --config` measures the config's model and each narrower width's, keyed by the width's
+    layer list (the whole width is the model itself, timed once)."""
+    from edgefed.orchestration import profiling
+
+    path = tmp_path / "c@1.toml"  # (a path may hold the separator of a width's spec)
+    path.write_text(f'[data]\nkind = "arrays"\npath = "{tiny_arrays}"\nclients = 4\n[model]\nkind = "mlp"\n'
+                    'hidden = [16, 8]\n[train]\nclients_per_round = 2\nbatch_size = 8\n[submodel]\nmethod = "fjord"\n')
+    spec = profiling.CONFIG + str(path)
+    parts = [profiling.build(s)[0] for s in profiling.width_specs(spec)]
+    widths = width_models(load_config(path), *runs.problem_and_model(load_config(path)))
+    assert [m.profile_key() for m in parts] == [widths.models[w].profile_key() for w in (0.25, 0.5)]
+    entry = profiling.speed_entry(parts[0], 8, 100.0)
+    assert (entry["model"], entry["params"]) == ("sequential", widths.n_params(0.25))
+    assert profiling.build(spec)[0].profile_key() == "mlp"

@@ -60,12 +60,12 @@ class Sweep:
         return dims
 
     def _linked(self, keys: tuple[str, ...]) -> bool:
-        """Whether the last key moved with the ones before it (a zipped axis: "mode,scheme" = [[...], ...]),
-        not across them (a product of two axes holds every pair)."""
+        """Whether the last key moved with the ones before it (a zipped axis: "mode,scheme" = [[...], ...]; a key
+        of one value in it), not across them (a product of two axes holds every pair)."""
         def combos(ks) -> int:
             return len({tuple(v[k] for k in ks) for v in self.values.values()})
 
-        return combos(keys) < combos(keys[:-1]) * combos(keys[-1:])
+        return combos(keys[-1:]) == 1 or combos(keys) < combos(keys[:-1]) * combos(keys[-1:])
 
     def label(self, cell: str, dims) -> str:
         """ "alpha=0.0, beta=0.0, trace=builtin:4": the cell's values along these dimensions."""

@@ -228,6 +228,9 @@ def validate_submodel(cfg: Config, train: TrainConfig, compress: CompressConfig)
     if any(b <= a for a, b in zip(widths, widths[1:])):
         raise ConfigError(f"config: submodel.widths = {list(widths)} must ascend, each width once "
                           f"(e.g. {sorted(set(widths))})")
+    if widths[-1] != 1.0:
+        raise ConfigError(f"config: submodel.widths = {list(widths)} must end with 1.0: the metrics evaluate the "
+                          "whole model, whose units past the widest width nobody would train")
     assign = "speed" if s.assign is None else s.assign
     if isinstance(assign, str):
         choice(assign, ("speed",), "submodel.assign")

@@ -91,7 +91,7 @@ class RoundClock:
         computed = res.steps.copy()  # what each device computed, taken or not (the energy it spent)
         if self.simulated:
             work = steps * t.boards.step_s[ids]
-            delays = t.delays(ids, r) + t.transfer_s(ids, plan.down_bytes + (0 if res.bytes_up is None else res.bytes_up))
+            delays = t.delays(ids, r) + t.transfer_s(ids, plan.down() + (0 if res.bytes_up is None else res.bytes_up))
             comm = t.boards.comm_or_zero(ids) + delays
             finish = work + comm
             known = np.isfinite(t.boards.comm_s[ids]) | (delays > 0) | (t.link_mbps is not None)

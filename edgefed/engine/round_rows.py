@@ -32,18 +32,11 @@ class RoundRows:
         """The broadcast's bytes each device received: the selected ones the model; with a compressed
         downlink every member the difference (each keeps the copy it adds to), and an arriving device the
         whole copy (x_0, which every device builds from the seed, is never sent)."""
-        if plan.widths is not None:  # (a plain downlink: [submodel] refuses a compressed one) each its slice
-            down = plan.down_bytes // self.state.x.size * self.submodels.n_params(plan.device_ids)
-            if not self._probes_sent():
-                return Scattered(self.n_devices, plan.device_ids, down, 0)
-            row = self._probe_bytes(0)
-            row[plan.device_ids] += down
-            return row
-        if not self._probes_sent() and not self.downlink.lossy:
-            return Scattered(self.n_devices, plan.device_ids, plan.down_bytes, 0)
+        if not self._probes_sent() and not self.downlink.lossy:  # ([submodel]'s: each its slice)
+            return Scattered(self.n_devices, plan.device_ids, plan.down(), 0)
         row = self._probe_bytes(0)
         if not self.downlink.lossy:
-            row[plan.device_ids] += plan.down_bytes
+            row[plan.device_ids] += plan.down()
             return row
         row[self.active] += plan.down_bytes
         if self.members.shifts:
@@ -118,7 +111,7 @@ class RoundRows:
             "participation/bytes_up": self._bytes_up(plan, res),
             "participation/bytes_down": self._bytes_down(plan),
             **self._considered_row(plan.round_idx),
-            **({} if plan.widths is None else {"participation/width": scatter(plan.widths.astype(np.float32), np.nan)}),
+            **({} if plan.widths is None else {"participation/width": scatter(plan.widths, np.nan)}),
             **self._energy_row(plan.round_idx, ids, settled.busy_s, self.clock.round_s if held_s is None else held_s,
                                held_s is None, res.energy_read_j),
             "metrics/lr": plan.lr,

@@ -169,15 +169,20 @@ class RoundEngine(RoundRows):
         return RoundPlan(round_idx, selected, budgets, lr, steps=None if steps is None else np.minimum(steps, budgets),
                          deadline_s=deadlines.compute_s, grace_s=p.grace_s, round_deadline_s=deadlines.due_s,
                          quorum=quorum, by_arrival=quorum is not None and not self.clock.simulated,
-                         down_bytes=self.down_bytes(), prescale=prescale, widths=self._widths(round_idx, selected))
+                         down_bytes=self.down_bytes(), prescale=prescale, **self._widths(round_idx, selected))
 
-    def _widths(self, round_idx: int, selected: np.ndarray) -> np.ndarray | None:
-        """[submodel]: the selected devices' widths (a replay's as it recorded them)."""
+    def _widths(self, round_idx: int, selected: np.ndarray) -> dict:
+        """[submodel]: the selected devices' widths (a replay's as it recorded them) and what the broadcast
+        brings each. Under secure aggregation no width's coordinates may have one holder (its sum would be its
+        update): a device wider than every other selected one trains the widest width another reaches."""
         if self.submodels is None:
-            return None
+            return {}
         recorded = self.trace.width if isinstance(self.trace, ReplayTrace) else None
-        return (recorded[round_idx - 1, selected] if recorded is not None
-                else self.submodels.device_width[selected]).astype(np.float64)
+        widths = (recorded[round_idx - 1, selected] if recorded is not None
+                  else self.submodels.device_width[selected]).astype(np.float64)
+        if self.cfg.secagg.enabled and recorded is None and widths.size > 1:
+            widths = np.minimum(widths, np.sort(widths)[-2])
+        return {"widths": widths, "down_each": self.submodels.slice_bytes(self.down_bytes(), widths)}
 
     # -- selection ---------------------------------------------------------------------------------------
     def _view(self, round_idx: int, members: np.ndarray, count: int) -> View:
@@ -479,7 +484,8 @@ class RoundEngine(RoundRows):
                                                           n_federation, w.levels)
             if aborted is not None:  # Bonawitz et al.: too few survivors to unmask, the round is abandoned
                 note = (f"secagg aborted: {int(w.reported.sum())} of {plan.device_ids.size} survived, "
-                        f"threshold {self.secure.setup.threshold}")
+                        f"threshold {self.secure.setup.threshold}" + (
+                            "" if self.secure.alone is None else f"; width {self.secure.alone:g} had one"))
                 w.coeffs[:] = 0.0
                 w.reported[:] = False
             elif extra["metrics/secagg_clipped"]:  # the sum is not the plain one: say so

@@ -30,6 +30,7 @@ class SecureSum:
         self.positions = None if submodels is None else submodels.positions
         self.setup = None
         self.keys = None
+        self.alone = None  # [submodel]: the width whose coordinates one survivor held, aborting the round
         self._row = {}  # device -> its row in the round's plan
         self._sent = None  # (S,) bytes each selected device sent for the protocol so far this round
 
@@ -56,7 +57,11 @@ class SecureSum:
         spent = res.secagg_s.astype(np.float64)  # NaN where the device's report never came
         sum_row = np.zeros((1, self.dim))
         g, aborted, clipped = 0.0, None, 0
-        if survivors.size:
+        self.alone = alone = self._alone(plan, reported) if levels is not None else None
+        if alone is not None:  # Bonawitz et al.'s rule, a width at a time: a sum of one would show its update
+            aborted = (f"secure aggregation, round {plan.round_idx}: width {alone}'s coordinates have one surviving "
+                       "holder, whose sum would show its update; the round is aborted")
+        elif survivors.size:
             total = np.zeros(self.setup.words, self.setup.word)
             for i in np.flatnonzero(reported):
                 total += res.masked[i]
@@ -79,6 +84,13 @@ class SecureSum:
         applied = RoundReports(np.zeros(1, np.int64), {DELTA_X: sum_row}, np.array([g]), np.array([g != 0.0]),
                                lr_global, n_federation)
         return applied, self._columns(plan, spent, clipped, aborted), aborted
+
+    def _alone(self, plan: RoundPlan, reported: np.ndarray) -> float | None:
+        """[submodel]: the narrowest width whose own coordinates exactly one surviving device holds (None: none)."""
+        for width, coords in zip(self.submodels.widths, self.submodels.levels):
+            if coords.size and np.count_nonzero(reported & (plan.widths >= width)) == 1:
+                return width
+        return None
 
     def _columns(self, plan: RoundPlan, spent: np.ndarray, clipped: int, aborted) -> dict:
         return {"participation/secagg_s": self._scatter(plan, spent.astype(np.float32), np.float32, math.nan),

@@ -61,7 +61,7 @@ def log_layout(algorithm: Algorithm, cfg: Config, n: int, d: int, dtype) -> dict
                    "the policy's score of a considered device when it selected (fedcs: predicted seconds; oort: "
                    "utility; power_of_choice: local loss; NaN: not considered)", np.nan)]
     if cfg.submodel.enabled:
-        columns.append(Column("participation/width", (n,), np.float32, "round",
+        columns.append(Column("participation/width", (n,), np.float64, "round",
                               f"[submodel] {cfg.submodel.method}: the width the device trained (FjORD: the widest its "
                               "steps drew from), a fraction of every hidden layer's units; its slice alone travelled "
                               "(bytes_down, bytes_up); NaN: not selected", np.nan))

@@ -52,7 +52,7 @@ BENCH_MODELS = {
 RECOMMENDED_BATCH = {"logreg": 20, "mlp": 10, "cnn": 10, "charlstm": 10}
 FULL_BATCH = 64  # a config with batch_size = "full" is measured at this batch (the profile scales linearly)
 CONFIG = "config:"  # a model spec naming a config file: its model, measured on random samples of its shape
-WIDTH = "@"  # CONFIG + path + WIDTH + w: the model of one of its [submodel] widths
+WIDTH = "\0"  # CONFIG + path + WIDTH + w: the model of one of its [submodel] widths (no path holds a NUL)
 
 
 def _config(spec: str):
@@ -326,7 +326,8 @@ def measure(specs=tuple(BENCH_MODELS), cold: bool = True, out=print) -> dict:
             for batch in batches(spec):
                 model, sps = steps_per_second(part, batch)
                 speeds.append(speed_entry(model, batch, sps))
-                out(f"{tag}: width {part.rsplit(WIDTH, 1)[1]}: batch {batch}: {sps:,.1f} steps/s")
+                out(f"{tag}: width {part.rsplit(WIDTH, 1)[1]}: batch {batch}: {sps:,.1f} steps/s "
+                    f"({1e3 / sps:.3f} ms per step)")
         recommended[tag] = RECOMMENDED_BATCH.get(spec, batches(spec)[0])
     profile = {
         "format": 1, "name": name, "measured": True,

@@ -35,6 +35,7 @@ from edgefed.runtime.mpi.device_server import DeviceServer, Heart
 from edgefed.runtime.mpi.placement import device_owners, round_robin_devices
 from edgefed.compression import codecs
 from edgefed.runtime.mpi.protocol import Wire
+from edgefed.width_models import width_models
 
 
 def execute(resolve, force: bool, on_round, on_info, on_error, launch: Launch | None = None):
@@ -260,9 +261,10 @@ def _build_devices(cfg, info, rank: int, machines):
             check_shard(problem, own)
         algorithm = build_algorithm(cfg)
         cores, loads = rank_lanes(cfg, rank, machines)
+        widths = width_models(cfg, problem, model)  # (before the memory check: this process holds them)
         check_rank_memory(cfg, algorithm, problem, model, own, len(cores or (None,)))
         transport = run_mod.local_transport(cfg, algorithm, problem, model, device_ids=own, cores=cores,
-                                            contention=loads)
+                                            contention=loads, widths=widths)
         warm = transport.warmup()
     except EdgefedError as exc:
         failure = (f"rank {rank}: {exc}", False)

@@ -227,9 +227,11 @@ def build_setup(cfg: Config, log_path: Path, resume_point, on_info, config_toml:
     if isinstance(trace, ReplayTrace) and trace.away and not cfg.mpi.away:  # its silences and boosts, as they ran
         cfg = dataclasses.replace(cfg, mpi=dataclasses.replace(cfg.mpi, away=tuple(
             config_mod.AwayConfig(tuple(e["devices"]), e["round"], e.get("back")) for e in trace.away)))
-    if isinstance(trace, ReplayTrace) and trace.width is not None and not cfg.submodel.enabled:
-        raise ConfigError(f"config: participation.trace = {cfg.participation.trace!r} ran submodels ([submodel]); "
-                          "replay it with the same [submodel] table")
+    if isinstance(trace, ReplayTrace) and trace.width is not None:
+        ran = sorted(set(trace.width[np.isfinite(trace.width)].tolist()))
+        if not cfg.submodel.enabled or not set(ran) <= set(cfg.submodel.widths):
+            raise ConfigError(f"config: participation.trace = {cfg.participation.trace!r} ran submodels of widths "
+                              f"{ran}; replay it with the same [submodel] table")
     algorithm = build_algorithm(cfg)
     if resume_point is None or resume_point.fresh:  # the config as run: with the clients a problem file fixes
         config_toml = config_mod.to_toml(cfg)

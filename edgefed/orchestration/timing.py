@@ -44,10 +44,11 @@ def _board_step_seconds(setup, names, profiles: dict, model=None) -> np.ndarray:
                      for k in range(problem.n_devices)])
 
 
-def _comm_seconds(setup, names, profiles) -> np.ndarray:
+def _comm_seconds(setup, names, profiles, params: int | None = None) -> np.ndarray:
     """Each device's seconds of a round besides its steps: its profile's collectives, plus its rank's own work
-    of a round ([rank] round_s); NaN where the profile has neither."""
-    key, params = setup.model.profile_key(), setup.model.n_trainable
+    of a round ([rank] round_s); NaN where the profile has neither. params: a submodel width's (default: the
+    run's model's)."""
+    key, params = setup.model.profile_key(), setup.model.n_trainable if params is None else params
 
     def seconds(prof) -> float:
         comm = prof.comm_seconds(key, params)
@@ -113,16 +114,18 @@ def timing_for(setup, owners: np.ndarray | None = None, on_info=None, resume_poi
         raise ConfigError('config: participation.clock = "simulated" times each device by its board\'s profile; '
                           'set [device] profile (or boards under mpirun), a profile that times the run\'s model')
     deadlines = _deadlines(setup, board_step, profiles, names, on_info, attrs)
-    submodels = None
-    if setup.widths is not None:  # a width's steps take its own time: the clock charges each device's
+    submodels, moved = None, round_bytes(cfg, setup.algorithm, setup.model)
+    if setup.widths is not None:  # a width's steps and slice take their own time: the clock charges each device's
         submodels, width_step = _submodels(setup, names, profiles, deadlines, speed, on_info)
+        moved = submodels.slice_bytes(moved, submodels.device_width)
         if boards is not None:
-            boards = Boards(width_step, boards.comm_s)
+            comm = np.stack([_comm_seconds(setup, names, profiles, setup.widths.n_params(w)) for w in submodels.widths])
+            boards = Boards(width_step, comm[np.searchsorted(submodels.widths, submodels.device_width), np.arange(n)])
     timing = Timing(clock=str(clock), boards=boards, deadlines=deadlines,
                     quantile=p.deadline_quantile if p.deadline_s == "adaptive" else None, covers=p.deadline_covers,
                     overselect=p.overselect,
                     link_delays={(f.device, f.round): f.seconds for f in cfg.fault if f.kind == "slow_link"},
-                    link_mbps=link_speeds(cfg, n), round_bytes=round_bytes(cfg, setup.algorithm, setup.model))
+                    link_mbps=link_speeds(cfg, n), round_bytes=moved)
     hosts = np.zeros(n, np.int64) if owners is None or not distributed else np.asarray(owners, np.int64) - 1
     power, said = board_power(names, profiles, hosts, timing)
     if said:
@@ -191,6 +194,9 @@ def _submodels(setup, names, profiles, deadlines, speed, on_info) -> tuple[Submo
     if speed is not None:
         step = np.stack([_board_step_seconds(setup, names, profiles, widths.models[w]) for w in widths.widths]) / speed
     if s.assign != ASSIGN_SPEED:
+        if len(s.assign) != n:  # (a data file's N is known once it is read)
+            raise ConfigError(f"config: submodel.assign lists {len(s.assign)} widths for {n} devices; give one a "
+                              'device, or assign = "speed"')
         device_width = np.asarray(s.assign, np.float64)
     elif step is None or deadlines is None:
         device_width = np.full(n, widths.widths[-1])

@@ -45,10 +45,19 @@ class Submodels:
             before = self.positions[w]
         return out
 
-    def n_params(self, ids: np.ndarray) -> np.ndarray:
-        """(len(ids),) the parameters each of these devices' slices holds."""
+    def n_params(self, widths) -> np.ndarray:
+        """(len(widths),) the parameters each of these widths' slices holds."""
         sizes = {w: self.positions[w].size for w in self.widths}
-        return np.array([sizes[float(w)] for w in self.device_width[ids]], np.int64)
+        return np.array([sizes[float(w)] for w in np.atleast_1d(widths)], np.int64)
+
+    def slice_bytes(self, nbytes: int, widths) -> np.ndarray:
+        """(len(widths),) what the whole model's plain nbytes are of each of these widths' slices."""
+        return slice_bytes(nbytes, self.positions[self.widths[-1]].size, self.n_params(widths))
+
+
+def slice_bytes(nbytes, whole: int, part):
+    """A whole model's plain bytes (whole parameters, a word each, some vectors of it), of `part` parameters."""
+    return nbytes // whole * part
 
 
 def level_coefficients(scheme: str, weights: np.ndarray, steps: np.ndarray, budgets: np.ndarray,

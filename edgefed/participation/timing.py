@@ -139,7 +139,8 @@ class Timing:
     overselect: float = 0.0
     link_delays: dict = field(default_factory=dict)  # {(device, round): seconds} of [[fault]] slow_link
     link_mbps: np.ndarray | None = None  # (N,) each device's shaped link ([device] link_mbps); None: not shaped
-    round_bytes: int = 0  # what a selected device's round moves (broadcast and report), for the links' prior
+    round_bytes: int | np.ndarray = 0  # what a selected device's round moves (broadcast and report), for the
+    # links' prior; (N,) where devices move different shares of the model ([submodel]'s slices)
     power: BoardPower | None = None  # each device's board and what it draws; None: no energy is computed
     reads_energy: bool = False  # the boards' own meters are read beside the modelled energy (measured, mpiexec)
 
@@ -159,7 +160,7 @@ class Timing:
         if self.link_mbps is None:
             return profiled
         base = np.zeros(ids.size) if profiled is None else np.where(np.isfinite(profiled), profiled, 0.0)
-        return base + self.transfer_s(ids, self.round_bytes)
+        return base + self.transfer_s(ids, self.round_bytes if np.isscalar(self.round_bytes) else self.round_bytes[ids])
 
     def needs_links(self) -> bool:
         """Whether a deadline is counted against the devices' links too (covers = "round")."""

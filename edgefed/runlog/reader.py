@@ -349,7 +349,7 @@ class RecordedParticipation:
     utility: np.ndarray | None = None  # (R, N) float64: their scores
     energy_j: np.ndarray | None = None  # (R, N) float64: each device-round's energy; None: not logged
     away: tuple = ()  # the boards away as it ran ([[mpi.away]] entries as dicts: devices, round, back)
-    width: np.ndarray | None = None  # (R, N) float32: each device-round's submodel width; None: not logged
+    width: np.ndarray | None = None  # (R, N) float64: each device-round's submodel width; None: not logged
 
 
 def read_participation(path: str | Path) -> RecordedParticipation:

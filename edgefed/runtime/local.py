@@ -31,6 +31,7 @@ from edgefed.errors import EdgefedError
 from edgefed.ids import find
 from edgefed.kernels import jit_compilations
 from edgefed.models import warm_model
+from edgefed.participation.submodels import slice_bytes
 from edgefed.rng import Purpose, generator, kernel_state
 from edgefed.runtime.contention import Competitor, pin
 from edgefed.runtime.deadline import BoardReadings, DeadlineRunner, run_all
@@ -435,7 +436,7 @@ class LocalTransport:
         work.elapsed[i] = wall
         work.cpu[i] = 100.0 * (time.thread_time() - cpu0) / wall if wall > 0 else math.nan
         work.freq[i], work.temp[i] = lane.readings.frequency_mhz(), lane.readings.temperature_c()
-        down = plan.down_bytes if plan.widths is None else self._slice_bytes(plan.down_bytes, lane, plan.widths[i])
+        down = plan.down_bytes if plan.widths is None else self._slice_bytes(plan.down_bytes, plan.widths[i])
         delay = self.link_delay(k, plan.round_idx, down + int(work.bytes_up[i]))
         if delay:
             work.comm[i] = delay  # in one process the link is accounted for, not slept through
@@ -455,10 +456,9 @@ class LocalTransport:
             row[at] = out[name]
         return steps
 
-    @staticmethod
-    def _slice_bytes(nbytes: int, lane: Lane, width: float) -> int:
+    def _slice_bytes(self, nbytes: int, width: float) -> int:
         """A whole model's plain bytes, of a width's slice."""
-        return nbytes // lane.model.n_trainable * lane.widths.n_params(float(width))
+        return slice_bytes(nbytes, self.model.n_trainable, self.lanes[0].widths.n_params(float(width)))
 
     def _mask(self, client, i: int, plan: RoundPlan, work: RoundWork) -> None:
         """Secure aggregation: the device's masked input replaces its report; a non-finite update is not sent."""
@@ -482,7 +482,7 @@ class LocalTransport:
         codec, d = self.uplink, work.vectors[DELTA_X].shape[1]
         if not codec.lossy:  # (a plain uplink: [submodel] refuses another, and sends its slice alone)
             sent = len(work.vectors) * codec.nbytes(d, self.model.dtype)
-            work.bytes_up[i] = sent if width is None else self._slice_bytes(sent, self.lanes[0], width)
+            work.bytes_up[i] = sent if width is None else self._slice_bytes(sent, width)
             return
         rng = generator(self.seed, Purpose.COMPRESS, round_idx, k) if codec.kind == "int8" else None
         sent = {}

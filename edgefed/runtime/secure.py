@@ -76,4 +76,3 @@ class SecureDevices:
     @staticmethod
     def _records(parts, dtype) -> np.ndarray:
         return np.concatenate(parts) if parts else np.zeros(0, dtype)
-
