@@ -304,6 +304,24 @@ def test_secure_aggregation_under_mpiexec_writes_the_simulators_bytes(tmp_path):
     assert logs[1]["participation/secagg_bytes"][logs[1]["participation/selected"]].min() > 0
 
 
+def test_submodels_under_mpiexec_write_the_simulators_bytes(tmp_path):
+    """FjORD's widths by device and each width's step draws on the ranks, under secure aggregation (slices
+    masked alone, the widths on the SECAGG command): the simulator's bytes."""
+    logs = simulator_then_ranks(tmp_path, SMALL + """[model]
+kind = "mlp"
+hidden = [8, 8]
+[secagg]
+enabled = true
+key_source = "seeded"
+[submodel]
+method = "fjord"
+assign = [0.25, 1.0, 0.5, 1.0, 0.5, 0.25, 1.0]
+""")
+    assert same_datasets(*logs) == []
+    widths = logs[1]["participation/width"][logs[1]["participation/selected"]]
+    assert set(widths.tolist()) == {0.25, 0.5, 1.0}
+
+
 LATE = """rounds = 2
 [data]
 clients = 5

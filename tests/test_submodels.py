@@ -329,9 +329,8 @@ def test_secure_aggregation_sums_each_slice_among_the_devices_that_hold_it(tiny_
     nothing of the rest travels), a pair's masks cover the slice both hold, so every coordinate's masks cancel
     among its holders, also when the width-0.5 device drops out in round 2 and the survivors' shares unmask
     its pair masks. The round equals the plain one to the fixed point's resolution, each device sends its
-    slice's words and the clip count, and the ranks write the simulator's bytes."""
+    slice's words and the clip count."""
     from edgefed.engine.secure import SecureSum
-    from test_protocol import loopback_run
 
     def cfg(assign, stalled, secure=True):
         more = {"data.clients": 4, "train.clients_per_round": 4, "train.local_steps": 2, "rounds": 2,
@@ -359,8 +358,7 @@ def test_secure_aggregation_sums_each_slice_among_the_devices_that_hold_it(tiny_
         outside[positions[w]] = outside[-1] = False
         assert not row[outside].any() and row[~outside].any(), w
     words = (a["participation/bytes_up"] // 8 + 1) * 4  # float64 coordinates -> 32-bit words, and the count
-    assert b["participation/bytes_up"][0].tolist() == words[0].tolist()
-    assert_same_logs(b, loopback_run(secure, tmp_path / "mpi.h5", 3))
+    assert b["participation/bytes_up"][0].tolist() == words[0].tolist()  # (under mpiexec: tests/test_mpi.py)
     # a width only one selected device reaches is not summed over one: that device trains the next widest; a
     # width whose holders drop to one survivor aborts the round, as a sum of one device would
     runs.run(cfg([0.25, 1.0, 0.5, 0.5], 3), tmp_path / "capped.h5")
