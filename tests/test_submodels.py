@@ -373,7 +373,7 @@ def test_edgefed_profile_times_each_width_as_its_own_layer_list(tiny_arrays, tmp
     layer list (the whole width is the model itself, timed once)."""
     from edgefed.orchestration import profiling
 
-    path = tmp_path / "c@1.toml"  # (a path may hold the separator of a width's spec)
+    path = tmp_path / "c@1.toml"  # (a path may hold an "@")
     path.write_text(f'[data]\nkind = "arrays"\npath = "{tiny_arrays}"\nclients = 4\n[model]\nkind = "mlp"\n'
                     'hidden = [16, 8]\n[train]\nclients_per_round = 2\nbatch_size = 8\n[submodel]\nmethod = "fjord"\n')
     spec = profiling.CONFIG + str(path)
