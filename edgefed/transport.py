@@ -13,9 +13,8 @@ from typing import Mapping, Protocol
 
 import numpy as np
 
-from edgefed.ids import find
-
 from edgefed.algorithms.base import DeviceRows
+from edgefed.ids import find
 
 PROBE_BYTES = 8  # a device's answer when asked for its loss at the server model (power of choice): one float64
 

@@ -24,19 +24,20 @@ HETEROFL, FJORD = "heterofl", "fjord"
 class WidthModels:
     """Each width's model and its positions in the whole vector (and, for FjORD, in every wider width's)."""
 
-    def __init__(self, method: str, models: dict, positions: dict):
+    def __init__(self, method: str, models: dict, positions: dict, inner: dict | None = None):
+        """inner: where width u's parameters sit inside width w's vector (u <= w), FjORD's; None: found here."""
         self.method, self.models, self.positions = method, models, positions
         self.widths = tuple(sorted(models))
-        # where width u's parameters sit inside width w's vector (u <= w): slices nest, so u's positions in the
-        # whole vector are among w's, in w's order
-        self.inner = {(u, w): np.searchsorted(positions[w], positions[u]) for w in self.widths for u in self.widths
-                      if u <= w}
-        for (u, w), at in self.inner.items():
-            assert (positions[w][at] == positions[u]).all(), "a narrower slice is not inside a wider one"
+        if inner is None and method == FJORD:  # slices nest: u's positions in the whole vector are among w's
+            inner = {(u, w): np.searchsorted(positions[w], positions[u]) for w in self.widths for u in self.widths
+                     if u <= w}
+            for (u, w), at in inner.items():
+                assert (positions[w][at] == positions[u]).all(), "a narrower slice is not inside a wider one"
+        self.inner = inner
 
     def clone(self) -> "WidthModels":
         """The same widths with workspaces of their own (a lane's)."""
-        return WidthModels(self.method, {w: m.clone() for w, m in self.models.items()}, self.positions)
+        return WidthModels(self.method, {w: m.clone() for w, m in self.models.items()}, self.positions, self.inner)
 
     def n_params(self, width: float) -> int:
         return int(self.positions[width].size)

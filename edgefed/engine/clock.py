@@ -15,9 +15,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from edgefed.participation.energy import busy_seconds
-from edgefed.runlog import round_ids, round_values
 from edgefed.participation.timing import (Forecast, History, RoundDeadlines, Timing, compute_s, first_to_finish,
                                           forward_pass_s, round_deadlines, steps_by)
+from edgefed.runlog import round_ids, round_values
 from edgefed.transport import LocalResults, RoundPlan
 
 

@@ -453,19 +453,18 @@ class RoundEngine(RoundRows):
         surplus = plan.quorum is not None or (isinstance(self.trace, ReplayTrace) and self.trace.overselected)
         pool = ~late if surplus else np.ones(late.size, bool)
         coeffs = np.zeros(plan.device_ids.size)
-        if pool.any():
+        # [submodel]: each width's coordinates take the rule over the devices that hold them
+        levels = None if plan.widths is None else np.zeros((len(self.submodels.widths), plan.device_ids.size))
+        if pool.any() and levels is None:
             coeffs[pool] = schemes.coefficients(self.cfg.train.weighting, self.cfg.participation.scheme,
                                                 plan.device_ids[pool], self.federation, self.n_train,
                                                 counted[pool], plan.budgets[pool])
-        levels = None
-        if plan.widths is not None:  # each width's coordinates: the rule over the devices that hold them
-            levels = np.zeros((len(self.submodels.widths), plan.device_ids.size))
-            if pool.any():
-                base = schemes.base_weights(self.cfg.train.weighting, plan.device_ids[pool], self.federation,
-                                            self.n_train)
-                levels[:, pool] = submodels.level_coefficients(self.cfg.participation.scheme, base, counted[pool],
-                                                               plan.budgets[pool], plan.widths[pool],
-                                                               self.submodels.widths)
+        elif pool.any():
+            base = schemes.base_weights(self.cfg.train.weighting, plan.device_ids[pool], self.federation, self.n_train)
+            levels[:, pool] = submodels.level_coefficients(self.cfg.participation.scheme, base, counted[pool],
+                                                           plan.budgets[pool], plan.widths[pool],
+                                                           self.submodels.widths)
+            coeffs[:] = levels[0]  # (the coordinates every device holds: the plain rule's, which the log keeps)
         boost = self.members.boost(plan.device_ids)  # fast-reboot of arriving devices
         for values in (coeffs,) if levels is None else (coeffs, *levels):
             values *= boost

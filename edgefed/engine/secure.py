@@ -51,12 +51,16 @@ class SecureSum:
     def reports(self, plan: RoundPlan, res: LocalResults, coeffs: np.ndarray, reported: np.ndarray,
                 counted_steps: np.ndarray, lr_global: float, n_federation: int, levels: np.ndarray | None = None):
         """(RoundReports of the one sum, the round's secagg columns, why the round was aborted or None).
-        levels: [submodel]'s, the coefficients of each width's coordinates (the sum then comes as a row a
-        width, each its own coordinates, each with its width's factor G)."""
+        levels: [submodel]'s, the coefficients of each width's coordinates: the sum then comes as a row a width,
+        its own coordinates, each with G over that width's holders (a coordinate's sum holds theirs alone)."""
         survivors = plan.device_ids[reported]
         spent = res.secagg_s.astype(np.float64)  # NaN where the device's report never came
-        sum_row = np.zeros((1, self.dim))
-        g, aborted, clipped = 0.0, None, 0
+        if levels is None:  # one group: every coordinate, summed over the survivors
+            groups = [(coeffs, slice(None), reported)]
+        else:
+            groups = [(row, coords, reported & (plan.widths >= width))
+                      for row, coords, width in zip(levels, self.submodels.levels, self.submodels.widths)]
+        rows, g, aborted, clipped = np.zeros((len(groups), self.dim)), np.zeros(len(groups)), None, 0
         self.alone = alone = self._alone(plan, reported) if levels is not None else None
         if alone is not None:  # Bonawitz et al.'s rule, a width at a time: a sum of one would show its update
             aborted = (f"secure aggregation, round {plan.round_idx}: width {alone}'s coordinates have one surviving "
@@ -74,16 +78,19 @@ class SecureSum:
             except Unrecoverable as exc:
                 aborted = str(exc)
             else:
-                sum_row[0], clipped = protocol.decode(self.setup, summed)
-                factors = schemes.device_factors(self.cfg.participation.scheme, plan.prescale[reported],
-                                                 counted_steps[reported], plan.budgets[reported])
-                g = schemes.server_factor(coeffs[reported], factors)
-        if levels is not None:  # a coordinate's sum holds its holders' updates alone: their factor G, a width each
-            return self._by_width(sum_row[0], levels, plan, reported, counted_steps, lr_global, n_federation,
-                                  aborted), self._columns(plan, spent, clipped, aborted), aborted
-        applied = RoundReports(np.zeros(1, np.int64), {DELTA_X: sum_row}, np.array([g]), np.array([g != 0.0]),
-                               lr_global, n_federation)
-        return applied, self._columns(plan, spent, clipped, aborted), aborted
+                decoded, clipped = protocol.decode(self.setup, summed)
+                factors = np.zeros(plan.device_ids.size)
+                factors[reported] = schemes.device_factors(self.cfg.participation.scheme, plan.prescale[reported],
+                                                           counted_steps[reported], plan.budgets[reported])
+                for j, (row, coords, holders) in enumerate(groups):
+                    rows[j, coords] = decoded[coords]
+                    if holders.any():
+                        g[j] = schemes.server_factor(row[holders], factors[holders])
+        applied = RoundReports(np.zeros(len(groups), np.int64), {DELTA_X: rows}, g, g != 0.0, lr_global, n_federation)
+        columns = {"participation/secagg_s": self._scatter(plan, spent.astype(np.float32), np.float32, math.nan),
+                   "participation/secagg_bytes": self._scatter(plan, self._sent, np.int64, 0),
+                   "metrics/secagg_clipped": clipped, "metrics/secagg_aborted": aborted is not None}
+        return applied, columns, aborted
 
     def _alone(self, plan: RoundPlan, reported: np.ndarray) -> float | None:
         """[submodel]: the narrowest width whose own coordinates exactly one surviving device holds (None: none)."""
@@ -91,27 +98,6 @@ class SecureSum:
             if coords.size and np.count_nonzero(reported & (plan.widths >= width)) == 1:
                 return width
         return None
-
-    def _columns(self, plan: RoundPlan, spent: np.ndarray, clipped: int, aborted) -> dict:
-        return {"participation/secagg_s": self._scatter(plan, spent.astype(np.float32), np.float32, math.nan),
-                "participation/secagg_bytes": self._scatter(plan, self._sent, np.int64, 0),
-                "metrics/secagg_clipped": clipped, "metrics/secagg_aborted": aborted is not None}
-
-    def _by_width(self, total: np.ndarray, levels: np.ndarray, plan: RoundPlan, reported: np.ndarray,
-                  counted_steps: np.ndarray, lr_global: float, n_federation: int, aborted) -> RoundReports:
-        """The sum as one row a width (its own coordinates), each with G over that width's holders."""
-        rows = np.zeros((len(levels), self.dim))
-        g = np.zeros(len(levels))
-        factors = np.zeros(plan.device_ids.size)
-        if reported.any():
-            factors[reported] = schemes.device_factors(self.cfg.participation.scheme, plan.prescale[reported],
-                                                       counted_steps[reported], plan.budgets[reported])
-        for j, (coeffs, coords) in enumerate(zip(levels, self.submodels.levels)):
-            rows[j, coords] = total[coords]
-            holders = reported & (plan.widths >= self.submodels.widths[j])
-            if aborted is None and holders.any():
-                g[j] = schemes.server_factor(coeffs[holders], factors[holders])
-        return RoundReports(np.zeros(len(levels), np.int64), {DELTA_X: rows}, g, g != 0.0, lr_global, n_federation)
 
     def _rows(self, devices) -> list[int]:
         return [self._row[int(k)] for k in devices]

@@ -21,7 +21,6 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from edgefed.ids import find
-
 from edgefed.rng import Purpose, generator
 
 STALENESS = ("constant", "polynomial")

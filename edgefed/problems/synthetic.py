@@ -14,7 +14,6 @@ from __future__ import annotations
 import numpy as np
 
 from edgefed.ids import find
-
 from edgefed.problems.data import PARETO_DEFAULT_MAX, PARETO_INDEX, ClassificationData
 from edgefed.kernels.first_draws import LOGNORMAL, PARETO, first_draws
 from edgefed.rng import Purpose, device_generators, generator, stream_words
@@ -109,10 +108,10 @@ class SyntheticProblem:
         if self._all is not None or self._hosted is None:
             return int(np.max(self.n_train, initial=1))
         if self._largest is None:
-            blocks = range(0, self.n_devices, SIZE_BLOCK)
-            self._largest = max((int(split_train(total_samples(self.cfg, self.seed, np.arange(a, min(a + SIZE_BLOCK,
-                                                                                                  self.n_devices))),
-                                                 self.cfg.test_fraction).max()) for a in blocks), default=1)
+            self._largest = 1
+            for start in range(0, self.n_devices, SIZE_BLOCK):
+                block = total_samples(self.cfg, self.seed, np.arange(start, min(start + SIZE_BLOCK, self.n_devices)))
+                self._largest = max(self._largest, int(split_train(block, self.cfg.test_fraction).max()))
         return self._largest
 
     def totals(self, device_ids) -> np.ndarray:
@@ -159,7 +158,7 @@ class SyntheticProblem:
     def device(self, device_id: int) -> ClassificationData:
         X, y = self.generate(device_id)
         X = X.astype(self.dtype)
-        k = int(split_train(self.totals([device_id]), self.cfg.test_fraction)[0])
+        k = int(split_train(X.shape[:1], self.cfg.test_fraction)[0])
         return ClassificationData(
             np.ascontiguousarray(X[:k]), y[:k].copy(), np.ascontiguousarray(X[k:]), y[k:].copy()
         )

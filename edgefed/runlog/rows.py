@@ -9,9 +9,8 @@ from dataclasses import dataclass
 import h5py
 import numpy as np
 
-from edgefed.ids import find
-
 from edgefed.algorithms.base import DeviceRows, nonzero_rows
+from edgefed.ids import find
 
 @functools.lru_cache(maxsize=None)
 def _memory_layout(dtype: np.dtype, row_shape: tuple):

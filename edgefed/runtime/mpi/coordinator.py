@@ -253,7 +253,7 @@ class MpiTransport:
 
     # -- secure aggregation: the server relays the protocol's records ---------------------------------
     def secagg_keys(self, plan: RoundPlan) -> np.ndarray:
-        return self._secagg(protocol.KEYS, plan.round_idx, plan.device_ids, secagg.KEYS, widths=plan.widths)
+        return self._secagg(protocol.KEYS, plan.round_idx, plan.device_ids, secagg.KEYS, plan=plan)
 
     def secagg_shares(self, round_idx: int, keys: np.ndarray) -> np.ndarray:
         return self._secagg(protocol.SHARES, round_idx, keys["device"], secagg.SHARE, keys)
@@ -273,13 +273,13 @@ class MpiTransport:
     def secagg_reveal(self, round_idx: int, survivors: np.ndarray) -> np.ndarray:
         return self._secagg(protocol.REVEAL, round_idx, survivors, secagg.REVEAL)
 
-    def _secagg(self, phase: int, round_idx: int, devices, dtype, payload: np.ndarray | None = None, widths=None):
+    def _secagg(self, phase: int, round_idx: int, devices, dtype, payload: np.ndarray | None = None, plan=None):
         """One phase: the command (and the records it relays) to every rank, the records of the ranks that host
-        `devices` back, in ascending device order (dtype None: no reply); widths: [submodel]'s, the devices'."""
+        `devices` back, in ascending device order (dtype None: no reply); plan: the round's, whose entries the
+        KEYS command carries (a device's [submodel] width: the slice its masks cover)."""
         devices = np.asarray(devices, np.int64)
         relayed = None if payload is None else np.ascontiguousarray(payload).view(np.uint8)
-        self._command(protocol.SECAGG, devices=devices, relayed=relayed, round_idx=round_idx, phase=phase,
-                      widths=widths)
+        self._command(protocol.SECAGG, plan, devices, relayed=relayed, round_idx=round_idx, phase=phase)
         if dtype is None:
             return None
 

@@ -227,11 +227,10 @@ class Wire:
     @staticmethod
     def encode_command(cmd: Command, command: int, plan: RoundPlan | None = None,
                        devices: np.ndarray | None = None, accepted: tuple[int, np.ndarray] | None = None,
-                       downlink: bool = False, round_idx: int = 0, phase: int = 0, payload_bytes: int = 0,
-                       widths=None) -> None:
+                       downlink: bool = False, round_idx: int = 0, phase: int = 0, payload_bytes: int = 0) -> None:
         """Fill the command: a round's plan, or the devices a command is for, and the reports of the previous
         round the coordinator applied; downlink: the state follows encoded, not in full; phase,
-        payload_bytes: a SECAGG command's (of round_idx); widths: a SECAGG command's devices' [submodel] widths."""
+        payload_bytes: a SECAGG command's (of round_idx)."""
         ids = plan.device_ids if plan is not None else np.zeros(0, np.int64) if devices is None else devices
         ids = np.asarray(ids, np.int64)
         order = np.argsort(ids, kind="stable")  # entries ascending, whatever order the ids came in
@@ -251,8 +250,6 @@ class Wire:
         entries["deadline_s"] = entries["due_s"] = entries["width"] = math.nan
         cmd.accepted_ids[:] = taken
         if plan is None:
-            if widths is not None:
-                entries["width"] = np.asarray(widths, np.float64)[order]
             return
         rec["lr"], rec["grace_s"] = plan.lr, plan.grace_s
         rec["by_arrival"], rec["down_bytes"] = plan.by_arrival, plan.down_bytes
