@@ -79,16 +79,16 @@ def level_coefficients(scheme: str, weights: np.ndarray, steps: np.ndarray, budg
 
 def server_update(algorithm, state: ServerState, reports: RoundReports, coeffs: np.ndarray,
                   levels: list[np.ndarray]) -> ServerState:
-    """The algorithm's server update, level by level: the coordinates first held at level j are updated alone,
-    from the reports' values there with that level's coefficients (coeffs[j]); coordinates no width holds keep
-    theirs. Exact for an update coordinate by coordinate (FedAvg's and FedProx's x + eta_g sum_k p_k Delta_k),
-    and one pass over the model in all."""
+    """The algorithm's server update, level by level: the coordinates first held at level j take their values
+    from its update with that level's coefficients (coeffs[j]); coordinates no width holds keep theirs. Exact
+    for an update linear in each coordinate (FedAvg's and FedProx's x + eta_g sum_k p_k Delta_k). (A whole
+    update a width: updating each width's coordinates alone gathers the reports' columns, 3.4 ms against 2.4
+    for the sweep's CNN, 8 reports, 3 widths.)"""
     x = state.x.copy()
     for row, coords in zip(coeffs, levels):
         if coords.size:
-            part = dataclasses.replace(reports, coeffs=row,
-                                       vectors={name: v[:, coords] for name, v in reports.vectors.items()})
-            x[coords] = algorithm.server_update(ServerState(state.x[coords]), part).x
+            updated = algorithm.server_update(state, dataclasses.replace(reports, coeffs=row))
+            x[coords] = updated.x[coords]
     return ServerState(x, state.vectors)
 
 
