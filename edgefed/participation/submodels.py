@@ -82,8 +82,8 @@ def server_update(algorithm, state: ServerState, reports: RoundReports, coeffs: 
     """The algorithm's server update, level by level: the coordinates first held at level j take their values
     from its update with that level's coefficients (coeffs[j]); coordinates no width holds keep theirs. Exact
     for an update linear in each coordinate (FedAvg's and FedProx's x + eta_g sum_k p_k Delta_k). (A whole
-    update a width: updating each width's coordinates alone gathers the reports' columns, 3.4 ms against 2.4
-    for the sweep's CNN, 8 reports, 3 widths.)"""
+    update a width: updating each width's coordinates alone gathers the reports' columns, and takes longer:
+    benchmarks/submodel_update.py.)"""
     x = state.x.copy()
     for row, coords in zip(coeffs, levels):
         if coords.size:
