@@ -30,7 +30,8 @@ deltas = np.zeros((S, d), np.float32)
 for k, w in enumerate(widths):
     deltas[k, wm.positions[w]] = g.normal(size=wm.positions[w].size)
 coeffs = g.random((3, S)); coeffs[1:, widths < 0.5] = 0; coeffs[2, widths < 1.0] = 0
-state, reports = ServerState(g.normal(size=d).astype(np.float32)), RoundReports(np.arange(S), {DELTA_X: deltas}, coeffs[0], np.ones(S, bool), 1.0, 16)
+state = ServerState(g.normal(size=d).astype(np.float32))
+reports = RoundReports(np.arange(S), {DELTA_X: deltas}, coeffs[0], np.ones(S, bool), 1.0, 16)
 
 def whole_each():
     x = state.x.copy()
